@@ -1,0 +1,35 @@
+"""Clip gradients after backward and before the optimizer step."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from llmfoundry.trainer.engine import Algorithm, Logger
+from llmfoundry.trainer.events import Event
+from llmfoundry.trainer.state import State
+
+
+class GradientClipping(Algorithm):
+    """`norm`: scale all gradients so their global L2 norm is at most `threshold` (logged);
+    `value`: clamp each gradient element to [-threshold, threshold]."""
+
+    def __init__(self, clipping_type: Literal["norm", "value"] = "norm", threshold: float = 1.0) -> None:
+        if clipping_type not in ("norm", "value"):
+            raise ValueError(f"clipping_type must be 'norm' or 'value', got {clipping_type!r}")
+        if threshold <= 0:
+            raise ValueError(f"threshold must be positive, got {threshold}")
+        self.clipping_type = clipping_type
+        self.threshold = threshold
+
+    def match(self, event: Event, state: State) -> bool:
+        return event is Event.AFTER_TRAIN_BATCH
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        params = [p for p in state.model.parameters() if p.grad is not None]
+        if self.clipping_type == "norm":
+            norm = torch.nn.utils.clip_grad_norm_(params, self.threshold)
+            logger.log_metrics({"grad/norm": float(norm)})
+        else:
+            torch.nn.utils.clip_grad_value_(params, self.threshold)

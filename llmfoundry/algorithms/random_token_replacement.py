@@ -1,0 +1,44 @@
+"""Example of a user algorithm: replace a random fraction of input tokens after loading a batch.
+
+It is the template for writing your own: pick an event in `match`, change `state` in `apply`.
+Labels are left as they were, so the model learns to predict the true next token from a noisy
+context (a simple denoising augmentation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmfoundry.trainer.engine import Algorithm, Logger
+from llmfoundry.trainer.events import Event
+from llmfoundry.trainer.state import State
+
+
+class RandomTokenReplacement(Algorithm):
+    def __init__(self, probability: float = 0.05, vocab_size: int = 8192, seed: int = 0) -> None:
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"probability must be in [0, 1], got {probability}")
+        self.probability = probability
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def match(self, event: Event, state: State) -> bool:
+        return event is Event.AFTER_DATALOADER
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        input_ids = state.batch["input_ids"]
+        replace = torch.rand(input_ids.shape, generator=self.generator) < self.probability
+        noise = torch.randint(0, self.vocab_size, input_ids.shape, generator=self.generator)
+        labels = state.batch["labels"]
+        state.batch = {
+            **state.batch,
+            "input_ids": torch.where(replace.to(input_ids.device), noise.to(input_ids.device), input_ids),
+            "labels": labels,
+        }
+        logger.log_metrics({"algorithms/replaced_fraction": replace.float().mean().item()})
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])

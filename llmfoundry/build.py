@@ -1,0 +1,67 @@
+"""Assemble a Trainer from a composed, validated Hydra config.
+
+This is the one place that knows how config groups become objects; `scripts/train.py` and the
+tests both go through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from llmfoundry.config import validate_config
+from llmfoundry.data import build_dataloader
+from llmfoundry.models.mpt import MPTForCausalLM
+from llmfoundry.trainer import Trainer
+
+
+def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
+    settings = validate_config(cfg)
+    strategy = instantiate(cfg.strategy)
+    if settings.global_train_batch_size % strategy.world_size:
+        raise ValueError(
+            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
+            f"{strategy.world_size} training processes"
+        )
+    device_batch = settings.global_train_batch_size // strategy.world_size
+    model_config = instantiate(cfg.model)
+    seq_len = settings.max_seq_len or model_config.max_seq_len
+    with torch.device("meta"):
+        model = MPTForCausalLM(model_config)
+
+    data = instantiate(cfg.data)
+    train_loader = build_dataloader(data, data.train_split, device_batch, seq_len)
+    eval_loaders = {}
+    if data.eval_split:
+        eval_batch = settings.device_eval_batch_size or device_batch
+        eval_loaders[data.eval_split] = build_dataloader(
+            data, data.eval_split, eval_batch, seq_len, shuffle=False
+        )
+
+    def instantiate_all(group: str) -> list:
+        nodes = cfg.get(group) or {}
+        return [instantiate(node) for node in nodes.values()]
+
+    return Trainer(
+        model=model,
+        strategy=strategy,
+        train_dataloader=train_loader,
+        eval_dataloaders=eval_loaders,
+        max_duration=settings.max_duration,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        run_dir=run_dir,
+        eval_interval=settings.eval_interval,
+        eval_first=settings.eval_first,
+        eval_subset_num_batches=settings.eval_subset_num_batches,
+        algorithms=instantiate_all("algorithms"),
+        callbacks=instantiate_all("callbacks"),
+        loggers=instantiate_all("loggers"),
+        precision=settings.precision,
+        device_train_microbatch_size=settings.device_train_microbatch_size,
+        seed=settings.seed,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )

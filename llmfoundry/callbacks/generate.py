@@ -1,0 +1,59 @@
+"""Generate text from prompts, to see what the model has learned (at fit end by default)."""
+
+from __future__ import annotations
+
+import fsspec
+import torch
+from tokenizers import Tokenizer
+
+from llmfoundry.trainer.engine import Callback, Logger
+from llmfoundry.trainer.state import State
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A `tokenizers` tokenizer from a tokenizer.json path or URL."""
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            return Tokenizer.from_str(f.read())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"tokenizer file {path!r} not found: data_prep/tokens_to_mds.py writes tokenizer.json "
+            "next to the shards; set tokenizer=<path to tokenizer.json>"
+        ) from None
+
+
+class Generate(Callback):
+    def __init__(
+        self,
+        tokenizer: str,
+        prompts: list[str],
+        max_new_tokens: int = 64,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.prompts = list(prompts)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.seed = seed
+
+    @torch.no_grad()
+    def fit_end(self, state: State, logger: Logger) -> None:
+        model = state.model
+        model.eval()
+        rng_state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            for prompt in self.prompts:
+                ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=state.device)
+                out = model.generate(
+                    ids, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k
+                )
+                if state.rank == 0:
+                    print(f"--- sample (prompt {prompt!r}) ---", flush=True)
+                    print(self.tokenizer.decode(out[0].tolist()), flush=True)
+        finally:
+            torch.random.set_rng_state(rng_state)
+            model.train()

@@ -1,0 +1,12 @@
+"""The learning rate of each parameter group, after every batch."""
+
+from __future__ import annotations
+
+from llmfoundry.trainer.engine import Callback, Logger
+from llmfoundry.trainer.state import State
+
+
+class LRMonitor(Callback):
+    def batch_end(self, state: State, logger: Logger) -> None:
+        groups = state.optimizer.param_groups
+        logger.log_metrics({f"lr/group{i}": group["lr"] for i, group in enumerate(groups)})

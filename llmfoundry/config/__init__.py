@@ -1,0 +1,15 @@
+"""Config: top-level settings, run naming, and validation of a composed Hydra config."""
+
+from llmfoundry.config.check import register_resolvers, validate_config
+from llmfoundry.config.run_name import default_run_name
+from llmfoundry.config.settings import GROUPS, TrainSettings
+from llmfoundry.config.validate import ConfigError
+
+__all__ = [
+    "GROUPS",
+    "ConfigError",
+    "TrainSettings",
+    "default_run_name",
+    "register_resolvers",
+    "validate_config",
+]

@@ -1,0 +1,63 @@
+"""Validate a whole composed training config (see `validate.py` for the per-node rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmfoundry.config.run_name import default_run_name
+from llmfoundry.config.settings import GROUPS, TrainSettings
+from llmfoundry.config.validate import ConfigError, check_keys, check_type, validate_targets
+
+
+def register_resolvers() -> None:
+    """`${run_id:}` in train.yaml: the run name every rank agrees on."""
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", default_run_name, use_cache=True)
+
+
+def settings_from(cfg: DictConfig) -> TrainSettings:
+    fields = {f.name for f in dataclasses.fields(TrainSettings)}
+    values = {k: cfg[k] for k in cfg.keys() if k in fields}
+    return TrainSettings(**values)
+
+
+def validate_config(cfg: DictConfig) -> TrainSettings:
+    """Raise ConfigError for the first problem found; return the top-level settings."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
+    hints = typing.get_type_hints(TrainSettings)
+    allowed = [*hints, *GROUPS, "hydra"]
+    check_keys("", [str(k) for k in cfg.keys()], allowed)
+    for key, annotation in hints.items():
+        if key in cfg:
+            check_type(key, cfg[key], annotation)
+    try:
+        settings = settings_from(cfg)
+    except TypeError as err:
+        raise ConfigError("", str(err)) from None
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        raise ConfigError(key if message else "", message or str(err)) from None
+    for group in GROUPS:
+        if group in cfg and cfg[group] is not None:
+            validate_targets(group, cfg[group])
+    model_len = OmegaConf.select(cfg, "model.max_seq_len")
+    if settings.max_seq_len and model_len and settings.max_seq_len > model_len:
+        raise ConfigError(
+            "max_seq_len",
+            f"{settings.max_seq_len} exceeds model.max_seq_len={model_len}; lower it or raise model.max_seq_len",
+        )
+    micro = settings.device_train_microbatch_size
+    if micro and micro > settings.global_train_batch_size:
+        raise ConfigError(
+            "device_train_microbatch_size",
+            f"{micro} exceeds global_train_batch_size={settings.global_train_batch_size}",
+        )
+    return settings
+

@@ -1,0 +1,74 @@
+"""Compose and validate the config before Hydra starts the run, and report problems in one line.
+
+Hydra's own message for a misspelt override (``model.n_layer=2``) suggests appending the key
+with ``+``, which only moves the error; here it becomes "model.n_layer: unknown key; did you mean
+'n_layers'? allowed: ...". Runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from llmfoundry.config.check import register_resolvers, validate_config
+from llmfoundry.config.validate import _HYDRA_KEYS, ConfigError, _schema, suggest
+
+# Hydra command-line flags after which composing the plain overrides is not meaningful.
+_SKIP_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "--shell-completion", "-sc"}
+_OVERRIDE_KEY = re.compile(r"Could not (?:override|append to|delete from config\.) '([^']+)'")
+
+
+def compose_config(config_dir: Path, overrides: Sequence[str], config_name: str = "train") -> DictConfig:
+    register_resolvers()
+    with initialize_config_dir(str(config_dir), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def check(config_dir: Path, overrides: Sequence[str], config_name: str = "train") -> None:
+    """Raise ConfigError describing the first problem with these overrides."""
+    try:
+        cfg = compose_config(config_dir, overrides, config_name)
+    except HydraException as err:
+        raise _explain(err, config_dir, overrides, config_name) from None
+    validate_config(cfg)
+
+
+def _explain(
+    err: HydraException, config_dir: Path, overrides: Sequence[str], config_name: str
+) -> ConfigError:
+    match = _OVERRIDE_KEY.search(str(err))
+    if not match:
+        return ConfigError("", str(err).strip())
+    key = match.group(1)
+    parent_key, _, name = key.rpartition(".")
+    rest = [o for o in overrides if not o.lstrip("+~").startswith(f"{key}=")]
+    try:
+        parent = OmegaConf.select(compose_config(config_dir, rest, config_name), parent_key) if parent_key else None
+    except HydraException:
+        parent = None
+    if not isinstance(parent, DictConfig):
+        return ConfigError(key, str(err).strip().splitlines()[0])
+    allowed = {str(k) for k in parent.keys()} - _HYDRA_KEYS
+    if "_target_" in parent:
+        from hydra.utils import get_object
+
+        allowed |= set(_schema(get_object(parent["_target_"]))[0])
+    return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
+
+
+def preflight(argv: Sequence[str], config_dir: Path, config_name: str = "train") -> None:
+    """Exit with status 2 and one message when the command line's config is invalid."""
+    if any(arg in _SKIP_FLAGS or arg.startswith("--cfg") or arg == "-c" for arg in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+    try:
+        check(config_dir, overrides, config_name)
+    except ConfigError as err:
+        print(f"Config error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,147 @@
+"""Config validation before anything heavy: unknown keys, wrong types, impossible combinations.
+
+Every object in the config is named by its ``_target_``; the target's own signature (or dataclass
+fields) is the schema, so there is no second list of allowed keys to keep in sync. A problem is
+reported as one `ConfigError` naming the key (``model.n_layer``), what is wrong, and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from collections import abc
+from collections.abc import Callable
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# Keys Hydra's instantiate understands in any node that has a _target_.
+_HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+
+
+class ConfigError(ValueError):
+    """A config problem, with the dotted key it concerns."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}" if key else message)
+
+
+def suggest(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}allowed: {', '.join(sorted(allowed))}"
+
+
+def check_keys(path: str, given: list[str], allowed: list[str]) -> None:
+    for key in given:
+        if key not in allowed:
+            raise ConfigError(f"{path}.{key}" if path else key, f"unknown key; {suggest(key, allowed)}")
+
+
+def check_type(key: str, value: Any, annotation: Any) -> None:
+    if not _matches(value, annotation):
+        expected = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+        raise ConfigError(key, f"expected {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    if annotation in (Any, inspect.Parameter.empty) or isinstance(annotation, str):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    container = origin or annotation
+    if container in (list, tuple, abc.Sequence):
+        return isinstance(value, (list, tuple, ListConfig))
+    if container in (dict, abc.Mapping):
+        return isinstance(value, (dict, DictConfig))
+    return True  # anything richer is checked by the target itself
+
+
+def _schema(target: Callable) -> tuple[dict[str, Any], bool]:
+    """Parameter annotations of a target, and whether it takes arbitrary keyword arguments."""
+    hints: dict[str, Any] = {}
+    try:
+        resolved = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # unresolvable forward references: check names only
+        resolved = {}
+    signature = inspect.signature(target)
+    var_kwargs = False
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            var_kwargs = True
+        elif param.kind is not inspect.Parameter.VAR_POSITIONAL:
+            hints[name] = resolved.get(name, param.annotation)
+    return hints, var_kwargs
+
+
+def validate_node(path: str, node: DictConfig) -> None:
+    """Check one `_target_` node: the target exists, its keys and value types are allowed.
+
+    Dataclass targets are cheap and check their own combinations in ``__post_init__``, so they
+    are built here too; other targets are only checked by signature.
+    """
+    target_name = node["_target_"]
+    try:
+        target = get_object(target_name)
+    except Exception:
+        raise ConfigError(f"{path}._target_", f"cannot import {target_name!r}") from None
+    hints, var_kwargs = _schema(target)
+    keys = [k for k in node.keys() if k not in _HYDRA_KEYS]
+    if not var_kwargs:
+        check_keys(path, keys, list(hints))
+    partial = bool(node.get("_partial_", False))
+    for key in keys:
+        value = node[key]
+        child = f"{path}.{key}"
+        if isinstance(value, DictConfig) and "_target_" in value:
+            validate_node(child, value)
+        elif key in hints:
+            plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+            check_type(child, plain, hints[key])
+    missing = [
+        name
+        for name, param in inspect.signature(target).parameters.items()
+        if param.default is inspect.Parameter.empty
+        and param.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        and name not in keys
+    ]
+    if missing and not partial:
+        raise ConfigError(path, f"missing required key(s) {', '.join(missing)} for {target_name}")
+    if dataclasses.is_dataclass(target):
+        values = OmegaConf.to_container(node, resolve=True)
+        try:
+            target(**{k: v for k, v in values.items() if k not in _HYDRA_KEYS})
+        except (TypeError, ValueError) as err:
+            raise ConfigError(path, str(err)) from None
+
+
+def validate_targets(path: str, node: Any) -> None:
+    """Validate every `_target_` node below `node`."""
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            validate_node(path, node)
+            return
+        for key in node.keys():
+            validate_targets(f"{path}.{key}" if path else str(key), node[key])
+    elif isinstance(node, ListConfig):
+        for index, item in enumerate(node):
+            validate_targets(f"{path}[{index}]", item)

@@ -1,0 +1,36 @@
+"""Data preparation: text -> token stream (memmap) -> MDS shards, plus verify and merge.
+
+The command-line scripts in ``data_prep/`` are thin wrappers over these functions.
+"""
+
+from llmfoundry.data.prep.mds_tools import IndexReport, find_indexes, merge_indexes, verify_mds
+from llmfoundry.data.prep.sources import Task, iter_documents, plan_tasks, read_task
+from llmfoundry.data.prep.text_to_tokens import (
+    open_doc_index,
+    open_tokens,
+    sidecar_path,
+    text_to_tokens,
+)
+from llmfoundry.data.prep.tokenizer import EOS_TOKEN, PreparedTokenizer, load_tokenizer, train_bpe
+from llmfoundry.data.prep.tokens_to_mds import split_rows, tokens_to_mds
+
+__all__ = [
+    "EOS_TOKEN",
+    "IndexReport",
+    "PreparedTokenizer",
+    "Task",
+    "find_indexes",
+    "iter_documents",
+    "load_tokenizer",
+    "merge_indexes",
+    "open_doc_index",
+    "open_tokens",
+    "plan_tasks",
+    "read_task",
+    "sidecar_path",
+    "split_rows",
+    "text_to_tokens",
+    "tokens_to_mds",
+    "train_bpe",
+    "verify_mds",
+]

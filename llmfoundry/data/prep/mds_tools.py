@@ -1,0 +1,191 @@
+"""Check and merge MDS datasets (local folders or fsspec URLs).
+
+``verify_mds`` reads every shard the way a training run would (stored file size and hashes,
+decompression, raw hashes, header, every sample decoded, token ids below the vocabulary) and
+collects every problem instead of stopping at the first. ``merge_indexes`` writes one
+index.json above split folders, with basenames prefixed by the sub-folder, in the exact
+format mosaicml-streaming's ``merge_index`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from llmfoundry.data.mds import (
+    INDEX_NAME,
+    NDArray,
+    ShardCorruptError,
+    ShardInfo,
+    ShardReader,
+    decompress,
+    get_encoding,
+    parse_index,
+    verify_file,
+)
+
+__all__ = ["IndexReport", "find_indexes", "merge_indexes", "verify_mds"]
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if name else root
+
+
+@dataclass
+class IndexReport:
+    """What verify found for one index.json."""
+
+    index: str
+    shards: int = 0
+    samples: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    columns: dict[str, str] = field(default_factory=dict)
+    compression: set[str] = field(default_factory=set)
+    hashes: set[str] = field(default_factory=set)
+    tokens: int = 0  # elements of integer ndarray columns
+    max_token: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["compression"] = sorted(self.compression)
+        d["hashes"] = sorted(self.hashes)
+        return d
+
+
+def find_indexes(url: str) -> list[str]:
+    """Relative folders holding an index.json: ``[""]`` for the root, else its sub-folders."""
+    fs, root = fsspec.core.url_to_fs(url)
+    if fs.exists(_join(root, INDEX_NAME)):
+        return [""]
+    subs = sorted(
+        Path(p).name
+        for p in fs.ls(root, detail=False)
+        if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
+    ) if fs.exists(root) else []  # fmt: skip
+    if not subs:
+        raise FileNotFoundError(
+            f"no {INDEX_NAME} in {url} or its sub-folders; is this an MDS dataset?"
+        )
+    return subs
+
+
+def _check_tokens(values: np.ndarray, vocab_size: int | None, report: IndexReport, where: str):
+    if values.dtype.kind not in "iu" or values.size == 0:
+        return
+    report.tokens += int(values.size)
+    hi, lo = int(values.max()), int(values.min())
+    report.max_token = hi if report.max_token is None else max(report.max_token, hi)
+    if vocab_size is not None and (hi >= vocab_size or lo < 0):
+        report.errors.append(
+            f"{where}: token ids span [{lo}, {hi}], outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def _verify_shard(
+    raw_path: Path, info: ShardInfo, vocab_size: int | None, report: IndexReport, allow_unsafe: bool
+) -> None:
+    with ShardReader(raw_path, info, allow_unsafe=allow_unsafe) as reader:
+        coders = [get_encoding(e, allow_unsafe) for e in info.column_encodings]
+        fixed = all(c.size is not None for c in coders)
+        for name, coder in zip(info.column_names, coders, strict=True):
+            if fixed and isinstance(coder, NDArray):
+                _check_tokens(reader.array(name), vocab_size, report, str(raw_path))
+        if fixed and all(isinstance(c, NDArray) for c in coders):
+            return  # every value was checked through the whole-shard views
+        for i in range(len(reader)):
+            sample = reader.get(i)
+            if not fixed:
+                for value in sample.values():
+                    if isinstance(value, np.ndarray):
+                        _check_tokens(value, vocab_size, report, f"{raw_path} sample {i}")
+
+
+def verify_mds(
+    url: str, vocab_size: int | None = None, allow_unsafe: bool = False
+) -> list[IndexReport]:
+    """Verify every shard of the dataset(s) at ``url``; problems land in ``report.errors``.
+
+    ``vocab_size`` defaults to the one in ``<url>/meta.json`` (written by tokens_to_mds).
+    """
+    fs, root = fsspec.core.url_to_fs(url)
+    local = isinstance(fs, LocalFileSystem)
+    meta_url = _join(root, "meta.json")
+    if vocab_size is None and fs.exists(meta_url):
+        vocab_size = json.loads(fs.cat_file(meta_url)).get("vocab_size")
+    reports = []
+    for sub in find_indexes(url):
+        folder = _join(root, sub)
+        index_url = _join(folder, INDEX_NAME)
+        report = IndexReport(index=index_url)
+        reports.append(report)
+        try:
+            shards = parse_index(fs.cat_file(index_url), index_url)
+        except ValueError as err:
+            report.errors.append(str(err))
+            continue
+        with tempfile.TemporaryDirectory(prefix="mds-verify-") as tmp:
+            for info in shards:
+                report.shards += 1
+                report.samples += info.samples
+                report.raw_bytes += info.raw_data.bytes
+                report.stored_bytes += info.stored.bytes
+                report.columns.update(info.columns)
+                report.hashes.update(info.hashes)
+                if info.compression:
+                    report.compression.add(info.compression)
+                stored_url = _join(folder, info.stored.basename)
+                try:
+                    if local:
+                        stored = Path(stored_url)
+                    else:
+                        stored = Path(tmp, info.stored.basename.replace("/", "_"))
+                        fs.get_file(stored_url, str(stored))
+                    verify_file(stored, info.stored)
+                    raw = stored
+                    if info.zip_data is not None:
+                        raw = Path(tmp, info.raw_basename.replace("/", "_"))
+                        raw.write_bytes(decompress(stored.read_bytes(), info.compression))
+                        verify_file(raw, info.raw_data)
+                    _verify_shard(raw, info, vocab_size, report, allow_unsafe)
+                    for path in {stored, raw} - {Path(stored_url)}:
+                        path.unlink()
+                except (ShardCorruptError, FileNotFoundError, ValueError) as err:
+                    report.errors.append(f"{stored_url}: {err}")
+    return reports
+
+
+def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardInfo]:
+    """Write ``<url>/index.json`` listing the shards of each sub-folder's index.json.
+
+    Sub-folders default to every direct sub-folder holding an index.json, in sorted order.
+    """
+    fs, root = fsspec.core.url_to_fs(url)
+    if subfolders is None:
+        if not fs.exists(root):
+            raise FileNotFoundError(f"{url} does not exist")
+        subfolders = sorted(
+            Path(p).name
+            for p in fs.ls(root, detail=False)
+            if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
+        )
+    if not subfolders:
+        raise FileNotFoundError(f"no sub-folder of {url} holds an {INDEX_NAME} to merge")
+    merged: list[ShardInfo] = []
+    for sub in subfolders:
+        index_url = _join(_join(root, sub), INDEX_NAME)
+        if not fs.exists(index_url):
+            raise FileNotFoundError(f"{index_url} does not exist")
+        merged += [s.with_prefix(sub) for s in parse_index(fs.cat_file(index_url), index_url)]
+    # mosaicml-streaming writes merged indexes with "version" first and without sort_keys.
+    text = json.dumps({"version": 2, "shards": [s.to_json() for s in merged]})
+    fs.pipe_file(_join(root, INDEX_NAME), text.encode("utf-8"))
+    return merged

@@ -1,0 +1,323 @@
+"""Text corpus -> one token stream on disk (numpy memmap ``.bin`` + JSON sidecar).
+
+Documents are tokenized in order, each followed by EOS (and preceded by BOS if set), and
+appended to ``<name>.bin`` (uint16 when the vocabulary fits, else uint32). ``<name>.json``
+describes the stream and is written last, so its presence means the ``.bin`` is complete.
+With ``doc_boundaries`` a parallel ``<name>.docs.bin`` (int64) holds each document's start
+offset, from which per-document sequence ids follow.
+
+Work is split into small tasks (see sources.py) tokenized by a process pool with a bounded
+window of tasks in flight: memory stays bounded, and results are consumed in task order, so
+the output is byte-identical whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
+from llmfoundry.data.prep.tokenizer import load_tokenizer, prepare, train_bpe
+
+__all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
+
+TOKENS_FORMAT = "llmfoundry.tokens"
+
+
+def sidecar_path(tokens_path: str | os.PathLike) -> Path:
+    """``x.bin`` -> ``x.json``."""
+    return Path(tokens_path).with_suffix(".json")
+
+
+def _docs_path(tokens_path: Path) -> Path:
+    return tokens_path.with_suffix(".docs.bin")
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    tokens: np.ndarray  # the task's documents, each with BOS/EOS, concatenated
+    doc_tokens: np.ndarray  # int64 token count of each document
+    doc_bytes: np.ndarray  # int64 UTF-8 byte count of each document's text
+    skipped: int
+
+
+# Worker state, set once per process by _init_worker (or in-process for one worker).
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: str) -> None:
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    _STATE.update(tokenizer=tok, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
+
+
+def _encode_task(task: Task) -> _Encoded:
+    docs, skipped = read_task(task)
+    nonempty = [d for d in docs if d]
+    skipped += len(docs) - len(nonempty)
+    tok: Tokenizer = _STATE["tokenizer"]
+    eos, bos = _STATE["eos"], _STATE["bos"]
+    encodings = tok.encode_batch(nonempty, add_special_tokens=False) if nonempty else []
+    head, tail = ([bos] if bos is not None else []), [eos]
+    doc_tokens = np.fromiter(
+        (len(e.ids) + len(head) + 1 for e in encodings), np.int64, count=len(encodings)
+    )
+    tokens = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(head, e.ids, tail) for e in encodings),
+        _STATE["dtype"],
+        count=int(doc_tokens.sum()),
+    )
+    doc_bytes = np.fromiter(
+        (len(d.encode("utf-8")) for d in nonempty), np.int64, count=len(nonempty)
+    )
+    return _Encoded(tokens, doc_tokens, doc_bytes, skipped)
+
+
+def _ordered_map(
+    fn: Callable[[Task], _Encoded], tasks: Sequence[Task], workers: int, init_args: tuple
+) -> Iterator[_Encoded]:
+    """``map(fn, tasks)`` over ``workers`` processes, in order, at most 2*workers in flight."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        yield from map(fn, tasks)
+        return
+    # fork is cheap and needs no re-import; the tokenizer is rebuilt in each worker. Rust
+    # thread pools must not be inherited across fork, so parallelism inside workers is off
+    # (the processes are the parallelism).
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=init_args) as pool:  # fmt: skip
+            todo = iter(tasks)
+            pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
+            try:
+                while pending:
+                    result = pending.popleft().result()
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending.append(pool.submit(fn, nxt))
+                    yield result
+            finally:
+                for future in pending:
+                    future.cancel()
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def _capped(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
+    """Documents until (and including) the one that reaches ``max_bytes`` of UTF-8 text."""
+    total = 0
+    for text in texts:
+        if max_bytes is not None and total >= max_bytes:
+            return
+        total += len(text.encode("utf-8"))
+        yield text
+
+
+def _training_texts(tasks: Sequence[Task], max_bytes: int | None) -> Iterator[str]:
+    docs = (d for t in tasks for d in read_task(t)[0] if d)
+    return _capped(docs, max_bytes)
+
+
+def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None:
+    """The sidecar of an up-to-date previous run with the same inputs, else None."""
+    sidecar = sidecar_path(tokens_path)
+    if overwrite or not sidecar.exists():
+        return None
+    try:
+        meta = open_tokens(tokens_path)[1]
+    except (ValueError, FileNotFoundError) as err:
+        raise FileExistsError(
+            f"{tokens_path} exists but is unusable ({err}); pass --overwrite to redo it"
+        ) from None
+    if meta.get("fingerprint") != key:
+        raise FileExistsError(
+            f"{tokens_path} was made from different inputs or settings; pass --overwrite to "
+            "replace it, or choose another output"
+        )
+    return meta
+
+
+def text_to_tokens(
+    sources: Sequence[str],
+    out: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    train_tokenizer: bool = False,
+    vocab_size: int = 8192,
+    train_bytes: int | None = 256 << 20,
+    globs: Sequence[str] = ("*.txt",),
+    excludes: Sequence[str] = (),
+    text_field: str = "text",
+    hf_split: str = "train",
+    hf_config: str | None = None,
+    max_bytes: int | None = None,
+    eos_token: str | None = None,
+    bos_token: str | None = None,
+    doc_boundaries: bool = False,
+    workers: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize ``sources`` into ``out`` (a ``.bin`` path); return the sidecar metadata.
+
+    Exactly one of ``tokenizer`` (a tokenizer.json or tokenizer folder) and
+    ``train_tokenizer`` (train a byte-level BPE of ``vocab_size`` on the first
+    ``train_bytes`` of text) must be given. The tokenizer is saved as ``tokenizer.json`` next
+    to ``out``. A rerun with the same inputs and settings returns at once with
+    ``meta["reused"] = True``.
+    """
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise ValueError(f"output {out} must end in .bin (the sidecar goes to {out.stem}.json)")
+    if (tokenizer is None) == (not train_tokenizer):
+        raise ValueError("give exactly one of --tokenizer PATH and --train-tokenizer")
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
+    tasks = plan_tasks(sources, globs, excludes, text_field, hf_split, hf_config)
+
+    loaded = load_tokenizer(tokenizer, eos_token, bos_token) if tokenizer is not None else None
+    settings = {
+        "inputs": fingerprint(tasks),
+        "tokenizer": loaded.sha256 if loaded else ["train_bpe", vocab_size, train_bytes],
+        "max_bytes": max_bytes,
+        "eos_token": eos_token,
+        "bos_token": bos_token,
+        "doc_boundaries": doc_boundaries,
+        "version": 1,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    previous = _check_existing(out, key, overwrite)
+    if previous is not None:
+        return {**previous, "reused": True}
+
+    tok_path = out.parent / "tokenizer.json"
+    if loaded is None:
+        texts = _training_texts(tasks, min(filter(None, (train_bytes, max_bytes)), default=None))
+        loaded = prepare(train_bpe(texts, vocab_size), eos_token, bos_token)
+    if not (tok_path.exists() and tokenizer is not None and tok_path.samefile(tokenizer)):
+        loaded.save(tok_path)
+    dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
+    tmp_tokens, tmp_docs = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".docs.tmp")
+    counts = {"tokens": 0, "documents": 0, "skipped": 0, "bytes": 0}
+    init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name)
+    bar = tqdm(total=len(tasks), desc="tokenizing", unit="task", disable=not progress)
+    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs:
+        for enc in _ordered_map(_encode_task, tasks, workers, init):
+            n_docs = len(enc.doc_tokens)
+            if max_bytes is not None:  # keep documents until the one that reaches the cap
+                before = counts["bytes"] + np.concatenate([[0], np.cumsum(enc.doc_bytes)[:-1]])
+                n_docs = int(np.count_nonzero(before < max_bytes))
+            n_tok = int(enc.doc_tokens[:n_docs].sum())
+            f_tok.write(enc.tokens[:n_tok].tobytes())
+            starts = counts["tokens"] + np.concatenate([[0], np.cumsum(enc.doc_tokens[:n_docs])])
+            f_docs.write(starts[:-1].astype(np.int64).tobytes())
+            counts["tokens"] += n_tok
+            counts["documents"] += n_docs
+            counts["bytes"] += int(enc.doc_bytes[:n_docs].sum())
+            counts["skipped"] += enc.skipped
+            bar.update(1)
+            bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"])
+            if max_bytes is not None and counts["bytes"] >= max_bytes:
+                break
+    bar.close()
+    if counts["tokens"] == 0:
+        tmp_tokens.unlink()
+        tmp_docs.unlink()
+        raise ValueError(f"sources {list(sources)} produced no documents (all empty or unreadable)")
+    os.replace(tmp_tokens, out)
+    docs_name = None
+    if doc_boundaries:
+        os.replace(tmp_docs, _docs_path(out))
+        docs_name = _docs_path(out).name
+    else:
+        tmp_docs.unlink()
+        _docs_path(out).unlink(missing_ok=True)
+
+    meta = {
+        "format": TOKENS_FORMAT,
+        "version": 1,
+        "tokens_file": out.name,
+        "dtype": dtype.name,
+        "num_tokens": counts["tokens"],
+        "num_documents": counts["documents"],
+        "skipped_documents": counts["skipped"],
+        "text_bytes": counts["bytes"],
+        "doc_index": docs_name,
+        "doc_index_dtype": "int64",
+        "tokenizer": tok_path.name,
+        "tokenizer_sha256": loaded.sha256,
+        "vocab_size": loaded.vocab_size,
+        "eos_id": loaded.eos_id,
+        "eos_token": loaded.eos_token,
+        "bos_id": loaded.bos_id,
+        "bos_token": loaded.bos_token,
+        "sources": [str(s) for s in sources],
+        "fingerprint": key,
+    }
+    tmp_meta = out.with_name(out.name + ".json.tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp_meta, sidecar_path(out))
+    return {**meta, "reused": False}
+
+
+def open_tokens(path: str | os.PathLike) -> tuple[np.memmap, dict[str, Any]]:
+    """Open a token stream (its ``.bin`` or ``.json``) as a read-only memmap plus its metadata.
+
+    Checks the file size against the sidecar so a partial or foreign file is never read.
+    """
+    path = Path(path)
+    sidecar = path if path.suffix == ".json" else sidecar_path(path)
+    if not sidecar.is_file():
+        raise FileNotFoundError(
+            f"no sidecar {sidecar}: run data_prep/text_to_tokens.py to (re)make the token file"
+        )
+    meta = json.loads(sidecar.read_text())
+    if meta.get("format") != TOKENS_FORMAT:
+        raise ValueError(f"{sidecar} is not a {TOKENS_FORMAT} sidecar")
+    tokens_file = sidecar.parent / meta["tokens_file"]
+    dtype = np.dtype(meta["dtype"])
+    expected = meta["num_tokens"] * dtype.itemsize
+    actual = tokens_file.stat().st_size if tokens_file.is_file() else -1
+    if actual != expected:
+        raise ValueError(
+            f"{tokens_file} is {actual} bytes, sidecar says {expected} "
+            f"({meta['num_tokens']} x {dtype}); the file is incomplete or replaced"
+        )
+    return np.memmap(tokens_file, dtype=dtype, mode="r", shape=(meta["num_tokens"],)), meta
+
+
+def open_doc_index(path: str | os.PathLike) -> np.ndarray:
+    """Start offset of every document (needs a run with ``doc_boundaries=True``)."""
+    _, meta = open_tokens(path)
+    sidecar = Path(path) if Path(path).suffix == ".json" else sidecar_path(path)
+    if not meta.get("doc_index"):
+        raise ValueError(f"{sidecar} has no document index; rerun with --doc-boundaries")
+    starts = np.fromfile(sidecar.parent / meta["doc_index"], dtype=np.int64)
+    if len(starts) != meta["num_documents"]:
+        raise ValueError(f"document index of {sidecar} is incomplete")
+    return starts

@@ -1,0 +1,137 @@
+"""Tokenizers for data prep: train a byte-level BPE, or load an existing one.
+
+Everything downstream works on a ``tokenizers.Tokenizer`` (the fast Rust library): it
+serialises to one JSON string, so worker processes rebuild it cheaply, and a byte-level BPE
+decodes back to exactly the input text, which is what makes the round trip testable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+__all__ = ["EOS_TOKEN", "PreparedTokenizer", "load_tokenizer", "train_bpe"]
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class PreparedTokenizer:
+    """A tokenizer plus the ids data prep needs."""
+
+    tokenizer: Tokenizer
+    eos_id: int
+    bos_id: int | None
+    eos_token: str
+    bos_token: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id the tokenizer can produce."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+
+    @property
+    def json(self) -> str:
+        return self.tokenizer.to_str()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.json.encode("utf-8")).hexdigest()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write tokenizer.json atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        tmp.write_text(self.json, encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """Train a GPT-2 style byte-level BPE with ``<|endoftext|>`` as its only special token.
+
+    Byte level means every string is representable (no unknown token) and decoding is exact.
+    """
+    if vocab_size < 257 or vocab_size > (1 << 32):
+        raise ValueError(f"--vocab-size must be at least 257 (256 bytes + EOS), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _token_id(tok: Tokenizer, token: str, flag: str) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary; fix {flag}")
+    return token_id
+
+
+def load_tokenizer(
+    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
+) -> PreparedTokenizer:
+    """Load ``tokenizer.json`` (file, or a folder holding one) or a transformers tokenizer folder.
+
+    The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
+    transformers tokenizer's ``eos_token``.
+    """
+    path = Path(path)
+    default_eos = None
+    if path.is_file():
+        tok = Tokenizer.from_file(str(path))
+    elif (path / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    elif path.is_dir():
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(
+                f"{path} holds a slow (Python) tokenizer; data prep needs a fast one "
+                "(a folder with tokenizer.json)"
+            )
+        tok = hf.backend_tokenizer
+        default_eos = hf.eos_token
+    else:
+        raise FileNotFoundError(
+            f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
+        )
+    return prepare(tok, eos_token, bos_token, default_eos)
+
+
+def prepare(
+    tok: Tokenizer,
+    eos_token: str | None = None,
+    bos_token: str | None = None,
+    default_eos: str | None = None,
+) -> PreparedTokenizer:
+    """Resolve EOS/BOS ids and make special-token text in documents encode as plain text.
+
+    Without ``encode_special_tokens`` a document containing the literal text
+    ``<|endoftext|>`` would get a real EOS id in the middle, silently splitting it.
+    """
+    tok.encode_special_tokens = True
+    if eos_token is None:
+        eos_token = EOS_TOKEN if tok.token_to_id(EOS_TOKEN) is not None else default_eos
+    if eos_token is None:
+        raise ValueError(
+            f"the tokenizer has no {EOS_TOKEN!r} token and no eos_token; name one with --eos-token"
+        )
+    eos_id = _token_id(tok, eos_token, "--eos-token")
+    bos_id = _token_id(tok, bos_token, "--bos-token") if bos_token is not None else None
+    return PreparedTokenizer(tok, eos_id, bos_id, eos_token, bos_token)

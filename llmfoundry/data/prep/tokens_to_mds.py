@@ -1,0 +1,149 @@
+"""Token stream (memmap + sidecar) -> MDS rows of ``seq_len`` tokens, split train/val.
+
+Layout of ``out`` (a local folder or fsspec URL)::
+
+    out/train/index.json, out/train/shard.*.mds   rows [0, rows - val_rows)
+    out/val/index.json,   out/val/shard.*.mds     the last val_rows rows (if any)
+    out/tokenizer.json                            copied from next to the token stream
+    out/meta.json                                 seq_len, vocab_size, eos/bos ids, splits
+
+Each row is column ``tokens`` encoded ``ndarray:uint16:L`` (or uint32 for large
+vocabularies): fixed size, so a reader maps a whole shard as one ``[rows, L]`` array.
+Validation rows are the stream's tail, contiguous, so no training row shares text with them
+(apart from the one document that may straddle the boundary). meta.json is written last and
+records the inputs, so a rerun with the same inputs is recognised and skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from tqdm import tqdm
+
+from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+
+__all__ = ["MDS_META_FORMAT", "split_rows", "tokens_to_mds"]
+
+MDS_META_FORMAT = "llmfoundry.mds-tokens"
+
+
+def split_rows(rows: int, val_fraction: float = 0.0, val_rows: int | None = None) -> int:
+    """Number of validation rows: ``val_rows`` if given, else ``val_fraction`` of ``rows``.
+
+    A positive fraction always yields at least one row, and training always keeps one.
+    """
+    if val_rows is not None:
+        if val_rows < 0:
+            raise ValueError(f"--val-rows must be >= 0, got {val_rows}")
+        n_val = val_rows
+    else:
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        n_val = max(1, round(rows * val_fraction)) if val_fraction > 0 else 0
+    if n_val >= rows:
+        raise ValueError(
+            f"{n_val} validation rows leave no training rows out of {rows}; use fewer "
+            "validation rows, a smaller --seq-len, or more text"
+        )
+    return n_val
+
+
+def _join(url: str, name: str) -> str:
+    return f"{url.rstrip('/')}/{name}"
+
+
+def tokens_to_mds(
+    tokens: str | os.PathLike,
+    out: str,
+    seq_len: int,
+    *,
+    val_fraction: float = 0.0,
+    val_rows: int | None = None,
+    size_limit: int | str | None = 1 << 26,
+    compression: str | None = None,
+    hashes: tuple[str, ...] | list[str] = (),
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write the token stream at ``tokens`` as MDS under ``out``; return meta.json's content.
+
+    Tokens after the last full row are dropped (reported as ``dropped_tokens``).
+    """
+    if seq_len < 1:
+        raise ValueError(f"--seq-len must be positive, got {seq_len}")
+    stream, source = open_tokens(tokens)
+    rows = len(stream) // seq_len
+    if rows < 1:
+        raise ValueError(
+            f"{tokens} has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}"
+        )
+    n_val = split_rows(rows, val_fraction, val_rows)
+    out = str(out)
+    fs, root = fsspec.core.url_to_fs(out)
+    settings = {
+        "source": source["fingerprint"],
+        "num_tokens": source["num_tokens"],
+        "seq_len": seq_len,
+        "val_rows": n_val,
+        "size_limit": size_limit,
+        "compression": compression,
+        "hashes": sorted(hashes),
+        "version": 1,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    meta_url = _join(root, "meta.json")
+    if fs.exists(meta_url):
+        previous = json.loads(fs.cat_file(meta_url))
+        if previous.get("fingerprint") == key and not overwrite:
+            return {**previous, "reused": True}
+        if not overwrite:
+            raise FileExistsError(
+                f"{out} holds MDS data made from other inputs or settings; pass --overwrite "
+                "to replace it, or choose another folder"
+            )
+        fs.rm(meta_url)  # the old meta must not describe half-rewritten splits
+
+    dtype = stream.dtype.name
+    columns = {"tokens": f"ndarray:{dtype}:{seq_len}"}
+    splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
+    bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
+    written = {}
+    for name, (start, stop) in splits.items():
+        if stop == start:
+            continue
+        with MDSWriter(_join(out, name), columns, compression=compression, hashes=hashes,
+                       size_limit=size_limit, exist_ok=overwrite) as writer:  # fmt: skip
+            for row in range(start, stop):
+                writer.write({"tokens": stream[row * seq_len : (row + 1) * seq_len]})
+                bar.update(1)
+        written[name] = {"rows": stop - start, "shards": len(writer.shards), "folder": name}
+    bar.close()
+    if "val" not in written and fs.exists(_join(root, "val/index.json")):
+        fs.rm(_join(root, "val"), recursive=True)  # stale split from an earlier run
+
+    tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
+    fs.put_file(str(tok_src), _join(root, "tokenizer.json"))
+    meta = {
+        "format": MDS_META_FORMAT,
+        "version": 1,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "column": "tokens",
+        "encoding": columns["tokens"],
+        "vocab_size": source["vocab_size"],
+        "eos_id": source["eos_id"],
+        "bos_id": source["bos_id"],
+        "tokenizer": "tokenizer.json",
+        "splits": written,
+        "dropped_tokens": len(stream) - rows * seq_len,
+        "source_tokens": str(tokens),
+        "fingerprint": key,
+    }
+    fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    return {**meta, "reused": False}

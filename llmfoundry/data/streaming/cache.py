@@ -1,0 +1,263 @@
+"""The local files of one stream's shards: read in place, or a cache of a remote copy.
+
+A cache folder may be shared by every process of a machine (8 local ranks, their DataLoader
+workers, a second run), with no shared memory and no coordinator:
+
+    <local>/index.json                  copy of the remote index
+    <local>/<raw basename>              decompressed shards, complete or absent, never partial
+    <local>/<zip basename>              compressed shards, only with keep_zip
+    <local>/<name>.tmp.<pid>.<random>   files being written (unique per writer)
+    <local>/.locks/<raw basename>.lock  one flock per shard, taken to download or evict it
+    <local>/.remote                     the remote this folder caches (refuses reuse for another)
+
+A shard file appears only by ``os.replace`` of a finished, size- and hash-checked temp file,
+so readers need no lock: a file that exists is complete. Downloading or evicting a shard holds
+its lock; a crashed holder's lock is released by the kernel and its temp files are deleted by
+the next downloader of that shard (which holds the lock, so no live writer can own them).
+Deleting a shard that another process has mapped is safe on POSIX: its mapping stays valid.
+File modification times record use (:meth:`ShardCache.touch`), which makes least-recently-used
+eviction work across processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any
+
+from llmfoundry.data.mds import FileInfo, ShardCorruptError, ShardInfo, decompress, file_digest
+from llmfoundry.data.mds.hashing import digest
+from llmfoundry.data.streaming.download import download, join_url, temp_name
+from llmfoundry.data.streaming.locking import file_lock
+
+__all__ = ["ShardCache"]
+
+_LOCKS = ".locks"
+_MARKER = ".remote"
+
+
+class ShardCache:
+    """Makes the shards of one stream available as local raw files.
+
+    Args:
+        shards: the stream's index entries.
+        local: folder holding (or receiving) the raw shards.
+        remote: folder URL of the stream's files; None when ``local`` is the only copy (read in
+            place: never written, never evicted).
+        validate_hash: hash to check downloads against (and in-place shards on first use), or
+            None for only a size check.
+        keep_zip: keep compressed shards next to the raw ones after decompressing them.
+        storage_options: fsspec options for ``remote`` (credentials, endpoint_url, ...).
+        retries: download attempts after the first.
+    """
+
+    def __init__(
+        self,
+        shards: list[ShardInfo],
+        local: str | os.PathLike,
+        remote: str | None,
+        *,
+        validate_hash: str | None = None,
+        keep_zip: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 2,
+    ) -> None:
+        self.shards = shards
+        self.local = Path(local)
+        self.remote = remote
+        self.validate_hash = validate_hash
+        self.keep_zip = keep_zip
+        self.storage_options = storage_options
+        self.retries = retries
+        self._verified: set[int] = set()
+        if validate_hash is not None:
+            lacking = [i for i, s in enumerate(shards) if validate_hash not in s.hashes]
+            if lacking:
+                raise ValueError(
+                    f"validate_hash={validate_hash!r} but shard(s) {lacking[:5]} of "
+                    f"{remote or self.local} record only hashes "
+                    f"{list(shards[lacking[0]].hashes)}; pick one of those or validate_hash=None"
+                )
+        if remote is not None:
+            self._claim()
+
+    @property
+    def evictable(self) -> bool:
+        """Whether the shards have a remote copy, so deleting local files loses nothing."""
+        return self.remote is not None
+
+    def path(self, j: int) -> Path:
+        """Local path of shard ``j``'s raw file."""
+        return self.local / self.shards[j].raw_basename
+
+    def _files(self, j: int) -> list[Path]:
+        """Local files shard ``j`` may occupy (raw, and compressed with keep_zip)."""
+        info = self.shards[j]
+        files = [self.path(j)]
+        if self.keep_zip and info.zip_basename is not None:
+            files.append(self.local / info.zip_basename)
+        return files
+
+    def _lock(self, j: int) -> Path:
+        return self.local / _LOCKS / f"{self.shards[j].raw_basename}.lock"
+
+    def _claim(self) -> None:
+        """Record which remote this folder caches; refuse a folder caching another one."""
+        marker = self.local / _MARKER
+        if not marker.exists():
+            self.local.mkdir(parents=True, exist_ok=True)
+            tmp = temp_name(marker)
+            tmp.write_text(self.remote or "")
+            try:
+                os.link(tmp, marker)  # atomic create-if-absent, with the full content
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        owner = marker.read_text()
+        if owner != self.remote:
+            raise ValueError(
+                f"cache folder {self.local} already caches {owner!r}, not {self.remote!r}; "
+                "give each dataset its own local folder (or delete the old cache)"
+            )
+
+    def present(self, j: int) -> bool:
+        """Whether shard ``j``'s raw file is local and complete (its size matches the index)."""
+        try:
+            return os.stat(self.path(j)).st_size == self.shards[j].raw_data.bytes
+        except FileNotFoundError:
+            return False
+
+    def ensure(self, j: int) -> tuple[Path, bool]:
+        """Make shard ``j`` local; returns its raw path and whether this call downloaded it."""
+        path = self.path(j)
+        if self.remote is None:
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"shard {path} listed in {self.local / 'index.json'} is missing; the "
+                    "dataset folder is incomplete (rewrite it, or copy the missing shards)"
+                )
+            if self.validate_hash is not None and j not in self._verified:
+                self._verify_file(path, self.shards[j].raw_data, str(path))
+                self._verified.add(j)
+            return path, False
+        if self.present(j):
+            return path, False
+        with file_lock(self._lock(j)):
+            if self.present(j):  # another process finished it while we waited
+                return path, False
+            self._remove_leftovers(j)
+            self._fetch(j)
+        return path, True
+
+    def _remove_leftovers(self, j: int) -> None:
+        """Delete temp files of writers of shard ``j`` that died (we hold its lock)."""
+        info = self.shards[j]
+        for name in filter(None, (info.raw_basename, info.zip_basename)):
+            target = self.local / name
+            for leftover in target.parent.glob(f"{glob.escape(target.name)}.tmp.*"):
+                leftover.unlink(missing_ok=True)
+
+    def _verify_file(self, path: Path, expected: FileInfo, source: str) -> None:
+        size = path.stat().st_size
+        if size != expected.bytes:
+            raise ShardCorruptError(
+                f"corrupt shard {source}: {size} bytes, index.json says {expected.bytes}"
+            )
+        if self.validate_hash is not None:
+            got = file_digest([self.validate_hash], path)[self.validate_hash]
+            self._check_hash(got, expected, source)
+
+    def _check_hash(self, got: str, expected: FileInfo, source: str) -> None:
+        want = expected.hashes.get(self.validate_hash or "")
+        if want is not None and got != want:
+            raise ShardCorruptError(
+                f"corrupt shard {source}: {self.validate_hash} is {got}, index.json says {want}; "
+                "the remote copy is damaged (rewrite it) or changed since its index was written"
+            )
+
+    def _fetch(self, j: int) -> None:
+        info = self.shards[j]
+        stored = info.zip_data or info.raw_data
+        url = join_url(self.remote or "", stored.basename)
+        raw_path = self.path(j)
+        raw_path.parent.mkdir(parents=True, exist_ok=True)
+        stored_tmp = temp_name(self.local / stored.basename)
+        raw_tmp = temp_name(raw_path)
+        try:
+            download(url, stored_tmp, self.storage_options, self.retries)
+            self._verify_file(stored_tmp, stored, url)
+            if info.zip_data is None:
+                os.replace(stored_tmp, raw_path)
+                return
+            try:
+                data = decompress(stored_tmp.read_bytes(), info.compression or "")
+            except ValueError as err:
+                raise ShardCorruptError(f"corrupt shard {url}: {err}") from err
+            if len(data) != info.raw_data.bytes:
+                raise ShardCorruptError(
+                    f"corrupt shard {url}: decompresses to {len(data)} bytes, index.json says "
+                    f"{info.raw_data.bytes}"
+                )
+            if self.validate_hash is not None:
+                self._check_hash(digest(self.validate_hash, data), info.raw_data, url)
+            raw_tmp.write_bytes(data)
+            os.replace(raw_tmp, raw_path)
+            if self.keep_zip:
+                os.replace(stored_tmp, self.local / stored.basename)
+        finally:
+            stored_tmp.unlink(missing_ok=True)
+            raw_tmp.unlink(missing_ok=True)
+
+    def touch(self, j: int) -> bool:
+        """Mark shard ``j`` as just used (for LRU); False if it is gone (evicted)."""
+        try:
+            os.utime(self.path(j))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def usage(self) -> list[tuple[float, int, int]]:
+        """(last use, bytes, shard) of every shard with local files."""
+        out = []
+        for j in range(len(self.shards)):
+            stats = []
+            for f in self._files(j):
+                try:
+                    stats.append(os.stat(f))
+                except FileNotFoundError:
+                    pass
+            if stats:
+                out.append((max(s.st_mtime for s in stats), sum(s.st_size for s in stats), j))
+        return out
+
+    def evict(self, j: int) -> int:
+        """Delete shard ``j``'s local files unless someone is downloading it; returns bytes freed.
+
+        Never touches a stream without a remote copy.
+        """
+        if not self.evictable:
+            raise ValueError(f"refusing to evict {self.path(j)}: it is the only copy")
+        freed = 0
+        with file_lock(self._lock(j), blocking=False) as acquired:
+            if not acquired:
+                return 0
+            for f in self._files(j):
+                try:
+                    size = f.stat().st_size
+                    f.unlink()
+                    freed += size
+                except FileNotFoundError:
+                    pass
+        return freed
+
+    def max_shard_bytes(self) -> int:
+        """Bytes the largest shard occupies locally."""
+        return max(
+            (
+                s.raw_data.bytes + (s.zip_data.bytes if self.keep_zip and s.zip_data else 0)
+                for s in self.shards
+            ),
+            default=0,
+        )

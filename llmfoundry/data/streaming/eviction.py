@@ -1,0 +1,72 @@
+"""Keep the bytes of cached shards under ``cache_limit`` by evicting least-recently-used ones.
+
+Only shards with a remote copy are cache. A stream read in place (no remote, or a local remote
+read without a copy) is the only copy of its data: its files are never counted and never
+deleted. A limit on a dataset whose streams are all in place therefore does nothing, and says
+so with a warning rather than silently deleting data, the failure this design exists to avoid.
+
+Eviction is cooperative across processes sharing the cache: last use is the file's mtime (see
+cache.py), each process evicts after its own downloads, and a shard being downloaded (its lock
+held) is skipped. Concurrent evictors may together free a little more than needed; that costs
+a re-download, never a wrong sample. When every remaining shard is in use the limit cannot be
+met (the rest are being downloaded); the cache then grows past it with a warning instead of
+failing the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from llmfoundry.data.mds import parse_size
+from llmfoundry.data.streaming.cache import ShardCache
+
+__all__ = ["CacheLimiter"]
+
+
+class CacheLimiter:
+    """Evicts shards of ``caches`` (the evictable ones) to keep them under ``limit`` bytes.
+
+    Args:
+        caches: every stream's cache; those without a remote copy are left alone.
+        limit: bytes, or text like ``"10gb"`` (powers of 1024).
+    """
+
+    def __init__(self, caches: list[ShardCache], limit: int | str) -> None:
+        self.limit = parse_size(limit)
+        self.caches = [c for c in caches if c.evictable]
+        self._warned = False
+        if not self.caches:
+            warnings.warn(
+                f"cache_limit={limit!r} has no effect: every stream is read in place from local "
+                "files, which are the only copy of the data and are never evicted",
+                stacklevel=3,
+            )
+            return
+        largest = max(c.max_shard_bytes() for c in self.caches)
+        if self.limit < largest:
+            raise ValueError(
+                f"cache_limit={limit!r} ({self.limit} bytes) cannot hold the largest shard "
+                f"({largest} bytes); raise cache_limit well above it (a shuffle block's shards "
+                "should fit), or write smaller shards"
+            )
+
+    def enforce(self, keep: tuple[ShardCache, int] | None = None) -> None:
+        """Evict least-recently-used shards until under the limit, sparing ``keep``."""
+        entries = [(t, size, c, j) for c in self.caches for t, size, j in c.usage()]
+        total = sum(e[1] for e in entries)
+        if total <= self.limit:
+            return
+        for _, _, cache, j in sorted(entries, key=lambda e: e[0]):
+            if keep is not None and keep[0] is cache and keep[1] == j:
+                continue
+            total -= cache.evict(j)
+            if total <= self.limit:
+                return
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"shard cache holds {total} bytes, over cache_limit={self.limit}: the shards "
+                "left are being downloaded right now; raise cache_limit (it should hold the "
+                "shards of a few shuffle blocks for every reader sharing the cache)",
+                stacklevel=2,
+            )

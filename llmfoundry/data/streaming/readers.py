@@ -1,0 +1,118 @@
+"""This process's open shard readers, over the shards of every stream, opened on first use.
+
+A reader maps its shard once; keeping a bounded number open makes random access cheap without
+exhausting memory maps. When a cache limit is set, a shard in use is re-touched at most once a
+second (its mtime is the cross-process LRU clock), and a shard found evicted by another process
+is dropped and fetched again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmfoundry.data.mds import ShardReader
+from llmfoundry.data.streaming.cache import ShardCache
+from llmfoundry.data.streaming.eviction import CacheLimiter
+
+__all__ = ["ShardReaders"]
+
+_TOUCH_EVERY_S = 1.0
+
+
+@dataclass
+class _Open:
+    reader: ShardReader
+    touched: float
+    arrays: dict[str, np.ndarray]
+
+
+class ShardReaders:
+    """Readers for global shard numbers ``0 .. sum(len(cache.shards)) - 1``.
+
+    Args:
+        caches: one per stream, in stream order.
+        limiter: the cache limit, or None.
+        allow_unsafe: allow decoding pickle columns.
+        max_open: readers kept open at once (least recently used are closed).
+    """
+
+    def __init__(
+        self,
+        caches: list[ShardCache],
+        limiter: CacheLimiter | None,
+        allow_unsafe: bool = False,
+        max_open: int = 64,
+    ) -> None:
+        self.caches = caches
+        self.limiter = limiter
+        self.allow_unsafe = allow_unsafe
+        self.max_open = max_open
+        self._where = [(c, j) for c in caches for j in range(len(c.shards))]
+        self._open: OrderedDict[int, _Open] = OrderedDict()
+
+    def fetch(self, shard: int) -> None:
+        """Make ``shard`` local (download if needed) and keep the cache under its limit.
+
+        Safe to call from another thread (the predownload thread) while readers are in use.
+        """
+        cache, j = self._where[shard]
+        _, downloaded = cache.ensure(j)
+        if downloaded and self.limiter is not None:
+            self.limiter.enforce(keep=(cache, j))
+
+    def _lookup(self, shard: int) -> _Open:
+        cache, j = self._where[shard]
+        entry = self._open.get(shard)
+        tracks_lru = self.limiter is not None and cache.evictable
+        if entry is not None:
+            now = time.monotonic()
+            if tracks_lru and now - entry.touched >= _TOUCH_EVERY_S:
+                if cache.touch(j):
+                    entry.touched = now
+                else:  # evicted by another process: map the fresh copy instead
+                    self._close(shard)
+                    entry = None
+            if entry is not None:
+                self._open.move_to_end(shard)
+                return entry
+        for attempt in range(3):
+            self.fetch(shard)
+            try:
+                reader = ShardReader(cache.path(j), cache.shards[j], self.allow_unsafe)
+                break
+            except FileNotFoundError:  # evicted between the fetch and the open
+                if attempt == 2:
+                    raise
+        if tracks_lru:
+            cache.touch(j)
+        entry = _Open(reader, time.monotonic(), {})
+        self._open[shard] = entry
+        while len(self._open) > self.max_open:
+            self._close(next(iter(self._open)))
+        return entry
+
+    def get(self, shard: int) -> ShardReader:
+        """The open reader of ``shard``."""
+        return self._lookup(shard).reader
+
+    def array(self, shard: int, column: str) -> np.ndarray:
+        """``shard``'s fixed-size ``column`` as one ``[samples, ...]`` view (see ShardReader)."""
+        entry = self._lookup(shard)
+        view = entry.arrays.get(column)
+        if view is None:
+            view = entry.arrays[column] = entry.reader.array(column)
+        return view
+
+    def _close(self, shard: int) -> None:
+        entry = self._open.pop(shard)
+        entry.arrays.clear()
+        entry.reader.close()
+
+    def close(self) -> None:
+        """Close every reader."""
+        while self._open:
+            self._close(next(iter(self._open)))

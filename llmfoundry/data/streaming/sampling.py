@@ -1,0 +1,261 @@
+"""The sample order of an epoch and its partition over ranks and workers (pure numpy).
+
+Global order (one epoch), a function of (seed, epoch, streams, epoch size, shuffle, block size)
+only, never of the world size, so a run can resume on any number of ranks:
+
+1. Stream mix (:func:`stream_counts`). Stream ``k`` with ``n_k`` samples contributes ``c_k``
+   samples: ``c_k // n_k`` whole copies of every sample, plus a seeded random subset of
+   ``c_k % n_k`` samples (a different subset each epoch). That covers up-sampling
+   (``repeat=2.5``), down-sampling (``choose=1000``) and mixing by ``proportion``.
+2. Units. Every (stream, shard, copy) with at least one chosen sample is a *unit*: a run of
+   sample ids that live in one shard. Whole copies of a shard are separate units, so the
+   repeats of a sample land far apart in the epoch instead of next to each other.
+3. Shard shuffle. The units are permuted with ``rng(seed, epoch)`` and concatenated: a sequence
+   of ``N`` sample ids in which neighbours share a shard.
+4. Block shuffle. That sequence is cut into blocks of ``block_size`` samples and each block is
+   permuted with its own ``rng(seed, epoch, block)``. A block spans about
+   ``block_size / samples_per_shard + 1`` shards, so at any moment every reader needs only those
+   few shards (I/O locality, a small cache), yet their samples are fully mixed. Blocks are made
+   lazily, one at a time: memory is O(block_size + units), never O(N).
+
+Without shuffling the order is the streams' samples in storage order (copies, then the subset).
+
+Partition (:class:`RankPlan`). A run that has consumed ``start`` samples of the epoch continues
+with global positions ``start, start+1, ...``. The remaining ``R = N - start`` positions are
+padded to ``T = ceil(R / W) * W`` for ``W`` ranks by wrapping around to the first positions of
+the epoch's order (so at most ``W - 1`` samples repeat, none is dropped) and every rank gets
+``T / W`` samples. They are handed out in global batches of ``G = B * W``: global batch ``b``
+is positions ``start + b*G ... start + (b+1)*G - 1`` and rank ``r`` takes the ``r``-th slice of
+``B`` of it; a final short global batch is split evenly. Hence the concatenation over ranks of
+each step's batches is exactly the global order, whatever ``W`` is, and a state saved after
+``s`` samples resumes the identical remaining order on another world size. DataLoader worker
+``w`` of ``K`` takes its rank's batches ``w, w+K, w+2K, ...``; PyTorch collects workers' batches
+round-robin, which restores the rank's batch order exactly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EpochOrder", "RankPlan", "stream_counts"]
+
+# Distinct first words of the seed sequences, so no two random draws ever share a stream.
+_SHARD_SHUFFLE, _SUBSET, _BLOCK_SHUFFLE = 0, 1, 2
+
+
+def _rng(*words: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence(list(words)))
+
+
+def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """Split ``total`` into integers proportional to ``weights`` (largest remainder, stable)."""
+    exact = weights / weights.sum() * total
+    counts = np.floor(exact).astype(np.int64)
+    rest = int(total - counts.sum())
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[:rest]] += 1
+    return counts
+
+
+def stream_counts(
+    sizes: Sequence[int],
+    proportion: Sequence[float | None],
+    repeat: Sequence[float | None],
+    choose: Sequence[int | None],
+    epoch_size: int | None = None,
+) -> np.ndarray:
+    """How many samples each stream contributes to one epoch.
+
+    Either every stream has a ``proportion`` (of ``epoch_size``, default: all streams' samples)
+    or none has; otherwise a stream contributes ``choose`` samples, ``round(repeat * size)``, or
+    all its samples, and a given ``epoch_size`` rescales those counts to sum to it.
+    """
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    if len(sizes_arr) == 0:
+        raise ValueError("no streams given")
+    if np.any(sizes_arr <= 0):
+        empty = [i for i, n in enumerate(sizes) if n <= 0]
+        raise ValueError(f"stream(s) {empty} have no samples; remove them or write data to them")
+    if epoch_size is not None and (isinstance(epoch_size, bool) or epoch_size <= 0):
+        raise ValueError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+    with_prop = [p is not None for p in proportion]
+    if any(with_prop):
+        if not all(with_prop):
+            raise ValueError(
+                "either every stream sets a proportion or none does; streams "
+                f"{[i for i, p in enumerate(with_prop) if not p]} have none"
+            )
+        bad = [i for i, (r, c) in enumerate(zip(repeat, choose, strict=True)) if r or c]
+        if bad:
+            raise ValueError(f"stream(s) {bad} set proportion with repeat/choose; pick one")
+        total = int(epoch_size) if epoch_size is not None else int(sizes_arr.sum())
+        return _apportion(total, np.asarray(proportion, dtype=np.float64))
+    counts = np.array(
+        [
+            c if c is not None else (round(r * n) if r is not None else n)
+            for n, r, c in zip(sizes, repeat, choose, strict=True)
+        ],
+        dtype=np.int64,
+    )
+    if counts.sum() <= 0:
+        raise ValueError(f"the streams contribute no samples per epoch (counts {counts.tolist()})")
+    if epoch_size is not None:
+        counts = _apportion(int(epoch_size), counts.astype(np.float64))
+    return counts
+
+
+class EpochOrder:
+    """Global sample order of one epoch: position ``0 <= p < len(self)`` -> sample id.
+
+    Sample ids number all shards of all streams consecutively (stream 0's shards first).
+
+    Args:
+        shard_sizes: per stream, the number of samples in each of its shards.
+        counts: per stream, samples it contributes this epoch (:func:`stream_counts`).
+        seed, epoch: the randomness; equal arguments give an equal order on every machine.
+        shuffle: shuffle shards and blocks; otherwise storage order.
+        block_size: samples per shuffle block (I/O locality vs mixing).
+    """
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[Sequence[int]],
+        counts: Sequence[int],
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+        block_size: int,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"shuffle_block_size must be positive, got {block_size}")
+        if seed < 0 or epoch < 0:
+            raise ValueError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
+        self.seed, self.epoch, self.shuffle, self.block_size = seed, epoch, shuffle, block_size
+        units: list[tuple[int, int] | np.ndarray] = []  # (first id, length) or explicit ids
+        base = 0
+        for k, (sizes, count) in enumerate(zip(shard_sizes, counts, strict=True)):
+            sizes = np.asarray(sizes, dtype=np.int64)
+            starts = base + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            n = int(sizes.sum())
+            whole, part = divmod(int(count), n)
+            for _ in range(whole):
+                units.extend((int(s), int(z)) for s, z in zip(starts, sizes, strict=True) if z)
+            if part:
+                subset = np.sort(_rng(_SUBSET, seed, epoch, k).choice(n, part, replace=False))
+                subset += base
+                cuts = np.searchsorted(subset, starts[1:])
+                units.extend(piece for piece in np.split(subset, cuts) if len(piece))
+            base += n
+        if shuffle:
+            perm = _rng(_SHARD_SHUFFLE, seed, epoch).permutation(len(units))
+            units = [units[i] for i in perm]
+        self._units = units
+        lengths = np.array([u[1] if isinstance(u, tuple) else len(u) for u in units], np.int64)
+        self._ends = np.cumsum(lengths)
+        self._starts = self._ends - lengths
+        self._len = int(self._ends[-1]) if len(units) else 0
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _block(self, b: int) -> np.ndarray:
+        """Sample ids at positions [b * block_size, (b + 1) * block_size), shuffled."""
+        cached = self._blocks.get(b)
+        if cached is not None:
+            self._blocks.move_to_end(b)
+            return cached
+        lo, hi = b * self.block_size, min((b + 1) * self.block_size, self._len)
+        pieces = []
+        i = int(np.searchsorted(self._ends, lo, side="right"))
+        while i < len(self._units) and self._starts[i] < hi:
+            unit, unit_lo = self._units[i], int(self._starts[i])
+            a, z = max(lo, unit_lo) - unit_lo, min(hi, int(self._ends[i])) - unit_lo
+            pieces.append(
+                np.arange(unit[0] + a, unit[0] + z, dtype=np.int64)
+                if isinstance(unit, tuple)
+                else unit[a:z]
+            )
+            i += 1
+        ids = np.concatenate(pieces)
+        if self.shuffle:
+            ids = ids[_rng(_BLOCK_SHUFFLE, self.seed, self.epoch, b).permutation(len(ids))]
+        self._blocks[b] = ids
+        if len(self._blocks) > 2:  # readers move forward; the previous block suffices
+            self._blocks.popitem(last=False)
+        return ids
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions`` (taken modulo the epoch length: padding wraps around)."""
+        if self._len == 0:
+            raise ValueError("the epoch is empty")
+        positions = np.asarray(positions, dtype=np.int64) % self._len
+        blocks = positions // self.block_size
+        out = np.empty_like(positions)
+        for b in np.unique(blocks):
+            mask = blocks == b
+            out[mask] = self._block(int(b))[positions[mask] - b * self.block_size]
+        return out
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of the epoch after ``start`` samples were consumed (module docstring).
+
+    Args:
+        epoch_size: samples in the epoch (``len(EpochOrder)``).
+        start: global samples already consumed in this epoch (all ranks together).
+        world_size, rank: the ranks sharing the epoch.
+        batch_size: samples per rank per step (the DataLoader's batch size).
+    """
+
+    epoch_size: int
+    start: int
+    world_size: int
+    rank: int
+    batch_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if self.start < 0:
+            raise ValueError(f"samples consumed must be >= 0, got {self.start}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank reads: ``ceil(remaining / world_size)``, equal on every rank."""
+        remaining = max(self.epoch_size - self.start, 0)
+        return -(-remaining // self.world_size)
+
+    @property
+    def num_batches(self) -> int:
+        """Batches this rank reads; all but possibly the last have ``batch_size`` samples."""
+        return -(-self.num_samples // self.batch_size)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Rank batch ``k`` as (first global position, length); positions are consecutive."""
+        if not 0 <= k < self.num_batches:
+            raise IndexError(f"batch {k} out of range for {self.num_batches} batches")
+        full = self.num_samples // self.batch_size
+        step = self.batch_size * self.world_size
+        if k < full:
+            return self.start + k * step + self.rank * self.batch_size, self.batch_size
+        tail = self.num_samples - full * self.batch_size
+        return self.start + full * step + self.rank * tail, tail
+
+    def positions(self, k: int) -> np.ndarray:
+        """Global positions of rank batch ``k``."""
+        first, length = self.span(k)
+        return np.arange(first, first + length, dtype=np.int64)
+
+    def worker_batches(self, worker: int, num_workers: int) -> range:
+        """The rank batches DataLoader worker ``worker`` of ``num_workers`` produces, in order."""
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"worker {worker} is outside {num_workers} workers")
+        return range(worker, self.num_batches, num_workers)

@@ -1,0 +1,136 @@
+"""One source of samples (a remote and/or local MDS folder) and how much of it an epoch takes.
+
+Where the shards are read from:
+
+- ``remote`` is an object-store URL (``s3://``, ``gs://``, ``az://``, ...): shards are copied
+  into ``local`` on first use; ``local`` defaults to a folder under the system temp dir named
+  after the remote, so every process of a machine shares one cache.
+- ``remote`` is a local path and ``local`` is None (or the same folder): read in place.
+- ``remote`` is a local path and ``local`` another folder: copied like an object store (useful
+  for a slow network filesystem and a fast local disk).
+- ``remote`` is None: ``local`` is read in place.
+
+In-place data is the only copy: it is never written to and never evicted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmfoundry.data.mds import INDEX_NAME, load_index, parse_index
+from llmfoundry.data.streaming.cache import ShardCache
+from llmfoundry.data.streaming.download import (
+    is_local,
+    join_url,
+    list_dirs,
+    local_path,
+    read_bytes,
+    write_atomic,
+)
+
+__all__ = ["Stream", "default_cache_dir"]
+
+_HOW_TO_MAKE = (
+    "write MDS shards there first with the data_prep/ scripts (text -> tokens -> MDS), "
+    "or point remote/local at an existing MDS folder"
+)
+
+
+def default_cache_dir(remote: str) -> Path:
+    """Cache folder for ``remote`` when none is given: the same on every process of a machine."""
+    key = hashlib.sha1(remote.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "llmfoundry-streaming" / key
+
+
+@dataclass(frozen=True)
+class Stream:
+    """An MDS folder and its share of each epoch.
+
+    Args:
+        remote: URL or local path of the dataset folder (the split is a sub-folder).
+        local: cache folder for ``remote``, or the dataset folder itself when remote is None.
+        split: sub-folder to read (``"train"``); None uses the dataset's split.
+        proportion: relative share of the epoch (all streams or none set it).
+        repeat: how many times to take each sample per epoch (``0.5`` half, ``2.5`` ...).
+        choose: exactly how many samples per epoch.
+    """
+
+    remote: str | None = None
+    local: str | None = None
+    split: str | None = None
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("remote", "local", "split"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"stream {name} must be a string path, got {value!r}")
+        if self.remote is None and self.local is None:
+            raise ValueError("a stream needs remote (URL or path) or local (an MDS folder)")
+        given = [n for n in ("proportion", "repeat", "choose") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"a stream sets at most one of proportion/repeat/choose, got {given}")
+        for name in ("proportion", "repeat"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ValueError(f"stream {name} must be a positive number, got {value!r}")
+        if self.choose is not None and (
+            isinstance(self.choose, bool) or not isinstance(self.choose, int) or self.choose < 1
+        ):
+            raise ValueError(f"stream choose must be a positive integer, got {self.choose!r}")
+
+    def open(
+        self,
+        split: str | None = None,
+        *,
+        validate_hash: str | None = None,
+        keep_zip: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 2,
+    ) -> ShardCache:
+        """Read the stream's index (fetching it when remote) and return its shard cache."""
+        split = self.split if self.split is not None else split
+        remote = os.fspath(self.remote) if self.remote is not None else None
+        local = os.fspath(self.local) if self.local is not None else None
+        options = dict(validate_hash=validate_hash, keep_zip=keep_zip, retries=retries)
+        if remote is not None and is_local(remote):
+            remote = local_path(remote)
+            if local is None or os.path.realpath(local) == os.path.realpath(remote):
+                remote, local = None, remote
+        if remote is None:
+            folder = Path(local) / split if split else Path(local)  # type: ignore[arg-type]
+            if not (folder / INDEX_NAME).is_file():
+                raise FileNotFoundError(_missing(str(folder), local, split, None))
+            return ShardCache(load_index(folder), folder, None, **options)
+        root_local = Path(local) if local is not None else default_cache_dir(remote)
+        folder = root_local / split if split else root_local
+        url = join_url(remote, split or "")
+        try:
+            text = read_bytes(join_url(url, INDEX_NAME), storage_options, retries)
+        except FileNotFoundError:
+            raise FileNotFoundError(_missing(url, remote, split, storage_options)) from None
+        shards = parse_index(text, join_url(url, INDEX_NAME))
+        cache = ShardCache(shards, folder, url, storage_options=storage_options, **options)
+        write_atomic(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
+        return cache
+
+
+def _missing(
+    folder: str, root: str | None, split: str | None, storage_options: dict[str, Any] | None
+) -> str:
+    msg = f"no MDS dataset at {folder}: {join_url(folder, INDEX_NAME)} does not exist"
+    if split and root is not None:
+        splits = list_dirs(root, storage_options)
+        msg += (
+            f"; available splits under {root}: {splits}"
+            if splits
+            else f"; {root} has no split folders with an {INDEX_NAME} either"
+        )
+    return f"{msg}. To fix: {_HOW_TO_MAKE}"

@@ -1,0 +1,71 @@
+"""Where this process sits: rank among ranks (torchrun's env) and worker among DataLoader workers.
+
+Read at iteration time, never at construction, because a DataLoader builds the dataset once in
+the main process and iterates copies of it in worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torch.utils.data import get_worker_info
+
+__all__ = ["World"]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+@dataclass(frozen=True)
+class World:
+    """Rank and DataLoader worker of the current process.
+
+    The sample partition depends on the rank alone (see sampling.py), so machines need no
+    special treatment: the local rank fields are only checked for consistency.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} must be in [0, WORLD_SIZE={self.world_size})")
+        if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"LOCAL_RANK={self.local_rank} must be in [0, "
+                f"LOCAL_WORLD_SIZE={self.local_world_size})"
+            )
+        if self.world_size % self.local_world_size:
+            raise ValueError(
+                f"WORLD_SIZE={self.world_size} is not a multiple of "
+                f"LOCAL_WORLD_SIZE={self.local_world_size}"
+            )
+        if not 0 <= self.worker < self.num_workers:
+            raise ValueError(f"worker {self.worker} is outside {self.num_workers} workers")
+
+    @classmethod
+    def detect(cls) -> World:
+        """From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and the worker info."""
+        world_size = _env_int("WORLD_SIZE", 1)
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        info = get_worker_info()
+        return cls(
+            rank=_env_int("RANK", 0),
+            world_size=world_size,
+            local_rank=_env_int("LOCAL_RANK", 0),
+            local_world_size=local_world_size,
+            worker=info.id if info is not None else 0,
+            num_workers=info.num_workers if info is not None else 1,
+        )

@@ -1,0 +1,59 @@
+"""Plain-text metrics on stdout, every `log_interval`, and a run summary at the end."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from llmfoundry.trainer.engine import Logger, LoggerDestination
+from llmfoundry.trainer.state import State
+from llmfoundry.trainer.time import Time, Timestamp
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{key} {value:.4g}" for key, value in sorted(metrics.items()))
+
+
+class ConsoleLogger(LoggerDestination):
+    def __init__(self, log_interval: str = "10ba") -> None:
+        self.log_interval = Time.parse(log_interval)
+        self._pending: dict[str, float] = {}
+        self._before: Timestamp = Timestamp()
+        self._eval_history: dict[str, list[float]] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._pending.update(metrics)
+        for key, value in metrics.items():
+            if key.startswith("eval/"):
+                self._eval_history.setdefault(key, []).append(value)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._before = copy.copy(state.timestamp)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if state.crossed(self.log_interval, self._before) or state.finished:
+            train = {k: v for k, v in self._pending.items() if not k.startswith("eval/")}
+            train["loss/train"] = state.train_loss
+            self._print(state, f"[batch {state.timestamp.batch}] {format_metrics(train)}")
+            self._pending = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        evals = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
+        self._print(state, f"[eval @ batch {state.timestamp.batch}] {format_metrics(evals)}")
+        self._pending = {k: v for k, v in self._pending.items() if not k.startswith("eval/")}
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        for key, values in sorted(self._eval_history.items()):
+            if key.endswith("/loss"):
+                self._print(state, f"{key}: first {values[0]:.4f} -> last {values[-1]:.4f}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"eval_history": self._eval_history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._eval_history = {k: list(v) for k, v in state.get("eval_history", {}).items()}
+
+    @staticmethod
+    def _print(state: State, line: str) -> None:
+        if state.rank == 0:
+            print(line, flush=True)

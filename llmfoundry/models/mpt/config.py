@@ -1,0 +1,99 @@
+"""MPTConfig: the shape and options of an MPT decoder, validated when it is built.
+
+Hydra builds it from `conf/model/*.yaml` (`_target_: llmfoundry.models.mpt.MPTConfig`), so every
+mistake a user can type on the command line is caught here, before any weight is allocated, with a
+message that names the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmfoundry.models.mpt.attention import check_attn_impl
+
+INIT_DEVICES = ("cpu", "meta")
+SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
+
+
+@dataclass
+class MPTConfig:
+    """Hyperparameters of an MPT causal language model.
+
+    Position information comes from ALiBi (`alibi=True`, as the released MPT-7B and MPT-30B) or
+    from a learned table (`learned_pos_emb=True`, the pretraining recipes' default). Leaving
+    `learned_pos_emb` unset picks the one ALiBi does not provide, so `alibi=false` alone switches
+    a model to learned positions.
+
+    Initialisation: with `init_std` unset, every matrix and embedding is drawn with
+    `kaiming_normal_(fan_in, relu)` (MPT's default); with `init_std` set, from N(0, init_std).
+    Either way the projections that write into the residual stream (attention `out_proj`, MLP
+    `down_proj`) are divided by sqrt(2 * n_layers) so the residual variance does not grow with
+    depth. `init_device="meta"` builds the model without memory; call `to_empty(device=...)` and
+    then `init_weights()` to materialise it.
+    """
+
+    d_model: int
+    n_heads: int
+    n_layers: int
+    expansion_ratio: int = 4
+    max_seq_len: int = 2048
+    vocab_size: int = 50368
+    attn_impl: str = "sdpa"
+    alibi: bool = True
+    alibi_bias_max: float = 8
+    learned_pos_emb: bool | None = None
+    no_bias: bool = True
+    low_precision_layernorm: bool = False
+    qk_ln: bool = False
+    clip_qkv: float | None = None
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    emb_pdrop: float = 0.0
+    init_std: float | None = None
+    init_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"MPTConfig.d_model ({self.d_model}) must be divisible by MPTConfig.n_heads "
+                f"({self.n_heads}); pick n_heads among the divisors of d_model"
+            )
+        check_attn_impl(self.attn_impl)
+        if self.learned_pos_emb is None:
+            self.learned_pos_emb = not self.alibi
+        if self.alibi and self.learned_pos_emb:
+            raise ValueError(
+                "MPTConfig.alibi and MPTConfig.learned_pos_emb are both true; "
+                "use one source of position information (alibi=true or learned_pos_emb=true)"
+            )
+        if not self.alibi and not self.learned_pos_emb:
+            raise ValueError(
+                "MPTConfig.alibi and MPTConfig.learned_pos_emb are both false, so the model "
+                "would get no position information; set one of them to true"
+            )
+        if not self.alibi_bias_max > 0:
+            raise ValueError(f"MPTConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"MPTConfig.clip_qkv must be null or > 0, got {self.clip_qkv!r}")
+        if self.init_std is not None and not self.init_std > 0:
+            raise ValueError(
+                f"MPTConfig.init_std must be null (kaiming-normal init) or > 0, got {self.init_std!r}"
+            )
+        for name in ("attn_pdrop", "resid_pdrop", "emb_pdrop"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"MPTConfig.{name} must be in [0, 1), got {value!r}")
+        if self.init_device not in INIT_DEVICES:
+            raise ValueError(
+                f"MPTConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
+                f"got {self.init_device!r}; to place the model on an accelerator build it on "
+                "'meta', then call to_empty(device=...) and init_weights()"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads

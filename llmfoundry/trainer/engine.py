@@ -1,0 +1,105 @@
+"""The engine runs algorithms, callbacks and loggers on each event, in a fixed order.
+
+Order on every event: algorithms (those whose ``match`` is true), then callbacks, then logger
+destinations. On AFTER_* events (``Event.is_after``) algorithms run in reverse order, so an
+algorithm that wraps a step (changes something before, restores it after) nests correctly with
+the others. Callbacks and loggers always run in the order given.
+
+Algorithms change the training (the batch, the model, the gradients); callbacks observe it and
+act around it (metrics, checkpoints, early stopping); logger destinations receive metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llmfoundry.trainer.events import Event
+from llmfoundry.trainer.state import State
+
+
+class Algorithm:
+    """Changes training at the events it matches. Subclasses override `match` and `apply`."""
+
+    def match(self, event: Event, state: State) -> bool:
+        raise NotImplementedError
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class Callback:
+    """Observes events: define a method named after the event (e.g. ``batch_end``)."""
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        handler = getattr(self, event.value, None)
+        if handler is not None:
+            handler(state, logger)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def close(self) -> None:
+        """Release files and threads; called once when training ends, even after an error."""
+
+
+class LoggerDestination(Callback):
+    """Where metrics go (console, file, TensorBoard, W&B). Also hooks events like a callback."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        del metrics, step
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        del hyperparameters
+
+
+class Logger:
+    """The facade algorithms and callbacks log through; it fans out to every destination."""
+
+    def __init__(self, state: State, destinations: Sequence[LoggerDestination] = ()) -> None:
+        self._state = state
+        self.destinations = list(destinations)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        for destination in self.destinations:
+            destination.log_metrics(metrics, step=self._state.timestamp.batch)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        for destination in self.destinations:
+            destination.log_hyperparameters(hyperparameters)
+
+
+class Engine:
+    def __init__(
+        self,
+        state: State,
+        logger: Logger,
+        algorithms: Sequence[Algorithm] = (),
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.state = state
+        self.logger = logger
+        state.algorithms = list(algorithms)
+        state.callbacks = list(callbacks)
+
+    def run_event(self, event: Event) -> None:
+        state = self.state
+        algorithms = reversed(state.algorithms) if event.is_after else state.algorithms
+        for algorithm in algorithms:
+            if algorithm.match(event, state):
+                algorithm.apply(event, state, self.logger)
+        for callback in (*state.callbacks, *self.logger.destinations):
+            callback.run_event(event, state, self.logger)
+
+    def close(self) -> None:
+        for callback in (*self.state.callbacks, *self.logger.destinations):
+            callback.close()

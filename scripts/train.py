@@ -1,0 +1,34 @@
+"""Train an MPT model.
+
+    python scripts/train.py                                  # the demo: mpt-tiny on data/demo/mds
+    python scripts/train.py model=mpt-1b data.remote=s3://bucket/mds max_duration=10000ba
+    torchrun --nproc_per_node=8 scripts/train.py model=mpt-1b ...
+
+Every value in conf/ can be overridden as key=value; `--cfg job` prints the composed config.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from llmfoundry.build import build_trainer
+from llmfoundry.config import register_resolvers
+from llmfoundry.config.preflight import preflight
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    build_trainer(cfg, HydraConfig.get().runtime.output_dir).fit()
+
+
+if __name__ == "__main__":
+    register_resolvers()
+    preflight(sys.argv[1:], CONF_DIR)
+    main()

@@ -1,0 +1,111 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from llmfoundry.config import ConfigError, default_run_name, validate_config
+from llmfoundry.config.preflight import check, compose_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf"
+
+
+def error_for(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        check(CONF, list(overrides))
+    return str(info.value)
+
+
+def test_default_config_is_valid():
+    check(CONF, [])
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
+def test_every_model_config_is_valid(model):
+    check(CONF, [f"model={model}"])
+
+
+def test_misspelt_override_names_key_and_suggests():
+    message = error_for("model.n_layer=2")
+    assert message.startswith("model.n_layer: unknown key")
+    assert "did you mean 'n_layers'" in message
+    assert "d_model" in message and "n_heads" in message
+
+
+def test_misspelt_key_added_with_plus_is_caught_too():
+    message = error_for("+model.n_layer=2")
+    assert message.startswith("model.n_layer: unknown key") and "n_layers" in message
+
+
+def test_unknown_top_level_key():
+    assert error_for("+max_durations=10ba").startswith("max_durations: unknown key; did you mean 'max_duration'")
+
+
+def test_wrong_type_names_key():
+    message = error_for("model.d_model=abc")
+    assert message.startswith("model.d_model: expected int, got 'abc'")
+
+
+def test_impossible_combination():
+    message = error_for("model.d_model=100", "model.n_heads=3")
+    assert message.startswith("model:") and "d_model" in message and "n_heads" in message
+
+
+def test_bad_time_string():
+    assert error_for("max_duration=10 batches").startswith("max_duration:")
+
+
+def test_unknown_group_option_lists_available():
+    message = error_for("model=mpt-2b")
+    assert "mpt-1b" in message and "mpt-tiny" in message
+
+
+def test_seq_len_longer_than_model():
+    assert error_for("max_seq_len=100000").startswith("max_seq_len: 100000 exceeds model.max_seq_len")
+
+
+def test_algorithms_switch_on_from_command_line():
+    cfg = compose_config(CONF, ["algorithms=[gradient_clipping,random_token_replacement]"])
+    assert list(cfg.algorithms) == ["gradient_clipping", "random_token_replacement"]
+    validate_config(cfg)
+    cfg = compose_config(CONF, ["+algorithms.mine._target_=llmfoundry.algorithms.GradientClipping"])
+    assert list(cfg.algorithms) == ["gradient_clipping", "mine"]
+
+
+def test_validate_config_returns_settings():
+    settings = validate_config(compose_config(CONF, ["global_train_batch_size=8"]))
+    assert settings.global_train_batch_size == 8
+
+
+def test_bad_config_from_command_line_is_one_message_within_seconds():
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "model.n_layer=2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        result.stderr.strip().splitlines()[0]
+    ], result.stderr
+    assert "model.n_layer: unknown key; did you mean 'n_layers'?" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_run_name_is_shared_by_ranks_of_one_launch():
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "none"}
+    rank0 = default_run_name({**env, "RANK": "0"}, now=1.0)
+    rank1 = default_run_name({**env, "RANK": "1"}, now=2.0)
+    assert rank0 == rank1 == "run-127-0-0-1-29511"
+    assert default_run_name({"TORCHELASTIC_RUN_ID": "0123456789abcdef"}) == "run-01234567"
+    assert default_run_name({}, now=0.0) != default_run_name({}, now=10.0)
+
+
+def test_config_error_from_omegaconf_interpolation():
+    cfg = compose_config(CONF, [])
+    cfg = OmegaConf.merge(cfg, {"tokenizer": "${missing_key}"})
+    with pytest.raises(ConfigError):
+        validate_config(cfg)

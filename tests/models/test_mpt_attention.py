@@ -1,0 +1,120 @@
+"""ALiBi against transformers' MPT, the attention kernels against each other, the bias cache."""
+
+import sys
+
+import pytest
+import torch
+from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+from llmfoundry.models import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt import attention
+from llmfoundry.models.mpt.attention import alibi_slopes, causal_alibi_bias
+
+
+@pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])
+@pytest.mark.parametrize("alibi_bias_max", [8, 4])
+def test_alibi_slopes_equal_transformers(n_heads, alibi_bias_max):
+    # transformers' tensor for two positions is [-slope, 0] per head.
+    hf = build_mpt_alibi_tensor(n_heads, 2, alibi_bias_max=alibi_bias_max)
+    assert torch.equal(alibi_slopes(n_heads, alibi_bias_max), -hf[:, 0, 0])
+
+
+def test_alibi_slopes_follow_reference_formula():
+    # 12 heads is not a power of two: slopes of 16 heads, odd positions first, then even, cut at 12.
+    m16 = torch.arange(1, 17, dtype=torch.float32) * 0.5
+    s16 = 1.0 / 2**m16
+    expected = torch.cat([s16[1::2], s16[::2]])[:12]
+    assert torch.equal(alibi_slopes(12, 8), expected)
+    assert alibi_slopes(8, 8).tolist() == [1 / 2**i for i in range(1, 9)]
+
+
+@pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])
+def test_alibi_bias_equals_transformers(n_heads):
+    seq_len = 37
+    ours = causal_alibi_bias(n_heads, seq_len, 8)[0]  # [H, L, L], relative to the query
+    hf = build_mpt_alibi_tensor(n_heads, seq_len)  # [H, 1, L], relative to the last key
+    # The last query's row is the same tensor exactly.
+    assert torch.equal(ours[:, -1, :], hf[:, 0, :])
+    # Every other row differs by a constant per row, so the attention weights are the same.
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+    hf_full = hf.expand(n_heads, seq_len, seq_len).masked_fill(future, float("-inf"))
+    torch.testing.assert_close(ours.softmax(-1), hf_full.softmax(-1), rtol=0, atol=1e-6)
+    assert torch.isneginf(ours[:, future]).all()
+    assert (ours.diagonal(dim1=-2, dim2=-1) == 0).all()
+
+
+def _pair(**overrides):
+    """Two models with the same weights, one per attention kernel."""
+    base = dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=48, vocab_size=101)
+    base.update(overrides)
+    torch.manual_seed(0)
+    ref = MPTForCausalLM(MPTConfig(attn_impl="torch", **base))
+    fast = MPTForCausalLM(MPTConfig(attn_impl="sdpa", **base))
+    fast.load_state_dict(ref.state_dict())
+    return ref, fast
+
+
+def _sequence_id(batch, seq_len):
+    """Three documents per row, with different boundaries in each row."""
+    sid = torch.zeros(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        cut1, cut2 = 5 + 3 * row, 20 + row
+        sid[row, cut1:] = 1
+        sid[row, cut2:] = 2
+    return sid
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+@pytest.mark.parametrize("use_sequence_id", [False, True])
+def test_torch_and_sdpa_agree(alibi, use_sequence_id):
+    ref, fast = _pair(alibi=alibi, no_bias=alibi)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 101, (3, 40))
+    sid = _sequence_id(3, 40) if use_sequence_id else None
+    out_ref, out_fast = ref(ids, sid), fast(ids, sid)
+    torch.testing.assert_close(out_fast, out_ref, rtol=0, atol=1e-5)
+    MPTForCausalLM.loss(out_ref, ids).backward()
+    MPTForCausalLM.loss(out_fast, ids).backward()
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(p_fast.grad, p_ref.grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_sdpa_bias_built_once_and_reused(monkeypatch):
+    builds = []
+
+    def counting(*args, **kwargs):
+        builds.append(args)
+        return causal_alibi_bias(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "causal_alibi_bias", counting)
+    torch.manual_seed(0)
+    model = MPTForCausalLM(
+        MPTConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=32, vocab_size=50)
+    )
+    ids = torch.randint(0, 50, (2, 16))
+    for length in (16, 16, 9):
+        model(ids[:, :length])
+    model(ids, _sequence_id(2, 16))
+    model.generate(ids[:, :4], max_new_tokens=6, temperature=0)
+    assert len(builds) == 1, "the ALiBi/causal bias must be built once, not per step"
+    assert builds[0][1] == 32  # built for max_seq_len, sliced for shorter inputs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    assert len(builds) == 2  # a new dtype needs its own copy
+    assert not any("attn_bias" in k for k in model.state_dict())
+
+
+def test_unknown_attn_impl_lists_allowed():
+    with pytest.raises(ValueError, match=r"attn_impl='magic'.*'torch', 'sdpa'"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="magic")
+
+
+def test_flash_without_flash_attn_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes find_spec report it missing
+    with pytest.raises(ValueError, match=r"attn_impl='flash' needs the flash_attn package"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flash")
+
+
+def test_planned_impl_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"attn_impl='flex' is not implemented.*'sdpa'"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flex")

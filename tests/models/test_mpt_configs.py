@@ -1,0 +1,84 @@
+"""Every conf/model size: it builds, and its parameter count matches transformers and the papers."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from llmfoundry.models import MPTConfig, MPTForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_CONFS = sorted((REPO / "conf" / "model").glob("*.yaml"))
+SIZES = [
+    "mpt-tiny",
+    "mpt-125m",
+    "mpt-350m",
+    "mpt-760m",
+    "mpt-1b",
+    "mpt-3b",
+    "mpt-7b",
+    "mpt-13b",
+    "mpt-30b",
+    "mpt-70b",
+]
+REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
+
+
+def load(name: str, **overrides) -> MPTConfig:
+    return instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"), **overrides)
+
+
+def test_every_size_has_a_config():
+    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES)
+
+
+def published_counts() -> dict[str, tuple[int, int, int, int]]:
+    """name -> (d_model, n_heads, n_layers, published parameter count) from the reference table."""
+    if not REFERENCE.exists():
+        pytest.skip(f"{REFERENCE} is absent")
+    rows = re.findall(
+        r"^\| (mpt-\w+) \| (\d+) \| (\d+) \| (\d+) \|[^|]*\|[^|]*\|\s*([\d,]*)\s*\|$",
+        REFERENCE.read_text(),
+        flags=re.MULTILINE,
+    )
+    assert len(rows) == 9, "the reference table changed shape"
+    return {r[0]: (int(r[1]), int(r[2]), int(r[3]), int(r[4].replace(",", "") or 0)) for r in rows}
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_param_count_equals_transformers(name):
+    cfg = load(name, init_device="meta")
+    assert cfg.alibi and cfg.no_bias and cfg.attn_impl == "sdpa"
+    model = MPTForCausalLM(cfg)
+    hf_config = transformers.MptConfig(
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.n_layers,
+        expansion_ratio=cfg.expansion_ratio,
+        max_seq_len=cfg.max_seq_len,
+        vocab_size=cfg.vocab_size,
+    )
+    with torch.device("meta"):
+        hf = transformers.MptForCausalLM(hf_config)
+    assert model.num_params() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("name", [s for s in SIZES if s != "mpt-tiny"])
+def test_shapes_and_published_counts(name):
+    d_model, n_heads, n_layers, published = published_counts()[name]
+    cfg = load(name, init_device="meta", alibi=False, no_bias=False)
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers) == (d_model, n_heads, n_layers)
+    assert (cfg.vocab_size, cfg.max_seq_len, cfg.expansion_ratio) == (50368, 2048, 4)
+    assert cfg.learned_pos_emb
+    if published:  # the table gives counts for some sizes only
+        assert MPTForCausalLM(cfg).num_params() == published
+
+
+def test_tiny_is_cpu_sized():
+    model = MPTForCausalLM(load("mpt-tiny", init_device="meta"))
+    assert 2_000_000 < model.num_params() < 10_000_000
+    assert (model.config.vocab_size, model.config.max_seq_len) == (8192, 256)

@@ -1,0 +1,176 @@
+import functools
+import math
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmfoundry.optim import (
+    ConstantWithWarmup,
+    CosineWithWarmup,
+    DecoupledAdamW,
+    InverseSqrtWithWarmup,
+    LinearWithWarmup,
+)
+from llmfoundry.trainer import Callback, State, Time, Trainer
+
+from .conftest import tiny_model, token_batches
+
+
+def trainer_for(tmp_path, batches, **kwargs):
+    kwargs.setdefault("max_duration", f"{len(batches)}ba")
+    kwargs.setdefault("optimizer", functools.partial(torch.optim.SGD, lr=0.1))
+    return Trainer(model=tiny_model(), train_dataloader=batches, run_dir=tmp_path, **kwargs)
+
+
+def masked_batches():
+    """Labels with -100 in unequal amounts, so per-microbatch token counts differ."""
+    batches = token_batches(2, 4, seed=3)
+    for batch in batches:
+        batch["labels"][0, :12] = -100
+        batch["labels"][3, 5:] = -100
+    return batches
+
+
+def test_microbatches_weighted_by_loss_tokens_equal_one_large_batch(tmp_path):
+    full = trainer_for(tmp_path, masked_batches())
+    micro = trainer_for(tmp_path, masked_batches(), device_train_microbatch_size=1)
+    full.fit()
+    micro.fit()
+    for (name, a), (_, b) in zip(full.state.model.named_parameters(), micro.state.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert full.state.train_loss == pytest.approx(micro.state.train_loss, rel=1e-6)
+
+
+def test_unweighted_mean_of_microbatch_means_would_differ(tmp_path):
+    """Guard for the test above: the masked batches really do have unequal token counts."""
+    batch = masked_batches()[0]
+    counts = (batch["labels"][:, 1:] != -100).sum(dim=1)
+    assert len(set(counts.tolist())) > 1
+
+
+def test_batch_without_loss_tokens_is_an_error(tmp_path):
+    batches = token_batches(1, 2)
+    batches[0]["labels"][:] = -100
+    with pytest.raises(ValueError, match="no loss tokens"):
+        trainer_for(tmp_path, batches).fit()
+
+
+def test_timestamp_counts_and_token_based_duration(tmp_path):
+    batches = token_batches(3, 4)  # 4 x 16 = 64 tokens per batch
+    trainer = trainer_for(tmp_path, batches, max_duration="130tok")
+    state = trainer.fit()
+    # 130 tokens are passed during the third batch.
+    assert (state.timestamp.batch, state.timestamp.sample, state.timestamp.token) == (3, 12, 192)
+    assert state.timestamp.epoch == 1
+
+
+def test_multiple_epochs_and_stop_mid_epoch(tmp_path):
+    state = trainer_for(tmp_path, token_batches(3, 2), max_duration="2ep").fit()
+    assert (state.timestamp.epoch, state.timestamp.batch) == (2, 6)
+    state = trainer_for(tmp_path, token_batches(3, 2), max_duration="4ba").fit()
+    assert (state.timestamp.epoch, state.timestamp.batch, state.timestamp.batch_in_epoch) == (1, 4, 1)
+
+
+def test_eval_metrics_interval_and_subset(tmp_path):
+    class CountEvals(Callback):
+        calls = []
+
+        def eval_end(self, state, logger):
+            self.calls.append((state.timestamp.batch, state.eval_name))
+
+    trainer = trainer_for(
+        tmp_path, token_batches(4, 2),
+        eval_dataloaders={"a": token_batches(3, 2, seed=5), "b": token_batches(1, 2, seed=6)},
+        eval_interval="2ba", eval_first=True, eval_subset_num_batches=2,
+        callbacks=[CountEvals()],
+    )
+    state = trainer.fit()
+    assert CountEvals.calls == [(0, "a"), (0, "b"), (2, "a"), (2, "b"), (4, "a"), (4, "b")]
+    metrics = state.eval_metrics
+    assert set(metrics) == {f"eval/{n}/{m}" for n in "ab" for m in ("loss", "perplexity", "accuracy")}
+    assert metrics["eval/a/perplexity"] == pytest.approx(math.exp(metrics["eval/a/loss"]))
+    assert 0.0 <= metrics["eval/a/accuracy"] <= 1.0
+
+
+def test_eval_loss_matches_model_loss(tmp_path):
+    data = token_batches(1, 4, seed=9)
+    trainer = trainer_for(tmp_path, token_batches(1, 2), eval_dataloaders={"v": data})
+    metrics = trainer.evaluate()
+    model = trainer.state.model
+    with torch.no_grad():
+        expected = model.loss(model(data[0]["input_ids"]), data[0]["labels"]).item()
+    assert metrics["eval/v/loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_fp16_needs_cuda(tmp_path):
+    with pytest.raises(ValueError, match="amp_fp16 needs a CUDA device"):
+        trainer_for(tmp_path, token_batches(1, 2), precision="amp_fp16")
+
+
+def test_bf16_autocast_trains(tmp_path):
+    state = trainer_for(tmp_path, token_batches(2, 2), precision="amp_bf16").fit()
+    assert math.isfinite(state.train_loss)
+
+
+def schedule_at(schedule, batch, max_duration="100ba"):
+    state = State(
+        model=None, optimizer=None, scheduler=None, max_duration=Time.parse(max_duration),
+        run_dir=Path("."), device=torch.device("cpu"),
+    )
+    state.timestamp.batch = batch
+    return schedule(state)
+
+
+def test_schedules():
+    cosine = CosineWithWarmup(t_warmup="10ba", alpha_f=0.1)
+    assert schedule_at(cosine, 0) == 0.0
+    assert schedule_at(cosine, 5) == pytest.approx(0.5)
+    assert schedule_at(cosine, 10) == pytest.approx(1.0)
+    assert schedule_at(cosine, 55) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule_at(cosine, 100) == pytest.approx(0.1)
+    linear = LinearWithWarmup(t_warmup="0ba", alpha_f=0.0)
+    assert schedule_at(linear, 25) == pytest.approx(0.75)
+    assert schedule_at(ConstantWithWarmup(t_warmup="4ba"), 2) == pytest.approx(0.5)
+    assert schedule_at(ConstantWithWarmup(t_warmup="4ba"), 50) == 1.0
+    inv = InverseSqrtWithWarmup(t_warmup="10ba")
+    assert schedule_at(inv, 40) == pytest.approx(0.5)
+    # warmup given as a fraction of the run
+    assert schedule_at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), 5) == pytest.approx(0.5)
+    assert schedule_at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), 55) == pytest.approx(0.5)
+
+
+def test_scheduler_sets_lr_each_step(tmp_path):
+    seen = []
+
+    class LR(Callback):
+        def batch_end(self, state, logger):
+            seen.append(state.optimizer.param_groups[0]["lr"])
+
+    trainer_for(
+        tmp_path, token_batches(4, 2), scheduler=LinearWithWarmup(t_warmup="0ba"),
+        callbacks=[LR()], optimizer=functools.partial(DecoupledAdamW, lr=1.0),
+    ).fit()
+    assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25])
+
+
+def test_decoupled_weight_decay_follows_schedule_not_lr():
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = DecoupledAdamW([param], lr=1e-3, weight_decay=0.1)
+    param.grad = torch.zeros(3)
+    opt.param_groups[0]["lr"] = 0.5e-3  # schedule at half the initial lr
+    before = param.detach().clone()
+    opt.step()
+    # decay factor 1 - 0.1 * 0.5 = 0.95, the zero gradient adds no Adam update
+    torch.testing.assert_close(param.detach(), before * 0.95)
+    with pytest.raises(ValueError, match="lr must be positive"):
+        DecoupledAdamW([param], lr=0)
+
+
+def test_training_is_deterministic(tmp_path):
+    a = trainer_for(tmp_path, token_batches(3, 2)).fit()
+    b = trainer_for(tmp_path, token_batches(3, 2)).fit()
+    assert a.train_loss == b.train_loss
+    for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(x, y), name
