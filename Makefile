@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test demo lint bench plot clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,19 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
-demo: setup
-	$(PY) scripts/demo.py
+# The demo corpus: this Python's own standard library sources (every Python ships them).
+DEMO := data/demo
+STDLIB = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+
+demo: setup $(DEMO)/mds/meta.json
+	$(PY) scripts/train.py
+
+$(DEMO)/mds/meta.json: | setup
+	$(PY) data_prep/text_to_tokens.py $(STDLIB) --glob '*.py' --exclude site-packages \
+		--exclude test --exclude '*/test' --exclude '*/tests' --exclude idlelib --exclude lib2to3 \
+		--train-tokenizer --vocab-size 8192 --workers 2 --out $(DEMO)/tokens.bin
+	$(PY) data_prep/tokens_to_mds.py $(DEMO)/tokens.bin --seq-len 256 --val-fraction 0.02 \
+		--out $(DEMO)/mds
 
 lint: setup
 	$(PY) -m ruff check llmfoundry scripts data_prep tests bench

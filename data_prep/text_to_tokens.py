@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "--exclude",
         action="append",
         default=[],
-        help="skip files whose name or relative path matches (repeatable)",
+        help="skip files whose name or relative path matches, and directories whose relative path matches (repeatable)",
     )
     src.add_argument(
         "--text-field",

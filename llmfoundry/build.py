@@ -12,6 +12,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.checkpoint import latest_checkpoint
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader
 from llmfoundry.models.mpt import MPTForCausalLM
@@ -45,6 +47,19 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         nodes = cfg.get(group) or {}
         return [instantiate(node) for node in nodes.values()]
 
+    callbacks = instantiate_all("callbacks")
+    if settings.save_folder:
+        callbacks.append(
+            CheckpointSaver(
+                settings.save_folder, settings.save_interval, settings.num_checkpoints_to_keep
+            )
+        )
+    # autoresume: the run's own last checkpoint wins over load_path (which then only seeds
+    # the first launch, e.g. with pretrained weights).
+    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
+    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
+        load_path, load_ignore_keys = latest, []
+
     return Trainer(
         model=model,
         strategy=strategy,
@@ -58,10 +73,12 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         eval_first=settings.eval_first,
         eval_subset_num_batches=settings.eval_subset_num_batches,
         algorithms=instantiate_all("algorithms"),
-        callbacks=instantiate_all("callbacks"),
+        callbacks=callbacks,
         loggers=instantiate_all("loggers"),
         precision=settings.precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,
         seed=settings.seed,
         config=OmegaConf.to_container(cfg, resolve=True),
+        load_path=load_path,
+        load_ignore_keys=load_ignore_keys,
     )

@@ -2,7 +2,8 @@
 
 It is the template for writing your own: pick an event in `match`, change `state` in `apply`.
 Labels are left as they were, so the model learns to predict the true next token from a noisy
-context (a simple denoising augmentation).
+context (a simple denoising augmentation). Each rank draws its own noise (seed + rank), and the
+generator's state is saved with checkpoints, so a resumed run replaces the same tokens.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ class RandomTokenReplacement(Algorithm):
     def __init__(self, probability: float = 0.05, vocab_size: int = 8192, seed: int = 0) -> None:
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"probability must be in [0, 1], got {probability}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.probability = probability
         self.vocab_size = vocab_size
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
 
     def match(self, event: Event, state: State) -> bool:
-        return event is Event.AFTER_DATALOADER
+        return event in (Event.INIT, Event.AFTER_DATALOADER)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event is Event.INIT:
+            self.generator.manual_seed(self.seed + state.rank)
+            return
         input_ids = state.batch["input_ids"]
         replace = torch.rand(input_ids.shape, generator=self.generator) < self.probability
         noise = torch.randint(0, self.vocab_size, input_ids.shape, generator=self.generator)

@@ -1,8 +1,21 @@
 """Callbacks: observe training events and act around them."""
 
 from llmfoundry.callbacks.checkpoint_saver import CheckpointSaver
+from llmfoundry.callbacks.early_stopper import EarlyStopper
 from llmfoundry.callbacks.generate import Generate
 from llmfoundry.callbacks.lr_monitor import LRMonitor
+from llmfoundry.callbacks.memory_monitor import MemoryMonitor
+from llmfoundry.callbacks.nan_detector import NaNDetector
+from llmfoundry.callbacks.runtime_estimator import RuntimeEstimator
 from llmfoundry.callbacks.speed_monitor import SpeedMonitor
 
-__all__ = ["CheckpointSaver", "Generate", "LRMonitor", "SpeedMonitor"]
+__all__ = [
+    "CheckpointSaver",
+    "EarlyStopper",
+    "Generate",
+    "LRMonitor",
+    "MemoryMonitor",
+    "NaNDetector",
+    "RuntimeEstimator",
+    "SpeedMonitor",
+]

@@ -1,40 +1,83 @@
-"""Save checkpoints into the run folder: periodically and at the end of training."""
+"""Save checkpoints: every `save_interval`, when the run stops early, and at the end.
+
+A run stops early when a callback or algorithm sets ``state.stop_training`` (early stopping, the
+loss-spike guard) or on SIGTERM/SIGINT (preemption); the checkpoint is then taken at the end of
+the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. Storage, the
+`latest` pointer and pruning: llmfoundry/checkpoint/io.py.
+"""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
-from llmfoundry.checkpoint import save_checkpoint, training_state
+from llmfoundry.checkpoint import prune, save_checkpoint
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp
+from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
 
 
 class CheckpointSaver(Callback):
-    def __init__(self, save_folder: str | None = None, save_interval: str | None = None) -> None:
+    """Args:
+    save_folder: local folder or fsspec URL (``s3://bucket/runs/x/checkpoints``).
+    save_interval: Time string in any unit (``500ba``, ``1ep``, ``1000000tok``, ``0.25dur``,
+        ``1h``); None saves only when the run stops or ends.
+    num_checkpoints_to_keep: newest checkpoints kept (older ones are deleted; the one
+        `latest` names never is); -1 keeps all.
+    """
+
+    def __init__(
+        self,
+        save_folder: str,
+        save_interval: str | None = None,
+        num_checkpoints_to_keep: int = -1,
+    ) -> None:
+        if not save_folder:
+            raise ValueError("save_folder must name a folder or URL to save checkpoints to")
+        if num_checkpoints_to_keep == 0 or num_checkpoints_to_keep < -1:
+            raise ValueError(
+                f"num_checkpoints_to_keep must be -1 (keep all) or a positive number, got "
+                f"{num_checkpoints_to_keep}"
+            )
         self.save_folder = save_folder
         self.save_interval = Time.parse(save_interval) if save_interval else None
+        self.num_checkpoints_to_keep = num_checkpoints_to_keep
+        self.last_saved: str | None = None
+        self._saved_batch: int | None = None
         self._before = Timestamp()
-        self.last_saved: Path | None = None
+        self._epoch_start = Timestamp()
 
-    def _folder(self, state: State) -> Path:
-        return Path(self.save_folder) if self.save_folder else state.run_dir / "checkpoints"
+    def after_load(self, state: State, logger: Logger) -> None:
+        # The checkpoint just loaded is this point of the run: saving it again would only
+        # rewrite the checkpoint `latest` names.
+        self._saved_batch = state.timestamp.batch
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self._epoch_start = copy.copy(state.timestamp)
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self._before = copy.copy(state.timestamp)
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
-        if self.save_interval and state.crossed(self.save_interval, self._before):
-            self._save(state)
+        # Epoch intervals never count as crossed mid-epoch (State.crossed); they fire below.
+        due = self.save_interval is not None and state.crossed(self.save_interval, self._before)
+        if due or state.stop_training:
+            self.save(state, logger)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        interval = self.save_interval
+        if interval and interval.unit is TimeUnit.EPOCH and state.crossed(interval, self._epoch_start):
+            self.save(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        if self.last_saved is None or f"ba{state.timestamp.batch}" not in self.last_saved.name:
-            self._save(state)
+        self.save(state, logger)
 
-    def _save(self, state: State) -> None:
-        path = self._folder(state) / f"ep{state.timestamp.epoch}-ba{state.timestamp.batch}.pt"
+    def save(self, state: State, logger: Logger) -> None:
+        """Save now (once per batch: a second call at the same batch does nothing)."""
+        if self._saved_batch == state.timestamp.batch:
+            return
+        self.last_saved = save_checkpoint(self.save_folder, state, logger)
+        self._saved_batch = state.timestamp.batch
         if state.rank == 0:
-            save_checkpoint(training_state(state), path)
-            print(f"saved checkpoint {path}", flush=True)
-        self.last_saved = path
+            deleted = prune(self.save_folder, self.num_checkpoints_to_keep)
+            note = f" (deleted {', '.join(deleted)})" if deleted else ""
+            print(f"saved checkpoint {self.last_saved}{note}", flush=True)

@@ -1,33 +1,136 @@
-"""Throughput: tokens/s and samples/s over a sliding window of recent batches."""
+"""Throughput and model flops utilization over a sliding window of recent batches.
+
+Logged after every batch (rates over the last `window_size` batches, all ranks together):
+
+- ``throughput/batches_per_sec``, ``throughput/samples_per_sec``, ``throughput/tokens_per_sec``
+- ``throughput/device/tokens_per_sec`` and ``throughput/device/flops_per_sec`` (per device)
+- ``throughput/mfu``: model flops per second per device over the device's peak. Model flops are
+  ``model.flops_per_token(seq_len)`` times the tokens trained (6N + 12 L d s: forward and
+  backward, the convention of the MPT and PaLM papers), so MFU does not depend on how the step
+  was computed and compares across implementations.
+- ``throughput/hfu``: hardware flops utilization, which also counts work done twice. With
+  activation checkpointing (torch's checkpoint wrappers around modules) the forward pass is
+  recomputed during backward, one third more flops: HFU = MFU * 4/3, counting a full forward
+  recompute. Without it HFU = MFU.
+
+Time is the wall clock between batch ends, data loading and checkpointing included (they are
+part of what a step costs) and evaluation excluded (it is not training throughput).
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
+from collections.abc import Callable
+from time import perf_counter
+from typing import NamedTuple
 
+import torch
+
+from llmfoundry.callbacks.peak_flops import device_peak_flops
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 
 
+class _Point(NamedTuple):
+    seconds: float
+    batches: int
+    samples: int
+    tokens: int
+    flops: float
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside data-parallel (``.module``) or torch.compile (``._orig_mod``)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def recomputes_activations(model: torch.nn.Module) -> bool:
+    """Whether any module is wrapped for activation checkpointing (its forward runs twice)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # torch built without distributed: nothing can be wrapped
+        return False
+    return any(isinstance(module, CheckpointWrapper) for module in model.modules())
+
+
 class SpeedMonitor(Callback):
-    def __init__(self, window_size: int = 20) -> None:
+    def __init__(self, window_size: int = 20, peak_flops: float | None = None) -> None:
+        """`peak_flops`: flop/s of one device; overrides the lookup by device name (and the CPU
+        benchmark), e.g. for a GPU missing from the table or a power-capped one."""
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
-        # (wall clock, samples, tokens) after each batch
-        self._history: deque[tuple[float, int, int]] = deque(maxlen=window_size + 1)
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops must be a positive flop/s per device, got {peak_flops}")
+        self.window_size = window_size
+        self.peak_flops = peak_flops
+        self._history: deque[_Point] = deque(maxlen=window_size + 1)
+        self._flops_per_token: Callable[[int], int] | None = None
+        self._peak: float | None = None
+        self._hfu_factor = 1.0
+        self._eval_seconds = 0.0
+        self._eval_started = 0.0
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        model = unwrap(state.model)
+        self._flops_per_token = getattr(model, "flops_per_token", None)
+        self._hfu_factor = 4 / 3 if recomputes_activations(model) else 1.0
+        if self.peak_flops is not None:
+            self._peak, source = self.peak_flops, "set by speed_monitor.peak_flops"
+        else:
+            self._peak, source = device_peak_flops(state.device, state.precision)
+        if self._flops_per_token is None:
+            warnings.warn(
+                f"{type(model).__name__} has no flops_per_token(seq_len) method: throughput is "
+                "logged without MFU",
+                stacklevel=2,
+            )
+        elif self._peak is None:
+            warnings.warn(
+                f"MFU is not logged: no peak flop/s known ({source}) for precision "
+                f"{state.precision}; set callbacks.speed_monitor.peak_flops=<flop/s per device>",
+                stacklevel=2,
+            )
+        elif state.rank == 0:
+            print(f"speed monitor: peak {self._peak / 1e9:.1f} GFLOP/s per device ({source})", flush=True)
         ts = state.timestamp
-        self._history.append((ts.wall_clock, ts.sample, ts.token))
+        self._eval_seconds = 0.0
+        self._history.clear()
+        self._history.append(_Point(perf_counter(), ts.batch, ts.sample, ts.token, 0.0))
+
+    def eval_before_all(self, state: State, logger: Logger) -> None:
+        self._eval_started = perf_counter()
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        self._eval_seconds += perf_counter() - self._eval_started
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        ts = state.timestamp
-        self._history.append((ts.wall_clock, ts.sample, ts.token))
-        (t0, s0, k0), (t1, s1, k1) = self._history[0], self._history[-1]
-        if t1 <= t0:
+        ts, previous = state.timestamp, self._history[-1]
+        flops = previous.flops
+        if self._flops_per_token is not None:
+            seq_len = state.batch["input_ids"].shape[1]
+            flops += self._flops_per_token(seq_len) * (ts.token - previous.tokens)
+        now = perf_counter() - self._eval_seconds
+        self._history.append(_Point(now, ts.batch, ts.sample, ts.token, flops))
+        first, last = self._history[0], self._history[-1]
+        seconds = last.seconds - first.seconds
+        if seconds <= 0:
             return
-        logger.log_metrics(
-            {
-                "throughput/samples_per_sec": (s1 - s0) / (t1 - t0),
-                "throughput/tokens_per_sec": (k1 - k0) / (t1 - t0),
-            }
-        )
+        tokens_per_sec = (last.tokens - first.tokens) / seconds
+        metrics = {
+            "throughput/batches_per_sec": (last.batches - first.batches) / seconds,
+            "throughput/samples_per_sec": (last.samples - first.samples) / seconds,
+            "throughput/tokens_per_sec": tokens_per_sec,
+            "throughput/device/tokens_per_sec": tokens_per_sec / state.world_size,
+        }
+        if self._flops_per_token is not None:
+            device_flops = (last.flops - first.flops) / seconds / state.world_size
+            metrics["throughput/device/flops_per_sec"] = device_flops
+            if self._peak is not None:
+                metrics["throughput/mfu"] = device_flops / self._peak
+                metrics["throughput/hfu"] = device_flops * self._hfu_factor / self._peak
+        logger.log_metrics(metrics)

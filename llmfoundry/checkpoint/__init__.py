@@ -1,6 +1,31 @@
-"""Checkpoints: what a training state saves, and how it is written and read back."""
+"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py), preemption signals.
 
-from llmfoundry.checkpoint.io import load_checkpoint, save_checkpoint
-from llmfoundry.checkpoint.state_dict import load_training_state, training_state
+Settings (top-level keys of conf/train.yaml): save_folder, save_interval,
+num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
+"""
 
-__all__ = ["load_checkpoint", "load_training_state", "save_checkpoint", "training_state"]
+from llmfoundry.checkpoint.io import latest_checkpoint, prune, read_checkpoint, read_latest
+from llmfoundry.checkpoint.preemption import Preemption
+from llmfoundry.checkpoint.rng import load_rng_state, rng_state
+from llmfoundry.checkpoint.state_dict import (
+    LOADABLE_KEYS,
+    WEIGHTS_ONLY,
+    check_ignore_keys,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "LOADABLE_KEYS",
+    "WEIGHTS_ONLY",
+    "Preemption",
+    "check_ignore_keys",
+    "load_rng_state",
+    "rng_state",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "prune",
+    "read_checkpoint",
+    "read_latest",
+    "save_checkpoint",
+]

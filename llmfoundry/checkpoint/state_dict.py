@@ -1,27 +1,245 @@
-"""The contents of a checkpoint: everything needed to continue a run exactly."""
+"""The contents of a checkpoint: everything needed to continue a run exactly, and how it returns.
+
+A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip on load):
+
+- ``model``: the weights (model.safetensors);
+- ``optimizer``, ``scheduler`` (a slot: our schedules are pure functions of time), ``scaler``
+  (the amp_fp16 loss scaler);
+- ``timestamp``: epochs, batches, samples, tokens, in total and within the epoch;
+- ``algorithms``, ``callbacks``, ``loggers``: each object's ``state_dict()``, keyed by class name
+  (``Name``, ``Name#1`` for a second one), so adding or removing one between runs is harmless;
+- ``data``: the train dataloader's position, ``state_dict(timestamp.sample_in_epoch)``;
+- ``rng``: each rank's python, numpy, torch (and CUDA) generator states, one file per rank;
+- ``config``: the run's config, for provenance only; it is never loaded.
+
+Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scheduler, scaler, timestamp,
+algorithms, callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from llmfoundry.trainer.state import State
+import torch
+
+from llmfoundry.checkpoint.io import (
+    MODEL_FILE,
+    STATE_FILE,
+    Checkpoint,
+    FileWriter,
+    checkpoint_name,
+    read_checkpoint,
+    rng_file,
+    write_checkpoint,
+    write_object,
+    write_tensors,
+)
+from llmfoundry.checkpoint.rng import rng_state
+from llmfoundry.distributed import unwrap_model
+
+if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
+    from llmfoundry.trainer.engine import Logger
+    from llmfoundry.trainer.state import State
+
+FORMAT_VERSION = 1
+LOADABLE_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "timestamp",
+    "algorithms",
+    "callbacks",
+    "loggers",
+    "data",
+    "rng",
+)
+WEIGHTS_ONLY = tuple(k for k in LOADABLE_KEYS if k != "model")
 
 
-def training_state(state: State) -> dict[str, Any]:
+def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
+    """Validate `load_ignore_keys`; the data position is meaningless without its timestamp."""
+    keys = tuple(keys)
+    unknown = [k for k in keys if k not in LOADABLE_KEYS]
+    if unknown:
+        raise ValueError(
+            f"load_ignore_keys: unknown key(s) {unknown}; allowed: {', '.join(LOADABLE_KEYS)}"
+        )
+    if "timestamp" in keys and "data" not in keys:
+        raise ValueError(
+            "load_ignore_keys: has 'timestamp' but not 'data', yet the data position only makes "
+            "sense with the timestamp it was saved at; add 'data' (the data then starts from the "
+            "beginning of epoch 0)"
+        )
+    return keys
+
+
+def save_checkpoint(folder: str, state: State, logger: Logger) -> str:
+    """Save `state` as ``<folder>/ep<epoch>-ba<batch>`` and point `latest` at it; return its URL.
+
+    Called by every rank (each writes its RNG states).
+    """
+    name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
+    return write_checkpoint(folder, name, checkpoint_files(state, logger))
+
+
+def load_checkpoint(
+    path: str, state: State, logger: Logger, ignore_keys: Sequence[str] = ()
+) -> dict[str, Any] | None:
+    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`."""
+    return restore(state, logger, read_checkpoint(path, state.rank), ignore_keys)
+
+
+def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
+    """The files this rank writes for a checkpoint of `state` (rank 0 the shared ones)."""
+    files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
+    if state.rank == 0:
+        files[MODEL_FILE] = write_tensors(model_weights(state.model))
+        files[STATE_FILE] = write_object(run_state(state, logger))
+    return files
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as contiguous CPU tensors, with tied (shared) tensors copied.
+
+    safetensors refuses tensors that share memory; loading fills each name, so a tied pair
+    comes back tied (both names point at the same parameter in the model).
+    """
+    weights, seen = {}, set()
+    for name, tensor in unwrap_model(model).state_dict().items():
+        tensor = tensor.detach().to("cpu").contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        weights[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return weights
+
+
+def run_state(state: State, logger: Logger) -> dict[str, Any]:
+    """Everything but the weights and the RNG, as tensors and plain containers."""
     return {
-        "model": state.model.state_dict(),
+        "format_version": FORMAT_VERSION,
         "optimizer": state.optimizer.state_dict(),
+        "scheduler": _state_of(state.scheduler),
+        "scaler": _state_of(state.scaler),
         "timestamp": state.timestamp.state_dict(),
-        "algorithms": [a.state_dict() for a in state.algorithms],
-        "callbacks": [c.state_dict() for c in state.callbacks],
+        "algorithms": _by_name(state.algorithms),
+        "callbacks": _by_name(state.callbacks),
+        "loggers": _by_name(logger.destinations),
+        "data": _data_state(state),
+        "config": state.config,
     }
 
 
-def load_training_state(state: State, checkpoint: dict[str, Any]) -> None:
-    state.model.load_state_dict(checkpoint["model"])
-    state.optimizer.load_state_dict(checkpoint["optimizer"])
-    state.timestamp.load_state_dict(checkpoint["timestamp"])
-    for obj, saved in zip(state.algorithms, checkpoint["algorithms"], strict=False):
-        obj.load_state_dict(saved)
-    for obj, saved in zip(state.callbacks, checkpoint["callbacks"], strict=False):
-        obj.load_state_dict(saved)
+def restore(
+    state: State, logger: Logger, checkpoint: Checkpoint, ignore_keys: Sequence[str] = ()
+) -> dict[str, Any] | None:
+    """Load `checkpoint` into `state` except `ignore_keys`; return the RNG states to restore.
+
+    The RNG is returned rather than applied: the trainer restores it at the point of the loop
+    where it was saved (see `Trainer.load`).
+    """
+    ignore = set(check_ignore_keys(ignore_keys))
+    saved, where = checkpoint.state, checkpoint.path
+    if saved.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
+            f"version of llmfoundry reads format {FORMAT_VERSION}"
+        )
+    if "model" not in ignore:
+        try:
+            unwrap_model(state.model).load_state_dict(checkpoint.model)
+        except RuntimeError as err:
+            raise ValueError(
+                f"checkpoint {where!r}: its weights do not fit this model ({err}); load it "
+                "into the same model config"
+            ) from None
+    if "optimizer" not in ignore:
+        try:
+            state.optimizer.load_state_dict(saved["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise ValueError(
+                f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "
+                "add 'optimizer' to load_ignore_keys to start the optimizer afresh"
+            ) from None
+    for key, obj in (("scheduler", state.scheduler), ("scaler", state.scaler)):
+        if key not in ignore and saved[key] and obj is not None:
+            obj.load_state_dict(saved[key])
+    if "timestamp" not in ignore:
+        state.timestamp.load_state_dict(saved["timestamp"])
+    for key, objects in (
+        ("algorithms", state.algorithms),
+        ("callbacks", state.callbacks),
+        ("loggers", logger.destinations),
+    ):
+        if key not in ignore:
+            _load_by_name(objects, saved[key])
+    if "data" not in ignore:
+        _load_data_state(state, saved["data"], where)
+    if "rng" in ignore:
+        return None
+    if checkpoint.rng is None and state.rank == 0:
+        print(f"checkpoint {where!r} has no RNG state for rank {state.rank}; keeping the seeded one")
+    return checkpoint.rng
+
+
+def _state_of(obj: Any) -> dict[str, Any]:
+    state_dict = getattr(obj, "state_dict", None)
+    return state_dict() if callable(state_dict) else {}
+
+
+def _names(objects: Sequence[Any]) -> list[str]:
+    counts: Counter[str] = Counter()
+    names = []
+    for obj in objects:
+        name = type(obj).__name__
+        names.append(f"{name}#{counts[name]}" if counts[name] else name)
+        counts[name] += 1
+    return names
+
+
+def _by_name(objects: Sequence[Any]) -> dict[str, Any]:
+    return {name: obj.state_dict() for name, obj in zip(_names(objects), objects, strict=True)}
+
+
+def _load_by_name(objects: Sequence[Any], saved: dict[str, Any]) -> None:
+    for name, obj in zip(_names(objects), objects, strict=True):
+        if name in saved:
+            obj.load_state_dict(saved[name])
+
+
+def data_source(dataloader: Any) -> Any:
+    """What holds the data position: the loader or its dataset, whichever has the state API."""
+    for obj in (dataloader, getattr(dataloader, "dataset", None)):
+        if callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            return obj
+    return None
+
+
+def _data_state(state: State) -> dict[str, Any] | None:
+    source = data_source(state.train_dataloader)
+    return None if source is None else source.state_dict(int(state.timestamp.sample_in_epoch))
+
+
+def _load_data_state(state: State, saved: dict[str, Any] | None, where: str) -> None:
+    source = data_source(state.train_dataloader)
+    if source is not None and saved is not None:
+        source.load_state_dict(saved)
+        return
+    if state.timestamp.sample_in_epoch == 0:
+        return  # at an epoch boundary the epoch number alone is the position
+    why = (
+        "the run that saved it could not record its data position"
+        if saved is None
+        else "this run's train dataloader has no state_dict/load_state_dict"
+    )
+    raise ValueError(
+        f"checkpoint {where!r} was taken {state.timestamp.batch_in_epoch} batches into epoch "
+        f"{state.timestamp.epoch}, but {why}, so resuming would repeat or skip samples. Use a "
+        "dataloader whose dataset has state_dict(num_samples)/load_state_dict (like "
+        "llmfoundry.data.build_dataloader), or add 'data' to load_ignore_keys to restart the "
+        "epoch's data from its beginning"
+    )

@@ -53,11 +53,26 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
             "max_seq_len",
             f"{settings.max_seq_len} exceeds model.max_seq_len={model_len}; lower it or raise model.max_seq_len",
         )
+    _check_autoresume(cfg, settings)
     micro = settings.device_train_microbatch_size
-    if micro and micro > settings.global_train_batch_size:
+    if isinstance(micro, int) and micro > settings.global_train_batch_size:
         raise ConfigError(
             "device_train_microbatch_size",
             f"{micro} exceeds global_train_batch_size={settings.global_train_batch_size}",
         )
     return settings
 
+
+def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
+    """autoresume looks for the last checkpoint in save_folder: it must be the same next launch."""
+    if not settings.autoresume:
+        return
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    folder, run_name = str(raw.get("save_folder")), str(raw.get("run_name"))
+    if "${run_id:" in folder or ("${run_name}" in folder and "${run_id:" in run_name):
+        raise ConfigError(
+            "autoresume",
+            f"save_folder={settings.save_folder} is named after this launch (run_name defaults "
+            "to the start time), so a rerun would not find its checkpoints; set run_name=<name> "
+            "or save_folder=<path or URL> to something that stays the same between launches",
+        )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from llmfoundry.checkpoint import check_ignore_keys
 
 from llmfoundry.trainer.time import Time
 
@@ -19,8 +21,9 @@ class TrainSettings:
     max_duration: str
     global_train_batch_size: int
     seed: int = 17
-    # Samples per forward/backward on one device; null = the whole per-device batch.
-    device_train_microbatch_size: int | None = None
+    # Samples per forward/backward on one device; null = the whole per-device batch; 'auto' =
+    # start from the whole per-device batch and halve on out-of-memory errors.
+    device_train_microbatch_size: int | Literal["auto"] | None = None
     device_eval_batch_size: int | None = None
     precision: Literal["fp32", "amp_bf16", "amp_fp16"] = "fp32"
     eval_interval: str | None = None
@@ -31,8 +34,22 @@ class TrainSettings:
     # tokenizer.json used for samples and export; data_prep writes one next to the shards.
     tokenizer: str | None = None
 
+    # Checkpoints (llmfoundry/checkpoint). save_folder: a local folder or fsspec URL
+    # (s3://bucket/run/checkpoints); null saves none. save_interval: a Time string; null saves
+    # only when the run stops or ends. num_checkpoints_to_keep: -1 keeps all.
+    save_folder: str | None = None
+    save_interval: str | None = None
+    num_checkpoints_to_keep: int = -1
+    # A checkpoint folder (or a save folder: its latest) to start from, and the parts of it not
+    # to load, e.g. [optimizer, scheduler, scaler, timestamp, algorithms, callbacks, loggers,
+    # data, rng] to finetune from weights.
+    load_path: str | None = None
+    load_ignore_keys: list[str] = field(default_factory=list)
+    # Continue from <save_folder>/latest when it exists: rerun the same command after a crash.
+    autoresume: bool = False
+
     def __post_init__(self) -> None:
-        for key in ("max_duration", "eval_interval"):
+        for key in ("max_duration", "eval_interval", "save_interval"):
             value = getattr(self, key)
             if value is not None:
                 try:
@@ -47,5 +64,18 @@ class TrainSettings:
             "max_seq_len",
         ):
             value = getattr(self, key)
+            if key == "device_train_microbatch_size" and value == "auto":
+                continue
             if value is not None and value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value}")
+        if self.num_checkpoints_to_keep == 0 or self.num_checkpoints_to_keep < -1:
+            raise ValueError(
+                f"num_checkpoints_to_keep: must be -1 (keep all) or positive, got "
+                f"{self.num_checkpoints_to_keep}"
+            )
+        check_ignore_keys(self.load_ignore_keys)
+        if self.autoresume and not self.save_folder:
+            raise ValueError(
+                "autoresume: it continues from <save_folder>/latest, but save_folder is null; "
+                "set save_folder"
+            )

@@ -7,6 +7,8 @@ the trainer never branches on which one is in use.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 
@@ -34,6 +36,23 @@ class Strategy:
         """Materialize a model built on the meta device, initialize it, and wrap it."""
         raise NotImplementedError
 
+    def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+        """Wrap one microbatch's forward and backward; with `sync=False` gradients stay local.
+
+        Data-parallel strategies average gradients during the backward of the microbatch run
+        with `sync=True` (the last one), overlapping communication with compute.
+        """
+        del model, sync
+        return nullcontext()
+
+    def sync_gradients(self, model: torch.nn.Module) -> None:
+        """Average gradients over processes now, for steps whose microbatches all ran unsynced.
+
+        Auto-microbatching defers the averaging until every rank has finished its backward
+        without running out of memory, so no rank is left waiting in a collective.
+        """
+        del model
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over all processes, in place, and return it."""
         return tensor
@@ -56,7 +75,12 @@ class SingleDevice(Strategy):
         self.device = resolve_device(device)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        if any(p.is_meta for p in model.parameters()):
-            model.to_empty(device=self.device)
-            model.init_weights()
-        return model.to(self.device)
+        return materialize(model, self.device)
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Allocate a meta-device model on `device` and initialize it (its `init_weights`)."""
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+        model.init_weights()
+    return model.to(device)

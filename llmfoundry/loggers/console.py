@@ -33,7 +33,6 @@ class ConsoleLogger(LoggerDestination):
     def batch_end(self, state: State, logger: Logger) -> None:
         if state.crossed(self.log_interval, self._before) or state.finished:
             train = {k: v for k, v in self._pending.items() if not k.startswith("eval/")}
-            train["loss/train"] = state.train_loss
             self._print(state, f"[batch {state.timestamp.batch}] {format_metrics(train)}")
             self._pending = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
 

@@ -1,6 +1,8 @@
-"""Optimizers and learning-rate schedules."""
+"""Optimizers, parameter groups and learning-rate schedules."""
 
 from llmfoundry.optim.adamw import DecoupledAdamW
+from llmfoundry.optim.lion import DecoupledLionW
+from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.optim.schedules import (
     ConstantWithWarmup,
     CosineWithWarmup,
@@ -12,6 +14,8 @@ __all__ = [
     "ConstantWithWarmup",
     "CosineWithWarmup",
     "DecoupledAdamW",
+    "DecoupledLionW",
     "InverseSqrtWithWarmup",
     "LinearWithWarmup",
+    "build_param_groups",
 ]

@@ -8,35 +8,40 @@ Hutter: ``weight_decay=1e-5`` means the same thing at lr 6e-4 and at lr 1e-4.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
+from llmfoundry.optim.param_groups import decay_factor, decoupled_groups
+
 
 class DecoupledAdamW(torch.optim.AdamW):
+    """`no_decay_norm_bias_embedding` exempts norms, biases and embeddings from weight decay
+    (see `param_groups.py`). The Adam update itself is torch's (fused/foreach kernels)."""
+
     def __init__(
         self,
-        params: Iterable[torch.nn.Parameter] | Iterable[dict],
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        no_decay_norm_bias_embedding: bool = False,
     ) -> None:
         if lr <= 0:
             raise ValueError(f"optimizer.lr must be positive, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {weight_decay}")
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0)
+        groups = decoupled_groups(params, weight_decay, no_decay_norm_bias_embedding)
+        # torch's own weight decay stays 0: the decay is applied in `step`, scaled by the schedule.
+        super().__init__(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0)
         for group in self.param_groups:
-            group["decoupled_weight_decay"] = weight_decay
-            group.setdefault("initial_lr", lr)
+            group.setdefault("initial_lr", group["lr"])
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
         for group in self.param_groups:
-            decay = group["decoupled_weight_decay"]
-            if decay == 0:
+            factor = decay_factor(group)
+            if factor == 1.0:
                 continue
-            factor = 1.0 - decay * group["lr"] / group["initial_lr"]
             for param in group["params"]:
                 if param.grad is not None:
                     param.mul_(factor)

@@ -52,6 +52,9 @@ class State:
     callbacks: list[Any] = field(default_factory=list)
     # Free-form config (plain containers) saved with checkpoints for provenance.
     config: dict[str, Any] = field(default_factory=dict)
+    # Loss-scaling state of the precision (amp_fp16's grad scaler): an object with
+    # state_dict/load_state_dict that checkpoints save and restore.
+    scaler: Any = None
 
     def elapsed(self, duration: Time, timestamp: Timestamp | None = None) -> float:
         """How much of `duration` has passed at `timestamp` (default: now), as a fraction.

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint import Preemption, load_checkpoint, load_rng_state, rng_state
 from llmfoundry.distributed import SingleDevice, Strategy
+from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.metrics import IGNORE_INDEX, LanguageMetrics
@@ -23,7 +25,7 @@ from llmfoundry.trainer.rng import seed_all
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 Schedule = Callable[[State], float]
 
 
@@ -32,8 +34,13 @@ class Trainer:
 
     The model is handed over unprepared (typically built on the meta device); the strategy
     materializes and wraps it, and only then is the optimizer built from `optimizer`, a factory
-    taking the parameters (Hydra's ``_partial_: true``), so sharded strategies can replace
-    parameters before the optimizer sees them.
+    taking parameter groups (Hydra's ``_partial_: true``; groups from
+    `llmfoundry.optim.build_param_groups`, so the optimizer config can exempt norms, biases and
+    embeddings from weight decay), so sharded strategies can replace parameters before the
+    optimizer sees them.
+
+    `device_train_microbatch_size` is an int, None (the whole per-device batch) or "auto":
+    start from the whole per-device batch and halve on out-of-memory errors (`_train_batch`).
 
     `scheduler` maps the state to a learning-rate multiplier of each group's initial lr.
     """
@@ -56,20 +63,24 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerDestination] = (),
         precision: str = "fp32",
-        device_train_microbatch_size: int | None = None,
+        device_train_microbatch_size: int | str | None = None,
         seed: int = 17,
         config: dict[str, Any] | None = None,
+        load_path: str | None = None,
+        load_ignore_keys: Sequence[str] = (),
     ) -> None:
         self.strategy = strategy or SingleDevice()
         self.strategy.setup()
         seed_all(seed + self.strategy.rank)
         self.loss_fn = model.loss
         prepared = self.strategy.prepare(model)
-        opt = optimizer(prepared.parameters())
+        opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
             group.setdefault("initial_lr", group["lr"])
         self.schedule = scheduler
         self.precision = Precision(precision, self.strategy.device)
+        self.auto_microbatching = _is_auto(device_train_microbatch_size)
+        self._logged_microbatch_size: int | None = None
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
         self.eval_subset_num_batches = eval_subset_num_batches
@@ -88,32 +99,68 @@ class Trainer:
             train_dataloader=train_dataloader,
             eval_dataloaders=dict(eval_dataloaders or {}),
             dataloader_len=_length(train_dataloader),
-            device_train_microbatch_size=device_train_microbatch_size,
+            device_train_microbatch_size=(
+                None if self.auto_microbatching else device_train_microbatch_size
+            ),
             config=config or {},
+            scaler=self.precision,
         )
         self.logger = Logger(self.state, loggers)
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
         self.engine.run_event(Event.INIT)
+        self._preemption = Preemption()
+        self._preempted = False
+        # RNG states of a loaded checkpoint still to be restored (see `load`).
+        self._resume_rng: dict[str, Any] | None = None
+        if load_path:
+            self.load(load_path, load_ignore_keys)
+
+    def load(self, path: str, ignore_keys: Sequence[str] = ()) -> None:
+        """Continue from the checkpoint at `path` (a checkpoint folder, or a save folder's
+        `latest`), except `ignore_keys` (llmfoundry/checkpoint/state_dict.py).
+
+        RNG states are restored where the interrupted run was when it saved them: states saved
+        after a batch once the epoch's data iterator exists (creating one may draw a seed, which
+        the interrupted run drew before saving), states saved at an epoch boundary right away.
+        """
+        self.engine.run_event(Event.BEFORE_LOAD)
+        rng = load_checkpoint(path, self.state, self.logger, ignore_keys)
+        if rng is not None and self.state.timestamp.batch_in_epoch == 0:
+            load_rng_state(rng)
+            rng = None
+        self._resume_rng = rng
+        if self.state.rank == 0:
+            ts = self.state.timestamp
+            print(f"loaded checkpoint {path} (epoch {ts.epoch}, batch {ts.batch})", flush=True)
+        self.engine.run_event(Event.AFTER_LOAD)
 
     # ------------------------------------------------------------------ training
     def fit(self) -> State:
         state = self.state
         try:
-            self.engine.run_event(Event.FIT_START)
-            if self.eval_first and state.timestamp.batch == 0:
-                self.evaluate()
-            while not state.finished:
-                self._train_epoch()
-            if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
-                self.evaluate()
-            self.engine.run_event(Event.FIT_END)
+            with self._preemption:
+                self.engine.run_event(Event.FIT_START)
+                if self.eval_first and state.timestamp.batch == 0:
+                    self.evaluate()
+                while not state.finished:
+                    self._train_epoch()
+                if self._preempted:  # saved at BATCH_CHECKPOINT; resumable, so no FIT_END
+                    if state.rank == 0:
+                        print(f"preempted: stopped after batch {state.timestamp.batch}", flush=True)
+                    return state
+                if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
+                    self.evaluate()
+                self.engine.run_event(Event.FIT_END)
         finally:
             self.close()
         return state
 
     def _train_epoch(self) -> None:
         state = self.state
-        set_epoch = getattr(getattr(state.train_dataloader, "dataset", None), "set_epoch", None)
+        # The loader's set_epoch (llmfoundry.data's contract), else its dataset's.
+        loader = state.train_dataloader
+        dataset = getattr(loader, "dataset", None)
+        set_epoch = getattr(loader, "set_epoch", None) or getattr(dataset, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(state.timestamp.epoch)
         self.engine.run_event(Event.EPOCH_START)
@@ -125,6 +172,8 @@ class Trainer:
             self.engine.run_event(Event.BATCH_START)
             self._train_batch()
             self.engine.run_event(Event.BATCH_END)
+            if self._preemption_requested():
+                self._preempted = state.stop_training = True
             self.engine.run_event(Event.BATCH_CHECKPOINT)
             if self.eval_interval and state.crossed(self.eval_interval, before):
                 self.evaluate()
@@ -132,7 +181,8 @@ class Trainer:
                 if state.timestamp.batch_in_epoch != state.dataloader_len:
                     return  # stopped mid-epoch: no epoch end
                 break
-        if not saw_batch:
+        # A run resumed at the end of an epoch has no batch left in it; that is no error.
+        if not saw_batch and state.timestamp.batch_in_epoch == 0:
             raise ValueError(
                 "the train dataloader yielded no batch: the dataset is smaller than one global "
                 "batch per rank, or empty; check data.remote and global_train_batch_size"
@@ -148,6 +198,9 @@ class Trainer:
     def _batches(self, dataloader: Iterable[dict[str, torch.Tensor]]) -> Iterator[None]:
         """Fetch batches onto the device, wrapped in the dataloader events."""
         iterator = iter(dataloader)
+        if self._resume_rng is not None:  # see `load`
+            load_rng_state(self._resume_rng)
+            self._resume_rng = None
         while True:
             self.engine.run_event(Event.BEFORE_DATALOADER)
             try:
@@ -158,11 +211,25 @@ class Trainer:
             self.engine.run_event(Event.AFTER_DATALOADER)
             yield
 
+    def _preemption_requested(self) -> bool:
+        """Whether any rank got SIGTERM/SIGINT; all ranks agree, so they stop at one batch."""
+        flag = float(self._preemption.signal is not None)
+        if self.strategy.world_size > 1:
+            tensor = torch.tensor([flag], device=self.state.device)
+            flag = self.strategy.all_reduce_sum(tensor).item()
+        return flag > 0
+
     def _train_batch(self) -> None:
         """One optimizer step over the batch, split into microbatches.
 
         Each microbatch's loss is weighted by its share of the loss tokens of the whole global
         batch (all ranks), so the update equals the one a single large batch would give.
+
+        With auto-microbatching, an out-of-memory error in any rank's forward or backward
+        discards the partial step on every rank (the ranks agree through an all-reduce of an
+        OOM flag after each attempt), halves the microbatch size and retries the same batch.
+        Gradients are then averaged across ranks only after that agreement, so no rank is ever
+        left inside a collective that another rank abandoned.
         """
         state, engine = self.state, self.engine
         started = time.perf_counter()
@@ -177,25 +244,23 @@ class Trainer:
         if loss_tokens == 0:
             raise ValueError("a training batch has no loss tokens: every label is -100")
         engine.run_event(Event.BEFORE_TRAIN_BATCH)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
-        for microbatch in self._microbatches(batch):
-            state.batch = microbatch
-            engine.run_event(Event.BEFORE_FORWARD)
-            with self.precision.autocast():
-                state.outputs = state.model(
-                    microbatch["input_ids"], sequence_id=microbatch.get("sequence_id")
-                )
-            engine.run_event(Event.AFTER_FORWARD)
-            engine.run_event(Event.BEFORE_LOSS)
-            with self.precision.autocast():
-                state.loss = self.loss_fn(state.outputs, microbatch["labels"])
-            engine.run_event(Event.AFTER_LOSS)
-            mb_tokens = (microbatch["labels"][:, 1:] != IGNORE_INDEX).sum()
-            weight = mb_tokens * self.strategy.world_size / loss_tokens
-            engine.run_event(Event.BEFORE_BACKWARD)
-            self.precision.backward(state.loss * weight)
-            engine.run_event(Event.AFTER_BACKWARD)
-            loss_sum += state.loss.detach().double() * mb_tokens
+        if self.auto_microbatching and state.device_train_microbatch_size is None:
+            state.device_train_microbatch_size = labels.shape[0]
+        while True:
+            try:
+                loss_sum = self._accumulate_gradients(batch, loss_tokens)
+                out_of_memory = False
+            except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+                if not (self.auto_microbatching and _is_out_of_memory(err)):
+                    raise
+                out_of_memory = True
+            if not self.auto_microbatching:
+                break
+            if not self._out_of_memory_on_any_rank(out_of_memory):
+                self.strategy.sync_gradients(state.model)
+                self._log_microbatch_size()
+                break
+            self._retry_with_smaller_microbatches(batch)
         state.batch = batch
         state.outputs = None
         state.train_loss = self.strategy.all_reduce_sum(loss_sum).item() / loss_tokens
@@ -205,12 +270,81 @@ class Trainer:
         self.precision.step(state.optimizer)
         state.optimizer.zero_grad(set_to_none=True)
         state.timestamp.after_batch(int(samples), int(tokens), time.perf_counter() - started)
+        self.logger.log_metrics({"loss/train": state.train_loss})
+
+    def _accumulate_gradients(
+        self, batch: dict[str, torch.Tensor], loss_tokens: float
+    ) -> torch.Tensor:
+        """Forward and backward over each microbatch; returns the loss summed over loss tokens.
+
+        Gradients are averaged across ranks during the last microbatch's backward, except under
+        auto-microbatching, where `_train_batch` averages them once every rank has succeeded.
+        """
+        state, engine = self.state, self.engine
+        microbatches = list(self._microbatches(batch))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+        for index, microbatch in enumerate(microbatches):
+            sync = index == len(microbatches) - 1 and not self.auto_microbatching
+            with self.strategy.sync_context(state.model, sync):
+                state.batch = microbatch
+                engine.run_event(Event.BEFORE_FORWARD)
+                with self.precision.autocast():
+                    state.outputs = state.model(
+                        microbatch["input_ids"], sequence_id=microbatch.get("sequence_id")
+                    )
+                engine.run_event(Event.AFTER_FORWARD)
+                engine.run_event(Event.BEFORE_LOSS)
+                with self.precision.autocast():
+                    state.loss = self.loss_fn(state.outputs, microbatch["labels"])
+                engine.run_event(Event.AFTER_LOSS)
+                mb_tokens = (microbatch["labels"][:, 1:] != IGNORE_INDEX).sum()
+                weight = mb_tokens * self.strategy.world_size / loss_tokens
+                engine.run_event(Event.BEFORE_BACKWARD)
+                self.precision.backward(state.loss * weight)
+                engine.run_event(Event.AFTER_BACKWARD)
+            loss_sum += state.loss.detach().double() * mb_tokens
+        return loss_sum
 
     def _microbatches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
         size = self.state.device_train_microbatch_size or batch["input_ids"].shape[0]
         n = batch["input_ids"].shape[0]
         for start in range(0, n, size):
             yield {k: v[start : start + size] for k, v in batch.items()}
+
+    def _out_of_memory_on_any_rank(self, out_of_memory: bool) -> bool:
+        flag = torch.tensor([float(out_of_memory)], device=self.state.device)
+        return self.strategy.all_reduce_sum(flag).item() > 0
+
+    def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
+        """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
+        state = self.state
+        state.optimizer.zero_grad(set_to_none=True)
+        state.batch, state.outputs, state.loss = batch, None, None
+        if state.device.type == "cuda":
+            torch.cuda.empty_cache()
+        size = state.device_train_microbatch_size
+        if size <= 1:
+            raise RuntimeError(
+                "out of memory with device_train_microbatch_size=1 (auto): one sample per "
+                "device does not fit. Lower max_seq_len, use precision=amp_bf16, a smaller "
+                "model, or a strategy that shards the model."
+            )
+        state.device_train_microbatch_size = size // 2
+        if state.rank == 0:
+            print(
+                f"out of memory with device_train_microbatch_size={size} on some rank; "
+                f"retrying the batch with {size // 2}",
+                flush=True,
+            )
+
+    def _log_microbatch_size(self) -> None:
+        size = self.state.device_train_microbatch_size
+        if size == self._logged_microbatch_size:
+            return
+        self._logged_microbatch_size = size
+        self.logger.log_metrics({"trainer/device_train_microbatch_size": size})
+        if self.state.rank == 0:
+            print(f"device_train_microbatch_size (auto): {size}", flush=True)
 
     def _set_lr(self) -> None:
         """Set each group's lr from the schedule, for the step about to be taken."""
@@ -226,6 +360,7 @@ class Trainer:
         """Run every eval set; metrics land in ``state.eval_metrics`` as eval/<name>/<metric>."""
         state, engine = self.state, self.engine
         train_batch = state.batch
+        rng = rng_state()  # evaluating (more or less often) must not change training's randomness
         state.model.eval()
         engine.run_event(Event.EVAL_BEFORE_ALL)
         for name, dataloader in state.eval_dataloaders.items():
@@ -255,12 +390,31 @@ class Trainer:
         engine.run_event(Event.EVAL_AFTER_ALL)
         state.model.train()
         state.batch = train_batch
+        load_rng_state(rng)
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
 
     def close(self) -> None:
         self.engine.close()
         self.strategy.teardown()
+
+
+def _is_auto(microbatch_size: int | str | None) -> bool:
+    if isinstance(microbatch_size, str):
+        if microbatch_size != "auto":
+            raise ValueError(
+                f"device_train_microbatch_size={microbatch_size!r}: use a positive integer, "
+                "null (the whole per-device batch) or 'auto'"
+            )
+        return True
+    if microbatch_size is not None and microbatch_size < 1:
+        raise ValueError(f"device_train_microbatch_size must be positive, got {microbatch_size}")
+    return False
+
+
+def _is_out_of_memory(err: RuntimeError) -> bool:
+    """CUDA and other backends raise torch.OutOfMemoryError; some only say so in the message."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def _length(dataloader: Any) -> int | None:

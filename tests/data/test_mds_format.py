@@ -349,8 +349,9 @@ def test_writer_errors_and_abort(tmp_path):
 def test_writer_to_fsspec_url_uploads_index_last(tmp_path):
     url = "memory://mds-writer-test/ds"
     fs = fsspec.filesystem("memory")
-    with MDSWriter(url, {"t": "ndarray:uint32:4"}, compression="zstd", hashes=["xxh64"],
-                   size_limit=200) as writer:  # fmt: skip
+    with MDSWriter(
+        url, {"t": "ndarray:uint32:4"}, compression="zstd", hashes=["xxh64"], size_limit=200
+    ) as writer:
         for i in range(20):
             writer.write({"t": np.arange(4, dtype=np.uint32) + i})
     shards = parse_index(fs.cat(f"{url}/index.json"))

@@ -9,7 +9,11 @@ from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
 
 def tiny_model(vocab_size: int = 64, seq_len: int = 16) -> MPTForCausalLM:
-    config = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=seq_len, vocab_size=vocab_size)
+    # On meta, so the Trainer initializes it after seeding: two trainers get the same weights.
+    config = MPTConfig(
+        d_model=32, n_heads=2, n_layers=2, max_seq_len=seq_len, vocab_size=vocab_size,
+        init_device="meta",
+    )
     with torch.device("meta"):
         return MPTForCausalLM(config)
 

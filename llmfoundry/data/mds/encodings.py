@@ -212,7 +212,7 @@ class Pickle(Encoding):
                 "column encoding 'pkl' (pickle) can execute arbitrary code when read; refusing. "
                 "Only if you trust these shards, pass allow_unsafe=True to read them."
             )
-        return pickle.loads(bytes(data))  # noqa: S301 - explicitly allowed by the caller
+        return pickle.loads(bytes(data))  # explicitly allowed by the caller
 
 
 class NDArray(Encoding):
@@ -248,10 +248,12 @@ class NDArray(Encoding):
             if dtype is not None and shape is not None
             else None
         )
-        self.name = "ndarray" + (
-            "" if dtype is None and shape is None
-            else f":{dtype or ''}" + ("" if shape is None else ":" + ",".join(map(str, shape)))
-        )  # fmt: skip
+        name = "ndarray"
+        if dtype is not None or shape is not None:
+            name += f":{dtype or ''}"
+        if shape is not None:
+            name += ":" + ",".join(map(str, shape))
+        self.name = name
 
     @classmethod
     def from_args(cls, args: str) -> NDArray:

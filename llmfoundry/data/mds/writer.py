@@ -197,9 +197,13 @@ class MDSWriter:
                 "set a smaller size_limit"
             )
         raw = b"".join(
-            [np.uint32(n).tobytes(), offsets.astype(np.uint32).tobytes(), self._config_bytes,
-             *self._samples]
-        )  # fmt: skip
+            [
+                np.uint32(n).tobytes(),
+                offsets.astype(np.uint32).tobytes(),
+                self._config_bytes,
+                *self._samples,
+            ]
+        )
         raw_name = f"shard.{len(self.shards):05d}.mds"
         raw_info = FileInfo(raw_name, len(raw), {h: digest(h, raw) for h in self.hashes})
         zip_info = None

@@ -61,16 +61,22 @@ class IndexReport:
         return d
 
 
+def _subfolders_with_index(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    if not fs.exists(root):
+        return []
+    return sorted(
+        Path(p).name
+        for p in fs.ls(root, detail=False)
+        if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
+    )
+
+
 def find_indexes(url: str) -> list[str]:
     """Relative folders holding an index.json: ``[""]`` for the root, else its sub-folders."""
     fs, root = fsspec.core.url_to_fs(url)
     if fs.exists(_join(root, INDEX_NAME)):
         return [""]
-    subs = sorted(
-        Path(p).name
-        for p in fs.ls(root, detail=False)
-        if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
-    ) if fs.exists(root) else []  # fmt: skip
+    subs = _subfolders_with_index(fs, root)
     if not subs:
         raise FileNotFoundError(
             f"no {INDEX_NAME} in {url} or its sub-folders; is this an MDS dataset?"
@@ -91,14 +97,20 @@ def _check_tokens(values: np.ndarray, vocab_size: int | None, report: IndexRepor
 
 
 def _verify_shard(
-    raw_path: Path, info: ShardInfo, vocab_size: int | None, report: IndexReport, allow_unsafe: bool
+    raw_path: Path,
+    info: ShardInfo,
+    vocab_size: int | None,
+    report: IndexReport,
+    allow_unsafe: bool,
+    name: str,
 ) -> None:
+    """Decode every sample of a raw shard; ``name`` is how errors refer to the shard."""
     with ShardReader(raw_path, info, allow_unsafe=allow_unsafe) as reader:
         coders = [get_encoding(e, allow_unsafe) for e in info.column_encodings]
         fixed = all(c.size is not None for c in coders)
-        for name, coder in zip(info.column_names, coders, strict=True):
+        for column, coder in zip(info.column_names, coders, strict=True):
             if fixed and isinstance(coder, NDArray):
-                _check_tokens(reader.array(name), vocab_size, report, str(raw_path))
+                _check_tokens(reader.array(column), vocab_size, report, name)
         if fixed and all(isinstance(c, NDArray) for c in coders):
             return  # every value was checked through the whole-shard views
         for i in range(len(reader)):
@@ -106,7 +118,7 @@ def _verify_shard(
             if not fixed:
                 for value in sample.values():
                     if isinstance(value, np.ndarray):
-                        _check_tokens(value, vocab_size, report, f"{raw_path} sample {i}")
+                        _check_tokens(value, vocab_size, report, f"{name} sample {i}")
 
 
 def verify_mds(
@@ -155,7 +167,7 @@ def verify_mds(
                         raw = Path(tmp, info.raw_basename.replace("/", "_"))
                         raw.write_bytes(decompress(stored.read_bytes(), info.compression))
                         verify_file(raw, info.raw_data)
-                    _verify_shard(raw, info, vocab_size, report, allow_unsafe)
+                    _verify_shard(raw, info, vocab_size, report, allow_unsafe, stored_url)
                     for path in {stored, raw} - {Path(stored_url)}:
                         path.unlink()
                 except (ShardCorruptError, FileNotFoundError, ValueError) as err:
@@ -172,11 +184,7 @@ def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardIn
     if subfolders is None:
         if not fs.exists(root):
             raise FileNotFoundError(f"{url} does not exist")
-        subfolders = sorted(
-            Path(p).name
-            for p in fs.ls(root, detail=False)
-            if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
-        )
+        subfolders = _subfolders_with_index(fs, root)
     if not subfolders:
         raise FileNotFoundError(f"no sub-folder of {url} holds an {INDEX_NAME} to merge")
     merged: list[ShardInfo] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,16 @@ class Task:
     text_field: str = "text"
 
 
+def _import(module: str, package: str) -> Any:
+    """Import an optional dependency, naming the package to install when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(
+            f"this source needs {package}: pip install {package} (or pip install 'llmfoundry[data]')"
+        ) from None
+
+
 def _is_saved_hf_dataset(path: Path) -> bool:
     return path.is_dir() and (
         (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
@@ -44,10 +55,24 @@ def _is_saved_hf_dataset(path: Path) -> bool:
 
 
 def _list_files(folder: Path, globs: Sequence[str], excludes: Sequence[str]) -> list[Path]:
-    """Files under ``folder`` whose name matches a glob and whose relative path no exclude."""
+    """Files under ``folder`` whose name matches a glob, minus excluded ones.
+
+    An exclude pattern matches a file's name or relative path, or a directory's relative path
+    (``test``, ``site-packages/*``), in which case the directory is not even walked.
+    """
+
+    def excluded_dir(rel: str) -> bool:
+        return any(fnmatch.fnmatch(rel, e) or fnmatch.fnmatch(rel + "/", e) for e in excludes)
+
     found = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel_root = Path(root).relative_to(folder).as_posix()
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and not excluded_dir(d if rel_root == "." else f"{rel_root}/{d}")
+        )
         for name in files:
             path = Path(root, name)
             rel = path.relative_to(folder).as_posix()
@@ -89,9 +114,7 @@ def _jsonl_tasks(path: Path, text_field: str) -> list[Task]:
 
 
 def _parquet_tasks(path: Path, text_field: str) -> list[Task]:
-    import pyarrow.parquet as pq
-
-    meta = pq.ParquetFile(path)
+    meta = _import("pyarrow.parquet", "pyarrow").ParquetFile(path)
     if text_field not in meta.schema_arrow.names:
         raise ValueError(
             f"{path} has no column {text_field!r} (columns: {meta.schema_arrow.names}); "
@@ -104,8 +127,7 @@ def _parquet_tasks(path: Path, text_field: str) -> list[Task]:
 
 def _load_hf(spec: str) -> Any:
     """Load the dataset a spec names: ``disk:PATH[:SPLIT]`` or ``hub:NAME[:CONFIG]:SPLIT``."""
-    import datasets
-
+    datasets = _import("datasets", "datasets")
     kind, _, rest = spec.partition(":")
     if kind == "disk":
         path, _, split = rest.rpartition("::")
@@ -116,7 +138,13 @@ def _load_hf(spec: str) -> Any:
             ds = ds[split]
         return ds
     name, config, split = json.loads(rest)
-    return datasets.load_dataset(name, config, split=split)
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as err:  # the hub or a loader failed: say which dataset and why
+        raise ValueError(
+            f"could not load Hugging Face dataset {name!r} (config {config}, split {split}): "
+            f"{type(err).__name__}: {err}. Offline? Give a local path or a save_to_disk folder."
+        ) from err
 
 
 _HF_CACHE: dict[str, Any] = {}
@@ -222,10 +250,10 @@ def read_task(task: Task) -> tuple[list[str], int]:
             docs.append(_text_of(obj, task.text_field, where))
         return docs, 0
     if task.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.ParquetFile(task.location).read_row_group(
-            task.part[0], columns=[task.text_field]
+        table = (
+            _import("pyarrow.parquet", "pyarrow")
+            .ParquetFile(task.location)
+            .read_row_group(task.part[0], columns=[task.text_field])
         )
         values = table.column(task.text_field).to_pylist()
         docs = [v for v in values if v is not None]
@@ -244,6 +272,19 @@ def iter_documents(tasks: Sequence[Task]) -> Iterator[str]:
         yield from read_task(task)[0]
 
 
+def _local_files(task: Task) -> list[str]:
+    """The local files a task reads (a hub dataset's files are remote: none)."""
+    if task.kind == "files":
+        return list(task.part)
+    if task.kind != "hf":
+        return [task.location]
+    if task.location.startswith("disk:"):
+        folder = Path(task.location[len("disk:") :].rpartition("::")[0])
+    else:
+        folder = Path(json.loads(task.location[len("hub:") :])[0])
+    return sorted(str(p) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+
 def fingerprint(tasks: Sequence[Task]) -> str:
     """Hash of what the tasks would read: paths, sizes, modification times and slices.
 
@@ -251,20 +292,15 @@ def fingerprint(tasks: Sequence[Task]) -> str:
     inputs can be recognised and skipped.
     """
     h = hashlib.sha256()
-    stamped: set[str] = set()
+    seen: set[str] = set()
     for task in tasks:
         h.update(json.dumps([task.kind, task.location, list(task.part), task.text_field]).encode())
-        if task.kind == "files":
-            paths: Sequence[str] = task.part
-        elif task.location.startswith("disk:"):
-            folder = task.location[len("disk:") :].rpartition("::")[0]
-            paths = sorted(str(p) for p in Path(folder).rglob("*") if p.is_file())
-        else:
-            paths = (task.location,)
-        for name in paths:
-            if name in stamped or not os.path.exists(name):
-                continue
-            stamped.add(name)
-            st = os.stat(name)
-            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        if task.kind == "hf" and task.location in seen:
+            continue  # every task of one dataset reads the same files
+        seen.add(task.location)
+        for name in _local_files(task):
+            if name not in seen and os.path.exists(name):
+                seen.add(name)
+                st = os.stat(name)
+                h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()

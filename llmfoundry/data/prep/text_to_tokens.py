@@ -102,8 +102,9 @@ def _ordered_map(
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=init_args) as pool:  # fmt: skip
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init_worker, initargs=init_args
+        ) as pool:
             todo = iter(tasks)
             pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
             try:
@@ -138,6 +139,40 @@ def _training_texts(tasks: Sequence[Task], max_bytes: int | None) -> Iterator[st
     return _capped(docs, max_bytes)
 
 
+def _write_stream(
+    tasks: Sequence[Task],
+    workers: int,
+    init: tuple,
+    max_bytes: int | None,
+    tmp_tokens: Path,
+    tmp_docs: Path,
+    progress: bool,
+) -> dict[str, int]:
+    """Tokenize ``tasks`` in order, appending tokens and document starts; return the counts."""
+    counts = {"tokens": 0, "documents": 0, "skipped": 0, "bytes": 0}
+    bar = tqdm(total=len(tasks), desc="tokenizing", unit="task", disable=not progress)
+    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs:
+        for enc in _ordered_map(_encode_task, tasks, workers, init):
+            n_docs = len(enc.doc_tokens)
+            if max_bytes is not None:  # keep documents until the one that reaches the cap
+                before = counts["bytes"] + np.concatenate([[0], np.cumsum(enc.doc_bytes)[:-1]])
+                n_docs = int(np.count_nonzero(before < max_bytes))
+            n_tok = int(enc.doc_tokens[:n_docs].sum())
+            f_tok.write(enc.tokens[:n_tok].tobytes())
+            starts = counts["tokens"] + np.concatenate([[0], np.cumsum(enc.doc_tokens[:n_docs])])
+            f_docs.write(starts[:-1].astype(np.int64).tobytes())
+            counts["tokens"] += n_tok
+            counts["documents"] += n_docs
+            counts["bytes"] += int(enc.doc_bytes[:n_docs].sum())
+            counts["skipped"] += enc.skipped
+            bar.update(1)
+            bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"])
+            if max_bytes is not None and counts["bytes"] >= max_bytes:
+                break
+    bar.close()
+    return counts
+
+
 def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None:
     """The sidecar of an up-to-date previous run with the same inputs, else None."""
     sidecar = sidecar_path(tokens_path)
@@ -154,7 +189,17 @@ def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None
             f"{tokens_path} was made from different inputs or settings; pass --overwrite to "
             "replace it, or choose another output"
         )
+    tok_file = sidecar.parent / meta["tokenizer"]
+    if not tok_file.is_file() or _sha256(tok_file) != meta["tokenizer_sha256"]:
+        raise FileExistsError(
+            f"{tok_file} is missing or no longer the tokenizer {tokens_path} was made with; "
+            "pass --overwrite to redo it"
+        )
     return meta
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def text_to_tokens(
@@ -216,35 +261,30 @@ def text_to_tokens(
     if loaded is None:
         texts = _training_texts(tasks, min(filter(None, (train_bytes, max_bytes)), default=None))
         loaded = prepare(train_bpe(texts, vocab_size), eos_token, bos_token)
-    if not (tok_path.exists() and tokenizer is not None and tok_path.samefile(tokenizer)):
+    source_file = None if tokenizer is None else Path(tokenizer)
+    if source_file is not None and source_file.is_dir():
+        source_file = source_file / "tokenizer.json"
+    if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
+        pass  # the given tokenizer already sits next to the output: leave the user's file be
+    elif tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
+        raise FileExistsError(
+            f"{tok_path} holds a different tokenizer; write token files made with different "
+            "tokenizers to different folders, or pass --overwrite to replace it"
+        )
+    else:
         loaded.save(tok_path)
     dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
     tmp_tokens, tmp_docs = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".docs.tmp")
-    counts = {"tokens": 0, "documents": 0, "skipped": 0, "bytes": 0}
     init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name)
-    bar = tqdm(total=len(tasks), desc="tokenizing", unit="task", disable=not progress)
-    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs:
-        for enc in _ordered_map(_encode_task, tasks, workers, init):
-            n_docs = len(enc.doc_tokens)
-            if max_bytes is not None:  # keep documents until the one that reaches the cap
-                before = counts["bytes"] + np.concatenate([[0], np.cumsum(enc.doc_bytes)[:-1]])
-                n_docs = int(np.count_nonzero(before < max_bytes))
-            n_tok = int(enc.doc_tokens[:n_docs].sum())
-            f_tok.write(enc.tokens[:n_tok].tobytes())
-            starts = counts["tokens"] + np.concatenate([[0], np.cumsum(enc.doc_tokens[:n_docs])])
-            f_docs.write(starts[:-1].astype(np.int64).tobytes())
-            counts["tokens"] += n_tok
-            counts["documents"] += n_docs
-            counts["bytes"] += int(enc.doc_bytes[:n_docs].sum())
-            counts["skipped"] += enc.skipped
-            bar.update(1)
-            bar.set_postfix(docs=counts["documents"], tokens=counts["tokens"])
-            if max_bytes is not None and counts["bytes"] >= max_bytes:
-                break
-    bar.close()
+    try:
+        counts = _write_stream(tasks, workers, init, max_bytes, tmp_tokens, tmp_docs, progress)
+    except BaseException:
+        tmp_tokens.unlink(missing_ok=True)
+        tmp_docs.unlink(missing_ok=True)
+        raise
     if counts["tokens"] == 0:
         tmp_tokens.unlink()
         tmp_docs.unlink()
@@ -270,7 +310,7 @@ def text_to_tokens(
         "doc_index": docs_name,
         "doc_index_dtype": "int64",
         "tokenizer": tok_path.name,
-        "tokenizer_sha256": loaded.sha256,
+        "tokenizer_sha256": _sha256(tok_path),
         "vocab_size": loaded.vocab_size,
         "eos_id": loaded.eos_id,
         "eos_token": loaded.eos_token,

@@ -108,6 +108,9 @@ def tokens_to_mds(
                 "to replace it, or choose another folder"
             )
         fs.rm(meta_url)  # the old meta must not describe half-rewritten splits
+    merged_index = _join(root, "index.json")  # from `mds_tools.py merge`; stale once rewritten
+    if overwrite and fs.exists(merged_index):
+        fs.rm(merged_index)
 
     dtype = stream.dtype.name
     columns = {"tokens": f"ndarray:{dtype}:{seq_len}"}
@@ -117,8 +120,14 @@ def tokens_to_mds(
     for name, (start, stop) in splits.items():
         if stop == start:
             continue
-        with MDSWriter(_join(out, name), columns, compression=compression, hashes=hashes,
-                       size_limit=size_limit, exist_ok=overwrite) as writer:  # fmt: skip
+        with MDSWriter(
+            _join(out, name),
+            columns,
+            compression=compression,
+            hashes=hashes,
+            size_limit=size_limit,
+            exist_ok=overwrite,
+        ) as writer:
             for row in range(start, stop):
                 writer.write({"tokens": stream[row * seq_len : (row + 1) * seq_len]})
                 bar.update(1)

@@ -120,7 +120,9 @@ def list_dirs(url: str, storage_options: dict[str, Any] | None = None) -> list[s
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         entries = fs.ls(path, detail=True)
-        names = [posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory"]
+        names = [
+            posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory"
+        ]
         return sorted(
             n
             for n in names

@@ -50,18 +50,25 @@ class CacheLimiter:
                 "should fit), or write smaller shards"
             )
 
-    def enforce(self, keep: tuple[ShardCache, int] | None = None) -> None:
-        """Evict least-recently-used shards until under the limit, sparing ``keep``."""
+    def enforce(self, keep: tuple[ShardCache, int] | None = None) -> list[tuple[ShardCache, int]]:
+        """Evict least-recently-used shards until under the limit, sparing ``keep``.
+
+        Returns the evicted (cache, shard) pairs.
+        """
         entries = [(t, size, c, j) for c in self.caches for t, size, j in c.usage()]
         total = sum(e[1] for e in entries)
+        evicted: list[tuple[ShardCache, int]] = []
         if total <= self.limit:
-            return
+            return evicted
         for _, _, cache, j in sorted(entries, key=lambda e: e[0]):
             if keep is not None and keep[0] is cache and keep[1] == j:
                 continue
-            total -= cache.evict(j)
+            freed = cache.evict(j)
+            if freed:
+                evicted.append((cache, j))
+                total -= freed
             if total <= self.limit:
-                return
+                return evicted
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -70,3 +77,4 @@ class CacheLimiter:
                 "shards of a few shuffle blocks for every reader sharing the cache)",
                 stacklevel=2,
             )
+        return evicted

@@ -2,8 +2,8 @@
 
 A reader maps its shard once; keeping a bounded number open makes random access cheap without
 exhausting memory maps. When a cache limit is set, a shard in use is re-touched at most once a
-second (its mtime is the cross-process LRU clock), and a shard found evicted by another process
-is dropped and fetched again.
+second (its mtime is the cross-process LRU clock), and a shard evicted by this process, or found
+evicted by another one at that check, is unmapped and fetched again when next needed.
 """
 
 from __future__ import annotations
@@ -52,7 +52,12 @@ class ShardReaders:
         self.allow_unsafe = allow_unsafe
         self.max_open = max_open
         self._where = [(c, j) for c in caches for j in range(len(c.shards))]
+        starts = np.cumsum([0] + [len(c.shards) for c in caches])
+        self._number = {id(c): int(start) for c, start in zip(caches, starts, strict=False)}
         self._open: OrderedDict[int, _Open] = OrderedDict()
+        # Shards evicted by this process (possibly on the predownload thread); the reading
+        # thread drops its maps of them, since their disk space is only freed once unmapped.
+        self._evicted: set[int] = set()
 
     def fetch(self, shard: int) -> None:
         """Make ``shard`` local (download if needed) and keep the cache under its limit.
@@ -62,23 +67,27 @@ class ShardReaders:
         cache, j = self._where[shard]
         _, downloaded = cache.ensure(j)
         if downloaded and self.limiter is not None:
-            self.limiter.enforce(keep=(cache, j))
+            for victim in self.limiter.enforce(keep=(cache, j)):
+                self._evicted.add(self._number[id(victim[0])] + victim[1])
 
     def _lookup(self, shard: int) -> _Open:
         cache, j = self._where[shard]
         entry = self._open.get(shard)
         tracks_lru = self.limiter is not None and cache.evictable
+        if entry is not None and self._evicted and shard in self._evicted:
+            self._close(shard)  # this process evicted it: read the next copy, free the space
+            entry = None
         if entry is not None:
-            now = time.monotonic()
-            if tracks_lru and now - entry.touched >= _TOUCH_EVERY_S:
+            if tracks_lru and time.monotonic() - entry.touched >= _TOUCH_EVERY_S:
                 if cache.touch(j):
-                    entry.touched = now
+                    entry.touched = time.monotonic()
                 else:  # evicted by another process: map the fresh copy instead
                     self._close(shard)
                     entry = None
             if entry is not None:
                 self._open.move_to_end(shard)
                 return entry
+        self._evicted.discard(shard)
         for attempt in range(3):
             self.fetch(shard)
             try:

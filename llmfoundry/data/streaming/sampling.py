@@ -249,11 +249,6 @@ class RankPlan:
         tail = self.num_samples - full * self.batch_size
         return self.start + full * step + self.rank * tail, tail
 
-    def positions(self, k: int) -> np.ndarray:
-        """Global positions of rank batch ``k``."""
-        first, length = self.span(k)
-        return np.arange(first, first + length, dtype=np.int64)
-
     def worker_batches(self, worker: int, num_workers: int) -> range:
         """The rank batches DataLoader worker ``worker`` of ``num_workers`` produces, in order."""
         if not 0 <= worker < num_workers:

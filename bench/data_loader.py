@@ -1,0 +1,123 @@
+"""Loader throughput: MDS through our StreamingTextDataset + DataLoader vs a raw numpy memmap.
+
+Both sides read the same 2048-token uint16 rows in the same shuffled order, with the same batch
+size, and build the same batch (``input_ids`` int64 plus a ``labels`` copy), in one process on
+one core (num_workers=0). The memmap side is the floor a loader cannot beat: one fancy index
+per batch over a single file. Rounds alternate between the two and the best round of each is
+kept, so a busy machine penalises both alike. The default batch size, 64, is the per-rank
+DataLoader batch of a typical run (global batch 512 on 8 GPUs; microbatching comes later).
+
+    python bench/data_loader.py              # ~40k rows (160 MB), a minute or less
+    python bench/data_loader.py --batch-size 8 --rows 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmfoundry.data import StreamingTextDataset
+from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.streaming import StreamingDataLoader
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=40_000, help="rows in the dataset (default 40000)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row (default 2048)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+    p.add_argument("--shard-size", default="16mb", help="MDS shard size limit (default 16mb)")
+    p.add_argument(
+        "--block-size", type=int, default=None, help="shuffle block in rows (default: dataset's)"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per side (default 3)")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (default 0)")
+    p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp dir)")
+    return p.parse_args()
+
+
+def make_data(root: Path, rows: int, seq_len: int, shard_size: str) -> np.ndarray:
+    """Random uint16 rows as a .npy memmap and as MDS (sample i = row i)."""
+    tokens = np.lib.format.open_memmap(
+        root / "tokens.npy", mode="w+", dtype=np.uint16, shape=(rows, seq_len)
+    )
+    rng = np.random.default_rng(0)
+    for start in range(0, rows, 4096):
+        stop = min(start + 4096, rows)
+        tokens[start:stop] = rng.integers(0, 50_000, (stop - start, seq_len), dtype=np.uint16)
+    tokens.flush()
+    with MDSWriter(root / "mds", {"tokens": f"ndarray:uint16:{seq_len}"}, size_limit=shard_size) as w:
+        for row in tokens:
+            w.write({"tokens": row})
+    return np.load(root / "tokens.npy", mmap_mode="r")
+
+
+def time_memmap(tokens: np.ndarray, batches: list[np.ndarray]) -> float:
+    start = time.perf_counter()
+    for ids in batches:
+        input_ids = torch.from_numpy(tokens[ids].astype(np.int64))
+        batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+    del batch
+    return time.perf_counter() - start
+
+
+def time_loader(loader: StreamingDataLoader) -> float:
+    start = time.perf_counter()
+    for batch in loader:
+        pass
+    del batch
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    args = parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-loader-"))
+    root.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    try:
+        t0 = time.perf_counter()
+        tokens = make_data(root, args.rows, args.seq_len, args.shard_size)
+        dataset = StreamingTextDataset(
+            local=str(root / "mds"),
+            shuffle=True,
+            shuffle_seed=0,
+            shuffle_block_size=args.block_size,
+            batch_size=args.batch_size,
+        )
+        loader = StreamingDataLoader(dataset, num_workers=args.num_workers)
+        batches = list(dataset.batches())  # the loader's exact order, for the memmap side
+        first = next(iter(loader))["input_ids"]
+        if not torch.equal(first, torch.from_numpy(tokens[batches[0]].astype(np.int64))):
+            raise SystemExit("the two sides disagree on the first batch; benchmark invalid")
+        shards = len(dataset.caches[0].shards)
+        print(
+            f"{args.rows} rows x {args.seq_len} tokens (uint16), {shards} shards, batch "
+            f"{args.batch_size}, shuffle block {dataset.shuffle_block_size}, "
+            f"num_workers {args.num_workers}; data written in {time.perf_counter() - t0:.1f}s"
+        )
+        time_memmap(tokens, batches)  # warm the page cache for both sides (same bytes)
+        best_memmap, best_loader = float("inf"), float("inf")
+        for _ in range(args.rounds):
+            best_memmap = min(best_memmap, time_memmap(tokens, batches))
+            best_loader = min(best_loader, time_loader(loader))
+        memmap_rate, loader_rate = args.rows / best_memmap, args.rows / best_loader
+        print(f"numpy memmap       : {memmap_rate:12,.0f} samples/s")
+        print(f"StreamingDataLoader: {loader_rate:12,.0f} samples/s")
+        print(f"ratio              : {loader_rate / memmap_rate:12.2f}x  (target >= 0.70x)")
+        cores = "one core" if args.num_workers == 0 else f"{args.num_workers} workers"
+        print(f"tokens/s ({cores}) : {loader_rate * args.seq_len:12,.0f}")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

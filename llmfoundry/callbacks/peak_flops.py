@@ -1,0 +1,106 @@
+"""The peak matmul throughput of one device, the denominator of MFU.
+
+MFU is only comparable between runs when the peak is the right one for the device *and* the
+number format the matmuls run in, so the peak is looked up by the CUDA device name and the run's
+precision, measured on CPUs (whose peak depends on cores, clocks and ISA extensions no table can
+know), and can always be overridden (`SpeedMonitor(peak_flops=...)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+
+import torch
+
+# Dense (no structured sparsity) tensor-core peaks in flop/s from the vendors' datasheets, for
+# the SXM/OAM part unless the name says otherwise. "tf32" is what fp32 matmuls run at when
+# torch allows TF32 (torch.set_float32_matmul_precision("high")). First match wins, so more
+# specific patterns come first. A format missing from an entry has no tensor-core support.
+_GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"H[12]00.*NVL", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}),
+    (r"H100.*PCIe", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
+    (r"GH200|H100|H200", {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
+    (r"B200", {"bf16": 2250e12, "fp16": 2250e12}),
+    (r"A100|A800", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    (r"L40S", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362.05e12, "fp16": 362.05e12}),
+    (r"L40\b", {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12}),
+    (r"\bL4\b", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    (r"\bA10\b", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
+    (r"V100.*PCIE", {"fp32": 14e12, "fp16": 112e12}),
+    (r"V100", {"fp32": 15.7e12, "fp16": 125e12}),
+    (r"\bT4\b", {"fp32": 8.1e12, "fp16": 65e12}),
+    (r"MI300X", {"fp32": 163.4e12, "tf32": 653.7e12, "bf16": 1307.4e12, "fp16": 1307.4e12}),
+    (r"MI250X", {"fp32": 95.7e12, "bf16": 383e12, "fp16": 383e12}),
+)
+
+# Square matmul size of the CPU benchmark: large enough to reach the BLAS kernels' steady state,
+# small enough to take well under a second in fp32 on a laptop.
+_CPU_BENCH_SIZE = 2048
+_CPU_BENCH_REPEATS = 3
+
+
+def number_format(precision: str) -> str:
+    """The format the matmuls of a run in `precision` execute in on a CUDA device."""
+    if precision == "amp_bf16":
+        return "bf16"
+    if precision == "amp_fp16":
+        return "fp16"
+    if precision == "fp32":
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    raise ValueError(f"unknown precision {precision!r}: use fp32, amp_bf16 or amp_fp16")
+
+
+def gpu_peak_flops(device_name: str, fmt: str) -> float | None:
+    """The datasheet peak of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+    for pattern, peaks in _GPU_PEAKS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return peaks.get(fmt)
+    return None
+
+
+@functools.cache
+def measure_cpu_peak_flops(dtype: torch.dtype, threads: int) -> float:
+    """Best-of-N flop/s of a square matmul in `dtype` on `threads` CPU threads.
+
+    Cached per process: the number describes the machine, and re-measuring it on every fit
+    would add the benchmark to every run. Uses its own generator so the run's RNG stream is
+    untouched (resumed runs must see the same random numbers as uninterrupted ones).
+    """
+    generator = torch.Generator().manual_seed(0)
+    n = _CPU_BENCH_SIZE
+    a = torch.randn(n, n, generator=generator).to(dtype)
+    b = torch.randn(n, n, generator=generator).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.mm(a, b)  # warm-up: thread pool start, kernel selection
+        best = float("inf")
+        for _ in range(_CPU_BENCH_REPEATS):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return 2 * n**3 / best
+
+
+def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+    """Peak flop/s of `device` for a run in `precision`, and a phrase saying where it came from.
+
+    None when the device is unknown: the caller then reports throughput without MFU and asks for
+    an explicit peak rather than guess.
+    """
+    if device.type == "cpu":
+        dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float32
+        threads = torch.get_num_threads()
+        peak = measure_cpu_peak_flops(dtype, threads)
+        name = str(dtype).removeprefix("torch.")
+        return peak, f"measured: {name} {_CPU_BENCH_SIZE}x{_CPU_BENCH_SIZE} matmul on {threads} threads"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        fmt = number_format(precision)
+        peak = gpu_peak_flops(name, fmt)
+        return peak, f"datasheet: {name}, {fmt} dense"
+    return None, f"no peak known for device type {device.type!r}"

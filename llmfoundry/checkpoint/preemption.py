@@ -1,0 +1,56 @@
+"""Preemption: SIGTERM or SIGINT asks the run to checkpoint after the current batch and stop.
+
+Schedulers (SLURM, Kubernetes, spot instances) send SIGTERM some time before killing a job; a
+user sends SIGINT with Ctrl-C. Either one is recorded here and acted on by the trainer at the
+next batch end: the checkpoint saver saves, the run stops without final evaluation and exits
+normally (status 0), and rerunning the same command with ``autoresume=true`` continues. A second
+signal gets the previous handler (for SIGINT: KeyboardInterrupt at once).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption:
+    """Context manager installing the handlers; `signal` is the first signal received, if any.
+
+    Handlers can only be installed from the main thread; elsewhere the signals keep their
+    current behaviour.
+    """
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        self.signal = signal.Signals(signum)
+        self._restore()
+        print(
+            f"received {self.signal.name}: saving a checkpoint after the current batch, then "
+            "stopping (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            # None: a handler installed outside Python, which cannot be reinstalled from here.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()

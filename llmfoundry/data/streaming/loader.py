@@ -1,0 +1,91 @@
+"""A DataLoader whose batches the dataset makes whole, plus the trainer's resumption contract.
+
+Batches are made by ``dataset.get_batch(ids)`` inside the loader's workers (or the main
+process): a text dataset reads a batch of token rows with one gather per shard instead of one
+Python call per sample. Workers produce their rank's batches ``w, w+K, ...`` and PyTorch yields
+them round-robin, so the batch order is the same for any ``num_workers`` (sampling.py).
+
+Workers are not persistent: each iteration copies the dataset into fresh workers, which is how
+``set_epoch`` and ``load_state_dict`` made in the main process reach them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from llmfoundry.data.streaming.dataset import StreamingDataset
+
+__all__ = ["StreamingDataLoader"]
+
+
+def _passthrough(batch: Any) -> Any:
+    """The dataset's batches are final; skip the DataLoader's default conversion."""
+    return batch
+
+
+class _Batches(IterableDataset):
+    """The dataset's batches as an iterable the DataLoader passes through unbatched."""
+
+    def __init__(self, dataset: StreamingDataset, drop_last: bool) -> None:
+        self.dataset = dataset
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        for ids in self.dataset.batches():
+            if self.drop_last and len(ids) < (self.dataset.batch_size or 1):
+                return
+            yield self.dataset.get_batch(ids)
+
+    def __len__(self) -> int:
+        n = self.dataset.num_batches()
+        short = len(self.dataset) % (self.dataset.batch_size or 1)
+        return n - 1 if self.drop_last and short else n
+
+
+class StreamingDataLoader(DataLoader):
+    """DataLoader over a :class:`StreamingDataset` (whose ``batch_size`` sets the batch size).
+
+    Args:
+        dataset: the dataset; its ``batch_size`` must be set.
+        num_workers, pin_memory, prefetch_factor, timeout: as for ``torch.utils.data.DataLoader``.
+        drop_last: skip a rank's final short batch (the epoch's last few samples).
+    """
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        *,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        drop_last: bool = False,
+        timeout: float = 0,
+    ) -> None:
+        if dataset.batch_size is None:
+            raise ValueError("StreamingDataLoader needs a dataset built with batch_size")
+        super().__init__(
+            _Batches(dataset, drop_last),
+            batch_size=None,
+            collate_fn=_passthrough,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            timeout=timeout,
+            persistent_workers=False,
+        )
+        self.streaming_dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration reads; call before iterating each epoch."""
+        self.streaming_dataset.set_epoch(epoch)
+
+    def state_dict(self, num_samples: int, from_beginning: bool = True) -> dict[str, Any]:
+        """The position after ``num_samples`` global samples (all ranks) of the current epoch."""
+        return self.streaming_dataset.state_dict(num_samples, from_beginning)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next iteration of the saved epoch yields exactly the remaining samples."""
+        self.streaming_dataset.load_state_dict(state)

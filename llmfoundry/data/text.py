@@ -1,0 +1,318 @@
+"""Token rows from MDS shards for language-model training: the dataset, its config, its loader.
+
+The contract with the trainer:
+
+``build_dataloader(cfg, split, batch_size, max_seq_len, shuffle=None)`` returns a
+:class:`~llmfoundry.data.streaming.StreamingDataLoader` for this rank whose batches are
+``{"input_ids": LongTensor[B, L], "labels": LongTensor[B, L]}`` (plus ``"sequence_id"`` when
+the shards have that column). ``labels`` is a copy of ``input_ids``, -100 on padding (only
+rows of unequal length are padded; fixed-length rows never are). ``B`` is the per-rank batch
+size; the final batch of an epoch may be shorter unless ``cfg.drop_last``. The trainer calls,
+on the loader:
+
+- ``loader.set_epoch(epoch)`` before iterating each epoch (the shuffle is seeded by
+  ``(shuffle_seed, epoch)``; without the call every iteration repeats epoch 0's order);
+- ``loader.state_dict(num_samples)`` when checkpointing, where ``num_samples`` is the number
+  of samples consumed in the current epoch summed over all ranks (steps done in the epoch x
+  global batch size, counted from the epoch's start even after a resumption);
+- ``loader.load_state_dict(state)`` when resuming, before ``set_epoch`` with the saved epoch;
+  the next iteration then yields exactly the samples the interrupted run had not consumed, in
+  the same global order, also on another number of ranks.
+
+``len(loader)`` is the number of batches of a full epoch for this rank; every rank reads the
+same number of samples, a few repeated when the epoch does not divide by the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from llmfoundry.data.mds import NDArray, get_encoding, is_hash, parse_size
+from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
+from llmfoundry.data.streaming.checks import check_int
+
+__all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
+
+TOKENS, SEQUENCE_ID = "tokens", "sequence_id"
+_TOKEN_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64")
+_PAD_LABEL, _PAD_SEQUENCE_ID = -100, -1
+
+
+class StreamingTextDataset(StreamingDataset):
+    """A :class:`StreamingDataset` of token rows: the ``tokens`` column of each sample.
+
+    Samples are ``{"input_ids": LongTensor[L]}`` (plus ``"sequence_id"`` when every shard has
+    that column), rows cut to ``max_seq_len`` when longer. Fixed-size rows
+    (``ndarray:uint16:L`` / ``ndarray:uint32:L``) are read a batch at a time as numpy views of
+    the mapped shards; variable-length rows are supported and padded per batch.
+
+    Args:
+        max_seq_len: longest row to return (longer rows are truncated); None keeps rows whole.
+        All other arguments: :class:`StreamingDataset`.
+    """
+
+    def __init__(self, *args: Any, max_seq_len: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_int("max_seq_len", max_seq_len, minimum=1, optional=True)
+        self.max_seq_len = max_seq_len
+        shards = [(c, s) for c in self.caches for s in c.shards]
+        self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
+        self.columns = (TOKENS, SEQUENCE_ID) if self.has_sequence_id else (TOKENS,)
+        # Per shard: the row width when every column has a fixed size (rows are then read as
+        # views of one [samples, L] array), else None (rows are decoded one by one).
+        self._width: list[int | None] = []
+        for cache, shard in shards:
+            where = f"shard {shard.raw_basename} of {cache.remote or cache.local}"
+            shapes = {}
+            for column in self.columns:
+                coder = get_encoding(shard.columns[column]) if column in shard.columns else None
+                if not isinstance(coder, NDArray):
+                    raise ValueError(
+                        f"{where} has no ndarray {column!r} column (columns: "
+                        f"{shard.columns}); text datasets need token rows written as "
+                        "ndarray:uint16:L or ndarray:uint32:L by the data_prep/ scripts"
+                    )
+                if coder.dtype is not None and coder.dtype not in _TOKEN_DTYPES:
+                    raise ValueError(
+                        f"{where}: column {column!r} holds {coder.dtype}; token ids must be one "
+                        f"of {_TOKEN_DTYPES}"
+                    )
+                if coder.shape is not None and len(coder.shape) != 1:
+                    raise ValueError(
+                        f"{where}: column {column!r} rows must be 1-D, not {coder.shape}"
+                    )
+                shapes[column] = coder.shape
+            if len(set(shapes.values())) > 1:
+                raise ValueError(f"{where}: tokens and sequence_id rows differ in shape {shapes}")
+            fixed = all(size is not None for size in shard.column_sizes)
+            length = shapes[TOKENS][0] if fixed and shapes[TOKENS] else None
+            self._width.append(None if length is None else min(length, max_seq_len or length))
+
+    def _row(self, shard: int, index: int, column: str) -> np.ndarray:
+        """One sample's ``column``, cut to max_seq_len, read without assuming a fixed size."""
+        reader = self._readers().get(shard)
+        row = reader.get_array(index, column)
+        if row.ndim != 1 or row.dtype.name not in _TOKEN_DTYPES:
+            raise ValueError(
+                f"sample {index} of {reader.path}: {column!r} is {row.dtype}{list(row.shape)}; "
+                f"expected a 1-D array of integer ids ({_TOKEN_DTYPES})"
+            )
+        return row[: self.max_seq_len]
+
+    def get_item(self, index: int) -> dict[str, torch.Tensor]:
+        i = self._check_index(index)
+        shards, local = self.locate(np.array([i]))
+        shard, j = int(shards[0]), int(local[0])
+        out = {}
+        for column in self.columns:
+            row = torch.from_numpy(self._row(shard, j, column).astype(np.int64))
+            out["input_ids" if column == TOKENS else column] = row
+        return out
+
+    def get_batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows ``ids`` as one batch, right-padded when their lengths differ.
+
+        The hot path (fixed-size rows of one width) takes each row as a view of its mapped shard
+        and copies them all into the int64 batch with one numpy call: no per-sample decoding.
+        """
+        shards, local = self.locate(ids)
+        pairs = list(zip(shards.tolist(), local.tolist(), strict=True))
+        used = set(shards.tolist())
+        widths = {self._width[s] for s in used}
+        readers = self._readers()
+        out: dict[str, np.ndarray] = {}
+        if len(widths) == 1 and None not in widths:
+            width = widths.pop()
+            lengths = None
+            for column in self.columns:
+                views = {s: readers.array(s, column) for s in used}
+                if self.max_seq_len is not None:
+                    views = {s: v[:, :width] for s, v in views.items()}
+                out[column] = np.empty((len(pairs), width), np.int64)
+                np.concatenate([views[s][j : j + 1] for s, j in pairs], out=out[column])
+        else:
+            rows = {c: [self._row(s, j, c) for s, j in pairs] for c in self.columns}
+            lengths = np.array([len(row) for row in rows[TOKENS]], np.int64)
+            width = int(lengths.max())
+            for column in self.columns:
+                fill = 0 if column == TOKENS else _PAD_SEQUENCE_ID
+                array = out[column] = np.full((len(pairs), width), fill, np.int64)
+                for r, row in enumerate(rows[column]):
+                    array[r, : len(row)] = row
+        input_ids = torch.from_numpy(out[TOKENS])
+        batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+        if lengths is not None and (lengths < width).any():
+            batch["labels"][torch.arange(width) >= torch.from_numpy(lengths)[:, None]] = _PAD_LABEL
+        if self.has_sequence_id:
+            batch[SEQUENCE_ID] = torch.from_numpy(out[SEQUENCE_ID])
+        return batch
+
+
+_STREAM_KEYS = ("remote", "local", "proportion", "repeat", "choose")
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` config group: where the MDS shards are and how to load them.
+
+    ``remote`` is a local MDS folder or an fsspec URL (``s3://bucket/mds``) with one sub-folder
+    per split (``train/``, ``val/``). ``local`` caches a remote (default: a per-remote folder in
+    the temp dir); with a local ``remote`` the shards are read in place. ``streams`` mixes
+    several datasets instead: ``{name: {remote, local, proportion | repeat | choose}}``, cached
+    under ``local/<name>`` when ``local`` is set. ``epoch_size`` and the streams' shares shape
+    the training split only; evaluation reads every sample of each eval split once.
+    See :class:`~llmfoundry.data.streaming.StreamingDataset` for the other fields.
+    """
+
+    remote: str | None = None
+    local: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = "val"
+    streams: dict[str, dict[str, Any]] | None = None
+    shuffle: bool = True
+    shuffle_seed: int = 17
+    shuffle_block_size: int | None = None
+    epoch_size: int | None = None
+    # Reads are memcpy-cheap gathers and downloads run on a background thread, so the main
+    # process keeps up with a GPU; workers help when batches need heavy decoding.
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+    drop_last: bool = False
+    cache_limit: int | str | None = None
+    predownload: int | None = None
+    validate_hash: str | None = None
+    keep_zip: bool = False
+    download_retry: int = 2
+    storage_options: dict[str, Any] | None = None
+    allow_unsafe: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (DictConfig, ListConfig)):
+                setattr(self, f.name, OmegaConf.to_container(value, resolve=True))
+        for name in ("remote", "local", "train_split", "eval_split", "validate_hash"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"data.{name} must be a string, got {value!r}")
+        if not self.train_split:
+            raise ValueError("data.train_split must name the training split folder (e.g. train)")
+        if self.streams is None and self.remote is None and self.local is None:
+            raise ValueError(
+                "data.remote is required: a local MDS folder (e.g. data/demo/mds) or a URL "
+                "(s3://bucket/mds), with train/ and val/ sub-folders; or set data.streams"
+            )
+        if self.streams is not None:
+            if self.remote is not None:
+                raise ValueError("set data.remote or data.streams, not both")
+            if not isinstance(self.streams, Mapping) or not self.streams:
+                raise ValueError("data.streams must map stream names to {remote, local, ...}")
+            for name, spec in self.streams.items():
+                self._stream(name, spec)  # validates
+        for name in ("shuffle", "pin_memory", "drop_last", "keep_zip", "allow_unsafe"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"data.{name} must be true or false, got {getattr(self, name)!r}")
+        check_int("data.shuffle_seed", self.shuffle_seed, minimum=0)
+        check_int("data.num_workers", self.num_workers, minimum=0)
+        check_int("data.download_retry", self.download_retry, minimum=0)
+        for name in ("shuffle_block_size", "epoch_size", "prefetch_factor"):
+            check_int(f"data.{name}", getattr(self, name), minimum=1, optional=True)
+        check_int("data.predownload", self.predownload, minimum=0, optional=True)
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError("data.prefetch_factor needs data.num_workers > 0 (or set it to null)")
+        if self.validate_hash is not None and not is_hash(self.validate_hash):
+            raise ValueError(
+                f"data.validate_hash={self.validate_hash!r} is not a hash name; use one listed "
+                "in the index (e.g. xxh64, sha1) or null"
+            )
+        if self.cache_limit is not None:
+            try:
+                parse_size(self.cache_limit)
+            except ValueError as err:
+                raise ValueError(f"data.cache_limit: {err}") from None
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ValueError("data.storage_options must be a mapping of fsspec options")
+
+    def _stream(self, name: str, spec: Any, shares: bool = True) -> Stream:
+        where = f"data.streams.{name}"
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{where} must be a mapping with keys {_STREAM_KEYS}")
+        unknown = sorted(set(spec) - set(_STREAM_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key(s) {unknown}; allowed: {list(_STREAM_KEYS)} (the split "
+                "comes from data.train_split / data.eval_split)"
+            )
+        args = dict(spec)
+        if args.get("local") is None and self.local is not None:
+            args["local"] = f"{self.local.rstrip('/')}/{name}"
+        if not shares:
+            args = {k: v for k, v in args.items() if k in ("remote", "local")}
+        try:
+            return Stream(**args)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def stream_list(self, training: bool) -> list[Stream] | None:
+        """The configured streams (without their epoch shares unless ``training``), or None."""
+        if self.streams is None:
+            return None
+        return [self._stream(name, spec, shares=training) for name, spec in self.streams.items()]
+
+
+def build_dataloader(
+    cfg: DataConfig,
+    split: str,
+    batch_size: int,
+    max_seq_len: int | None,
+    *,
+    shuffle: bool | None = None,
+) -> StreamingDataLoader:
+    """This rank's loader of ``split`` (see the module docstring for the trainer contract).
+
+    Args:
+        cfg: the data config.
+        split: split folder to read (``cfg.train_split`` or ``cfg.eval_split``).
+        batch_size: samples per rank per batch.
+        max_seq_len: cut longer rows to this many tokens; None keeps them whole.
+        shuffle: override; default ``cfg.shuffle`` for the training split, False otherwise.
+    """
+    if not isinstance(cfg, DataConfig):
+        raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
+    if not isinstance(split, str) or not split:
+        raise ValueError(f"split must name a split folder, got {split!r}")
+    check_int("batch_size", batch_size, minimum=1)
+    training = split == cfg.train_split
+    dataset = StreamingTextDataset(
+        remote=cfg.remote if cfg.streams is None else None,
+        local=cfg.local if cfg.streams is None else None,
+        split=split,
+        streams=cfg.stream_list(training),
+        shuffle=(cfg.shuffle and training) if shuffle is None else shuffle,
+        shuffle_seed=cfg.shuffle_seed,
+        shuffle_block_size=cfg.shuffle_block_size,
+        batch_size=batch_size,
+        epoch_size=cfg.epoch_size if training else None,
+        cache_limit=cfg.cache_limit,
+        predownload=cfg.predownload,
+        validate_hash=cfg.validate_hash,
+        keep_zip=cfg.keep_zip,
+        download_retry=cfg.download_retry,
+        storage_options=cfg.storage_options,
+        allow_unsafe=cfg.allow_unsafe,
+        max_seq_len=max_seq_len,
+    )
+    return StreamingDataLoader(
+        dataset,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory,
+        prefetch_factor=cfg.prefetch_factor,
+        drop_last=cfg.drop_last,
+    )

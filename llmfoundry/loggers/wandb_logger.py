@@ -1,0 +1,73 @@
+"""Metrics and the config to Weights & Biases.
+
+The W&B run is named after the training run and its files go to the run folder unless
+``WANDB_DIR`` or `dir` say otherwise. ``WANDB_MODE=offline`` (or ``mode: offline``) records
+everything locally for ``wandb sync`` later, e.g. on clusters without internet. The config is
+sent with secret-named keys removed (`llmfoundry.loggers.hyperparameters`). Only rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from llmfoundry.loggers.hyperparameters import redact_secrets
+from llmfoundry.trainer.engine import Logger, LoggerDestination
+from llmfoundry.trainer.state import State
+
+
+class WandBLogger(LoggerDestination):
+    def __init__(
+        self,
+        project: str | None = None,
+        entity: str | None = None,
+        name: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        mode: str | None = None,
+        dir: str | None = None,
+        init_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """`mode`: online, offline or disabled (default: ``WANDB_MODE``, else online).
+        `init_kwargs`: any further `wandb.init` arguments (e.g. ``id`` and ``resume: allow`` to
+        continue a W&B run after a restart)."""
+        self.init_args = {
+            "project": project,
+            "entity": entity,
+            "name": name,
+            "group": group,
+            "tags": list(tags) if tags else None,
+            "mode": mode,
+            "dir": dir,
+            **(init_kwargs or {}),
+        }
+        self._run: Any = None
+
+    def init(self, state: State, logger: Logger) -> None:
+        if state.rank != 0:
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                "loggers.wandb needs the wandb package: pip install 'llmfoundry[wandb]'"
+            ) from None
+        args = dict(self.init_args)
+        args["name"] = args["name"] or state.config.get("run_name") or state.run_dir.name
+        args["dir"] = args["dir"] or os.environ.get("WANDB_DIR") or str(state.run_dir)
+        os.makedirs(args["dir"], exist_ok=True)
+        self._run = wandb.init(**{k: v for k, v in args.items() if v is not None})
+        self.log_hyperparameters(state.config)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        if self._run is not None:
+            self._run.config.update(redact_secrets(hyperparameters), allow_val_change=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._run is not None:
+            self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

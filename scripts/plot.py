@@ -1,0 +1,42 @@
+"""Plot loss, learning rate and throughput curves of one or more runs into PNG files.
+
+    python scripts/plot.py outputs/run-2024-05-01_10-00-00
+    python scripts/plot.py outputs/baseline outputs/lion --labels adamw lion --out plots/sweep
+
+Each run is a run folder (its metrics.jsonl, written by the jsonl logger) or a .jsonl file.
+Writes loss.png, lr.png and throughput.png into --out (default: plots/ in the first run folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llmfoundry.loggers.plot import metrics_file, plot_runs, read_metrics
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run folders or metrics .jsonl files")
+    parser.add_argument("--labels", nargs="+", help="legend label of each run (default: folder names)")
+    parser.add_argument("--out", help="folder for the PNG files (default: <first run>/plots)")
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error(f"--labels gives {len(args.labels)} labels for {len(args.runs)} runs")
+    try:
+        files = [metrics_file(run) for run in args.runs]
+        labels = args.labels or [f.parent.name if f.name == "metrics.jsonl" else f.stem for f in files]
+        if len(set(labels)) != len(labels):
+            parser.error(f"runs need distinct labels, got {labels}: pass --labels")
+        out = Path(args.out) if args.out else files[0].parent / "plots"
+        runs = {label: read_metrics(f) for label, f in zip(labels, files, strict=True)}
+        written = plot_runs(runs, out)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"plot.py: error: {err}\n")
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main()

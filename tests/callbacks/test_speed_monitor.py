@@ -1,0 +1,156 @@
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+from llmfoundry.callbacks import SpeedMonitor, peak_flops, speed_monitor
+from llmfoundry.models.mpt.model import Block
+from llmfoundry.trainer import Callback
+
+from tests.trainer.conftest import token_batches
+
+from .conftest import Recorder, make_trainer
+
+TOKENS_PER_BATCH = 4 * 16  # batch_size 4, seq_len 16
+
+
+class FakeClock(Callback):
+    """Time that moves only when told: `batch_seconds[i]` during batch i, `eval_seconds` per eval."""
+
+    def __init__(self, batch_seconds, eval_seconds=0.0):
+        self.now = 1000.0
+        self.batch_seconds = list(batch_seconds)
+        self.eval_seconds = eval_seconds
+
+    def __call__(self):
+        return self.now
+
+    def batch_start(self, state, logger):
+        self.now += self.batch_seconds[state.timestamp.batch]
+
+    def eval_start(self, state, logger):
+        self.now += self.eval_seconds
+
+
+def run_with_clock(tmp_path, monkeypatch, clock, monitor, **kwargs):
+    monkeypatch.setattr(speed_monitor, "perf_counter", clock)
+    recorder = Recorder()
+    trainer = make_trainer(tmp_path, n_batches=len(clock.batch_seconds), callbacks=[clock, monitor], loggers=[recorder], **kwargs)
+    return trainer, recorder
+
+
+def test_rates_and_mfu_with_known_clock_and_peak(tmp_path, monkeypatch):
+    clock = FakeClock([0.5, 0.5, 0.5])
+    trainer, recorder = run_with_clock(tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9))
+    flops_per_token = trainer.state.model.flops_per_token(16)
+    trainer.fit()
+    steps = [step for step, _ in recorder.values("throughput/mfu")]
+    assert steps == [1, 2, 3]
+    metrics = recorder.calls[-1][1]
+    assert metrics["throughput/batches_per_sec"] == pytest.approx(2.0)
+    assert metrics["throughput/samples_per_sec"] == pytest.approx(8.0)
+    assert metrics["throughput/tokens_per_sec"] == pytest.approx(2 * TOKENS_PER_BATCH)
+    assert metrics["throughput/device/tokens_per_sec"] == pytest.approx(2 * TOKENS_PER_BATCH)
+    device_flops = 2 * TOKENS_PER_BATCH * flops_per_token
+    assert metrics["throughput/device/flops_per_sec"] == pytest.approx(device_flops)
+    assert metrics["throughput/mfu"] == pytest.approx(device_flops / 1e9)
+    # No activation checkpointing: nothing is computed twice.
+    assert metrics["throughput/hfu"] == metrics["throughput/mfu"]
+
+
+def test_window_slides_over_the_last_batches(tmp_path, monkeypatch):
+    clock = FakeClock([1.0, 2.0, 3.0, 4.0])
+    trainer, recorder = run_with_clock(tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9))
+    trainer.fit()
+    # batch 1 over 1 s; batch 1-2 over 3 s; then the last two batches: 2-3 over 5 s, 3-4 over 7 s.
+    assert [v for _, v in recorder.values("throughput/batches_per_sec")] == pytest.approx(
+        [1 / 1, 2 / 3, 2 / 5, 2 / 7]
+    )
+
+
+def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
+    clock = FakeClock([1.0, 1.0, 1.0, 1.0], eval_seconds=100.0)
+    trainer, recorder = run_with_clock(
+        tmp_path, monkeypatch, clock, SpeedMonitor(window_size=4, peak_flops=1e9),
+        eval_dataloaders={"val": token_batches(2, 4, seed=1)}, eval_interval="1ba",
+    )
+    trainer.fit()
+    assert [v for _, v in recorder.values("throughput/tokens_per_sec")] == pytest.approx([TOKENS_PER_BATCH] * 4)
+
+
+def test_hfu_counts_the_recomputed_forward_under_activation_checkpointing(tmp_path, monkeypatch):
+    clock = FakeClock([0.5, 0.5])
+    trainer, recorder = run_with_clock(tmp_path, monkeypatch, clock, SpeedMonitor(peak_flops=1e9))
+    apply_activation_checkpointing(trainer.state.model, check_fn=lambda m: isinstance(m, Block))
+    trainer.fit()
+    metrics = recorder.calls[-1][1]
+    assert metrics["throughput/hfu"] == pytest.approx(metrics["throughput/mfu"] * 4 / 3)
+
+
+def test_peak_from_device_table_by_name_and_precision():
+    assert peak_flops.gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
+    assert peak_flops.gpu_peak_flops("NVIDIA H200", "bf16") == 989.4e12
+    assert peak_flops.gpu_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops.gpu_peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert peak_flops.gpu_peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert peak_flops.gpu_peak_flops("NVIDIA A100-SXM4-80GB", "tf32") == 156e12
+    assert peak_flops.gpu_peak_flops("NVIDIA A10", "bf16") == 125e12
+    assert peak_flops.gpu_peak_flops("NVIDIA L4", "fp16") == 121e12
+    assert peak_flops.gpu_peak_flops("NVIDIA L40S", "bf16") == 362.05e12
+    assert peak_flops.gpu_peak_flops("Tesla V100-SXM2-16GB", "fp16") == 125e12
+    # V100 has no bf16 tensor cores; an A10G is not an A10; unknown names have no peak.
+    assert peak_flops.gpu_peak_flops("Tesla V100-SXM2-16GB", "bf16") is None
+    assert peak_flops.gpu_peak_flops("NVIDIA A10G", "bf16") is None
+    assert peak_flops.gpu_peak_flops("Some Future GPU", "bf16") is None
+
+
+def test_fp32_matmuls_count_as_tf32_when_torch_allows_it():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert peak_flops.number_format("fp32") == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert peak_flops.number_format("fp32") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert peak_flops.number_format("amp_bf16") == "bf16"
+    with pytest.raises(ValueError, match="unknown precision"):
+        peak_flops.number_format("fp8")
+
+
+@pytest.mark.parametrize("precision, dtype_name", [("fp32", "float32"), ("amp_bf16", "bfloat16")])
+def test_cpu_peak_is_measured_in_the_runs_precision(precision, dtype_name):
+    peak, source = peak_flops.device_peak_flops(torch.device("cpu"), precision)
+    assert source.startswith(f"measured: {dtype_name}")
+    assert 1e8 < peak < 1e15  # any CPU from a laptop to a large server, in flop/s
+
+
+def test_cpu_benchmark_leaves_the_training_rng_untouched():
+    peak_flops.measure_cpu_peak_flops.cache_clear()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    peak_flops.measure_cpu_peak_flops(torch.float32, torch.get_num_threads())
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(speed_monitor, "device_peak_flops", lambda device, precision: (None, "no peak"))
+    recorder = Recorder()
+    trainer = make_trainer(tmp_path, n_batches=2, callbacks=[SpeedMonitor()], loggers=[recorder])
+    with pytest.warns(UserWarning, match="peak_flops=<flop/s per device>"):
+        trainer.fit()
+    names = set().union(*(m for _, m in recorder.calls))
+    assert "throughput/tokens_per_sec" in names
+    assert "throughput/mfu" not in names
+
+
+def test_override_beats_lookup(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(speed_monitor, "device_peak_flops", lambda device, precision: pytest.fail("looked up"))
+    make_trainer(tmp_path, n_batches=1, callbacks=[SpeedMonitor(peak_flops=2e12)]).fit()
+    assert "peak 2000.0 GFLOP/s per device (set by speed_monitor.peak_flops)" in capsys.readouterr().out
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="window_size"):
+        SpeedMonitor(window_size=0)
+    with pytest.raises(ValueError, match="peak_flops"):
+        SpeedMonitor(peak_flops=0)

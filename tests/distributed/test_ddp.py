@@ -1,0 +1,90 @@
+"""DDP on CPU (gloo) with two processes: equals one process on the whole batch; auto-microbatching
+agrees across ranks when only one of them runs out of memory."""
+
+import functools
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from llmfoundry.distributed import DDP, SingleDevice
+from llmfoundry.trainer import Trainer
+from tests.trainer.conftest import tiny_model
+
+from .workers import global_batches, train_rank
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_ranks(tmp_path, microbatch):
+    mp.spawn(train_rank, args=(WORLD, free_port(), str(tmp_path), microbatch), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def single_process_reference(tmp_path):
+    batches = global_batches()
+    trainer = Trainer(
+        model=tiny_model(),
+        strategy=SingleDevice("cpu"),
+        train_dataloader=batches,
+        max_duration=f"{len(batches)}ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+    )
+    return trainer.fit()
+
+
+def assert_matches_reference(result, reference):
+    params = dict(reference.model.named_parameters())
+    for name, value in result["params"].items():
+        torch.testing.assert_close(value, params[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert result["train_loss"].item() == pytest.approx(reference.train_loss, rel=1e-6)
+
+
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    # One sample per microbatch: gradients stay local (no_sync) until the last microbatch.
+    results = run_two_ranks(tmp_path, microbatch=1)
+    reference = single_process_reference(tmp_path)
+    for result in results:
+        assert_matches_reference(result, reference)
+        assert result["group_destroyed"].item()
+    for name, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][name]), name
+
+
+def test_auto_microbatching_agrees_when_one_rank_runs_out_of_memory(tmp_path):
+    results = run_two_ranks(tmp_path, microbatch="auto")
+    # Rank 1 fails at 2 samples; rank 0 never fails itself, yet halves with it.
+    assert [r["raised"].item() for r in results] == [0, 1]
+    assert [r["microbatch"].item() for r in results] == [1, 1]
+    for name, value in results[0]["params"].items():
+        assert torch.equal(value, results[1]["params"][name]), name
+    reference = single_process_reference(tmp_path)
+    for result in results:
+        assert_matches_reference(result, reference)
+
+
+def test_ddp_outside_torchrun_says_how_to_launch(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
+        DDP(device="cpu")
+
+
+def test_ddp_reads_rank_and_picks_gloo_on_cpu(monkeypatch):
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    strategy = DDP(device="cpu")
+    assert (strategy.rank, strategy.world_size, strategy.backend) == (1, 2, "gloo")
+    assert not strategy.is_main and strategy.device == torch.device("cpu")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="outside WORLD_SIZE"):
+        DDP(device="cpu")

@@ -1,0 +1,168 @@
+"""Auto-microbatching in one process, with out-of-memory errors injected at chosen sizes.
+
+The two-process case (one rank runs out of memory, both must agree) is in
+tests/distributed/test_ddp.py.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from llmfoundry.trainer import Algorithm, Event, LoggerDestination, Trainer
+
+from .conftest import tiny_model, token_batches
+
+
+class InjectOOM(Algorithm):
+    """Raise an out-of-memory error at `event` when a microbatch has more than `limit` samples,
+    from batch `from_batch` on (a real OOM cannot be provoked reliably on CPU)."""
+
+    def __init__(self, limit, event=Event.BEFORE_FORWARD, from_batch=0, error=None):
+        self.limit, self.event, self.from_batch = limit, event, from_batch
+        self.error = error or (lambda: torch.OutOfMemoryError("CUDA out of memory (injected)"))
+        self.raised = 0
+
+    def match(self, event, state):
+        return event is self.event and state.timestamp.batch >= self.from_batch
+
+    def apply(self, event, state, logger):
+        if state.batch["input_ids"].shape[0] > self.limit:
+            self.raised += 1
+            raise self.error()
+
+
+class Metrics(LoggerDestination):
+    def __init__(self):
+        self.logged = []
+
+    def log_metrics(self, metrics, step):
+        self.logged += [(step, k, v) for k, v in metrics.items()]
+
+
+class ForwardSizes(Algorithm):
+    """Listed before InjectOOM, it sees every attempted microbatch, the failing ones too."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def match(self, event, state):
+        return event is Event.BEFORE_FORWARD
+
+    def apply(self, event, state, logger):
+        self.sizes.append((state.timestamp.batch, state.batch["input_ids"].shape[0]))
+
+
+def masked_batches(n=2):
+    """Unequal loss tokens per sample, so wrong microbatch weighting would show."""
+    batches = token_batches(n, 4, seed=3)
+    for batch in batches:
+        batch["labels"][0, :12] = -100
+        batch["labels"][3, 5:] = -100
+    return batches
+
+
+def train(tmp_path, batches, **kwargs):
+    trainer = Trainer(
+        model=tiny_model(),
+        train_dataloader=batches,
+        max_duration=f"{len(batches)}ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+        **kwargs,
+    )
+    trainer.fit()
+    return trainer
+
+
+def assert_same_params(a, b):
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_oom_in_forward_halves_until_it_fits_and_matches_one_large_batch(tmp_path, capsys):
+    oom, sizes, metrics = InjectOOM(limit=1), ForwardSizes(), Metrics()
+    trainer = train(
+        tmp_path, masked_batches(), device_train_microbatch_size="auto",
+        algorithms=[sizes, oom], loggers=[metrics],
+    )
+    assert trainer.state.device_train_microbatch_size == 1
+    # Batch 0: tries 4, then 2, then four microbatches of 1; batch 1 starts at the kept size 1.
+    assert sizes.sizes == [(0, 4), (0, 2)] + [(0, 1)] * 4 + [(1, 1)] * 4
+    assert oom.raised == 2
+    assert [(s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"] == [(0, 1)]
+    out = capsys.readouterr().out
+    assert "retrying the batch with 2" in out and "retrying the batch with 1" in out
+    assert "device_train_microbatch_size (auto): 1" in out
+    reference = train(tmp_path, masked_batches())
+    assert_same_params(trainer.state.model, reference.state.model)
+    assert trainer.state.train_loss == pytest.approx(reference.state.train_loss, rel=1e-6)
+
+
+def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
+    # The failed attempt has already accumulated a full batch of gradients when it raises; the
+    # retry must start from zero or the step would be doubled.
+    oom = InjectOOM(limit=2, event=Event.AFTER_BACKWARD)
+    trainer = train(tmp_path, masked_batches(), device_train_microbatch_size="auto", algorithms=[oom])
+    assert trainer.state.device_train_microbatch_size == 2 and oom.raised == 1
+    assert_same_params(trainer.state.model, train(tmp_path, masked_batches()).state.model)
+
+
+def test_size_is_kept_and_halved_again_later(tmp_path):
+    oom, sizes, metrics = InjectOOM(limit=2, from_batch=1), ForwardSizes(), Metrics()
+    train(
+        tmp_path, token_batches(3, 4), device_train_microbatch_size="auto",
+        algorithms=[sizes, oom], loggers=[metrics],
+    )
+    assert sizes.sizes == [(0, 4), (1, 4), (1, 2), (1, 2), (2, 2), (2, 2)]
+    logged = [(s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"]
+    assert logged == [(0, 4), (1, 2)]
+
+
+def test_oom_message_without_the_oom_type_counts_too(tmp_path):
+    oom = InjectOOM(limit=2, error=lambda: RuntimeError("HIP error: out of memory"))
+    trainer = train(tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[oom])
+    assert trainer.state.device_train_microbatch_size == 2
+
+
+def test_oom_at_size_one_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="device_train_microbatch_size=1 .*one sample per device"):
+        train(tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[InjectOOM(0)])
+
+
+def test_other_errors_and_fixed_sizes_are_not_retried(tmp_path):
+    boom = InjectOOM(limit=0, error=lambda: RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="^boom$"):
+        train(tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[boom])
+    oom = InjectOOM(limit=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        train(tmp_path, token_batches(1, 4), device_train_microbatch_size=2, algorithms=[oom])
+    assert oom.raised == 1
+
+
+@pytest.mark.parametrize("bad", ["big", 0])
+def test_bad_microbatch_setting(tmp_path, bad):
+    with pytest.raises(ValueError, match="device_train_microbatch_size"):
+        train(tmp_path, token_batches(1, 4), device_train_microbatch_size=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-memory error needs CUDA")
+def test_real_cuda_oom_is_recovered(tmp_path):
+    """Cap this process's CUDA memory, then give it a batch whose activations cannot fit."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 2**30) / total)
+    try:
+        batches = token_batches(2, 512, seq_len=256, vocab=50000)
+        trainer = Trainer(
+            model=tiny_model(vocab_size=50000, seq_len=256),
+            train_dataloader=batches,
+            max_duration="2ba",
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            run_dir=tmp_path,
+            device_train_microbatch_size="auto",
+        )
+        trainer.fit()
+        assert 1 <= trainer.state.device_train_microbatch_size < 512
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
