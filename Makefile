@@ -37,6 +37,10 @@ lint: setup
 	$(PY) -m ruff check llmfoundry scripts data_prep tests bench
 	$(PY) -m ruff format --check llmfoundry scripts data_prep tests bench
 
+# Loss, lr and throughput curves of the latest run, as PNGs in its plots/ folder.
+plot: setup
+	$(PY) scripts/plot.py $$(ls -td outputs/*/ | head -1)
+
 bench: setup
 	$(PY) bench/data_loader.py
 

@@ -6,9 +6,9 @@ tests both go through it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,8 +31,8 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     device_batch = settings.global_train_batch_size // strategy.world_size
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len
-    with torch.device("meta"):
-        model = MPTForCausalLM(model_config)
+    # Built without memory; the strategy materializes it and initializes it from `seed`.
+    model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
 
     data = instantiate(cfg.data)
     train_loader = build_dataloader(data, data.train_split, device_batch, seq_len)

@@ -12,20 +12,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmfoundry.loggers.plot import metrics_file, plot_runs, read_metrics
-
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run folders or metrics .jsonl files")
-    parser.add_argument("--labels", nargs="+", help="legend label of each run (default: folder names)")
+    parser.add_argument(
+        "--labels", nargs="+", help="legend label of each run (default: folder names)"
+    )
     parser.add_argument("--out", help="folder for the PNG files (default: <first run>/plots)")
     args = parser.parse_args(argv)
+    # Imported after parsing so --help answers without loading torch.
+    from llmfoundry.loggers.plot import metrics_file, plot_runs, read_metrics
+
     if args.labels and len(args.labels) != len(args.runs):
         parser.error(f"--labels gives {len(args.labels)} labels for {len(args.runs)} runs")
     try:
         files = [metrics_file(run) for run in args.runs]
-        labels = args.labels or [f.parent.name if f.name == "metrics.jsonl" else f.stem for f in files]
+        labels = args.labels or [
+            f.parent.name if f.name == "metrics.jsonl" else f.stem for f in files
+        ]
         if len(set(labels)) != len(labels):
             parser.error(f"runs need distinct labels, got {labels}: pass --labels")
         out = Path(args.out) if args.out else files[0].parent / "plots"

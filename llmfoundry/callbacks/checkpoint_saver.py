@@ -65,7 +65,11 @@ class CheckpointSaver(Callback):
 
     def epoch_checkpoint(self, state: State, logger: Logger) -> None:
         interval = self.save_interval
-        if interval and interval.unit is TimeUnit.EPOCH and state.crossed(interval, self._epoch_start):
+        if (
+            interval
+            and interval.unit is TimeUnit.EPOCH
+            and state.crossed(interval, self._epoch_start)
+        ):
             self.save(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:

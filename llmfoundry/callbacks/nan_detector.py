@@ -23,8 +23,8 @@ class NaNDetector(Callback):
         samples = state.batch["input_ids"].shape[0] * state.world_size
         raise FloatingPointError(
             f"the training loss is {loss} at batch {ts.batch + 1} (epoch {ts.epoch}, batch "
-            f"{ts.batch_in_epoch + 1} of the epoch, samples {ts.sample} to {ts.sample + samples - 1} "
-            "of the run); the optimizer step was not taken. Training diverged: lower optimizer.lr, "
+            f"{ts.batch_in_epoch + 1} of the epoch, samples {ts.sample} to "
+            f"{ts.sample + samples - 1} of the run); the optimizer step was not taken. Training diverged: lower optimizer.lr, "
             "lengthen the scheduler warmup, enable algorithms=[gradient_clipping], use fp32 or "
             "amp_bf16 rather than amp_fp16, or check this batch's data"
         )

@@ -96,7 +96,10 @@ class SpeedMonitor(Callback):
                 stacklevel=2,
             )
         elif state.rank == 0:
-            print(f"speed monitor: peak {self._peak / 1e9:.1f} GFLOP/s per device ({source})", flush=True)
+            print(
+                f"speed monitor: peak {self._peak / 1e9:.1f} GFLOP/s per device ({source})",
+                flush=True,
+            )
         ts = state.timestamp
         self._eval_seconds = 0.0
         self._history.clear()

@@ -71,7 +71,6 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
 
     Every rank calls this with its own files (rank 0 the shared ones, each rank its RNG); ranks
     synchronize through torch.distributed when it is initialized. Returns the checkpoint's URL.
-    Rank 0 also prunes: see `prune`.
     """
     if not _NAME.match(name):
         raise ValueError(f"checkpoint name {name!r} must look like 'ep<epoch>-ba<batch>'")
@@ -88,6 +87,7 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
             write(staging / filename)
         _barrier()
         if rank == 0:
+            _fsync_tree(staging)  # on disk before any name points at it, even after a power cut
             _replace_folder(staging, Path(target))
     else:
         with tempfile.TemporaryDirectory(prefix="llmfoundry-ckpt-") as tmp:
@@ -99,6 +99,15 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
         _write_latest(fs, root, name)
     _barrier()
     return f"{folder.rstrip('/')}/{name}"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in (*folder.iterdir(), folder):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _replace_folder(staging: Path, target: Path) -> None:

@@ -179,8 +179,10 @@ def restore(
         _load_data_state(state, saved["data"], where)
     if "rng" in ignore:
         return None
-    if checkpoint.rng is None and state.rank == 0:
-        print(f"checkpoint {where!r} has no RNG state for rank {state.rank}; keeping the seeded one")
+    if checkpoint.rng is None:
+        print(
+            f"checkpoint {where!r} has no RNG state for rank {state.rank}; keeping the seeded one"
+        )
     return checkpoint.rng
 
 

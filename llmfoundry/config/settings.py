@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmfoundry.checkpoint import check_ignore_keys
-
 from llmfoundry.trainer.time import Time
 
 # Config groups under conf/, each selected in train.yaml's defaults list.

@@ -97,8 +97,11 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
                     steps, values = series[metric]
                     is_eval = metric.startswith("eval/")
                     ax.plot(
-                        steps, values, linestyle="--" if is_eval else "-",
-                        marker="o" if is_eval else None, markersize=3,
+                        steps,
+                        values,
+                        linestyle="--" if is_eval else "-",
+                        marker="o" if is_eval else None,
+                        markersize=3,
                         label=" ".join(part for part in (run_label, suffix) if part),
                     )
             ax.set_xlabel("batch")

@@ -26,7 +26,9 @@ class ProgressBarLogger(LoggerDestination):
         one of those, else batches. When max_duration is in another unit the total (and so the
         ETA) is extrapolated from the fraction of the run done."""
         if unit is not None and unit not in _COUNTERS.values():
-            raise ValueError(f"progress.unit={unit!r}: use ba, sp, tok, or null for max_duration's unit")
+            raise ValueError(
+                f"progress.unit={unit!r}: use ba, sp, tok, or null for max_duration's unit"
+            )
         if non_tty_interval < 0:
             raise ValueError(f"non_tty_interval must be >= 0 seconds, got {non_tty_interval}")
         self.unit = TimeUnit(unit) if unit else None
@@ -54,15 +56,23 @@ class ProgressBarLogger(LoggerDestination):
         self._active = True
         if sys.stderr.isatty():
             self._bar = tqdm(
-                total=self._total, initial=self._initial, unit=_COUNTERS[self._unit],
-                file=sys.stderr, dynamic_ncols=True, unit_scale=self._unit is TimeUnit.TOKEN,
+                total=self._total,
+                initial=self._initial,
+                unit=_COUNTERS[self._unit],
+                file=sys.stderr,
+                dynamic_ncols=True,
+                unit_scale=self._unit is TimeUnit.TOKEN,
             )
 
     def _exact_total(self, state: State) -> float | None:
         duration = state.max_duration
         if duration.unit is self._unit:
             return duration.value
-        if duration.unit is TimeUnit.EPOCH and self._unit is TimeUnit.BATCH and state.dataloader_len:
+        if (
+            duration.unit is TimeUnit.EPOCH
+            and self._unit is TimeUnit.BATCH
+            and state.dataloader_len
+        ):
             return state.dataloader_len * duration.value
         return None
 
@@ -84,9 +94,14 @@ class ProgressBarLogger(LoggerDestination):
     def _print_line(self) -> None:
         self._last_print = perf_counter()
         line = tqdm.format_meter(
-            self._count, self._total, self._last_print - self._started,
-            unit=_COUNTERS[self._unit], unit_scale=self._unit is TimeUnit.TOKEN,
-            initial=self._initial, postfix=self._postfix, ascii=True,
+            self._count,
+            self._total,
+            self._last_print - self._started,
+            unit=_COUNTERS[self._unit],
+            unit_scale=self._unit is TimeUnit.TOKEN,
+            initial=self._initial,
+            postfix=self._postfix,
+            ascii=True,
         )
         print(line, file=sys.stderr, flush=True)
 

@@ -32,7 +32,8 @@ class TensorBoardLogger(LoggerDestination):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError(
-                "loggers.tensorboard needs the tensorboard package: pip install 'llmfoundry[tensorboard]'"
+                "loggers.tensorboard needs the tensorboard package: "
+                "pip install 'llmfoundry[tensorboard]'"
             ) from None
         log_dir = state.run_dir / Path(self.log_dir)
         self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=self.flush_secs)
@@ -43,7 +44,9 @@ class TensorBoardLogger(LoggerDestination):
             return
         text = json.dumps(redact_secrets(hyperparameters), indent=2, default=str)
         # Markdown: indent four spaces so the JSON shows as a code block.
-        self._writer.add_text("hyperparameters", "\n".join("    " + line for line in text.splitlines()))
+        self._writer.add_text(
+            "hyperparameters", "\n".join("    " + line for line in text.splitlines())
+        )
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._writer is None:

@@ -23,7 +23,9 @@ class Recorder(LoggerDestination):
         return [(step, m[name]) for step, m in self.calls if name in m]
 
 
-def make_trainer(tmp_path, n_batches: int = 4, batch_size: int = 4, lr: float = 0.1, **kwargs) -> Trainer:
+def make_trainer(
+    tmp_path, n_batches: int = 4, batch_size: int = 4, lr: float = 0.1, **kwargs
+) -> Trainer:
     """mpt with d_model 32 on random tokens (seq 16, so batch_size * 16 tokens per batch)."""
     kwargs.setdefault("train_dataloader", token_batches(n_batches, batch_size))
     kwargs.setdefault("max_duration", f"{n_batches}ba")

@@ -16,10 +16,17 @@ LOGGERS = sorted(p.stem for p in (CONF / "loggers").glob("*.yaml"))
 
 
 def test_every_callback_and_logger_config_builds():
-    assert {"speed_monitor", "memory_monitor", "runtime_estimator", "early_stopper", "nan_detector"} <= set(CALLBACKS)
+    assert {
+        "speed_monitor",
+        "memory_monitor",
+        "runtime_estimator",
+        "early_stopper",
+        "nan_detector",
+    } <= set(CALLBACKS)
     assert {"console", "progress", "jsonl", "tensorboard", "wandb"} <= set(LOGGERS)
     cfg = compose_config(
-        CONF, [f"callbacks=[{','.join(CALLBACKS)}]", f"loggers=[{','.join(LOGGERS)}]", "run_name=test"]
+        CONF,
+        [f"callbacks=[{','.join(CALLBACKS)}]", f"loggers=[{','.join(LOGGERS)}]", "run_name=test"],
     )
     validate_config(cfg)
     for name in CALLBACKS:

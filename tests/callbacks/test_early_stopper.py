@@ -15,8 +15,13 @@ def run(tmp_path, stopper, n_batches=10, lr=0.05, **kwargs):
     data = token_batches(4, 4)
     kwargs.setdefault("eval_interval", "1ba")
     trainer = make_trainer(
-        tmp_path, lr=lr, train_dataloader=data, max_duration=f"{n_batches}ba",
-        eval_dataloaders={"val": copy.deepcopy(data)}, callbacks=[stopper], **kwargs,
+        tmp_path,
+        lr=lr,
+        train_dataloader=data,
+        max_duration=f"{n_batches}ba",
+        eval_dataloaders={"val": copy.deepcopy(data)},
+        callbacks=[stopper],
+        **kwargs,
     )
     return trainer.fit()
 
@@ -62,7 +67,9 @@ def test_max_comparison_wants_the_metric_to_rise(tmp_path):
 def test_train_loss_monitor_checks_every_batch(tmp_path):
     data = token_batches(1, 4) * 6  # one batch repeated: with lr 0 the loss is exactly flat
     stopper = EarlyStopper(monitor="loss/train", patience="2ba")
-    trainer = make_trainer(tmp_path, lr=0.0, train_dataloader=data, max_duration="6ba", callbacks=[stopper])
+    trainer = make_trainer(
+        tmp_path, lr=0.0, train_dataloader=data, max_duration="6ba", callbacks=[stopper]
+    )
     assert trainer.fit().timestamp.batch == 3
 
 
@@ -75,7 +82,10 @@ def test_state_dict_resumes_patience(tmp_path):
     assert restored.best == 1.0 and restored.best_timestamp == stopper.best_timestamp
     # Resumed at batch 6 with no improvement: patience (best at 3 + 5) runs out at batch 8.
     trainer = make_trainer(
-        tmp_path, lr=0.0, train_dataloader=token_batches(1, 4) * 10, max_duration="10ba",
+        tmp_path,
+        lr=0.0,
+        train_dataloader=token_batches(1, 4) * 10,
+        max_duration="10ba",
         callbacks=[restored],
     )
     trainer.state.timestamp = Timestamp(batch=6, sample=24, token=384)
@@ -94,5 +104,7 @@ def test_bad_configuration_is_reported_clearly(tmp_path):
         EarlyStopper(patience="soon")
     with pytest.raises(ValueError, match="eval sets are: val; monitor one of them"):
         run(tmp_path, EarlyStopper(monitor="eval/test/loss"))
-    with pytest.raises(ValueError, match=r"not an eval metric of this run \(available: eval/val/accuracy"):
+    with pytest.raises(
+        ValueError, match=r"not an eval metric of this run \(available: eval/val/accuracy"
+    ):
         run(tmp_path, EarlyStopper(monitor="eval/val/bleu"))

@@ -1,6 +1,15 @@
 import pytest
+import torch
 
-from llmfoundry.callbacks import LRMonitor, MemoryMonitor, RuntimeEstimator, runtime_estimator
+from llmfoundry.callbacks import (
+    LRMonitor,
+    MemoryMonitor,
+    RuntimeEstimator,
+    SpeedMonitor,
+    peak_flops,
+    runtime_estimator,
+)
+from llmfoundry.distributed import SingleDevice
 from llmfoundry.optim import LinearWithWarmup
 from llmfoundry.trainer import Callback
 
@@ -16,10 +25,18 @@ def test_lr_monitor_logs_the_lr_each_step_was_taken_with(tmp_path):
 
     recorder = Recorder()
     make_trainer(
-        tmp_path, n_batches=4, lr=0.1, scheduler=LinearWithWarmup(t_warmup="2ba"),
-        callbacks=[LRMonitor(), ReadLR()], loggers=[recorder],
+        tmp_path,
+        n_batches=4,
+        lr=0.1,
+        scheduler=LinearWithWarmup(t_warmup="2ba"),
+        callbacks=[LRMonitor(), ReadLR()],
+        loggers=[recorder],
     ).fit()
-    logged = [[m[k] for k in sorted(m) if k.startswith("lr/group")] for _, m in recorder.calls if "lr/group0" in m]
+    logged = [
+        [m[k] for k in sorted(m) if k.startswith("lr/group")]
+        for _, m in recorder.calls
+        if "lr/group0" in m
+    ]
     assert logged == ReadLR.seen
     lrs = [lr for _, lr in recorder.values("lr/group0")]
     assert len(lrs) == 4 and lrs[0] < lrs[1]  # warming up
@@ -28,7 +45,10 @@ def test_lr_monitor_logs_the_lr_each_step_was_taken_with(tmp_path):
 def test_memory_monitor_reports_process_memory_on_cpu(tmp_path):
     recorder = Recorder()
     make_trainer(tmp_path, n_batches=2, callbacks=[MemoryMonitor()], loggers=[recorder]).fit()
-    (_, rss), (_, peak) = recorder.values("memory/rss_gib")[-1], recorder.values("memory/peak_rss_gib")[-1]
+    (_, rss), (_, peak) = (
+        recorder.values("memory/rss_gib")[-1],
+        recorder.values("memory/peak_rss_gib")[-1],
+    )
     # torch alone keeps well over 50 MiB resident; nothing here needs 64 GiB.
     assert 0.05 < rss <= peak * 1.01 < 64
 
@@ -51,7 +71,10 @@ def test_runtime_estimator_extrapolates_after_the_skipped_batches(tmp_path, monk
     monkeypatch.setattr(runtime_estimator, "perf_counter", clock)
     recorder = Recorder()
     make_trainer(
-        tmp_path, n_batches=5, callbacks=[clock, RuntimeEstimator(skip_batches=1)], loggers=[recorder]
+        tmp_path,
+        n_batches=5,
+        callbacks=[clock, RuntimeEstimator(skip_batches=1)],
+        loggers=[recorder],
     ).fit()
     # The first batch is skipped: 2 s per batch from then on.
     estimates = recorder.values("time/remaining_estimate")
@@ -66,12 +89,36 @@ def test_runtime_estimator_in_tokens(tmp_path, monkeypatch):
     recorder = Recorder()
     # 4 batches of 64 tokens; max_duration in tokens, no batch skipped.
     make_trainer(
-        tmp_path, n_batches=4, max_duration="256tok",
-        callbacks=[clock, RuntimeEstimator(skip_batches=0)], loggers=[recorder],
+        tmp_path,
+        n_batches=4,
+        max_duration="256tok",
+        callbacks=[clock, RuntimeEstimator(skip_batches=0)],
+        loggers=[recorder],
     ).fit()
-    assert [v for _, v in recorder.values("time/remaining_estimate")] == pytest.approx([3.0, 2.0, 1.0, 0.0])
+    assert [v for _, v in recorder.values("time/remaining_estimate")] == pytest.approx(
+        [3.0, 2.0, 1.0, 0.0]
+    )
 
 
 def test_runtime_estimator_rejects_negative_skip():
     with pytest.raises(ValueError, match="skip_batches"):
         RuntimeEstimator(skip_batches=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA allocator statistics need a GPU")
+def test_memory_and_mfu_on_a_gpu(tmp_path):
+    recorder = Recorder()
+    make_trainer(
+        tmp_path,
+        n_batches=3,
+        strategy=SingleDevice("cuda"),
+        precision="amp_bf16",
+        callbacks=[MemoryMonitor(), SpeedMonitor()],
+        loggers=[recorder],
+    ).fit()
+    metrics = recorder.calls[-1][1] | recorder.calls[-2][1]
+    assert 0 < metrics["memory/allocated_gib"] <= metrics["memory/peak_allocated_gib"]
+    assert metrics["memory/peak_allocated_gib"] <= metrics["memory/peak_reserved_gib"]
+    name = torch.cuda.get_device_name()
+    if peak_flops.gpu_peak_flops(name, "bf16") is not None:
+        assert 0 < metrics["throughput/mfu"] < 1, name

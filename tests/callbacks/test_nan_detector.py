@@ -27,7 +27,10 @@ def parameters_finite(trainer):
 @pytest.mark.parametrize("value, shown", [(math.nan, "nan"), (math.inf, "inf")])
 def test_non_finite_loss_raises_naming_the_batch_before_the_step(tmp_path, value, shown):
     trainer = make_trainer(tmp_path, n_batches=5, callbacks=[PoisonLoss(2, value), NaNDetector()])
-    with pytest.raises(FloatingPointError, match=rf"loss is {shown} at batch 3 \(epoch 0, batch 3 of the epoch, samples 8 to 11"):
+    with pytest.raises(
+        FloatingPointError,
+        match=rf"loss is {shown} at batch 3 \(epoch 0, batch 3 of the epoch, samples 8 to 11",
+    ):
         trainer.fit()
     assert trainer.state.timestamp.batch == 2
     assert parameters_finite(trainer)  # the poisoned step was never applied

@@ -1,11 +1,12 @@
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+)
 
 from llmfoundry.callbacks import SpeedMonitor, peak_flops, speed_monitor
 from llmfoundry.models.mpt.model import Block
 from llmfoundry.trainer import Callback
-
 from tests.trainer.conftest import token_batches
 
 from .conftest import Recorder, make_trainer
@@ -14,7 +15,7 @@ TOKENS_PER_BATCH = 4 * 16  # batch_size 4, seq_len 16
 
 
 class FakeClock(Callback):
-    """Time that moves only when told: `batch_seconds[i]` during batch i, `eval_seconds` per eval."""
+    """Time that moves only when told: `batch_seconds[i]` in batch i, `eval_seconds` per eval."""
 
     def __init__(self, batch_seconds, eval_seconds=0.0):
         self.now = 1000.0
@@ -34,13 +35,21 @@ class FakeClock(Callback):
 def run_with_clock(tmp_path, monkeypatch, clock, monitor, **kwargs):
     monkeypatch.setattr(speed_monitor, "perf_counter", clock)
     recorder = Recorder()
-    trainer = make_trainer(tmp_path, n_batches=len(clock.batch_seconds), callbacks=[clock, monitor], loggers=[recorder], **kwargs)
+    trainer = make_trainer(
+        tmp_path,
+        n_batches=len(clock.batch_seconds),
+        callbacks=[clock, monitor],
+        loggers=[recorder],
+        **kwargs,
+    )
     return trainer, recorder
 
 
 def test_rates_and_mfu_with_known_clock_and_peak(tmp_path, monkeypatch):
     clock = FakeClock([0.5, 0.5, 0.5])
-    trainer, recorder = run_with_clock(tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9))
+    trainer, recorder = run_with_clock(
+        tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9)
+    )
     flops_per_token = trainer.state.model.flops_per_token(16)
     trainer.fit()
     steps = [step for step, _ in recorder.values("throughput/mfu")]
@@ -59,7 +68,9 @@ def test_rates_and_mfu_with_known_clock_and_peak(tmp_path, monkeypatch):
 
 def test_window_slides_over_the_last_batches(tmp_path, monkeypatch):
     clock = FakeClock([1.0, 2.0, 3.0, 4.0])
-    trainer, recorder = run_with_clock(tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9))
+    trainer, recorder = run_with_clock(
+        tmp_path, monkeypatch, clock, SpeedMonitor(window_size=2, peak_flops=1e9)
+    )
     trainer.fit()
     # batch 1 over 1 s; batch 1-2 over 3 s; then the last two batches: 2-3 over 5 s, 3-4 over 7 s.
     assert [v for _, v in recorder.values("throughput/batches_per_sec")] == pytest.approx(
@@ -70,11 +81,17 @@ def test_window_slides_over_the_last_batches(tmp_path, monkeypatch):
 def test_evaluation_time_is_not_training_time(tmp_path, monkeypatch):
     clock = FakeClock([1.0, 1.0, 1.0, 1.0], eval_seconds=100.0)
     trainer, recorder = run_with_clock(
-        tmp_path, monkeypatch, clock, SpeedMonitor(window_size=4, peak_flops=1e9),
-        eval_dataloaders={"val": token_batches(2, 4, seed=1)}, eval_interval="1ba",
+        tmp_path,
+        monkeypatch,
+        clock,
+        SpeedMonitor(window_size=4, peak_flops=1e9),
+        eval_dataloaders={"val": token_batches(2, 4, seed=1)},
+        eval_interval="1ba",
     )
     trainer.fit()
-    assert [v for _, v in recorder.values("throughput/tokens_per_sec")] == pytest.approx([TOKENS_PER_BATCH] * 4)
+    assert [v for _, v in recorder.values("throughput/tokens_per_sec")] == pytest.approx(
+        [TOKENS_PER_BATCH] * 4
+    )
 
 
 def test_hfu_counts_the_recomputed_forward_under_activation_checkpointing(tmp_path, monkeypatch):
@@ -133,7 +150,9 @@ def test_cpu_benchmark_leaves_the_training_rng_untouched():
 
 
 def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, monkeypatch):
-    monkeypatch.setattr(speed_monitor, "device_peak_flops", lambda device, precision: (None, "no peak"))
+    monkeypatch.setattr(
+        speed_monitor, "device_peak_flops", lambda device, precision: (None, "no peak")
+    )
     recorder = Recorder()
     trainer = make_trainer(tmp_path, n_batches=2, callbacks=[SpeedMonitor()], loggers=[recorder])
     with pytest.warns(UserWarning, match="peak_flops=<flop/s per device>"):
@@ -144,9 +163,14 @@ def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, 
 
 
 def test_override_beats_lookup(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(speed_monitor, "device_peak_flops", lambda device, precision: pytest.fail("looked up"))
+    monkeypatch.setattr(
+        speed_monitor, "device_peak_flops", lambda device, precision: pytest.fail("looked up")
+    )
     make_trainer(tmp_path, n_batches=1, callbacks=[SpeedMonitor(peak_flops=2e12)]).fit()
-    assert "peak 2000.0 GFLOP/s per device (set by speed_monitor.peak_flops)" in capsys.readouterr().out
+    assert (
+        "peak 2000.0 GFLOP/s per device (set by speed_monitor.peak_flops)"
+        in capsys.readouterr().out
+    )
 
 
 def test_bad_arguments():

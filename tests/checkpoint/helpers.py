@@ -39,17 +39,19 @@ def write_mds(root: Path, samples: dict[str, int], seed: int = 0) -> Path:
 
 
 class Batches(list):
-    """In-memory batches with the dataloader's data-position contract (llmfoundry.data)."""
+    """One rank's in-memory batches with the data-position contract of llmfoundry.data
+    (positions count samples of all `world` ranks)."""
 
-    def __init__(self, batches) -> None:
+    def __init__(self, batches, world: int = 1) -> None:
         super().__init__(batches)
+        self.world = world
         self.skip = 0
 
     def state_dict(self, num_samples: int) -> dict:
         return {"sample_in_epoch": num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        self.skip = state["sample_in_epoch"] // len(self[0]["input_ids"])
+        self.skip = state["sample_in_epoch"] // (len(self[0]["input_ids"]) * self.world)
 
     def __iter__(self):
         skip, self.skip = self.skip, 0  # only the resumed epoch starts part-way
@@ -62,48 +64,63 @@ def sample_ids(batch: dict[str, torch.Tensor]) -> list[int]:
 
 
 def model(dropout: float = 0.1) -> MPTForCausalLM:
-    """Tiny MPT with dropout, so an unrestored torch RNG changes the losses."""
+    """Tiny MPT with dropout, so an unrestored torch RNG changes the losses.
+
+    Built on meta, so the trainer initializes it from its seed.
+    """
     config = MPTConfig(
-        d_model=32, n_heads=2, n_layers=2, max_seq_len=SEQ_LEN, vocab_size=VOCAB,
-        resid_pdrop=dropout, emb_pdrop=dropout,
+        d_model=32,
+        n_heads=2,
+        n_layers=2,
+        max_seq_len=SEQ_LEN,
+        vocab_size=VOCAB,
+        resid_pdrop=dropout,
+        emb_pdrop=dropout,
+        init_device="meta",
     )
-    with torch.device("meta"):
-        return MPTForCausalLM(config)
+    return MPTForCausalLM(config)
+
+
+# Set in a training subprocess's environment to interrupt it, e.g. "SIGKILL@8" or "SIGTERM@4",
+# so every launch of a run is the same command line.
+INTERRUPT_ENV = "LLMFOUNDRY_TEST_INTERRUPT"
 
 
 class StepRecorder(Callback):
     """Records each step's loss (exactly, as float.hex) and sample ids; optionally as JSONL.
 
-    For the subprocess tests it can also interrupt its own run after batch `kill_at`:
-    ``kill_with="SIGKILL"`` kills the process at BATCH_END (a crash: nothing saved at that
-    batch); ``kill_with="wait"`` writes `<path>.at` and waits (up to 30 s) for the test to send a
-    signal, then lets the batch finish.
+    In a training subprocess, `INTERRUPT_ENV` interrupts the run at the end of a batch:
+    ``SIGKILL@<batch>`` kills the process (a crash: nothing saved at that batch);
+    ``SIGTERM@<batch>`` writes ``<path>.at`` and waits (up to 60 s) for ``<path>.sent``, which
+    the test creates after sending the process SIGTERM, so the signal lands mid-run.
     """
 
-    def __init__(
-        self, path: str | None = None, kill_at: int | None = None, kill_with: str = "SIGKILL"
-    ) -> None:
+    def __init__(self, path: str | None = None) -> None:
         self.path = path
-        self.kill_at = kill_at
-        self.kill_with = kill_with
         self.steps: list[dict] = []
         self._ids: list[int] = []
+        kind, _, batch = os.environ.get(INTERRUPT_ENV, "@").partition("@")
+        self.interrupt = (kind, int(batch)) if kind else None
 
     def after_dataloader(self, state, logger) -> None:
         self._ids = sample_ids(state.batch)
 
     def batch_end(self, state, logger) -> None:
-        step = {"batch": state.timestamp.batch, "loss": float(state.train_loss).hex(), "ids": self._ids}
+        step = {
+            "batch": state.timestamp.batch,
+            "loss": float(state.train_loss).hex(),
+            "ids": self._ids,
+        }
         self.steps.append(step)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(step) + "\n")
-        if state.timestamp.batch != self.kill_at:
+        if self.interrupt is None or self.interrupt[1] != state.timestamp.batch:
             return
-        if self.kill_with == "SIGKILL":
+        if self.interrupt[0] == "SIGKILL":
             os.kill(os.getpid(), signal.SIGKILL)
         Path(f"{self.path}.at").write_text(str(state.timestamp.batch))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not Path(f"{self.path}.sent").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
 

@@ -52,7 +52,11 @@ def test_saves_at_interval_and_end_with_latest_pointer(tmp_path):
     make_trainer(tmp_path, token_batches(5, 2), saver=saver).fit()
     assert folders(tmp_path / "ckpt") == ["ep0-ba2", "ep0-ba4", "ep1-ba5", "latest"]
     assert (tmp_path / "ckpt" / "latest").read_text() == "ep1-ba5\n"
-    assert folders(tmp_path / "ckpt" / "ep1-ba5") == ["model.safetensors", "rng-rank0.pt", "state.pt"]
+    assert folders(tmp_path / "ckpt" / "ep1-ba5") == [
+        "model.safetensors",
+        "rng-rank0.pt",
+        "state.pt",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -95,19 +99,28 @@ def test_roundtrip_restores_every_part(tmp_path):
     console = ConsoleLogger()
     console.load_state_dict({"eval_history": {"eval/x/loss": [1.5]}})
     trainer = make_trainer(
-        tmp_path, token_batches(3, 2), saver=CheckpointSaver(str(tmp_path / "ckpt")),
-        algorithms=[rtr], loggers=[console], scheduler=CosineWithWarmup(t_warmup="1ba"),
+        tmp_path,
+        token_batches(3, 2),
+        saver=CheckpointSaver(str(tmp_path / "ckpt")),
+        algorithms=[rtr],
+        loggers=[console],
+        scheduler=CosineWithWarmup(t_warmup="1ba"),
         config={"model": {"d_model": 32}},
     )
     trainer.fit()
     resumed = make_trainer(
-        tmp_path, token_batches(3, 2), load_path=str(tmp_path / "ckpt"),
+        tmp_path,
+        token_batches(3, 2),
+        load_path=str(tmp_path / "ckpt"),
         algorithms=[RandomTokenReplacement(probability=0.2, vocab_size=64, seed=99)],
-        loggers=[ConsoleLogger()], scheduler=CosineWithWarmup(t_warmup="1ba"),
+        loggers=[ConsoleLogger()],
+        scheduler=CosineWithWarmup(t_warmup="1ba"),
     )
     a, b = trainer.state, resumed.state
     assert b.timestamp == a.timestamp and b.timestamp.batch == 3
-    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+    for (name, x), (_, y) in zip(
+        a.model.state_dict().items(), b.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(x, y), name
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
     assert sa["param_groups"] == sb["param_groups"]
@@ -144,7 +157,9 @@ def test_weights_only_load_for_finetuning(tmp_path):
     saver = CheckpointSaver(str(tmp_path / "ckpt"))
     trained = make_trainer(tmp_path, token_batches(3, 2), saver=saver).fit()
     tuned = make_trainer(
-        tmp_path, token_batches(3, 2), load_path=str(tmp_path / "ckpt" / "ep1-ba3"),
+        tmp_path,
+        token_batches(3, 2),
+        load_path=str(tmp_path / "ckpt" / "ep1-ba3"),
         load_ignore_keys=list(WEIGHTS_ONLY),
     )
     assert tuned.state.timestamp.batch == 0 and not tuned.state.optimizer.state
@@ -166,7 +181,9 @@ def test_weights_only_load_for_finetuning(tmp_path):
 def test_bad_ignore_keys(tmp_path, keys, message):
     make_trainer(tmp_path, token_batches(1, 2), saver=CheckpointSaver(str(tmp_path / "c"))).fit()
     with pytest.raises(ValueError, match=message):
-        make_trainer(tmp_path, token_batches(1, 2), load_path=str(tmp_path / "c"), load_ignore_keys=keys)
+        make_trainer(
+            tmp_path, token_batches(1, 2), load_path=str(tmp_path / "c"), load_ignore_keys=keys
+        )
 
 
 def test_load_path_errors_name_the_problem(tmp_path):
@@ -174,8 +191,11 @@ def test_load_path_errors_name_the_problem(tmp_path):
         make_trainer(tmp_path, token_batches(1, 2), load_path=str(tmp_path / "nothing"))
     make_trainer(tmp_path, token_batches(1, 2), saver=CheckpointSaver(str(tmp_path / "c"))).fit()
     other = Trainer(
-        model=tiny_model(vocab_size=80), train_dataloader=token_batches(1, 2), run_dir=tmp_path,
-        max_duration="1ba", optimizer=functools.partial(DecoupledAdamW, lr=1e-2),
+        model=tiny_model(vocab_size=80),
+        train_dataloader=token_batches(1, 2),
+        run_dir=tmp_path,
+        max_duration="1ba",
+        optimizer=functools.partial(DecoupledAdamW, lr=1e-2),
     )
     with pytest.raises(ValueError, match="weights do not fit this model"):
         other.load(str(tmp_path / "c"))
@@ -271,7 +291,9 @@ def test_memory_filesystem_roundtrip(tmp_path):
     resumed = make_trainer(tmp_path, token_batches(4, 2), load_path=url, load_ignore_keys=["data"])
     assert resumed.state.timestamp.batch == 4
     for (name, x), (_, y) in zip(
-        trainer.state.model.state_dict().items(), resumed.state.model.state_dict().items(), strict=True
+        trainer.state.model.state_dict().items(),
+        resumed.state.model.state_dict().items(),
+        strict=True,
     ):
         assert torch.equal(x, y), name
 
@@ -285,7 +307,10 @@ def test_load_fires_before_and_after_load(tmp_path):
             seen.append((event.value, state.timestamp.batch))
 
     trainer = make_trainer(
-        tmp_path, token_batches(2, 2), callbacks=[Events()], load_path=str(tmp_path / "c"),
+        tmp_path,
+        token_batches(2, 2),
+        callbacks=[Events()],
+        load_path=str(tmp_path / "c"),
         max_duration="3ba",
     )
     assert seen == [("init", 0), ("before_load", 0), ("after_load", 2)]
@@ -297,7 +322,9 @@ def test_resuming_a_finished_run_does_not_save_again(tmp_path, capsys):
     make_trainer(tmp_path, token_batches(2, 2), saver=CheckpointSaver(str(tmp_path / "c"))).fit()
     capsys.readouterr()
     saver = CheckpointSaver(str(tmp_path / "c"))
-    state = make_trainer(tmp_path, token_batches(2, 2), saver=saver, load_path=str(tmp_path / "c")).fit()
+    state = make_trainer(
+        tmp_path, token_batches(2, 2), saver=saver, load_path=str(tmp_path / "c")
+    ).fit()
     assert state.timestamp.batch == 2 and saver.last_saved is None
     assert "saved checkpoint" not in capsys.readouterr().out
 
@@ -308,7 +335,9 @@ def test_stop_training_saves_at_the_stopping_batch(tmp_path):
             state.stop_training = state.timestamp.batch == 2
 
     make_trainer(
-        tmp_path, token_batches(4, 2), callbacks=[StopAt()],
+        tmp_path,
+        token_batches(4, 2),
+        callbacks=[StopAt()],
         saver=CheckpointSaver(str(tmp_path / "c"), save_interval="10ba"),
     ).fit()
     assert read_latest(str(tmp_path / "c")) == "ep0-ba2"
@@ -328,7 +357,10 @@ def test_sigterm_saves_after_the_current_batch_and_stops(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     saver = CheckpointSaver(str(tmp_path / "c"))
     state = make_trainer(
-        tmp_path, token_batches(6, 2), callbacks=[SignalAt()], saver=saver,
+        tmp_path,
+        token_batches(6, 2),
+        callbacks=[SignalAt()],
+        saver=saver,
         eval_dataloaders={"v": token_batches(1, 2)},
     ).fit()
     assert state.timestamp.batch == 3 and state.stop_training

@@ -64,7 +64,9 @@ def straight(tmp_path_factory, mds):
 
 
 def assert_same_weights(a, b):
-    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+    for (name, x), (_, y) in zip(
+        a.model.state_dict().items(), b.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(x, y), name
 
 

@@ -54,6 +54,7 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    import faulthandler; faulthandler.dump_traceback_later(45, exit=True)
     oom = OOMOnRank(rank=1, limit=1)
     batches = global_batches()
     trainer = Trainer(
@@ -67,6 +68,7 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         algorithms=[oom] if microbatch == "auto" else [],
     )
     state = trainer.fit()
+    print(rank, "fit done", flush=True)
     result = {
         "params": {n: p.detach().clone() for n, p in unwrap_model(state.model).named_parameters()},
         "microbatch": torch.tensor(state.device_train_microbatch_size or 0),
@@ -75,3 +77,12 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         "group_destroyed": torch.tensor(not dist.is_initialized()),
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    print(rank, "saved", flush=True)
+    import gc
+    model = trainer.state.model
+    del trainer, state
+    gc.collect()
+    print(rank, "trainer deleted", flush=True)
+    del model
+    gc.collect()
+    print(rank, "model deleted", flush=True)

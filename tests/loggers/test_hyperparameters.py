@@ -7,7 +7,11 @@ def test_secret_named_keys_are_dropped_at_any_depth_and_case():
         "api_key": "k",
         "HF_TOKEN": "t",
         "data": {
-            "storage_options": {"key": "AKIA", "Secret": "s", "client_kwargs": {"endpoint_url": "http://x"}},
+            "storage_options": {
+                "key": "AKIA",
+                "Secret": "s",
+                "client_kwargs": {"endpoint_url": "http://x"},
+            },
             "streams": [{"remote": "s3://b", "aws_secret_access_key": "s"}],
         },
         "db_password": "p",

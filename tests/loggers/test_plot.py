@@ -22,8 +22,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def train_run(folder, lr):
     make_trainer(
-        folder, n_batches=4, lr=lr, eval_dataloaders={"val": token_batches(1, 4, seed=1)},
-        eval_interval="2ba", callbacks=[LRMonitor(), SpeedMonitor(peak_flops=1e11)],
+        folder,
+        n_batches=4,
+        lr=lr,
+        eval_dataloaders={"val": token_batches(1, 4, seed=1)},
+        eval_interval="2ba",
+        callbacks=[LRMonitor(), SpeedMonitor(peak_flops=1e11)],
         loggers=[JSONLLogger()],
     ).fit()
     return folder
@@ -31,6 +35,7 @@ def train_run(folder, lr):
 
 def test_plots_of_two_runs_are_pngs(tmp_path, capsys):
     runs = [train_run(tmp_path / "slow", 0.01), train_run(tmp_path / "fast", 0.1)]
+    capsys.readouterr()
     written = plot_script.main([str(r) for r in runs] + ["--out", str(tmp_path / "plots")])
     assert sorted(p.name for p in written) == ["loss.png", "lr.png", "throughput.png"]
     for path in written:
@@ -54,9 +59,13 @@ def test_figures_without_metrics_are_skipped(tmp_path):
 
 def test_help_and_errors_from_the_command_line(tmp_path):
     script = ROOT / "scripts" / "plot.py"
-    help_text = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, script, "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "loss.png" in help_text and "--labels" in help_text
-    missing = subprocess.run([sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, script, str(tmp_path / "nope")], capture_output=True, text=True
+    )
     assert missing.returncode == 2
     assert "no metrics file" in missing.stderr and "jsonl" in missing.stderr
     assert "Traceback" not in missing.stderr
@@ -74,7 +83,9 @@ def test_reader_keeps_the_last_value_of_a_step_and_skips_a_torn_last_line(tmp_pa
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + '\n{"step": 4, "ti')
     assert read_metrics(path) == {"loss/train": ([1, 2, 3], [5.0, 3.9, 3.5])}
-    path.write_text('{"step": 1, "metrics": {"a": 1}}\nnot json\n{"step": 2, "metrics": {"a": 1}}\n')
+    path.write_text(
+        '{"step": 1, "metrics": {"a": 1}}\nnot json\n{"step": 2, "metrics": {"a": 1}}\n'
+    )
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON line"):
         read_metrics(path)
 

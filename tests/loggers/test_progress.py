@@ -32,7 +32,9 @@ def test_non_tty_is_quiet_between_intervals_but_reports_the_end(tmp_path, capsys
 
 def test_tokens_total_is_extrapolated_when_max_duration_is_in_batches(tmp_path, capsys):
     # 3 batches of 4 x 16 = 64 tokens: 192 tokens in all, known only from the rate of progress.
-    make_trainer(tmp_path, n_batches=3, loggers=[ProgressBarLogger(unit="tok", non_tty_interval=0)]).fit()
+    make_trainer(
+        tmp_path, n_batches=3, loggers=[ProgressBarLogger(unit="tok", non_tty_interval=0)]
+    ).fit()
     lines = capsys.readouterr().err.splitlines()
     assert re.search(r"\b64(\.0)?/192\b", lines[0]) and re.search(r"\b192/192\b", lines[-1])
     assert "tok/s" in lines[-1]

@@ -8,7 +8,7 @@ import pytest
 from llmfoundry.loggers import WandBLogger
 from tests.callbacks.conftest import make_trainer
 
-pytest.importorskip("wandb")
+wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 
@@ -41,23 +41,40 @@ def test_offline_run_records_metrics_and_redacted_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = {"run_name": "tiny-run", "optimizer": {"lr": 0.1}, "wandb_api_key": "abc123"}
     trainer = make_trainer(
-        tmp_path / "run", n_batches=3, loggers=[WandBLogger(project="tests", tags=["ci"])], config=config
+        tmp_path / "run",
+        n_batches=3,
+        loggers=[WandBLogger(project="tests", tags=["ci"])],
+        config=config,
     )
     trainer.fit()
+    # run.finish() can return before W&B's service process has flushed the run file; teardown
+    # waits for it, as the interpreter's exit does at the end of a training script.
+    wandb.teardown()
     run_files = list((tmp_path / "wandb_dir" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1
     records = read_records(run_files[0])
     history = {}
     for record in records:
         if record.WhichOneof("record_type") == "history":
-            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
             if "loss/train" in items:
-                history[items["_step"]] = items["loss/train"]
-    assert sorted(history) == [1, 2, 3]
+                history[record.history.step.num] = items["loss/train"]
+    kinds = [record.WhichOneof("record_type") for record in records]
+    assert sorted(history) == [1, 2, 3], (history, kinds)
     assert history[3] == pytest.approx(trainer.state.train_loss)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.display_name == "tiny-run" and list(run.tags) == ["ci"]
-    sent = {item.key: json.loads(item.value_json) for record in records if record.WhichOneof("record_type") == "config" for item in record.config.update}
+    sent = {
+        item.key: json.loads(item.value_json)
+        for record in records
+        if record.WhichOneof("record_type") == "config"
+        for item in record.config.update
+    }
     sent.update({item.key: json.loads(item.value_json) for item in run.config.update})
     assert sent["optimizer"] == {"lr": 0.1}
-    assert "wandb_api_key" not in sent and "abc123" not in run_files[0].read_bytes().decode("latin-1")
+    assert "wandb_api_key" not in sent and "abc123" not in run_files[0].read_bytes().decode(
+        "latin-1"
+    )

@@ -16,7 +16,8 @@ its lock; a crashed holder's lock is released by the kernel and its temp files a
 the next downloader of that shard (which holds the lock, so no live writer can own them).
 Deleting a shard that another process has mapped is safe on POSIX: its mapping stays valid.
 File modification times record use (:meth:`ShardCache.touch`), which makes least-recently-used
-eviction work across processes.
+eviction work across processes. A cached shard is reused while its size matches the index, so
+after rewriting a remote dataset in place, give it a fresh local folder.
 """
 
 from __future__ import annotations
@@ -81,6 +82,24 @@ class ShardCache:
                 )
         if remote is not None:
             self._claim()
+        else:
+            self._check_complete()
+
+    def _check_complete(self) -> None:
+        """Fail now, not mid-epoch, when an in-place folder lacks a raw shard."""
+        for j, info in enumerate(self.shards):
+            if self.path(j).is_file():
+                continue
+            if info.zip_basename and (self.local / info.zip_basename).is_file():
+                raise FileNotFoundError(
+                    f"shard {self.local / info.zip_basename} is compressed and {self.local} is "
+                    "read in place; give a local cache folder to decompress the shards into "
+                    "(remote=<this folder>, local=<cache folder>)"
+                )
+            raise FileNotFoundError(
+                f"shard {self.path(j)} listed in {self.local / 'index.json'} is missing; the "
+                "dataset folder is incomplete (rewrite it, or copy the missing shards)"
+            )
 
     @property
     def evictable(self) -> bool:
@@ -133,11 +152,6 @@ class ShardCache:
         """Make shard ``j`` local; returns its raw path and whether this call downloaded it."""
         path = self.path(j)
         if self.remote is None:
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"shard {path} listed in {self.local / 'index.json'} is missing; the "
-                    "dataset folder is incomplete (rewrite it, or copy the missing shards)"
-                )
             if self.validate_hash is not None and j not in self._verified:
                 self._verify_file(path, self.shards[j].raw_data, str(path))
                 self._verified.add(j)

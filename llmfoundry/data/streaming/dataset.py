@@ -60,7 +60,9 @@ class StreamingDataset(IterableDataset):
         epoch_size: samples per epoch over all ranks (up- or down-samples); default: every
             stream's samples once (or as its proportion/repeat/choose says).
         cache_limit: bytes (or ``"10gb"``) of downloaded shards to keep; least recently used
-            ones are evicted. Shards without a remote copy are never evicted.
+            ones are evicted. Shards without a remote copy are never evicted. It should hold
+            the shards of a shuffle block plus the predownload window for every reader sharing
+            the cache, or shards are evicted before use and fetched twice.
         predownload: samples to download ahead of the reader (default 8 batches, at least 64).
         validate_hash: check downloads against this hash of index.json (``"xxh64"``, ...).
         keep_zip: keep compressed shards after decompressing them.

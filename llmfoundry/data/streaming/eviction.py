@@ -32,7 +32,10 @@ class CacheLimiter:
     """
 
     def __init__(self, caches: list[ShardCache], limit: int | str) -> None:
-        self.limit = parse_size(limit)
+        try:
+            self.limit = parse_size(limit)
+        except ValueError as err:
+            raise ValueError(f"cache_limit={limit!r}: {err}") from None
         self.caches = [c for c in caches if c.evictable]
         self._warned = False
         if not self.caches:

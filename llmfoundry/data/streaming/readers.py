@@ -47,13 +47,12 @@ class ShardReaders:
         allow_unsafe: bool = False,
         max_open: int = 64,
     ) -> None:
-        self.caches = caches
         self.limiter = limiter
         self.allow_unsafe = allow_unsafe
         self.max_open = max_open
         self._where = [(c, j) for c in caches for j in range(len(c.shards))]
         starts = np.cumsum([0] + [len(c.shards) for c in caches])
-        self._number = {id(c): int(start) for c, start in zip(caches, starts, strict=False)}
+        self._first = {c: int(start) for c, start in zip(caches, starts, strict=False)}
         self._open: OrderedDict[int, _Open] = OrderedDict()
         # Shards evicted by this process (possibly on the predownload thread); the reading
         # thread drops its maps of them, since their disk space is only freed once unmapped.
@@ -67,8 +66,8 @@ class ShardReaders:
         cache, j = self._where[shard]
         _, downloaded = cache.ensure(j)
         if downloaded and self.limiter is not None:
-            for victim in self.limiter.enforce(keep=(cache, j)):
-                self._evicted.add(self._number[id(victim[0])] + victim[1])
+            for victim, k in self.limiter.enforce(keep=(cache, j)):
+                self._evicted.add(self._first[victim] + k)
 
     def _lookup(self, shard: int) -> _Open:
         cache, j = self._where[shard]
@@ -110,6 +109,11 @@ class ShardReaders:
 
     def array(self, shard: int, column: str) -> np.ndarray:
         """``shard``'s fixed-size ``column`` as one ``[samples, ...]`` view (see ShardReader)."""
+        if self.limiter is None:  # hot path: nothing to touch or re-check for eviction
+            entry = self._open.get(shard)
+            if entry is not None and column in entry.arrays:
+                self._open.move_to_end(shard)
+                return entry.arrays[column]
         entry = self._lookup(shard)
         view = entry.arrays.get(column)
         if view is None:
@@ -120,8 +124,3 @@ class ShardReaders:
         entry = self._open.pop(shard)
         entry.arrays.clear()
         entry.reader.close()
-
-    def close(self) -> None:
-        """Close every reader."""
-        while self._open:
-            self._close(next(iter(self._open)))

@@ -101,7 +101,7 @@ class Stream:
         local = os.fspath(self.local) if self.local is not None else None
         options = dict(validate_hash=validate_hash, keep_zip=keep_zip, retries=retries)
         if remote is not None and is_local(remote):
-            remote = local_path(remote)
+            remote = os.path.abspath(local_path(remote))
             if local is None or os.path.realpath(local) == os.path.realpath(remote):
                 remote, local = None, remote
         if remote is None:

@@ -1,0 +1,90 @@
+"""Checkpoints on a real S3 API (a moto server on 127.0.0.1): save, prune, fail mid-save, load."""
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.checkpoint import read_latest
+
+from ..trainer.conftest import token_batches
+from .helpers import Batches
+from .test_checkpoint import FailOnce, make_trainer
+
+pytest.importorskip("s3fs")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    exe = Path(sys.executable).with_name("moto_server")
+    if not exe.exists():
+        if shutil.which("moto_server") is None:
+            pytest.skip("moto_server not installed (pip install 'moto[server]')")
+        exe = Path(shutil.which("moto_server"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_save_prune_fail_and_resume_on_s3(endpoint, monkeypatch, tmp_path):
+    # The endpoint comes from the environment, as for MinIO or R2 in production.
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }.items():
+        monkeypatch.setenv(key, value)
+    fs, _ = fsspec.core.url_to_fs("s3://ckpt-bucket", skip_instance_cache=True)
+    fs.mkdir("ckpt-bucket")
+    url = "s3://ckpt-bucket/runs/a/checkpoints"
+
+    FailOnce(monkeypatch, "state.pt", at_save=4)
+    saver = CheckpointSaver(url, save_interval="1ba", num_checkpoints_to_keep=2)
+    trainer = make_trainer(tmp_path, Batches(token_batches(5, 2)), saver=saver)
+    with pytest.raises(OSError, match="injected"):
+        trainer.fit()
+    assert read_latest(url) == "ep0-ba3"
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False))
+    # ep0-ba1 pruned; ep0-ba4 was cut short before state.pt, and `latest` does not name it.
+    assert names == ["ep0-ba2", "ep0-ba3", "ep0-ba4", "latest"]
+    written = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{url}/ep0-ba4", detail=False))
+    assert written == ["model.safetensors", "rng-rank0.pt"]
+
+    saver = CheckpointSaver(url, num_checkpoints_to_keep=1)
+    resumed = make_trainer(tmp_path, Batches(token_batches(5, 2)), saver=saver, load_path=url)
+    assert resumed.state.timestamp.batch == 3
+    saved = torch.load(
+        fs.open(f"{url}/ep0-ba3/rng-rank0.pt", "rb"), weights_only=True, map_location="cpu"
+    )
+    assert set(saved) >= {"python", "numpy", "torch"}
+    resumed.fit()
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False)) == ["ep1-ba5", "latest"]

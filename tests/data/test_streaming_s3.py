@@ -1,0 +1,134 @@
+"""Streaming from a real S3 API: a moto server on 127.0.0.1, started and stopped by the test."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.streaming import StreamingDataset
+
+s3fs = pytest.importorskip("s3fs")
+SEQ = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    exe = Path(sys.executable).with_name("moto_server")
+    if not exe.exists():
+        found = shutil.which("moto_server")
+        if found is None:
+            pytest.skip("moto_server not installed (pip install 'moto[server]')")
+        exe = Path(found)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def bucket(endpoint, monkeypatch, tmp_path):
+    """A fresh bucket holding an MDS dataset (zstd shards with hashes) under mds/train."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    options = {"endpoint_url": endpoint}
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    name = f"bucket-{tmp_path.name.lower().replace('_', '-')[-40:]}"
+    fs.mkdir(name)
+    local = tmp_path / "made"
+    columns = {"id": "int", "tokens": f"ndarray:uint16:{SEQ}"}
+    with MDSWriter(local, columns, compression="zstd", hashes=("xxh64",), size_limit=600) as w:
+        for i in range(120):
+            w.write({"id": i, "tokens": (np.arange(SEQ) + i).astype(np.uint16)})
+    fs.put(str(local) + "/", f"{name}/mds/train/", recursive=True)
+    fs.invalidate_cache()
+    return f"s3://{name}/mds", options
+
+
+def test_stream_from_s3_with_cache_limit_evicting_and_refetching(bucket, tmp_path):
+    url, options = bucket
+    cache = tmp_path / "cache"
+    probe = StreamingDataset(url, str(tmp_path / "probe"), split="train", storage_options=options)
+    largest = max(s.raw_data.bytes for s in probe.caches[0].shards)
+    limit = 3 * largest
+    ds = StreamingDataset(
+        url,
+        str(cache),
+        split="train",
+        shuffle=True,
+        shuffle_block_size=20,
+        cache_limit=limit,
+        validate_hash="xxh64",
+        storage_options=options,
+        predownload=0,
+    )
+    assert ds[77]["id"] == 77  # random access pulls exactly one shard
+    assert len(list((cache / "train").glob("shard.*"))) == 1
+    seen = []
+    for sample in ds:
+        assert np.array_equal(sample["tokens"], np.arange(SEQ) + sample["id"])
+        seen.append(int(sample["id"]))
+    assert sorted(seen) == list(range(120))
+    files = list((cache / "train").glob("shard.*"))
+    assert 0 < sum(f.stat().st_size for f in files) <= limit
+    assert all(f.suffix == ".mds" for f in files)
+    evicted = next(j for j in range(len(ds.caches[0].shards)) if not ds.caches[0].present(j))
+    first = int(np.flatnonzero(ds.locate(np.arange(120))[0] == evicted)[0])
+    assert ds[first]["id"] == first  # fetched again from S3
+    assert ds.caches[0].present(evicted)
+
+
+def test_s3_missing_split_lists_the_splits(bucket, tmp_path):
+    url, options = bucket
+    with pytest.raises(FileNotFoundError, match=r"available splits .*\['train'\]"):
+        StreamingDataset(url, str(tmp_path / "c"), split="val", storage_options=options)
+
+
+def test_s3_endpoint_from_the_environment(endpoint, monkeypatch, tmp_path):
+    """No storage_options: credentials and endpoint come from AWS_* variables, as on a cluster."""
+    for key, value in [
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", endpoint),
+    ]:
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("envbucket")
+    columns = {"id": "int", "tokens": f"ndarray:uint16:{SEQ}"}
+    with MDSWriter("s3://envbucket/ds/val", columns, size_limit=600) as w:  # uploads
+        for i in range(30):
+            w.write({"id": i, "tokens": (np.arange(SEQ) + i).astype(np.uint16)})
+    ds = StreamingDataset("s3://envbucket/ds", str(tmp_path / "cache"), split="val")
+    assert [int(s["id"]) for s in ds] == list(range(30))
+    s3fs.S3FileSystem.clear_instance_cache()
