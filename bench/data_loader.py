@@ -67,8 +67,11 @@ def make_data(root: Path, rows: int, seq_len: int, shard_size: str) -> np.ndarra
 def time_memmap(tokens: np.ndarray, batches: list[np.ndarray], clock) -> tuple[float, int]:
     start, rows = clock(), 0
     for ids in batches:
-        input_ids = torch.from_numpy(tokens[ids].astype(np.int64))
-        batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+        block = tokens[ids]
+        batch = {
+            "input_ids": torch.from_numpy(block.astype(np.int64)),
+            "labels": torch.from_numpy(block.astype(np.int64)),
+        }
         rows += len(batch["input_ids"])
     return clock() - start, rows
 

@@ -64,12 +64,13 @@ class StreamingTextDataset(StreamingDataset):
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
         self.columns = (TOKENS, SEQUENCE_ID) if self.has_sequence_id else (TOKENS,)
-        # Per shard: the row width when every column has a fixed size (rows are then read as
-        # views of one [samples, L] array), else None (rows are decoded one by one).
-        self._width: list[int | None] = []
+        # Per shard: (row width, dtype of each column) when every column has a fixed size, so
+        # rows are slices of one [samples, L] view of the mapped shard; else None (rows are
+        # decoded one by one). Batches whose shards share one layout take the fast path.
+        self._layout: list[tuple[int, tuple[np.dtype, ...]] | None] = []
         for cache, shard in shards:
             where = f"shard {shard.raw_basename} of {cache.remote or cache.local}"
-            shapes = {}
+            shapes, dtypes = {}, {}
             for column in self.columns:
                 coder = get_encoding(shard.columns[column]) if column in shard.columns else None
                 if not isinstance(coder, NDArray):
@@ -88,11 +89,15 @@ class StreamingTextDataset(StreamingDataset):
                         f"{where}: column {column!r} rows must be 1-D, not {coder.shape}"
                     )
                 shapes[column] = coder.shape
+                dtypes[column] = np.dtype(coder.dtype) if coder.dtype is not None else None
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"{where}: tokens and sequence_id rows differ in shape {shapes}")
             fixed = all(size is not None for size in shard.column_sizes)
-            length = shapes[TOKENS][0] if fixed and shapes[TOKENS] else None
-            self._width.append(None if length is None else min(length, max_seq_len or length))
+            if fixed and shapes[TOKENS]:
+                width = min(shapes[TOKENS][0], max_seq_len or shapes[TOKENS][0])
+                self._layout.append((width, tuple(dtypes[c] for c in self.columns)))
+            else:
+                self._layout.append(None)
 
     def _row(self, shard: int, index: int, column: str) -> np.ndarray:
         """One sample's ``column``, cut to max_seq_len, read without assuming a fixed size."""
@@ -118,39 +123,45 @@ class StreamingTextDataset(StreamingDataset):
     def get_batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Rows ``ids`` as one batch, right-padded when their lengths differ.
 
-        The hot path (fixed-size rows of one width) takes each row as a view of its mapped shard
-        and copies them all into the int64 batch with one numpy call: no per-sample decoding.
+        The hot path (shards of one fixed-size layout) reads no sample headers: each row is a
+        view of its mapped shard, and ``bytes.join`` copies them all into one compact buffer in
+        a single C loop (numpy's concatenate spends ~0.5 us setting up a cast per row, as much
+        as copying a 2048-token row). ``input_ids`` and ``labels`` are then each widened to
+        int64 from that buffer, which reads a quarter of the bytes that copying ``input_ids``
+        would for uint16 tokens; both are numpy allocations, which the heap reuses batch after
+        batch, where torch's allocator hands out fresh pages for a tensor of this size.
         """
         shards, local = self.locate(ids)
         pairs = list(zip(shards.tolist(), local.tolist(), strict=True))
-        used = set(shards.tolist())
-        widths = {self._width[s] for s in used}
+        used = dict.fromkeys(shards.tolist())
+        layouts = {self._layout[s] for s in used}
         readers = self._readers()
-        out: dict[str, np.ndarray] = {}
-        if len(widths) == 1 and None not in widths:
-            width = widths.pop()
-            lengths = None
-            for column in self.columns:
-                views = {s: readers.array(s, column) for s in used}
-                if self.max_seq_len is not None:
-                    views = {s: v[:, :width] for s, v in views.items()}
-                out[column] = np.empty((len(pairs), width), np.int64)
-                np.concatenate([views[s][j : j + 1] for s, j in pairs], out=out[column])
+        rows: dict[str, np.ndarray] = {}
+        lengths = None
+        if len(layouts) == 1 and None not in layouts:
+            ((width, dtypes),) = layouts
+            for column, dtype in zip(self.columns, dtypes, strict=True):
+                views = {s: readers.array(s, column)[:, :width] for s in used}
+                data = b"".join([views[s][j] for s, j in pairs])
+                rows[column] = np.frombuffer(data, dtype).reshape(len(pairs), width)
         else:
-            rows = {c: [self._row(s, j, c) for s, j in pairs] for c in self.columns}
-            lengths = np.array([len(row) for row in rows[TOKENS]], np.int64)
+            decoded = {c: [self._row(s, j, c) for s, j in pairs] for c in self.columns}
+            lengths = np.array([len(row) for row in decoded[TOKENS]], np.int64)
             width = int(lengths.max())
             for column in self.columns:
                 fill = 0 if column == TOKENS else _PAD_SEQUENCE_ID
-                array = out[column] = np.full((len(pairs), width), fill, np.int64)
-                for r, row in enumerate(rows[column]):
+                array = rows[column] = np.full((len(pairs), width), fill, np.int64)
+                for r, row in enumerate(decoded[column]):
                     array[r, : len(row)] = row
-        input_ids = torch.from_numpy(out[TOKENS])
-        batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+        tokens = rows[TOKENS]
+        batch = {
+            "input_ids": torch.from_numpy(tokens.astype(np.int64)),
+            "labels": torch.from_numpy(tokens.astype(np.int64)),
+        }
         if lengths is not None and (lengths < width).any():
             batch["labels"][torch.arange(width) >= torch.from_numpy(lengths)[:, None]] = _PAD_LABEL
         if self.has_sequence_id:
-            batch[SEQUENCE_ID] = torch.from_numpy(out[SEQUENCE_ID])
+            batch[SEQUENCE_ID] = torch.from_numpy(rows[SEQUENCE_ID].astype(np.int64))
         return batch
 
 

@@ -1,11 +1,5 @@
 """Checkpoints on a real S3 API (a moto server on 127.0.0.1): save, prune, fail mid-save, load."""
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -21,46 +15,8 @@ from .test_checkpoint import FailOnce, make_trainer
 pytest.importorskip("s3fs")
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    exe = Path(sys.executable).with_name("moto_server")
-    if not exe.exists():
-        if shutil.which("moto_server") is None:
-            pytest.skip("moto_server not installed (pip install 'moto[server]')")
-        exe = Path(shutil.which("moto_server"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(10)
-
-
-def test_save_prune_fail_and_resume_on_s3(endpoint, monkeypatch, tmp_path):
-    # The endpoint comes from the environment, as for MinIO or R2 in production.
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }.items():
-        monkeypatch.setenv(key, value)
+def test_save_prune_fail_and_resume_on_s3(s3_env, monkeypatch, tmp_path):
+    # The endpoint comes from the environment (s3_env), as for MinIO or R2 in production.
     fs, _ = fsspec.core.url_to_fs("s3://ckpt-bucket", skip_instance_cache=True)
     fs.mkdir("ckpt-bucket")
     url = "s3://ckpt-bucket/runs/a/checkpoints"

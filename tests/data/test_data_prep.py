@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import fsspec
@@ -345,54 +340,16 @@ def test_clis_end_to_end(corpus, tmp_path, capsys):
 # -- object store ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_tokens_to_mds_uploads_to_s3(prepared, tmp_path):
-    pytest.importorskip("s3fs")
-    server = Path(sys.executable).parent / "moto_server"
-    if not server.exists():
-        pytest.skip("moto_server is not installed")
-    port = _free_port()
-    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_ENDPOINT_URL": endpoint,
-           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deadline = time.time() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.1)
-        fs = fsspec.filesystem(
-            "s3", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
-        )
-        fs.mkdir("prep-bucket")
-        tokens_to_mds(prepared, "s3://prep-bucket/ds", 16, val_rows=2, compression="zstd",
-                      hashes=["xxh64"], progress=False)  # fmt: skip
-        fs.invalidate_cache()
-        assert sorted(p.split("/")[-1] for p in fs.ls("prep-bucket/ds")) == [
-            "meta.json", "tokenizer.json", "train", "val",
-        ]  # fmt: skip
-        shards = parse_index(fs.cat("prep-bucket/ds/train/index.json"))
-        assert all(fs.exists(f"prep-bucket/ds/train/{s.zip_basename}") for s in shards)
-        reports = verify_mds("s3://prep-bucket/ds")
-        assert [r.errors for r in reports] == [[], []]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def test_tokens_to_mds_uploads_to_s3(prepared, s3_env):
+    fs = fsspec.filesystem("s3", client_kwargs={"endpoint_url": s3_env}, skip_instance_cache=True)
+    fs.mkdir("prep-bucket")
+    tokens_to_mds(prepared, "s3://prep-bucket/ds", 16, val_rows=2, compression="zstd",
+                  hashes=["xxh64"], progress=False)  # fmt: skip
+    fs.invalidate_cache()
+    assert sorted(p.split("/")[-1] for p in fs.ls("prep-bucket/ds")) == [
+        "meta.json", "tokenizer.json", "train", "val",
+    ]  # fmt: skip
+    shards = parse_index(fs.cat("prep-bucket/ds/train/index.json"))
+    assert all(fs.exists(f"prep-bucket/ds/train/{s.zip_basename}") for s in shards)
+    reports = verify_mds("s3://prep-bucket/ds")
+    assert [r.errors for r in reports] == [[], []]

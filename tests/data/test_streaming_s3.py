@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -19,49 +12,13 @@ s3fs = pytest.importorskip("s3fs")
 SEQ = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    exe = Path(sys.executable).with_name("moto_server")
-    if not exe.exists():
-        found = shutil.which("moto_server")
-        if found is None:
-            pytest.skip("moto_server not installed (pip install 'moto[server]')")
-        exe = Path(found)
-    port = _free_port()
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 @pytest.fixture
-def bucket(endpoint, monkeypatch, tmp_path):
+def bucket(s3_endpoint, monkeypatch, tmp_path):
     """A fresh bucket holding an MDS dataset (zstd shards with hashes) under mds/train."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    options = {"endpoint_url": endpoint}
+    options = {"endpoint_url": s3_endpoint}
     fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
     name = f"bucket-{tmp_path.name.lower().replace('_', '-')[-40:]}"
     fs.mkdir(name)
@@ -114,15 +71,8 @@ def test_s3_missing_split_lists_the_splits(bucket, tmp_path):
         StreamingDataset(url, str(tmp_path / "c"), split="val", storage_options=options)
 
 
-def test_s3_endpoint_from_the_environment(endpoint, monkeypatch, tmp_path):
+def test_s3_endpoint_from_the_environment(s3_env, tmp_path):
     """No storage_options: credentials and endpoint come from AWS_* variables, as on a cluster."""
-    for key, value in [
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-        ("AWS_ENDPOINT_URL", endpoint),
-    ]:
-        monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     s3fs.S3FileSystem().mkdir("envbucket")
     columns = {"id": "int", "tokens": f"ndarray:uint16:{SEQ}"}

@@ -54,7 +54,6 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    import faulthandler; faulthandler.dump_traceback_later(45, exit=True)
     oom = OOMOnRank(rank=1, limit=1)
     batches = global_batches()
     trainer = Trainer(
@@ -78,11 +77,3 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     print(rank, "saved", flush=True)
-    import gc
-    model = trainer.state.model
-    del trainer, state
-    gc.collect()
-    print(rank, "trainer deleted", flush=True)
-    del model
-    gc.collect()
-    print(rank, "model deleted", flush=True)

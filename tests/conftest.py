@@ -1,0 +1,73 @@
+"""Shared test services: a real S3 API (moto_server) on 127.0.0.1, started once per session."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moto_server() -> str:
+    exe = Path(sys.executable).with_name("moto_server")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("moto_server")
+    if found is None:
+        pytest.skip("moto_server not installed (pip install 'moto[server]')")
+    return found
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """URL of a moto S3 server, answering HTTP before the first test uses it."""
+    pytest.importorskip("s3fs")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [_moto_server(), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # an HTTP answer of any status: the server is up
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not start on {url}")
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Credentials and endpoint in the environment, as for MinIO or R2 in production."""
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }.items():
+        monkeypatch.setenv(key, value)
+    return s3_endpoint
