@@ -1,13 +1,16 @@
-"""Loader throughput: MDS through our StreamingTextDataset + DataLoader vs a raw numpy memmap.
+"""Loader throughput: MDS through the trainer's DataLoader vs a raw numpy memmap.
 
-Both sides read the same 2048-token uint16 rows in the same shuffled order, with the same batch
-size, and build the same batch (``input_ids`` int64 plus a ``labels`` copy), in one process on
-one core (num_workers=0). The memmap side is the floor a loader cannot beat: one fancy index
-per batch over a single file. With num_workers=0 the clock is this process's CPU time, so other
-jobs on a shared machine distort it less than wall time; rounds alternate between the two sides
-and both the best round of each and the median of the per-round ratios are printed. The default
-batch size, 64, is the per-rank DataLoader batch of a typical run (global batch 512 on 8 GPUs;
-microbatching comes later).
+The loader is the one the trainer gets from ``build_dataloader``: a StreamingDataLoader over a
+shuffled StreamingTextDataset, rows cut to ``max_seq_len`` (here the row length). Both sides
+read the same 2048-token uint16 rows in the same shuffled order, with the same batch size, and
+build the same batch the same way (the rows widened to int64 twice: ``input_ids`` and a
+``labels`` copy); every batch of one epoch is checked equal before timing. The memmap side is
+the floor a loader cannot beat: one fancy index per batch over a single file, its order
+precomputed outside the clock. With num_workers=0 (one process, one core) the clock is this
+process's CPU time, so other jobs on a shared machine distort it less than wall time; rounds
+alternate between the two sides and both the best round of each and the median of the
+per-round ratios are printed. The default batch size, 64, is the per-rank DataLoader batch of
+a typical run (global batch 512 on 8 GPUs; microbatching comes later).
 
     python bench/data_loader.py              # 40k rows (160 MB), about 15 seconds
     python bench/data_loader.py --batch-size 8 --rows 20000
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmfoundry.data import StreamingTextDataset
+from llmfoundry.data import DataConfig, build_dataloader
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.streaming import StreamingDataLoader
 
@@ -47,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_data(root: Path, rows: int, seq_len: int, shard_size: str) -> np.ndarray:
-    """Random uint16 rows as a .npy memmap and as MDS (sample i = row i)."""
+    """Random uint16 rows as a .npy memmap and as the MDS split mds/train (sample i = row i)."""
     tokens = np.lib.format.open_memmap(
         root / "tokens.npy", mode="w+", dtype=np.uint16, shape=(rows, seq_len)
     )
@@ -57,21 +60,26 @@ def make_data(root: Path, rows: int, seq_len: int, shard_size: str) -> np.ndarra
         tokens[start:stop] = rng.integers(0, 50_000, (stop - start, seq_len), dtype=np.uint16)
     tokens.flush()
     with MDSWriter(
-        root / "mds", {"tokens": f"ndarray:uint16:{seq_len}"}, size_limit=shard_size
+        root / "mds" / "train", {"tokens": f"ndarray:uint16:{seq_len}"}, size_limit=shard_size
     ) as w:
         for row in tokens:
             w.write({"tokens": row})
     return np.load(root / "tokens.npy", mmap_mode="r")
 
 
+def memmap_batch(tokens: np.ndarray, ids: np.ndarray) -> dict[str, torch.Tensor]:
+    """The trainer's batch of rows ``ids``, built as StreamingTextDataset builds it."""
+    rows = tokens[ids]
+    return {
+        "input_ids": torch.from_numpy(rows.astype(np.int64)),
+        "labels": torch.from_numpy(rows.astype(np.int64)),
+    }
+
+
 def time_memmap(tokens: np.ndarray, batches: list[np.ndarray], clock) -> tuple[float, int]:
     start, rows = clock(), 0
     for ids in batches:
-        block = tokens[ids]
-        batch = {
-            "input_ids": torch.from_numpy(block.astype(np.int64)),
-            "labels": torch.from_numpy(block.astype(np.int64)),
-        }
+        batch = memmap_batch(tokens, ids)
         rows += len(batch["input_ids"])
     return clock() - start, rows
 
@@ -91,18 +99,20 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         tokens = make_data(root, args.rows, args.seq_len, args.shard_size)
-        dataset = StreamingTextDataset(
-            local=str(root / "mds"),
+        cfg = DataConfig(
+            remote=str(root / "mds"),
             shuffle=True,
             shuffle_seed=0,
             shuffle_block_size=args.block_size,
-            batch_size=args.batch_size,
+            num_workers=args.num_workers,
         )
-        loader = StreamingDataLoader(dataset, num_workers=args.num_workers)
+        loader = build_dataloader(cfg, cfg.train_split, args.batch_size, args.seq_len)
+        dataset = loader.streaming_dataset
         batches = list(dataset.batches())  # the loader's exact order, for the memmap side
-        first = next(iter(loader))["input_ids"]
-        if not torch.equal(first, torch.from_numpy(tokens[batches[0]].astype(np.int64))):
-            raise SystemExit("the two sides disagree on the first batch; benchmark invalid")
+        for ours, ids in zip(loader, batches, strict=True):  # also warms both sides' pages
+            want = memmap_batch(tokens, ids)
+            if ours.keys() != want.keys() or not all(torch.equal(ours[k], want[k]) for k in want):
+                raise SystemExit("the two sides' batches differ; benchmark invalid")
         shards = len(dataset.caches[0].shards)
         print(
             f"{args.rows} rows x {args.seq_len} tokens (uint16), {shards} shards, batch "
@@ -111,7 +121,6 @@ def main() -> int:
         )
         # Workers burn CPU in other processes, so only a single-process run can use CPU time.
         clock = time.process_time if args.num_workers == 0 else time.perf_counter
-        time_memmap(tokens, batches, clock)  # warm the page cache for both sides (same bytes)
         memmap_times, loader_times = [], []
         for _ in range(args.rounds):
             for side, times in ((0, memmap_times), (1, loader_times)):

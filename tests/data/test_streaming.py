@@ -349,6 +349,22 @@ def test_dataloader_workers_keep_the_batch_order(data: Path, tmp_path: Path):
     assert batches(2) == reference  # 15 batches: 8 from worker 0, 7 from worker 1
 
 
+def test_in_process_loader_matches_torchs_iterator(data: Path):
+    # Without workers the loader yields the dataset's batches itself, unless a profiler runs:
+    # the same batches and the same draws from the global RNG either way.
+    loader = StreamingDataLoader(StreamingDataset(str(data), split="train", batch_size=4))
+    torch.manual_seed(0)
+    direct = [b["id"].tolist() for b in loader]
+    after_direct = torch.rand(3)
+    torch.manual_seed(0)
+    with torch.autograd.profiler.profile() as prof:
+        profiled = [b["id"].tolist() for b in loader]
+    assert profiled == direct and torch.equal(torch.rand(3), after_direct)
+    assert any(e.name.startswith("enumerate(DataLoader)") for e in prof.function_events)
+    with pytest.raises(ValueError, match="set num_workers > 0"):
+        StreamingDataLoader(loader.streaming_dataset, timeout=5)
+
+
 def test_loader_resumes_and_drop_last(data: Path):
     ds = StreamingDataset(str(data), split="train", batch_size=8)
     loader = StreamingDataLoader(ds, drop_last=True)

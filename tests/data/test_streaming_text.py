@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from llmfoundry.data import DataConfig, StreamingTextDataset, build_dataloader
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.streaming import Stream
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "mds"
@@ -70,6 +71,21 @@ def test_uint32_rows_and_sequence_ids(tmp_path: Path):
     batch = ds.get_batch(np.array([0, 19, 7]))
     assert torch.equal(batch["input_ids"], torch.from_numpy(rows[[0, 19, 7]]))
     assert torch.equal(batch["sequence_id"], torch.from_numpy(seq[[0, 19, 7]]))
+
+
+def test_batches_across_shards_of_different_layouts(tmp_path: Path):
+    write_tokens(tmp_path / "a", token_rows(20))
+    write_tokens(tmp_path / "b", token_rows(20, start=100) + 70_000, encoding="uint32")
+    write_tokens(tmp_path / "c", token_rows(20, start=200, length=2 * L))
+    streams = [Stream(remote=str(tmp_path / name)) for name in "abc"]
+    ds = StreamingTextDataset(streams=streams, max_seq_len=L, batch_size=6)
+    rows = np.concatenate(
+        [token_rows(20), token_rows(20, start=100) + 70_000, token_rows(20, 200, 2 * L)[:, :L]]
+    )
+    for ids in ([3, 25, 47, 0, 59, 21], [45, 2, 41, 19]):  # uint16 and uint32 rows; uint16 only
+        batch = ds.get_batch(np.array(ids))
+        assert torch.equal(batch["input_ids"], torch.from_numpy(rows[ids]))
+        assert torch.equal(batch["labels"], batch["input_ids"])
 
 
 def test_variable_length_rows_are_padded_with_ignored_labels(tmp_path: Path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -319,12 +318,14 @@ class StreamingDataset(IterableDataset):
 
 def _batch_ids(order: EpochOrder, plan: RankPlan, world: World) -> Iterator[np.ndarray]:
     """Ids of the rank batches of ``plan`` that ``world``'s worker makes, a chunk at a time."""
-    ks = iter(plan.worker_batches(world.worker, world.num_workers))
+    ks = plan.worker_batches(world.worker, world.num_workers)
     per_chunk = max(1, 4096 // plan.batch_size)  # amortise the lookup over many small batches
-    while chunk := list(islice(ks, per_chunk)):
-        spans = [plan.span(k) for k in chunk]
-        ids = order.ids(np.concatenate([np.arange(a, a + n) for a, n in spans]))
-        offset = 0
-        for _, n in spans:
-            yield ids[offset : offset + n]
-            offset += n
+    for first in range(0, len(ks), per_chunk):
+        starts, lengths = np.array([plan.span(k) for k in ks[first : first + per_chunk]]).T
+        ends = np.cumsum(lengths)
+        # Each batch's positions are consecutive: start, start + 1, ..., start + length - 1.
+        ids = order.ids(np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths))
+        lo = 0
+        for hi in ends.tolist():
+            yield ids[lo:hi]
+            lo = hi
