@@ -15,7 +15,6 @@ Then convert to MDS with data_prep/tokens_to_mds.py.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from llmfoundry.data.mds import parse_size
@@ -124,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{meta['num_documents']:,} documents, {meta['skipped_documents']:,} skipped, "
         f"vocab {meta['vocab_size']}, eos id {meta['eos_id']}"
     )
-    print(json.dumps({k: meta[k] for k in ("tokenizer", "doc_index")}))
     return 0
 
 

@@ -15,7 +15,9 @@ class GradientClipping(Algorithm):
     """`norm`: scale all gradients so their global L2 norm is at most `threshold` (logged);
     `value`: clamp each gradient element to [-threshold, threshold]."""
 
-    def __init__(self, clipping_type: Literal["norm", "value"] = "norm", threshold: float = 1.0) -> None:
+    def __init__(
+        self, clipping_type: Literal["norm", "value"] = "norm", threshold: float = 1.0
+    ) -> None:
         if clipping_type not in ("norm", "value"):
             raise ValueError(f"clipping_type must be 'norm' or 'value', got {clipping_type!r}")
         if threshold <= 0:

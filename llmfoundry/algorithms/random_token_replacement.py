@@ -36,12 +36,9 @@ class RandomTokenReplacement(Algorithm):
         input_ids = state.batch["input_ids"]
         replace = torch.rand(input_ids.shape, generator=self.generator) < self.probability
         noise = torch.randint(0, self.vocab_size, input_ids.shape, generator=self.generator)
-        labels = state.batch["labels"]
-        state.batch = {
-            **state.batch,
-            "input_ids": torch.where(replace.to(input_ids.device), noise.to(input_ids.device), input_ids),
-            "labels": labels,
-        }
+        device = input_ids.device
+        replaced = torch.where(replace.to(device), noise.to(device), input_ids)
+        state.batch = {**state.batch, "input_ids": replaced}
         logger.log_metrics({"algorithms/replaced_fraction": replace.float().mean().item()})
 
     def state_dict(self) -> dict:

@@ -6,6 +6,7 @@ import fsspec
 import torch
 from tokenizers import Tokenizer
 
+from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 
@@ -41,7 +42,7 @@ class Generate(Callback):
 
     @torch.no_grad()
     def fit_end(self, state: State, logger: Logger) -> None:
-        model = state.model
+        model = unwrap_model(state.model)
         model.eval()
         rng_state = torch.random.get_rng_state()
         torch.manual_seed(self.seed)

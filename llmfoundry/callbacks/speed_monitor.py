@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from llmfoundry.callbacks.peak_flops import device_peak_flops
+from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 
@@ -38,15 +39,6 @@ class _Point(NamedTuple):
     samples: int
     tokens: int
     flops: float
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside data-parallel (``.module``) or torch.compile (``._orig_mod``)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
 
 
 def recomputes_activations(model: torch.nn.Module) -> bool:
@@ -76,7 +68,7 @@ class SpeedMonitor(Callback):
         self._eval_started = 0.0
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        model = unwrap(state.model)
+        model = unwrap_model(state.model)
         self._flops_per_token = getattr(model, "flops_per_token", None)
         self._hfu_factor = 4 / 3 if recomputes_activations(model) else 1.0
         if self.peak_flops is not None:

@@ -20,11 +20,23 @@ from llmfoundry.config.check import register_resolvers, validate_config
 from llmfoundry.config.validate import _HYDRA_KEYS, ConfigError, _schema, suggest
 
 # Hydra command-line flags after which composing the plain overrides is not meaningful.
-_SKIP_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "--shell-completion", "-sc"}
+_SKIP_FLAGS = {
+    "-m",
+    "--multirun",
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-i",
+    "--info",
+    "--shell-completion",
+    "-sc",
+}
 _OVERRIDE_KEY = re.compile(r"Could not (?:override|append to|delete from config\.) '([^']+)'")
 
 
-def compose_config(config_dir: Path, overrides: Sequence[str], config_name: str = "train") -> DictConfig:
+def compose_config(
+    config_dir: Path, overrides: Sequence[str], config_name: str = "train"
+) -> DictConfig:
     register_resolvers()
     with initialize_config_dir(str(config_dir), version_base="1.3"):
         return compose(config_name, overrides=list(overrides))
@@ -49,7 +61,11 @@ def _explain(
     parent_key, _, name = key.rpartition(".")
     rest = [o for o in overrides if not o.lstrip("+~").startswith(f"{key}=")]
     try:
-        parent = OmegaConf.select(compose_config(config_dir, rest, config_name), parent_key) if parent_key else None
+        parent = (
+            OmegaConf.select(compose_config(config_dir, rest, config_name), parent_key)
+            if parent_key
+            else None
+        )
     except HydraException:
         parent = None
     if not isinstance(parent, DictConfig):
@@ -66,7 +82,9 @@ def preflight(argv: Sequence[str], config_dir: Path, config_name: str = "train")
     """Exit with status 2 and one message when the command line's config is invalid."""
     if any(arg in _SKIP_FLAGS or arg.startswith("--cfg") or arg == "-c" for arg in argv):
         return
-    overrides = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+    overrides = [
+        a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")
+    ]
     try:
         check(config_dir, overrides, config_name)
     except ConfigError as err:

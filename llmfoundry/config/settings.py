@@ -9,7 +9,16 @@ from llmfoundry.checkpoint import check_ignore_keys
 from llmfoundry.trainer.time import Time
 
 # Config groups under conf/, each selected in train.yaml's defaults list.
-GROUPS = ("model", "data", "strategy", "optimizer", "scheduler", "algorithms", "callbacks", "loggers")
+GROUPS = (
+    "model",
+    "data",
+    "strategy",
+    "optimizer",
+    "scheduler",
+    "algorithms",
+    "callbacks",
+    "loggers",
+)
 
 
 @dataclass

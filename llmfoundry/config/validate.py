@@ -41,7 +41,9 @@ def suggest(key: str, allowed: list[str]) -> str:
 def check_keys(path: str, given: list[str], allowed: list[str]) -> None:
     for key in given:
         if key not in allowed:
-            raise ConfigError(f"{path}.{key}" if path else key, f"unknown key; {suggest(key, allowed)}")
+            raise ConfigError(
+                f"{path}.{key}" if path else key, f"unknown key; {suggest(key, allowed)}"
+            )
 
 
 def check_type(key: str, value: Any, annotation: Any) -> None:
@@ -115,7 +117,11 @@ def validate_node(path: str, node: DictConfig) -> None:
         if isinstance(value, DictConfig) and "_target_" in value:
             validate_node(child, value)
         elif key in hints:
-            plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+            plain = (
+                OmegaConf.to_container(value)
+                if isinstance(value, (DictConfig, ListConfig))
+                else value
+            )
             check_type(child, plain, hints[key])
     missing = [
         name

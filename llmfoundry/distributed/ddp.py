@@ -8,7 +8,9 @@ which this averaging turns into the exact large-batch gradient.
 
 from __future__ import annotations
 
+import inspect
 import os
+import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 
@@ -19,15 +21,29 @@ from torch.nn.parallel import DistributedDataParallel
 from llmfoundry.distributed.single import Strategy, materialize, resolve_device
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Seconds given to gloo's worker threads around destroying the process group (see teardown).
+_GLOO_DRAIN_S = 0.1
+# No buffer sync inside forward (see DDP.prepare); newer torch names it forward_sync_buffers.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a DistributedDataParallel wrapper (or the model itself).
+    """The user's model inside data-parallel (``.module``) or torch.compile (``._orig_mod``)
+    wrappers, or the model itself.
 
-    Code that names parameters (checkpoints, EMA, parameter groups) uses this so names do not
-    depend on the strategy ("transformer.wte.weight", never "module.transformer.wte.weight").
+    Code that names parameters (checkpoints, EMA, parameter groups) or calls the model's own
+    methods (flops_per_token, generate) uses this, so it does not depend on the strategy
+    ("transformer.wte.weight", never "module.transformer.wte.weight").
     """
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
 
 
 class DDP(Strategy):
@@ -90,15 +106,15 @@ class DDP(Strategy):
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Materialize on this rank's device and wrap; DDP copies rank 0's weights to all ranks.
 
-        Buffers are not broadcast on every forward (`broadcast_buffers=False`): the models here
-        hold only constant buffers, and a forward with no collective inside means an
-        out-of-memory error on one rank cannot leave another waiting mid-forward.
+        Buffers are not synced on every forward: the models here hold only constant buffers,
+        and a forward with no collective inside means an out-of-memory error on one rank
+        cannot leave another waiting mid-forward.
         """
         model = materialize(model, self.device)
         return DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            broadcast_buffers=False,
+            **_NO_FORWARD_BUFFER_SYNC,
             find_unused_parameters=self.find_unused_parameters,
         )
 
@@ -129,7 +145,15 @@ class DDP(Strategy):
         dist.barrier()
 
     def teardown(self) -> None:
-        """Destroy the process group this strategy created (gloo can abort at exit otherwise)."""
+        """Destroy the process group this strategy created (gloo can abort at exit otherwise).
+
+        Gloo's worker threads release a finished collective's tensors only after the caller has
+        been woken, and that release needs the GIL; a process group destroyed in that window
+        (its destructor holds the GIL and joins those threads) deadlocks (pytorch/pytorch#56297).
+        Sleeping first hands them the GIL.
+        """
         if self._owns_group and dist.is_initialized():
+            time.sleep(_GLOO_DRAIN_S)
             dist.destroy_process_group()
+            time.sleep(_GLOO_DRAIN_S)
         self._owns_group = False

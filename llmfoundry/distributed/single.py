@@ -18,7 +18,9 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"strategy.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'")
+        raise ValueError(
+            f"strategy.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'"
+        )
     return resolved
 
 

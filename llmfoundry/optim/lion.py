@@ -20,9 +20,9 @@ from llmfoundry.optim.param_groups import decay_factor, decoupled_groups
 class DecoupledLionW(torch.optim.Optimizer):
     """For each parameter with a gradient g and momentum m:
 
-        p <- p * (1 - weight_decay * lr / initial_lr)
-        p <- p - lr * sign(beta1 * m + (1 - beta1) * g)
-        m <- beta2 * m + (1 - beta2) * g
+    p <- p * (1 - weight_decay * lr / initial_lr)
+    p <- p - lr * sign(beta1 * m + (1 - beta1) * g)
+    m <- beta2 * m + (1 - beta2) * g
     """
 
     def __init__(

@@ -24,7 +24,9 @@ class Precision:
             )
         self.name = precision
         self.device = device
-        self._dtype = {"fp32": None, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}[precision]
+        self._dtype = {"fp32": None, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}[
+            precision
+        ]
         self._scaler = torch.amp.GradScaler("cuda") if precision == "amp_fp16" else None
 
     def autocast(self) -> AbstractContextManager:

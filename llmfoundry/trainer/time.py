@@ -63,7 +63,9 @@ class Time:
         try:
             unit = TimeUnit(suffix)
         except ValueError:
-            raise ValueError(f"unknown time unit {suffix!r} in {text!r}: use {_UNITS_HELP}") from None
+            raise ValueError(
+                f"unknown time unit {suffix!r} in {text!r}: use {_UNITS_HELP}"
+            ) from None
         return cls(number, unit)
 
     def __str__(self) -> str:

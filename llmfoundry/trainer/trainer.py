@@ -207,7 +207,9 @@ class Trainer:
                 batch = next(iterator)
             except StopIteration:
                 return
-            self.state.batch = {k: v.to(self.state.device, non_blocking=True) for k, v in batch.items()}
+            self.state.batch = {
+                k: v.to(self.state.device, non_blocking=True) for k, v in batch.items()
+            }
             self.engine.run_event(Event.AFTER_DATALOADER)
             yield
 
@@ -368,7 +370,10 @@ class Trainer:
             metrics = LanguageMetrics(state.device)
             engine.run_event(Event.EVAL_START)
             for index, batch in enumerate(dataloader):
-                if self.eval_subset_num_batches is not None and index >= self.eval_subset_num_batches:
+                if (
+                    self.eval_subset_num_batches is not None
+                    and index >= self.eval_subset_num_batches
+                ):
                     break
                 state.batch = {k: v.to(state.device) for k, v in batch.items()}
                 engine.run_event(Event.EVAL_BATCH_START)

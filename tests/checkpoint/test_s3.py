@@ -1,6 +1,5 @@
 """Checkpoints on a real S3 API (a moto server on 127.0.0.1): save, prune, fail mid-save, load."""
 
-
 import fsspec
 import pytest
 import torch

@@ -41,7 +41,9 @@ def test_misspelt_key_added_with_plus_is_caught_too():
 
 
 def test_unknown_top_level_key():
-    assert error_for("+max_durations=10ba").startswith("max_durations: unknown key; did you mean 'max_duration'")
+    assert error_for("+max_durations=10ba").startswith(
+        "max_durations: unknown key; did you mean 'max_duration'"
+    )
 
 
 def test_wrong_type_names_key():
@@ -64,7 +66,9 @@ def test_unknown_group_option_lists_available():
 
 
 def test_seq_len_longer_than_model():
-    assert error_for("max_seq_len=100000").startswith("max_seq_len: 100000 exceeds model.max_seq_len")
+    assert error_for("max_seq_len=100000").startswith(
+        "max_seq_len: 100000 exceeds model.max_seq_len"
+    )
 
 
 def test_algorithms_switch_on_from_command_line():
@@ -84,19 +88,26 @@ def test_bad_config_from_command_line_is_one_message_within_seconds():
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), "model.n_layer=2"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        result.stderr.strip().splitlines()[0]
-    ], result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[0]], (
+        result.stderr
+    )
     assert "model.n_layer: unknown key; did you mean 'n_layers'?" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 30
 
 
 def test_run_name_is_shared_by_ranks_of_one_launch():
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "TORCHELASTIC_RUN_ID": "none"}
+    env = {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29511",
+        "TORCHELASTIC_RUN_ID": "none",
+    }
     rank0 = default_run_name({**env, "RANK": "0"}, now=1.0)
     rank1 = default_run_name({**env, "RANK": "1"}, now=2.0)
     assert rank0 == rank1 == "run-127-0-0-1-29511"

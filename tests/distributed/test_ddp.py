@@ -3,6 +3,7 @@ agrees across ranks when only one of them runs out of memory."""
 
 import functools
 import socket
+import time
 
 import pytest
 import torch
@@ -23,8 +24,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_ranks(tmp_path, microbatch):
-    mp.spawn(train_rank, args=(WORLD, free_port(), str(tmp_path), microbatch), nprocs=WORLD, join=True)
+def run_two_ranks(tmp_path, microbatch, limit_s=180):
+    """Spawn the two ranks; a hang (ranks waiting on each other) fails the test, never CI."""
+    args = (WORLD, free_port(), str(tmp_path), microbatch)
+    context = mp.start_processes(
+        train_rank, args=args, nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + limit_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"two-rank training did not finish within {limit_s} s")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
@@ -79,7 +90,13 @@ def test_ddp_outside_torchrun_says_how_to_launch(monkeypatch):
 
 
 def test_ddp_reads_rank_and_picks_gloo_on_cpu(monkeypatch):
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": "1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     strategy = DDP(device="cpu")

@@ -47,11 +47,16 @@ class OOMOnRank(Algorithm):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
 
-def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int | str | None) -> None:
+def train_rank(
+    rank: int, world: int, port: int, out_dir: str, microbatch: int | str | None
+) -> None:
     """One DDP rank: train on its slice, then save its parameters and what it saw."""
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     oom = OOMOnRank(rank=1, limit=1)
@@ -67,7 +72,6 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         algorithms=[oom] if microbatch == "auto" else [],
     )
     state = trainer.fit()
-    print(rank, "fit done", flush=True)
     result = {
         "params": {n: p.detach().clone() for n, p in unwrap_model(state.model).named_parameters()},
         "microbatch": torch.tensor(state.device_train_microbatch_size or 0),
@@ -76,4 +80,3 @@ def train_rank(rank: int, world: int, port: int, out_dir: str, microbatch: int |
         "group_destroyed": torch.tensor(not dist.is_initialized()),
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    print(rank, "saved", flush=True)

@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -23,10 +25,29 @@ def mds_dir(tmp_path_factory) -> Path:
     corpus.mkdir()
     for i, path in enumerate(sorted((ROOT / "llmfoundry").rglob("*.py"))[:40]):
         (corpus / f"doc{i}.txt").write_text(path.read_text())
-    run(str(ROOT / "data_prep/text_to_tokens.py"), str(corpus), "--train-tokenizer",
-        "--vocab-size", "512", "--out", str(tmp / "tokens.bin"), "--no-progress", cwd=tmp)
-    run(str(ROOT / "data_prep/tokens_to_mds.py"), str(tmp / "tokens.bin"), "--seq-len", "32",
-        "--val-rows", "16", "--out", str(tmp / "mds"), "--no-progress", cwd=tmp)
+    run(
+        str(ROOT / "data_prep/text_to_tokens.py"),
+        str(corpus),
+        "--train-tokenizer",
+        "--vocab-size",
+        "512",
+        "--out",
+        str(tmp / "tokens.bin"),
+        "--no-progress",
+        cwd=tmp,
+    )
+    run(
+        str(ROOT / "data_prep/tokens_to_mds.py"),
+        str(tmp / "tokens.bin"),
+        "--seq-len",
+        "32",
+        "--val-rows",
+        "16",
+        "--out",
+        str(tmp / "mds"),
+        "--no-progress",
+        cwd=tmp,
+    )
     return tmp / "mds"
 
 
@@ -35,16 +56,27 @@ def test_train_script_with_overrides(mds_dir, tmp_path):
     result = run(
         str(ROOT / "scripts/train.py"),
         f"data.remote={mds_dir}",
-        "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.max_seq_len=32",
-        "model.vocab_size=512", "global_train_batch_size=8", "device_train_microbatch_size=4",
-        "max_duration=12ba", "eval_interval=6ba", "scheduler.t_warmup=2ba",
-        "optimizer.lr=3e-3", "callbacks.generate.max_new_tokens=8",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_layers=2",
+        "model.max_seq_len=32",
+        "model.vocab_size=512",
+        "global_train_batch_size=8",
+        "device_train_microbatch_size=4",
+        "max_duration=12ba",
+        "eval_interval=6ba",
+        "scheduler.t_warmup=2ba",
+        "optimizer.lr=3e-3",
+        "callbacks.generate.max_new_tokens=8",
         "algorithms=[gradient_clipping,random_token_replacement]",
-        f"hydra.run.dir={run_dir}", f"save_folder={tmp_path / 'ckpt'}",
+        f"hydra.run.dir={run_dir}",
+        f"save_folder={tmp_path / 'ckpt'}",
         cwd=tmp_path,
     )
     out = result.stdout
-    first, last = map(float, re.search(r"eval/val/loss: first ([\d.]+) -> last ([\d.]+)", out).groups())
+    first, last = map(
+        float, re.search(r"eval/val/loss: first ([\d.]+) -> last ([\d.]+)", out).groups()
+    )
     assert last < first
     assert "--- sample" in out
     assert "algorithms/replaced_fraction" in out

@@ -11,14 +11,20 @@ from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 def tiny_model(vocab_size: int = 64, seq_len: int = 16) -> MPTForCausalLM:
     # On meta, so the Trainer initializes it after seeding: two trainers get the same weights.
     config = MPTConfig(
-        d_model=32, n_heads=2, n_layers=2, max_seq_len=seq_len, vocab_size=vocab_size,
+        d_model=32,
+        n_heads=2,
+        n_layers=2,
+        max_seq_len=seq_len,
+        vocab_size=vocab_size,
         init_device="meta",
     )
     with torch.device("meta"):
         return MPTForCausalLM(config)
 
 
-def token_batches(n_batches: int, batch_size: int, seq_len: int = 16, vocab: int = 64, seed: int = 0):
+def token_batches(
+    n_batches: int, batch_size: int, seq_len: int = 16, vocab: int = 64, seed: int = 0
+):
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(n_batches):

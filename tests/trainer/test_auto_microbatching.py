@@ -5,10 +5,13 @@ tests/distributed/test_ddp.py.
 """
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
+from llmfoundry.config import ConfigError
+from llmfoundry.config.preflight import check
 from llmfoundry.trainer import Algorithm, Event, LoggerDestination, Trainer
 
 from .conftest import tiny_model, token_batches
@@ -83,14 +86,19 @@ def assert_same_params(a, b):
 def test_oom_in_forward_halves_until_it_fits_and_matches_one_large_batch(tmp_path, capsys):
     oom, sizes, metrics = InjectOOM(limit=1), ForwardSizes(), Metrics()
     trainer = train(
-        tmp_path, masked_batches(), device_train_microbatch_size="auto",
-        algorithms=[sizes, oom], loggers=[metrics],
+        tmp_path,
+        masked_batches(),
+        device_train_microbatch_size="auto",
+        algorithms=[sizes, oom],
+        loggers=[metrics],
     )
     assert trainer.state.device_train_microbatch_size == 1
     # Batch 0: tries 4, then 2, then four microbatches of 1; batch 1 starts at the kept size 1.
     assert sizes.sizes == [(0, 4), (0, 2)] + [(0, 1)] * 4 + [(1, 1)] * 4
     assert oom.raised == 2
-    assert [(s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"] == [(0, 1)]
+    assert [
+        (s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"
+    ] == [(0, 1)]
     out = capsys.readouterr().out
     assert "retrying the batch with 2" in out and "retrying the batch with 1" in out
     assert "device_train_microbatch_size (auto): 1" in out
@@ -103,7 +111,9 @@ def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
     # The failed attempt has already accumulated a full batch of gradients when it raises; the
     # retry must start from zero or the step would be doubled.
     oom = InjectOOM(limit=2, event=Event.AFTER_BACKWARD)
-    trainer = train(tmp_path, masked_batches(), device_train_microbatch_size="auto", algorithms=[oom])
+    trainer = train(
+        tmp_path, masked_batches(), device_train_microbatch_size="auto", algorithms=[oom]
+    )
     assert trainer.state.device_train_microbatch_size == 2 and oom.raised == 1
     assert_same_params(trainer.state.model, train(tmp_path, masked_batches()).state.model)
 
@@ -111,8 +121,11 @@ def test_oom_in_backward_discards_the_partial_gradients(tmp_path):
 def test_size_is_kept_and_halved_again_later(tmp_path):
     oom, sizes, metrics = InjectOOM(limit=2, from_batch=1), ForwardSizes(), Metrics()
     train(
-        tmp_path, token_batches(3, 4), device_train_microbatch_size="auto",
-        algorithms=[sizes, oom], loggers=[metrics],
+        tmp_path,
+        token_batches(3, 4),
+        device_train_microbatch_size="auto",
+        algorithms=[sizes, oom],
+        loggers=[metrics],
     )
     assert sizes.sizes == [(0, 4), (1, 4), (1, 2), (1, 2), (2, 2), (2, 2)]
     logged = [(s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"]
@@ -121,13 +134,22 @@ def test_size_is_kept_and_halved_again_later(tmp_path):
 
 def test_oom_message_without_the_oom_type_counts_too(tmp_path):
     oom = InjectOOM(limit=2, error=lambda: RuntimeError("HIP error: out of memory"))
-    trainer = train(tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[oom])
+    trainer = train(
+        tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[oom]
+    )
     assert trainer.state.device_train_microbatch_size == 2
 
 
 def test_oom_at_size_one_is_a_clear_error(tmp_path):
-    with pytest.raises(RuntimeError, match="device_train_microbatch_size=1 .*one sample per device"):
-        train(tmp_path, token_batches(1, 4), device_train_microbatch_size="auto", algorithms=[InjectOOM(0)])
+    with pytest.raises(
+        RuntimeError, match="device_train_microbatch_size=1 .*one sample per device"
+    ):
+        train(
+            tmp_path,
+            token_batches(1, 4),
+            device_train_microbatch_size="auto",
+            algorithms=[InjectOOM(0)],
+        )
 
 
 def test_other_errors_and_fixed_sizes_are_not_retried(tmp_path):
@@ -166,3 +188,10 @@ def test_real_cuda_oom_is_recovered(tmp_path):
         assert 1 <= trainer.state.device_train_microbatch_size < 512
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_config_accepts_auto_and_rejects_other_words():
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    check(conf, ["device_train_microbatch_size=auto"])
+    with pytest.raises(ConfigError, match="^device_train_microbatch_size: expected"):
+        check(conf, ["device_train_microbatch_size=big"])

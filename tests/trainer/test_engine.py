@@ -50,7 +50,8 @@ def make_trainer(tmp_path, log, **kwargs):
 def test_order_algorithms_callbacks_loggers_and_reverse_after(tmp_path):
     log = []
     trainer = make_trainer(
-        tmp_path, log,
+        tmp_path,
+        log,
         algorithms=[Recorder("a1", log), Recorder("a2", log)],
         callbacks=[EventLog(log)],
         loggers=[LogDestination(log)],
@@ -59,10 +60,14 @@ def test_order_algorithms_callbacks_loggers_and_reverse_after(tmp_path):
     trainer.engine.run_event(Event.BEFORE_FORWARD)
     trainer.engine.run_event(Event.AFTER_FORWARD)
     assert log == [
-        ("a1", "before_forward"), ("a2", "before_forward"),
-        ("callback", "before_forward"), ("logger", "before_forward"),
-        ("a2", "after_forward"), ("a1", "after_forward"),
-        ("callback", "after_forward"), ("logger", "after_forward"),
+        ("a1", "before_forward"),
+        ("a2", "before_forward"),
+        ("callback", "before_forward"),
+        ("logger", "before_forward"),
+        ("a2", "after_forward"),
+        ("a1", "after_forward"),
+        ("callback", "after_forward"),
+        ("logger", "after_forward"),
     ]
 
 
@@ -72,13 +77,29 @@ def test_fit_fires_events_in_documented_order(tmp_path):
     trainer.fit()
     events = [event for _, event in log]
     train_batch = [
-        "before_dataloader", "after_dataloader", "batch_start", "before_train_batch",
-        "before_forward", "after_forward", "before_loss", "after_loss",
-        "before_backward", "after_backward", "after_train_batch", "batch_end", "batch_checkpoint",
+        "before_dataloader",
+        "after_dataloader",
+        "batch_start",
+        "before_train_batch",
+        "before_forward",
+        "after_forward",
+        "before_loss",
+        "after_loss",
+        "before_backward",
+        "after_backward",
+        "after_train_batch",
+        "batch_end",
+        "batch_checkpoint",
     ]
     evaluation = [
-        "eval_before_all", "eval_start", "eval_batch_start", "eval_before_forward",
-        "eval_after_forward", "eval_batch_end", "eval_end", "eval_after_all",
+        "eval_before_all",
+        "eval_start",
+        "eval_batch_start",
+        "eval_before_forward",
+        "eval_after_forward",
+        "eval_batch_end",
+        "eval_end",
+        "eval_after_all",
     ]
     # max_duration (2ba) is reached on the epoch's last batch: evaluation (every 2ba) runs
     # after it, then the epoch closes without asking the dataloader for more.

@@ -26,8 +26,13 @@ def test_parse(text, value, unit):
 
 @pytest.mark.parametrize(
     "text,fragment",
-    [("100", "use a number and a unit"), ("10xy", "unknown time unit 'xy'"), ("1.5ba", "whole numbers"),
-     ("-1ba", "use a number and a unit"), ("", "use a number")],
+    [
+        ("100", "use a number and a unit"),
+        ("10xy", "unknown time unit 'xy'"),
+        ("1.5ba", "whole numbers"),
+        ("-1ba", "use a number and a unit"),
+        ("", "use a number"),
+    ],
 )
 def test_parse_errors(text, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -1,6 +1,5 @@
 import functools
 import math
-
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,9 @@ def test_microbatches_weighted_by_loss_tokens_equal_one_large_batch(tmp_path):
     micro = trainer_for(tmp_path, masked_batches(), device_train_microbatch_size=1)
     full.fit()
     micro.fit()
-    for (name, a), (_, b) in zip(full.state.model.named_parameters(), micro.state.model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        full.state.model.named_parameters(), micro.state.model.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert full.state.train_loss == pytest.approx(micro.state.train_loss, rel=1e-6)
 
@@ -70,7 +71,11 @@ def test_multiple_epochs_and_stop_mid_epoch(tmp_path):
     state = trainer_for(tmp_path, token_batches(3, 2), max_duration="2ep").fit()
     assert (state.timestamp.epoch, state.timestamp.batch) == (2, 6)
     state = trainer_for(tmp_path, token_batches(3, 2), max_duration="4ba").fit()
-    assert (state.timestamp.epoch, state.timestamp.batch, state.timestamp.batch_in_epoch) == (1, 4, 1)
+    assert (state.timestamp.epoch, state.timestamp.batch, state.timestamp.batch_in_epoch) == (
+        1,
+        4,
+        1,
+    )
 
 
 def test_eval_metrics_interval_and_subset(tmp_path):
@@ -81,15 +86,20 @@ def test_eval_metrics_interval_and_subset(tmp_path):
             self.calls.append((state.timestamp.batch, state.eval_name))
 
     trainer = trainer_for(
-        tmp_path, token_batches(4, 2),
+        tmp_path,
+        token_batches(4, 2),
         eval_dataloaders={"a": token_batches(3, 2, seed=5), "b": token_batches(1, 2, seed=6)},
-        eval_interval="2ba", eval_first=True, eval_subset_num_batches=2,
+        eval_interval="2ba",
+        eval_first=True,
+        eval_subset_num_batches=2,
         callbacks=[CountEvals()],
     )
     state = trainer.fit()
     assert CountEvals.calls == [(0, "a"), (0, "b"), (2, "a"), (2, "b"), (4, "a"), (4, "b")]
     metrics = state.eval_metrics
-    assert set(metrics) == {f"eval/{n}/{m}" for n in "ab" for m in ("loss", "perplexity", "accuracy")}
+    assert set(metrics) == {
+        f"eval/{n}/{m}" for n in "ab" for m in ("loss", "perplexity", "accuracy")
+    }
     assert metrics["eval/a/perplexity"] == pytest.approx(math.exp(metrics["eval/a/loss"]))
     assert 0.0 <= metrics["eval/a/accuracy"] <= 1.0
 
@@ -116,8 +126,12 @@ def test_bf16_autocast_trains(tmp_path):
 
 def schedule_at(schedule, batch, max_duration="100ba"):
     state = State(
-        model=None, optimizer=None, scheduler=None, max_duration=Time.parse(max_duration),
-        run_dir=Path("."), device=torch.device("cpu"),
+        model=None,
+        optimizer=None,
+        scheduler=None,
+        max_duration=Time.parse(max_duration),
+        run_dir=Path("."),
+        device=torch.device("cpu"),
     )
     state.timestamp.batch = batch
     return schedule(state)
@@ -149,8 +163,11 @@ def test_scheduler_sets_lr_each_step(tmp_path):
             seen.append(state.optimizer.param_groups[0]["lr"])
 
     trainer_for(
-        tmp_path, token_batches(4, 2), scheduler=LinearWithWarmup(t_warmup="0ba"),
-        callbacks=[LR()], optimizer=functools.partial(DecoupledAdamW, lr=1.0),
+        tmp_path,
+        token_batches(4, 2),
+        scheduler=LinearWithWarmup(t_warmup="0ba"),
+        callbacks=[LR()],
+        optimizer=functools.partial(DecoupledAdamW, lr=1.0),
     ).fit()
     assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
@@ -172,5 +189,7 @@ def test_training_is_deterministic(tmp_path):
     a = trainer_for(tmp_path, token_batches(3, 2)).fit()
     b = trainer_for(tmp_path, token_batches(3, 2)).fit()
     assert a.train_loss == b.train_loss
-    for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    for (name, x), (_, y) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
         assert torch.equal(x, y), name

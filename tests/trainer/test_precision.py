@@ -1,0 +1,83 @@
+"""Precision: fp32, amp_bf16 (autocast, fp32 master weights), amp_fp16 with a grad scaler (CUDA)."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.trainer import Callback, Trainer
+from llmfoundry.trainer.precision import Precision
+
+from .conftest import tiny_model, token_batches
+
+
+class Dtypes(Callback):
+    def __init__(self):
+        self.outputs, self.params = [], []
+
+    def after_forward(self, state, logger):
+        self.outputs.append(state.outputs.dtype)
+        self.params.append({p.dtype for p in state.model.parameters()})
+
+
+def train(tmp_path, precision, device="cpu"):
+    dtypes = Dtypes()
+    trainer = Trainer(
+        model=tiny_model(),
+        train_dataloader=token_batches(3, 4),
+        max_duration="3ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+        precision=precision,
+        strategy=SingleDevice(device),
+        callbacks=[dtypes],
+    )
+    return trainer, trainer.fit(), dtypes
+
+
+def test_fp32_runs_without_autocast(tmp_path):
+    _, _, dtypes = train(tmp_path, "fp32")
+    assert set(dtypes.outputs) == {torch.float32}
+
+
+def test_bf16_computes_in_bf16_keeps_fp32_weights_and_tracks_fp32(tmp_path):
+    _, bf16, dtypes = train(tmp_path, "amp_bf16")
+    assert set(dtypes.outputs) == {torch.bfloat16}
+    assert all(params == {torch.float32} for params in dtypes.params)
+    _, fp32, _ = train(tmp_path, "fp32")
+    assert math.isfinite(bf16.train_loss)
+    assert bf16.train_loss == pytest.approx(fp32.train_loss, rel=0.02)
+    assert bf16.train_loss != fp32.train_loss  # autocast really changed the arithmetic
+
+
+def test_unknown_precision_and_cpu_fp16_are_errors():
+    with pytest.raises(ValueError, match="precision='fp64' is not one of"):
+        Precision("fp64", torch.device("cpu"))
+    with pytest.raises(ValueError, match="amp_fp16 needs a CUDA device"):
+        Precision("amp_fp16", torch.device("cpu"))
+    assert Precision("amp_bf16", torch.device("cpu")).state_dict() == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="amp_fp16 needs CUDA")
+def test_fp16_scales_the_loss_and_unscales_before_the_step(tmp_path):
+    seen = []
+
+    class Grads(Callback):
+        def after_train_batch(self, state, logger):
+            seen.append(max(p.grad.abs().max().item() for p in state.model.parameters()))
+
+    trainer = Trainer(
+        model=tiny_model(),
+        train_dataloader=token_batches(3, 4),
+        max_duration="3ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+        precision="amp_fp16",
+        callbacks=[Grads()],
+    )
+    state = trainer.fit()
+    assert math.isfinite(state.train_loss)
+    assert trainer.precision.state_dict()["scale"] > 1.0
+    assert all(0 < g < 100 for g in seen)  # unscaled: not multiplied by the 65536 scale
