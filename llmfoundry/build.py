@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import latest_checkpoint
 from llmfoundry.config import validate_config
-from llmfoundry.data import build_dataloader
+from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
 
@@ -36,12 +36,8 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
 
     data = instantiate(cfg.data)
     train_loader = build_dataloader(data, data.train_split, device_batch, seq_len)
-    eval_loaders = {}
-    if data.eval_split:
-        eval_batch = settings.device_eval_batch_size or device_batch
-        eval_loaders[data.eval_split] = build_dataloader(
-            data, data.eval_split, eval_batch, seq_len, shuffle=False
-        )
+    eval_batch = settings.device_eval_batch_size or device_batch
+    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}

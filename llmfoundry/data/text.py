@@ -26,7 +26,7 @@ same number of samples, a few repeated when the epoch does not divide by the wor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -191,6 +191,9 @@ class DataConfig:
     train_split: str = "train"
     eval_split: str | None = "val"
     streams: dict[str, dict[str, Any]] | None = None
+    # More evaluation sets by label, {label: remote}; each is read from its `eval_split` folder
+    # and reported as eval/<label>/<metric> (the main data's as eval/<eval_split>/...).
+    eval_datasets: dict[str, str] | None = None
     shuffle: bool = True
     shuffle_seed: int = 17
     shuffle_block_size: int | None = None
@@ -232,6 +235,23 @@ class DataConfig:
                 raise ValueError("data.streams must map stream names to {remote, local, ...}")
             for name, spec in self.streams.items():
                 self._stream(name, spec)  # validates
+        if self.eval_datasets is not None:
+            if not self.eval_split:
+                raise ValueError(
+                    "data.eval_datasets needs data.eval_split, the split folder to read"
+                )
+            if not isinstance(self.eval_datasets, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.eval_datasets.items()
+            ):
+                raise ValueError(
+                    "data.eval_datasets must map labels to MDS folders or URLs, "
+                    f"e.g. {{code: s3://bucket/code/mds}}; got {self.eval_datasets!r}"
+                )
+            if self.eval_split in self.eval_datasets:
+                raise ValueError(
+                    f"data.eval_datasets label {self.eval_split!r} is taken by the main data's "
+                    "eval split; choose another label"
+                )
         for name in ("shuffle", "pin_memory", "drop_last", "keep_zip", "allow_unsafe"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"data.{name} must be true or false, got {getattr(self, name)!r}")
@@ -332,3 +352,16 @@ def build_dataloader(
         prefetch_factor=cfg.prefetch_factor,
         drop_last=cfg.drop_last,
     )
+
+
+def build_eval_dataloaders(
+    cfg: DataConfig, batch_size: int, max_seq_len: int | None
+) -> dict[str, StreamingDataLoader]:
+    """Every evaluation loader by label: the main data's `eval_split`, then `eval_datasets`."""
+    if not cfg.eval_split:
+        return {}
+    loaders = {cfg.eval_split: build_dataloader(cfg, cfg.eval_split, batch_size, max_seq_len)}
+    for label, remote in (cfg.eval_datasets or {}).items():
+        other = replace(cfg, remote=remote, local=None, streams=None, eval_datasets=None)
+        loaders[label] = build_dataloader(other, cfg.eval_split, batch_size, max_seq_len)
+    return loaders

@@ -1,0 +1,43 @@
+"""build_trainer from a composed config: several labelled evaluation sets."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmfoundry.build import build_trainer
+from llmfoundry.config import ConfigError
+from llmfoundry.config.preflight import check, compose_config
+from llmfoundry.data.mds import MDSWriter
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+TINY = [
+    "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.max_seq_len=16",
+    "model.vocab_size=64", "global_train_batch_size=4", "max_duration=2ba",
+    "callbacks=[]", "loggers=[]", "save_folder=null",
+]  # fmt: skip
+
+
+def write_dataset(root: Path, offset: int) -> Path:
+    for split, rows in (("train", 16), ("val", 8)):
+        with MDSWriter(root / split, {"tokens": "ndarray:uint16:16"}) as writer:
+            for i in range(rows):
+                writer.write({"tokens": ((np.arange(16) * (i + offset)) % 64).astype(np.uint16)})
+    return root
+
+
+def test_several_labelled_eval_sets(tmp_path):
+    main = write_dataset(tmp_path / "main", 1)
+    other = write_dataset(tmp_path / "other", 7)
+    overrides = [*TINY, f"data.remote={main}", f"data.eval_datasets={{code: '{other}'}}"]
+    trainer = build_trainer(compose_config(CONF, overrides), tmp_path / "run")
+    assert list(trainer.state.eval_dataloaders) == ["val", "code"]
+    metrics = trainer.fit().eval_metrics
+    assert {"eval/val/loss", "eval/code/loss", "eval/code/accuracy"} <= set(metrics)
+    assert metrics["eval/val/loss"] != metrics["eval/code/loss"]
+
+
+def test_eval_label_clash_is_a_config_error(tmp_path):
+    main = write_dataset(tmp_path / "main", 1)
+    with pytest.raises(ConfigError, match="label 'val' is taken"):
+        check(CONF, [*TINY, f"data.remote={main}", f"data.eval_datasets={{val: '{main}'}}"])
