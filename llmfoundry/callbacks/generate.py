@@ -19,7 +19,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"tokenizer file {path!r} not found: data_prep/tokens_to_mds.py writes tokenizer.json "
-            "next to the shards; set tokenizer=<path to tokenizer.json>"
+            "next to the shards; set tokenizer=<path to tokenizer.json>, or leave out the "
+            "samples with callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
         ) from None
 
 

@@ -127,7 +127,9 @@ class ShardReader:
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample ``i`` decoded into ``{column: value}`` (values own their memory)."""
-        parts = self._columns(memoryview(self.get_bytes(i)))
+        # A bytearray, so decoded arrays are writable: torch.as_tensor (default collate) and
+        # algorithms that change a batch in place must not write into immutable memory.
+        parts = self._columns(memoryview(bytearray(self.get_bytes(i))))
         out = {}
         for name, coder, part in zip(self.info.column_names, self._coders, parts, strict=True):
             try:
