@@ -14,10 +14,11 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.config.check import register_resolvers, validate_config
-from llmfoundry.config.validate import _HYDRA_KEYS, ConfigError, _schema, suggest
+from llmfoundry.config.validate import HYDRA_KEYS, ConfigError, suggest, target_schema
 
 # Hydra command-line flags after which composing the plain overrides is not meaningful.
 _SKIP_FLAGS = {
@@ -70,11 +71,9 @@ def _explain(
         parent = None
     if not isinstance(parent, DictConfig):
         return ConfigError(key, str(err).strip().splitlines()[0])
-    allowed = {str(k) for k in parent.keys()} - _HYDRA_KEYS
+    allowed = {str(k) for k in parent.keys()} - HYDRA_KEYS
     if "_target_" in parent:
-        from hydra.utils import get_object
-
-        allowed |= set(_schema(get_object(parent["_target_"]))[0])
+        allowed |= set(target_schema(get_object(parent["_target_"]))[0])
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 
 

@@ -21,7 +21,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # Keys Hydra's instantiate understands in any node that has a _target_.
-_HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
 class ConfigError(ValueError):
@@ -78,7 +78,7 @@ def _matches(value: Any, annotation: Any) -> bool:
     return True  # anything richer is checked by the target itself
 
 
-def _schema(target: Callable) -> tuple[dict[str, Any], bool]:
+def target_schema(target: Callable) -> tuple[dict[str, Any], bool]:
     """Parameter annotations of a target, and whether it takes arbitrary keyword arguments."""
     hints: dict[str, Any] = {}
     try:
@@ -106,8 +106,8 @@ def validate_node(path: str, node: DictConfig) -> None:
         target = get_object(target_name)
     except Exception:
         raise ConfigError(f"{path}._target_", f"cannot import {target_name!r}") from None
-    hints, var_kwargs = _schema(target)
-    keys = [k for k in node.keys() if k not in _HYDRA_KEYS]
+    hints, var_kwargs = target_schema(target)
+    keys = [k for k in node.keys() if k not in HYDRA_KEYS]
     if not var_kwargs:
         check_keys(path, keys, list(hints))
     partial = bool(node.get("_partial_", False))
@@ -135,7 +135,7 @@ def validate_node(path: str, node: DictConfig) -> None:
     if dataclasses.is_dataclass(target):
         values = OmegaConf.to_container(node, resolve=True)
         try:
-            target(**{k: v for k, v in values.items() if k not in _HYDRA_KEYS})
+            target(**{k: v for k, v in values.items() if k not in HYDRA_KEYS})
         except (TypeError, ValueError) as err:
             raise ConfigError(path, str(err)) from None
 
