@@ -112,3 +112,19 @@ def test_trainer_follows_a_token_warmup_then_decay(tmp_path):
     ).fit()
     # The lr of each step is set from the time before that step.
     assert seen == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+
+
+def test_warmup_then_cosine_midpoint_and_warmup_as_fraction_of_run():
+    cosine = CosineWithWarmup(t_warmup="10ba", alpha_f=0.1)
+    assert at(cosine, batch=0) == 0.0
+    assert at(cosine, batch=5) == pytest.approx(0.5)
+    assert at(cosine, batch=10) == pytest.approx(1.0)
+    assert at(cosine, batch=55) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert at(cosine, batch=100) == pytest.approx(0.1)
+    assert at(LinearWithWarmup(t_warmup="0ba", alpha_f=0.0), batch=25) == pytest.approx(0.75)
+    assert at(ConstantWithWarmup(t_warmup="4ba"), batch=2) == pytest.approx(0.5)
+    assert at(ConstantWithWarmup(t_warmup="4ba"), batch=50) == 1.0
+    assert at(InverseSqrtWithWarmup(t_warmup="10ba"), batch=40) == pytest.approx(0.5)
+    # warmup given as a fraction of the run
+    assert at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), batch=5) == pytest.approx(0.5)
+    assert at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), batch=55) == pytest.approx(0.5)

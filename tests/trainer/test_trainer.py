@@ -1,18 +1,13 @@
 import functools
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from llmfoundry.optim import (
-    ConstantWithWarmup,
-    CosineWithWarmup,
     DecoupledAdamW,
-    InverseSqrtWithWarmup,
-    LinearWithWarmup,
 )
-from llmfoundry.trainer import Callback, State, Time, Trainer
+from llmfoundry.trainer import Callback, Trainer
 
 from .conftest import tiny_model, token_batches
 
@@ -122,54 +117,6 @@ def test_fp16_needs_cuda(tmp_path):
 def test_bf16_autocast_trains(tmp_path):
     state = trainer_for(tmp_path, token_batches(2, 2), precision="amp_bf16").fit()
     assert math.isfinite(state.train_loss)
-
-
-def schedule_at(schedule, batch, max_duration="100ba"):
-    state = State(
-        model=None,
-        optimizer=None,
-        scheduler=None,
-        max_duration=Time.parse(max_duration),
-        run_dir=Path("."),
-        device=torch.device("cpu"),
-    )
-    state.timestamp.batch = batch
-    return schedule(state)
-
-
-def test_schedules():
-    cosine = CosineWithWarmup(t_warmup="10ba", alpha_f=0.1)
-    assert schedule_at(cosine, 0) == 0.0
-    assert schedule_at(cosine, 5) == pytest.approx(0.5)
-    assert schedule_at(cosine, 10) == pytest.approx(1.0)
-    assert schedule_at(cosine, 55) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert schedule_at(cosine, 100) == pytest.approx(0.1)
-    linear = LinearWithWarmup(t_warmup="0ba", alpha_f=0.0)
-    assert schedule_at(linear, 25) == pytest.approx(0.75)
-    assert schedule_at(ConstantWithWarmup(t_warmup="4ba"), 2) == pytest.approx(0.5)
-    assert schedule_at(ConstantWithWarmup(t_warmup="4ba"), 50) == 1.0
-    inv = InverseSqrtWithWarmup(t_warmup="10ba")
-    assert schedule_at(inv, 40) == pytest.approx(0.5)
-    # warmup given as a fraction of the run
-    assert schedule_at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), 5) == pytest.approx(0.5)
-    assert schedule_at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), 55) == pytest.approx(0.5)
-
-
-def test_scheduler_sets_lr_each_step(tmp_path):
-    seen = []
-
-    class LR(Callback):
-        def batch_end(self, state, logger):
-            seen.append(state.optimizer.param_groups[0]["lr"])
-
-    trainer_for(
-        tmp_path,
-        token_batches(4, 2),
-        scheduler=LinearWithWarmup(t_warmup="0ba"),
-        callbacks=[LR()],
-        optimizer=functools.partial(DecoupledAdamW, lr=1.0),
-    ).fit()
-    assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
 
 def test_decoupled_weight_decay_follows_schedule_not_lr():
