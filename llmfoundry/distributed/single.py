@@ -65,10 +65,6 @@ class Strategy:
     def teardown(self) -> None:
         """Leave the process group cleanly."""
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 class SingleDevice(Strategy):
     """One process on one device."""

@@ -10,9 +10,12 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def loss_token_count(labels: torch.Tensor) -> int:
-    """Positions that count toward the loss: every label after the first that is not ignored."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+def loss_token_count(labels: torch.Tensor) -> torch.Tensor:
+    """Positions that count toward the loss: every label after the first that is not ignored.
+
+    A tensor on the labels' device, so counting needs no host synchronisation.
+    """
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 class LanguageMetrics:

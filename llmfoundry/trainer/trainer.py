@@ -19,7 +19,7 @@ from llmfoundry.distributed import SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import IGNORE_INDEX, LanguageMetrics
+from llmfoundry.trainer.metrics import LanguageMetrics, loss_token_count
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.rng import seed_all
 from llmfoundry.trainer.state import State
@@ -238,10 +238,9 @@ class Trainer:
         batch = state.batch
         labels = batch["labels"]
         counts = torch.tensor(
-            [labels.shape[0], labels.numel(), (labels[:, 1:] != IGNORE_INDEX).sum().item()],
-            dtype=torch.float64,
-            device=state.device,
+            [labels.shape[0], labels.numel(), 0], dtype=torch.float64, device=state.device
         )
+        counts[2] = loss_token_count(labels)
         samples, tokens, loss_tokens = self.strategy.all_reduce_sum(counts).tolist()
         if loss_tokens == 0:
             raise ValueError("a training batch has no loss tokens: every label is -100")
@@ -299,7 +298,7 @@ class Trainer:
                 with self.precision.autocast():
                     state.loss = self.loss_fn(state.outputs, microbatch["labels"])
                 engine.run_event(Event.AFTER_LOSS)
-                mb_tokens = (microbatch["labels"][:, 1:] != IGNORE_INDEX).sum()
+                mb_tokens = loss_token_count(microbatch["labels"])
                 weight = mb_tokens * self.strategy.world_size / loss_tokens
                 engine.run_event(Event.BEFORE_BACKWARD)
                 self.precision.backward(state.loss * weight)

@@ -17,8 +17,10 @@ import numpy as np
 import torch
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Callback
+
+from ..trainer.conftest import tiny_model
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -68,17 +70,7 @@ def model(dropout: float = 0.1) -> MPTForCausalLM:
 
     Built on meta, so the trainer initializes it from its seed.
     """
-    config = MPTConfig(
-        d_model=32,
-        n_heads=2,
-        n_layers=2,
-        max_seq_len=SEQ_LEN,
-        vocab_size=VOCAB,
-        resid_pdrop=dropout,
-        emb_pdrop=dropout,
-        init_device="meta",
-    )
-    return MPTForCausalLM(config)
+    return tiny_model(VOCAB, SEQ_LEN, resid_pdrop=dropout, emb_pdrop=dropout)
 
 
 # Set in a training subprocess's environment to interrupt it, e.g. "SIGKILL@8" or "SIGTERM@4",

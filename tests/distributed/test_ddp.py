@@ -101,7 +101,7 @@ def test_ddp_reads_rank_and_picks_gloo_on_cpu(monkeypatch):
         monkeypatch.setenv(key, value)
     strategy = DDP(device="cpu")
     assert (strategy.rank, strategy.world_size, strategy.backend) == (1, 2, "gloo")
-    assert not strategy.is_main and strategy.device == torch.device("cpu")
+    assert strategy.device == torch.device("cpu")
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ValueError, match="outside WORLD_SIZE"):
         DDP(device="cpu")

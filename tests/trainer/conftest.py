@@ -8,8 +8,11 @@ import torch
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
 
-def tiny_model(vocab_size: int = 64, seq_len: int = 16) -> MPTForCausalLM:
-    # On meta, so the Trainer initializes it after seeding: two trainers get the same weights.
+def tiny_model(vocab_size: int = 64, seq_len: int = 16, **overrides) -> MPTForCausalLM:
+    """On meta, so the Trainer initializes it after seeding: two trainers get the same weights.
+
+    `overrides` are further MPTConfig fields (e.g. dropout).
+    """
     config = MPTConfig(
         d_model=32,
         n_heads=2,
@@ -17,9 +20,9 @@ def tiny_model(vocab_size: int = 64, seq_len: int = 16) -> MPTForCausalLM:
         max_seq_len=seq_len,
         vocab_size=vocab_size,
         init_device="meta",
+        **overrides,
     )
-    with torch.device("meta"):
-        return MPTForCausalLM(config)
+    return MPTForCausalLM(config)
 
 
 def token_batches(

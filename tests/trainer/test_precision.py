@@ -22,7 +22,7 @@ class Dtypes(Callback):
         self.params.append({p.dtype for p in state.model.parameters()})
 
 
-def train(tmp_path, precision, device="cpu"):
+def train(tmp_path, precision, device="cpu", callbacks=()):
     dtypes = Dtypes()
     trainer = Trainer(
         model=tiny_model(),
@@ -32,7 +32,7 @@ def train(tmp_path, precision, device="cpu"):
         run_dir=tmp_path,
         precision=precision,
         strategy=SingleDevice(device),
-        callbacks=[dtypes],
+        callbacks=[dtypes, *callbacks],
     )
     return trainer, trainer.fit(), dtypes
 
@@ -68,16 +68,7 @@ def test_fp16_scales_the_loss_and_unscales_before_the_step(tmp_path):
         def after_train_batch(self, state, logger):
             seen.append(max(p.grad.abs().max().item() for p in state.model.parameters()))
 
-    trainer = Trainer(
-        model=tiny_model(),
-        train_dataloader=token_batches(3, 4),
-        max_duration="3ba",
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-        run_dir=tmp_path,
-        precision="amp_fp16",
-        callbacks=[Grads()],
-    )
-    state = trainer.fit()
+    trainer, state, _ = train(tmp_path, "amp_fp16", device="cuda", callbacks=[Grads()])
     assert math.isfinite(state.train_loss)
     assert trainer.precision.state_dict()["scale"] > 1.0
     assert all(0 < g < 100 for g in seen)  # unscaled: not multiplied by the 65536 scale

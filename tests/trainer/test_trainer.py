@@ -109,16 +109,6 @@ def test_eval_loss_matches_model_loss(tmp_path):
     assert metrics["eval/v/loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_fp16_needs_cuda(tmp_path):
-    with pytest.raises(ValueError, match="amp_fp16 needs a CUDA device"):
-        trainer_for(tmp_path, token_batches(1, 2), precision="amp_fp16")
-
-
-def test_bf16_autocast_trains(tmp_path):
-    state = trainer_for(tmp_path, token_batches(2, 2), precision="amp_bf16").fit()
-    assert math.isfinite(state.train_loss)
-
-
 def test_decoupled_weight_decay_follows_schedule_not_lr():
     param = torch.nn.Parameter(torch.ones(3))
     opt = DecoupledAdamW([param], lr=1e-3, weight_decay=0.1)

@@ -93,7 +93,3 @@ class MPTConfig:
                 f"got {self.init_device!r}; to place the model on an accelerator build it on "
                 "'meta', then call to_empty(device=...) and init_weights()"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
