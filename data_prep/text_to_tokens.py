@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfoundry.data.mds import parse_size
 from llmfoundry.data.prep import text_to_tokens
+from llmfoundry.utils.files import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

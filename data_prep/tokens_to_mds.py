@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfoundry.data.mds import parse_size
 from llmfoundry.data.prep import tokens_to_mds
+from llmfoundry.utils.files import parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import fsspec
 import torch
 from tokenizers import Tokenizer
 
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.utils import storage
 
 
 def load_tokenizer(path: str) -> Tokenizer:
     """A `tokenizers` tokenizer from a tokenizer.json path or URL."""
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
+        with storage.open_url(path, "r", encoding="utf-8") as f:
             return Tokenizer.from_str(f.read())
     except FileNotFoundError:
         raise FileNotFoundError(

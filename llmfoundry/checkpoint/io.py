@@ -37,6 +37,9 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
+from llmfoundry.utils import storage
+from llmfoundry.utils.files import atomic_write, fsync_path, join_url
+
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
@@ -74,8 +77,8 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
     """
     if not _NAME.match(name):
         raise ValueError(f"checkpoint name {name!r} must look like 'ep<epoch>-ba<batch>'")
-    fs, root = fsspec.core.url_to_fs(folder)
-    target = f"{root.rstrip('/')}/{name}"
+    fs, root = storage.url_to_fs(folder)
+    target = join_url(root, name)
     rank = dist.get_rank() if _distributed() else 0
     if isinstance(fs, LocalFileSystem):
         staging = Path(root) / f".{name}.staging"
@@ -98,16 +101,12 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
     if rank == 0:
         _write_latest(fs, root, name)
     _barrier()
-    return f"{folder.rstrip('/')}/{name}"
+    return join_url(folder, name)
 
 
 def _fsync_tree(folder: Path) -> None:
     for path in (*folder.iterdir(), folder):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def _replace_folder(staging: Path, target: Path) -> None:
@@ -123,23 +122,18 @@ def _replace_folder(staging: Path, target: Path) -> None:
 
 
 def _write_latest(fs: fsspec.AbstractFileSystem, root: str, name: str) -> None:
-    path = f"{root.rstrip('/')}/{LATEST}"
+    path = join_url(root, LATEST)
     if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, name + "\n")
     else:
         fs.pipe_file(path, (name + "\n").encode())
 
 
 def read_latest(folder: str) -> str | None:
     """The checkpoint `latest` names in a save folder, or None when there is no `latest`."""
-    fs, root = fsspec.core.url_to_fs(folder)
+    fs, root = storage.url_to_fs(folder)
     try:
-        name = fs.cat_file(f"{root.rstrip('/')}/{LATEST}").decode().strip()
+        name = fs.cat_file(join_url(root, LATEST)).decode().strip()
     except FileNotFoundError:
         return None
     if not _NAME.match(name):
@@ -153,7 +147,7 @@ def read_latest(folder: str) -> str | None:
 def latest_checkpoint(folder: str) -> str | None:
     """URL of the checkpoint `latest` points to in `folder`, or None if nothing was saved yet."""
     name = read_latest(folder)
-    return None if name is None else f"{folder.rstrip('/')}/{name}"
+    return None if name is None else join_url(folder, name)
 
 
 def prune(folder: str, keep: int) -> list[str]:
@@ -164,19 +158,19 @@ def prune(folder: str, keep: int) -> list[str]:
     folders of killed local saves are removed. ``keep < 1`` deletes no checkpoint. Returns the
     names of the deleted checkpoints.
     """
-    fs, root = fsspec.core.url_to_fs(folder)
+    fs, root = storage.url_to_fs(folder)
     latest = read_latest(folder)
     names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
     for name in names:
         if _STAGING.match(name):
-            fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+            fs.rm(join_url(root, name), recursive=True)
     if keep < 1 or latest is None:
         return []
     order = {n: _batch_epoch(n) for n in names if _NAME.match(n)}
     older = sorted((n for n in order if order[n] < _batch_epoch(latest)), key=order.__getitem__)
     doomed = older[: max(0, len(older) - (keep - 1))]
     for name in doomed:
-        fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+        fs.rm(join_url(root, name), recursive=True)
     return doomed
 
 
@@ -197,8 +191,8 @@ class Checkpoint:
 
 def resolve(path: str) -> str:
     """A checkpoint folder, or a save folder (its `latest` checkpoint) -> the checkpoint folder."""
-    fs, root = fsspec.core.url_to_fs(path)
-    if fs.exists(f"{root.rstrip('/')}/{STATE_FILE}"):
+    fs, root = storage.url_to_fs(path)
+    if fs.exists(join_url(root, STATE_FILE)):
         return path
     latest = latest_checkpoint(path) if fs.isdir(root) else None
     if latest is None:
@@ -213,20 +207,19 @@ def resolve(path: str) -> str:
 def read_checkpoint(path: str, rank: int) -> Checkpoint:
     """Read the checkpoint at `path` (see `resolve`) for `rank`, never unpickling objects."""
     path = resolve(path)
-    fs, root = fsspec.core.url_to_fs(path)
-    root = root.rstrip("/")
-    missing = [f for f in (MODEL_FILE, STATE_FILE) if not fs.exists(f"{root}/{f}")]
+    fs, root = storage.url_to_fs(path)
+    missing = [f for f in (MODEL_FILE, STATE_FILE) if not fs.exists(join_url(root, f))]
     if missing:
         raise FileNotFoundError(f"checkpoint {path!r} is incomplete: {', '.join(missing)} missing")
     if isinstance(fs, LocalFileSystem):
-        model = safetensors.torch.load_file(f"{root}/{MODEL_FILE}")
+        model = safetensors.torch.load_file(join_url(root, MODEL_FILE))
     else:
-        model = safetensors.torch.load(fs.cat_file(f"{root}/{MODEL_FILE}"))
-    rng_path = f"{root}/{rng_file(rank)}"
+        model = safetensors.torch.load(fs.cat_file(join_url(root, MODEL_FILE)))
+    rng_path = join_url(root, rng_file(rank))
     return Checkpoint(
         path=path,
         model=model,
-        state=_load_object(fs, f"{root}/{STATE_FILE}"),
+        state=_load_object(fs, join_url(root, STATE_FILE)),
         rng=_load_object(fs, rng_path) if fs.exists(rng_path) else None,
     )
 

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from llmfoundry.data.mds import NDArray, get_encoding, is_hash, parse_size
+from llmfoundry.data.mds import NDArray, get_encoding, is_hash
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
+from llmfoundry.utils.files import join_url, parse_size
 
 __all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
 
@@ -269,10 +270,7 @@ class DataConfig:
                 "in the index (e.g. xxh64, sha1) or null"
             )
         if self.cache_limit is not None:
-            try:
-                parse_size(self.cache_limit)
-            except ValueError as err:
-                raise ValueError(f"data.cache_limit: {err}") from None
+            parse_size(self.cache_limit, "data.cache_limit")
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ValueError("data.storage_options must be a mapping of fsspec options")
 
@@ -288,7 +286,7 @@ class DataConfig:
             )
         args = dict(spec)
         if args.get("local") is None and self.local is not None:
-            args["local"] = f"{self.local.rstrip('/')}/{name}"
+            args["local"] = join_url(self.local, name)
         if not shares:
             args = {k: v for k, v in args.items() if k in ("remote", "local")}
         try:

@@ -24,9 +24,9 @@ from llmfoundry.data.mds import (
     get_encoding,
     load_index,
     parse_index,
-    parse_size,
     verify_shard,
 )
+from llmfoundry.utils.files import parse_size
 
 FIXTURES = Path(__file__).parents[1].parent.parent / "shared" / "fixtures" / "mds"
 needs_fixtures = pytest.mark.skipif(

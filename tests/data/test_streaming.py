@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from llmfoundry.data.mds import MDSWriter, ShardCorruptError
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
@@ -138,7 +139,7 @@ def test_a_cache_folder_serves_one_remote(data: Path, tmp_path: Path):
 def test_downloads_retry_transient_errors_but_not_missing_files(tmp_path, monkeypatch):
     src = tmp_path / "src.bin"
     src.write_bytes(b"payload")
-    real = download_mod.fsspec.implementations.local.LocalFileSystem.get_file
+    real = LocalFileSystem.get_file
     calls, blips = [], [ConnectionResetError("network blip")]
 
     def flaky(self, rpath, lpath, **kw):
@@ -147,9 +148,7 @@ def test_downloads_retry_transient_errors_but_not_missing_files(tmp_path, monkey
             raise blips.pop()
         return real(self, rpath, lpath, **kw)
 
-    monkeypatch.setattr(
-        download_mod.fsspec.implementations.local.LocalFileSystem, "get_file", flaky
-    )
+    monkeypatch.setattr(LocalFileSystem, "get_file", flaky)
     download_mod.download(str(src), tmp_path / "dst.bin", backoff=0.01)
     assert (tmp_path / "dst.bin").read_bytes() == b"payload" and len(calls) == 2
     calls.clear()

@@ -27,8 +27,14 @@ from llmfoundry.data.mds.index import (
     parse_index,
     write_index,
 )
-from llmfoundry.data.mds.reader import ShardCorruptError, ShardReader, verify_file, verify_shard
-from llmfoundry.data.mds.writer import MDSWriter, parse_size
+from llmfoundry.data.mds.reader import (
+    ShardCorruptError,
+    ShardReader,
+    unpack_shard,
+    verify_file,
+    verify_shard,
+)
+from llmfoundry.data.mds.writer import MDSWriter
 
 __all__ = [
     "ENCODING_NAMES",
@@ -58,7 +64,7 @@ __all__ = [
     "is_hash",
     "load_index",
     "parse_index",
-    "parse_size",
+    "unpack_shard",
     "verify_file",
     "verify_shard",
     "write_index",

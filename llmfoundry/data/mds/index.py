@@ -17,6 +17,7 @@ from typing import Any
 from llmfoundry.data.mds.compression import extension, is_compression
 from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import is_hash
+from llmfoundry.utils.files import atomic_write
 
 __all__ = [
     "INDEX_NAME",
@@ -329,10 +330,6 @@ def dump_index(shards: Iterable[ShardInfo]) -> bytes:
 
 def write_index(folder: str | os.PathLike, shards: Sequence[ShardInfo]) -> Path:
     """Write ``<folder>/index.json`` atomically (temp file then rename) and return its path."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / INDEX_NAME
-    tmp = folder / f".{INDEX_NAME}.tmp.{os.getpid()}"
-    tmp.write_bytes(dump_index(shards))
-    os.replace(tmp, path)
+    path = Path(folder) / INDEX_NAME
+    atomic_write(path, dump_index(shards))
     return path

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from llmfoundry.data.mds.compression import decompress
 from llmfoundry.data.mds.encodings import NDArray, UnsafeEncodingError, get_encoding
-from llmfoundry.data.mds.hashing import file_digest
+from llmfoundry.data.mds.hashing import digest, file_digest
 from llmfoundry.data.mds.index import FileInfo, ShardInfo
 
-__all__ = ["ShardCorruptError", "ShardReader", "verify_file", "verify_shard"]
+__all__ = ["ShardCorruptError", "ShardReader", "unpack_shard", "verify_file", "verify_shard"]
 
 
 class ShardCorruptError(ValueError):
@@ -188,24 +190,75 @@ class ShardReader:
         return rows.view(np.dtype(coder.dtype)).reshape(self._n, *coder.shape)
 
 
-def verify_file(path: str | os.PathLike, expected: FileInfo) -> None:
-    """Check a file's size and every hash listed for it; raise ShardCorruptError naming it."""
+_FIX = "delete it (and re-download or rewrite it), or rewrite the remote copy if it is damaged"
+
+
+def _hash_names(expected: FileInfo, hashes: Iterable[str] | None) -> list[str]:
+    """The hashes to check: those asked for (all when None) that the index lists."""
+    return sorted(expected.hashes if hashes is None else set(hashes) & set(expected.hashes))
+
+
+def _check_digests(actual: dict[str, str], expected: FileInfo, source: object) -> None:
+    for algo, got in sorted(actual.items()):
+        if got != expected.hashes[algo]:
+            raise ShardCorruptError(
+                f"corrupt MDS shard {source}: {algo} is {got}, index.json says "
+                f"{expected.hashes[algo]}; {_FIX}"
+            )
+
+
+def verify_file(
+    path: str | os.PathLike,
+    expected: FileInfo,
+    hashes: Iterable[str] | None = None,
+    source: str | None = None,
+) -> None:
+    """Check a file's size and hashes against its index entry; raise ShardCorruptError.
+
+    ``hashes`` limits the check to those names (None: every hash the index lists); ``source``
+    is how the message names the file (its URL when ``path`` is a download's temp file).
+    """
     path = Path(path)
+    source = source or str(path)
     if not path.is_file():
-        raise FileNotFoundError(f"shard file {path} does not exist")
+        raise FileNotFoundError(f"shard file {source} does not exist")
     size = path.stat().st_size
     if size != expected.bytes:
         raise ShardCorruptError(
-            f"corrupt MDS shard {path}: {size} bytes, index.json says {expected.bytes}; "
-            "delete it (and re-download or rewrite it)"
+            f"corrupt MDS shard {source}: {size} bytes, index.json says {expected.bytes}; {_FIX}"
         )
-    actual = file_digest(sorted(expected.hashes), path)
-    for algo, want in sorted(expected.hashes.items()):
-        if actual[algo] != want:
-            raise ShardCorruptError(
-                f"corrupt MDS shard {path}: {algo} is {actual[algo]}, index.json says {want}; "
-                "delete it (and re-download or rewrite it)"
-            )
+    _check_digests(file_digest(_hash_names(expected, hashes), path), expected, source)
+
+
+def unpack_shard(
+    stored: str | os.PathLike,
+    info: ShardInfo,
+    hashes: Iterable[str] | None = None,
+    source: str | None = None,
+) -> bytes | None:
+    """Verify a shard file as stored (compressed or not) and decompress it.
+
+    The one check of a fetched shard, shared by the streaming cache and ``verify_mds``: stored
+    size and hashes, then (for compressed shards) decompression, raw size and raw hashes.
+    Returns the verified raw bytes, or None when ``stored`` is already the raw shard.
+    """
+    source = source or str(stored)
+    if info.zip_data is None:
+        verify_file(stored, info.raw_data, hashes, source)
+        return None
+    verify_file(stored, info.zip_data, hashes, source)
+    try:
+        data = decompress(Path(stored).read_bytes(), info.compression or "")
+    except ValueError as err:
+        raise ShardCorruptError(f"corrupt MDS shard {source}: {err}") from err
+    if len(data) != info.raw_data.bytes:
+        raise ShardCorruptError(
+            f"corrupt MDS shard {source}: decompresses to {len(data)} bytes, index.json says "
+            f"{info.raw_data.bytes}; {_FIX}"
+        )
+    names = _hash_names(info.raw_data, hashes)
+    _check_digests({n: digest(n, data) for n in names}, info.raw_data, source)
+    return data
 
 
 def verify_shard(path: str | os.PathLike, info: ShardInfo) -> None:

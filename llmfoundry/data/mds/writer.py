@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
@@ -26,32 +24,12 @@ from llmfoundry.data.mds import compression as compression_lib
 from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import digest, is_hash
 from llmfoundry.data.mds.index import INDEX_NAME, FileInfo, ShardInfo, write_index
+from llmfoundry.utils import storage
+from llmfoundry.utils.files import atomic_write, join_url, parse_size
 
-__all__ = ["MDSWriter", "parse_size"]
+__all__ = ["MDSWriter"]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}  # fmt: skip
 _MAX_SHARD = (1 << 32) - 1  # offsets are uint32
-
-
-def parse_size(value: int | str | None) -> int | None:
-    """``67108864``, ``"64mb"``, ``"1.5gb"`` -> bytes (powers of 1024); None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (
-        m := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-    ):
-        unit = _UNITS.get(m.group(2).lower())
-        if unit is None:
-            raise ValueError(f"unknown size unit in {value!r}; use b, kb, mb, gb or tb")
-        size = int(float(m.group(1)) * unit)
-    else:
-        raise ValueError(f"bad size {value!r}; use a byte count or text like '64mb'")
-    if size <= 0:
-        raise ValueError(f"size_limit must be positive, got {value!r}")
-    return size
 
 
 class MDSWriter:
@@ -97,7 +75,7 @@ class MDSWriter:
         if unknown:
             raise ValueError(f"unknown hash(es) {unknown}; see llmfoundry.data.mds.HASH_NAMES")
         self.hashes = sorted(set(hashes))
-        self.size_limit = parse_size(size_limit)
+        self.size_limit = parse_size(size_limit, "size_limit")
 
         self._config = {
             "column_encodings": self.column_encodings,
@@ -113,7 +91,7 @@ class MDSWriter:
         self._shard_overhead = 4 + 4 + len(self._config_bytes)  # N, offsets[N], config
 
         self.out = str(out)
-        self._fs, self._root = fsspec.core.url_to_fs(self.out)
+        self._fs, self._root = storage.url_to_fs(self.out)
         self._remote = not isinstance(self._fs, LocalFileSystem)
         self._prepare_out(exist_ok)
         if self._remote:
@@ -135,8 +113,8 @@ class MDSWriter:
         """Paths (in ``self._fs``) of an existing dataset's index.json and shard files."""
         if not self._fs.exists(self._root):
             return []
-        found = self._fs.glob(f"{self._root.rstrip('/')}/shard.*.mds*")
-        index = f"{self._root.rstrip('/')}/{INDEX_NAME}"
+        found = self._fs.glob(join_url(self._root, "shard.*.mds*"))
+        index = join_url(self._root, INDEX_NAME)
         if self._fs.exists(index):
             found.insert(0, index)  # removed first: no index may point at half-removed shards
         return found
@@ -231,14 +209,12 @@ class MDSWriter:
 
     def _write_file(self, name: str, data: bytes) -> None:
         path = self._local / name
-        tmp = self._local / f".{name}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(path, data)
         if self._remote:
             self._uploads.append(self._pool.submit(self._upload, path, name))  # type: ignore[union-attr]
 
     def _upload(self, path: Path, name: str) -> None:
-        self._fs.put_file(str(path), f"{self._root.rstrip('/')}/{name}")
+        self._fs.put_file(str(path), join_url(self._root, name))
         path.unlink()
 
     def _raise_upload_errors(self) -> None:
@@ -275,7 +251,7 @@ class MDSWriter:
         names = [s.stored.basename for s in self.shards]
         for name in names:
             if self._remote:
-                target = f"{self._root.rstrip('/')}/{name}"
+                target = join_url(self._root, name)
                 if self._fs.exists(target):
                     self._fs.rm(target)
             else:

@@ -25,17 +25,14 @@ from llmfoundry.data.mds import (
     ShardCorruptError,
     ShardInfo,
     ShardReader,
-    decompress,
     get_encoding,
     parse_index,
-    verify_file,
+    unpack_shard,
 )
+from llmfoundry.utils import storage
+from llmfoundry.utils.files import join_url
 
 __all__ = ["IndexReport", "find_indexes", "merge_indexes", "verify_mds"]
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if name else root
 
 
 @dataclass
@@ -67,14 +64,14 @@ def _subfolders_with_index(fs: fsspec.AbstractFileSystem, root: str) -> list[str
     return sorted(
         Path(p).name
         for p in fs.ls(root, detail=False)
-        if fs.isdir(p) and fs.exists(_join(p, INDEX_NAME))
+        if fs.isdir(p) and fs.exists(join_url(p, INDEX_NAME))
     )
 
 
 def find_indexes(url: str) -> list[str]:
     """Relative folders holding an index.json: ``[""]`` for the root, else its sub-folders."""
-    fs, root = fsspec.core.url_to_fs(url)
-    if fs.exists(_join(root, INDEX_NAME)):
+    fs, root = storage.url_to_fs(url)
+    if fs.exists(join_url(root, INDEX_NAME)):
         return [""]
     subs = _subfolders_with_index(fs, root)
     if not subs:
@@ -128,15 +125,15 @@ def verify_mds(
 
     ``vocab_size`` defaults to the one in ``<url>/meta.json`` (written by tokens_to_mds).
     """
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = storage.url_to_fs(url)
     local = isinstance(fs, LocalFileSystem)
-    meta_url = _join(root, "meta.json")
+    meta_url = join_url(root, "meta.json")
     if vocab_size is None and fs.exists(meta_url):
         vocab_size = json.loads(fs.cat_file(meta_url)).get("vocab_size")
     reports = []
     for sub in find_indexes(url):
-        folder = _join(root, sub)
-        index_url = _join(folder, INDEX_NAME)
+        folder = join_url(root, sub)
+        index_url = join_url(folder, INDEX_NAME)
         report = IndexReport(index=index_url)
         reports.append(report)
         try:
@@ -154,19 +151,18 @@ def verify_mds(
                 report.hashes.update(info.hashes)
                 if info.compression:
                     report.compression.add(info.compression)
-                stored_url = _join(folder, info.stored.basename)
+                stored_url = join_url(folder, info.stored.basename)
                 try:
                     if local:
                         stored = Path(stored_url)
                     else:
                         stored = Path(tmp, info.stored.basename.replace("/", "_"))
                         fs.get_file(stored_url, str(stored))
-                    verify_file(stored, info.stored)
+                    data = unpack_shard(stored, info, source=stored_url)
                     raw = stored
-                    if info.zip_data is not None:
+                    if data is not None:
                         raw = Path(tmp, info.raw_basename.replace("/", "_"))
-                        raw.write_bytes(decompress(stored.read_bytes(), info.compression))
-                        verify_file(raw, info.raw_data)
+                        raw.write_bytes(data)
                     _verify_shard(raw, info, vocab_size, report, allow_unsafe, stored_url)
                     for path in {stored, raw} - {Path(stored_url)}:
                         path.unlink()
@@ -180,7 +176,7 @@ def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardIn
 
     Sub-folders default to every direct sub-folder holding an index.json, in sorted order.
     """
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = storage.url_to_fs(url)
     if subfolders is None:
         if not fs.exists(root):
             raise FileNotFoundError(f"{url} does not exist")
@@ -189,11 +185,11 @@ def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardIn
         raise FileNotFoundError(f"no sub-folder of {url} holds an {INDEX_NAME} to merge")
     merged: list[ShardInfo] = []
     for sub in subfolders:
-        index_url = _join(_join(root, sub), INDEX_NAME)
+        index_url = join_url(join_url(root, sub), INDEX_NAME)
         if not fs.exists(index_url):
             raise FileNotFoundError(f"{index_url} does not exist")
         merged += [s.with_prefix(sub) for s in parse_index(fs.cat_file(index_url), index_url)]
     # mosaicml-streaming writes merged indexes with "version" first and without sort_keys.
     text = json.dumps({"version": 2, "shards": [s.to_json() for s in merged]})
-    fs.pipe_file(_join(root, INDEX_NAME), text.encode("utf-8"))
+    fs.pipe_file(join_url(root, INDEX_NAME), text.encode("utf-8"))
     return merged

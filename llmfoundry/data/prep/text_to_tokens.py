@@ -29,8 +29,10 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
 from llmfoundry.data.prep.tokenizer import load_tokenizer, prepare, train_bpe
+from llmfoundry.utils.files import atomic_path, atomic_write
 
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
 
@@ -184,11 +186,8 @@ def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None
         raise FileExistsError(
             f"{tokens_path} exists but is unusable ({err}); pass --overwrite to redo it"
         ) from None
-    if meta.get("fingerprint") != key:
-        raise FileExistsError(
-            f"{tokens_path} was made from different inputs or settings; pass --overwrite to "
-            "replace it, or choose another output"
-        )
+    if not is_reusable(meta, key, overwrite, str(tokens_path)):
+        return None
     tok_file = sidecar.parent / meta["tokenizer"]
     if not tok_file.is_file() or _sha256(tok_file) != meta["tokenizer_sha256"]:
         raise FileExistsError(
@@ -252,7 +251,7 @@ def text_to_tokens(
         "doc_boundaries": doc_boundaries,
         "version": 1,
     }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    key = settings_fingerprint(settings)
     previous = _check_existing(out, key, overwrite)
     if previous is not None:
         return {**previous, "reused": True}
@@ -275,28 +274,17 @@ def text_to_tokens(
         loaded.save(tok_path)
     dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
-    tmp_tokens, tmp_docs = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".docs.tmp")
     init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name)
-    try:
+    with atomic_path(out) as tmp_tokens, atomic_path(_docs_path(out)) as tmp_docs:
         counts = _write_stream(tasks, workers, init, max_bytes, tmp_tokens, tmp_docs, progress)
-    except BaseException:
-        tmp_tokens.unlink(missing_ok=True)
-        tmp_docs.unlink(missing_ok=True)
-        raise
-    if counts["tokens"] == 0:
-        tmp_tokens.unlink()
-        tmp_docs.unlink()
-        raise ValueError(f"sources {list(sources)} produced no documents (all empty or unreadable)")
-    os.replace(tmp_tokens, out)
-    docs_name = None
-    if doc_boundaries:
-        os.replace(tmp_docs, _docs_path(out))
-        docs_name = _docs_path(out).name
-    else:
-        tmp_docs.unlink()
-        _docs_path(out).unlink(missing_ok=True)
+        if counts["tokens"] == 0:
+            raise ValueError(
+                f"sources {list(sources)} produced no documents (all empty or unreadable)"
+            )
+    docs_name = _docs_path(out).name if doc_boundaries else None
+    if not doc_boundaries:
+        _docs_path(out).unlink()
 
     meta = {
         "format": TOKENS_FORMAT,
@@ -319,9 +307,7 @@ def text_to_tokens(
         "sources": [str(s) for s in sources],
         "fingerprint": key,
     }
-    tmp_meta = out.with_name(out.name + ".json.tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_meta, sidecar_path(out))
+    atomic_write(sidecar_path(out), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return {**meta, "reused": False}
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llmfoundry.utils.files import atomic_write
+
 __all__ = ["EOS_TOKEN", "PreparedTokenizer", "load_tokenizer", "train_bpe"]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -46,12 +48,8 @@ class PreparedTokenizer:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokenizer.json atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        tmp.write_text(self.json, encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        atomic_write(path, self.json)
+        return Path(path)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:

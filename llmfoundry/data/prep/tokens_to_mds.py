@@ -16,17 +16,18 @@ records the inputs, so a rerun with the same inputs is recognised and skipped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+from llmfoundry.utils import storage
+from llmfoundry.utils.files import join_url
 
 __all__ = ["MDS_META_FORMAT", "split_rows", "tokens_to_mds"]
 
@@ -52,10 +53,6 @@ def split_rows(rows: int, val_fraction: float = 0.0, val_rows: int | None = None
             "validation rows, a smaller --seq-len, or more text"
         )
     return n_val
-
-
-def _join(url: str, name: str) -> str:
-    return f"{url.rstrip('/')}/{name}"
 
 
 def tokens_to_mds(
@@ -85,7 +82,7 @@ def tokens_to_mds(
         )
     n_val = split_rows(rows, val_fraction, val_rows)
     out = str(out)
-    fs, root = fsspec.core.url_to_fs(out)
+    fs, root = storage.url_to_fs(out)
     settings = {
         "source": source["fingerprint"],
         "num_tokens": source["num_tokens"],
@@ -96,19 +93,14 @@ def tokens_to_mds(
         "hashes": sorted(hashes),
         "version": 1,
     }
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    meta_url = _join(root, "meta.json")
-    if fs.exists(meta_url):
-        previous = json.loads(fs.cat_file(meta_url))
-        if previous.get("fingerprint") == key and not overwrite:
-            return {**previous, "reused": True}
-        if not overwrite:
-            raise FileExistsError(
-                f"{out} holds MDS data made from other inputs or settings; pass --overwrite "
-                "to replace it, or choose another folder"
-            )
+    key = settings_fingerprint(settings)
+    meta_url = join_url(root, "meta.json")
+    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
+    if is_reusable(previous, key, overwrite, out):
+        return {**previous, "reused": True}
+    if previous is not None:
         fs.rm(meta_url)  # the old meta must not describe half-rewritten splits
-    merged_index = _join(root, "index.json")  # from `mds_tools.py merge`; stale once rewritten
+    merged_index = join_url(root, "index.json")  # from `mds_tools.py merge`; stale once rewritten
     if overwrite and fs.exists(merged_index):
         fs.rm(merged_index)
 
@@ -121,7 +113,7 @@ def tokens_to_mds(
         if stop == start:
             continue
         with MDSWriter(
-            _join(out, name),
+            join_url(out, name),
             columns,
             compression=compression,
             hashes=hashes,
@@ -133,11 +125,11 @@ def tokens_to_mds(
                 bar.update(1)
         written[name] = {"rows": stop - start, "shards": len(writer.shards), "folder": name}
     bar.close()
-    if "val" not in written and fs.exists(_join(root, "val/index.json")):
-        fs.rm(_join(root, "val"), recursive=True)  # stale split from an earlier run
+    if "val" not in written and fs.exists(join_url(root, "val/index.json")):
+        fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
     tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
-    fs.put_file(str(tok_src), _join(root, "tokenizer.json"))
+    fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
     meta = {
         "format": MDS_META_FORMAT,
         "version": 1,

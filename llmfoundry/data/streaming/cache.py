@@ -27,10 +27,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.data.mds import FileInfo, ShardCorruptError, ShardInfo, decompress, file_digest
-from llmfoundry.data.mds.hashing import digest
-from llmfoundry.data.streaming.download import download, join_url, temp_name
+from llmfoundry.data.mds import ShardInfo, unpack_shard
+from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
+from llmfoundry.utils.files import atomic_write, join_url, temp_name
 
 __all__ = ["ShardCache"]
 
@@ -173,24 +173,6 @@ class ShardCache:
             for leftover in target.parent.glob(f"{glob.escape(target.name)}.tmp.*"):
                 leftover.unlink(missing_ok=True)
 
-    def _verify_file(self, path: Path, expected: FileInfo, source: str) -> None:
-        size = path.stat().st_size
-        if size != expected.bytes:
-            raise ShardCorruptError(
-                f"corrupt shard {source}: {size} bytes, index.json says {expected.bytes}"
-            )
-        if self.validate_hash is not None:
-            got = file_digest([self.validate_hash], path)[self.validate_hash]
-            self._check_hash(got, expected, source)
-
-    def _check_hash(self, got: str, expected: FileInfo, source: str) -> None:
-        want = expected.hashes.get(self.validate_hash or "")
-        if want is not None and got != want:
-            raise ShardCorruptError(
-                f"corrupt shard {source}: {self.validate_hash} is {got}, index.json says {want}; "
-                "the remote copy is damaged (rewrite it) or changed since its index was written"
-            )
-
     def _fetch(self, j: int) -> None:
         info = self.shards[j]
         stored = info.zip_data or info.raw_data
@@ -198,31 +180,18 @@ class ShardCache:
         raw_path = self.path(j)
         raw_path.parent.mkdir(parents=True, exist_ok=True)
         stored_tmp = temp_name(self.local / stored.basename)
-        raw_tmp = temp_name(raw_path)
+        hashes = [self.validate_hash] if self.validate_hash else []
         try:
             download(url, stored_tmp, self.storage_options, self.retries)
-            self._verify_file(stored_tmp, stored, url)
-            if info.zip_data is None:
+            data = unpack_shard(stored_tmp, info, hashes, url)
+            if data is None:
                 os.replace(stored_tmp, raw_path)
                 return
-            try:
-                data = decompress(stored_tmp.read_bytes(), info.compression or "")
-            except ValueError as err:
-                raise ShardCorruptError(f"corrupt shard {url}: {err}") from err
-            if len(data) != info.raw_data.bytes:
-                raise ShardCorruptError(
-                    f"corrupt shard {url}: decompresses to {len(data)} bytes, index.json says "
-                    f"{info.raw_data.bytes}"
-                )
-            if self.validate_hash is not None:
-                self._check_hash(digest(self.validate_hash, data), info.raw_data, url)
-            raw_tmp.write_bytes(data)
-            os.replace(raw_tmp, raw_path)
+            atomic_write(raw_path, data)
             if self.keep_zip:
                 os.replace(stored_tmp, self.local / stored.basename)
         finally:
             stored_tmp.unlink(missing_ok=True)
-            raw_tmp.unlink(missing_ok=True)
 
     def touch(self, j: int) -> bool:
         """Mark shard ``j`` as just used (for LRU); False if it is gone (evicted)."""

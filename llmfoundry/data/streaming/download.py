@@ -2,8 +2,9 @@
 
 Object stores fail transiently (throttling, resets), so every fetch is retried with
 exponential backoff; a missing file or a refused permission is permanent and raised at once.
-Callers download into a temporary name (:func:`temp_name`) and rename, so a reader never sees a
-partial file.
+Callers download into a temporary name (:func:`llmfoundry.utils.files.temp_name`) and rename,
+so a reader never sees a partial file. Filesystems come from :mod:`llmfoundry.utils.storage`, so
+the process-wide storage options apply.
 """
 
 from __future__ import annotations
@@ -11,58 +12,13 @@ from __future__ import annotations
 import os
 import posixpath
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import fsspec
+from llmfoundry.utils import storage
 
-__all__ = [
-    "download",
-    "is_local",
-    "join_url",
-    "list_dirs",
-    "local_path",
-    "read_bytes",
-    "temp_name",
-    "write_atomic",
-]
+__all__ = ["download", "list_dirs", "read_bytes"]
 
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-def is_local(url: str) -> bool:
-    """Whether ``url`` is a path on this machine (no scheme, or ``file://``)."""
-    return fsspec.utils.get_protocol(url) in ("file", "local")
-
-
-def local_path(url: str) -> str:
-    """The filesystem path of a local URL (``file:///data/x`` -> ``/data/x``)."""
-    return fsspec.core.strip_protocol(url) if "://" in url else url
-
-
-def join_url(url: str, *parts: str) -> str:
-    """Join path parts onto a URL or local path ("/" separators; parts are POSIX)."""
-    parts = tuple(p for p in parts if p)
-    if not parts:
-        return url
-    return posixpath.join(url.rstrip("/") if url not in ("/", "") else url, *parts)
-
-
-def temp_name(path: Path) -> Path:
-    """A name next to ``path`` that no other writer (process or thread) uses."""
-    return path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:12]}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` so that readers see the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _retry(what: str, fn: Any, retries: int, backoff: float) -> Any:
@@ -88,7 +44,7 @@ def download(
     """Copy ``url`` to the local file ``dest`` (overwritten; not atomic: pass a temp name)."""
 
     def fetch() -> None:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = storage.url_to_fs(url, **(storage_options or {}))
         try:
             fs.get_file(path, os.fspath(dest))
         except FileNotFoundError:
@@ -106,7 +62,7 @@ def read_bytes(
     """The contents of a (small) file at ``url``."""
 
     def fetch() -> bytes:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = storage.url_to_fs(url, **(storage_options or {}))
         try:
             return fs.cat_file(path)
         except FileNotFoundError:
@@ -118,7 +74,7 @@ def read_bytes(
 def list_dirs(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """Names of the sub-folders of ``url`` that hold an index.json (for error messages)."""
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = storage.url_to_fs(url, **(storage_options or {}))
         entries = fs.ls(path, detail=True)
         names = [
             posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory"

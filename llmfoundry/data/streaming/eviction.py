@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import warnings
 
-from llmfoundry.data.mds import parse_size
 from llmfoundry.data.streaming.cache import ShardCache
+from llmfoundry.utils.files import parse_size
 
 __all__ = ["CacheLimiter"]
 
@@ -32,10 +32,7 @@ class CacheLimiter:
     """
 
     def __init__(self, caches: list[ShardCache], limit: int | str) -> None:
-        try:
-            self.limit = parse_size(limit)
-        except ValueError as err:
-            raise ValueError(f"cache_limit={limit!r}: {err}") from None
+        self.limit = parse_size(limit, "cache_limit")
         self.caches = [c for c in caches if c.evictable]
         self._warned = False
         if not self.caches:

@@ -24,14 +24,9 @@ from typing import Any
 
 from llmfoundry.data.mds import INDEX_NAME, load_index, parse_index
 from llmfoundry.data.streaming.cache import ShardCache
-from llmfoundry.data.streaming.download import (
-    is_local,
-    join_url,
-    list_dirs,
-    local_path,
-    read_bytes,
-    write_atomic,
-)
+from llmfoundry.data.streaming.download import list_dirs, read_bytes
+from llmfoundry.utils.files import atomic_write, join_url
+from llmfoundry.utils.storage import is_local, local_path
 
 __all__ = ["Stream", "default_cache_dir"]
 
@@ -118,7 +113,7 @@ class Stream:
             raise FileNotFoundError(_missing(url, remote, split, storage_options)) from None
         shards = parse_index(text, join_url(url, INDEX_NAME))
         cache = ShardCache(shards, folder, url, storage_options=storage_options, **options)
-        write_atomic(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
+        atomic_write(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
         return cache
 
 

@@ -1,0 +1,80 @@
+"""Storage options configured once reach every filesystem (llmfoundry.utils.storage)."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from llmfoundry.checkpoint.io import read_latest
+from llmfoundry.data.streaming.download import read_bytes
+from llmfoundry.utils import storage
+
+
+class _SpyFS(MemoryFileSystem):
+    """A memory filesystem that records the options it was created with."""
+
+    protocol = "spyfs"
+    seen: list[dict[str, Any]] = []
+
+    def __init__(self, **options: Any) -> None:
+        _SpyFS.seen.append(options)
+        super().__init__()
+
+
+@pytest.fixture
+def spy() -> Iterator[type[_SpyFS]]:
+    fsspec.register_implementation("spyfs", _SpyFS, clobber=True)
+    _SpyFS.seen.clear()
+    _SpyFS.clear_instance_cache()
+    yield _SpyFS
+    storage.configure()
+    _SpyFS.clear_instance_cache()
+
+
+def test_configured_options_reach_every_caller(spy: type[_SpyFS]) -> None:
+    storage.configure({"endpoint_url": "http://minio:9000", "anon": False})
+    fs, path = storage.url_to_fs("spyfs://bucket/run/latest")
+    fs.pipe_file(path, b"ep0-ba1\n")
+    assert read_latest("spyfs://bucket/run") == "ep0-ba1"  # checkpoint io
+    assert read_bytes("spyfs://bucket/run/latest") == b"ep0-ba1\n"  # data download
+    assert spy.seen and all(
+        o == {"endpoint_url": "http://minio:9000", "anon": False} for o in spy.seen
+    )
+
+
+def test_prefix_overrides_and_call_options_win(spy: type[_SpyFS]) -> None:
+    storage.configure(
+        {"endpoint_url": "http://a", "profile": "default"},
+        overrides={"spyfs://other/": {"endpoint_url": "http://b"}},
+    )
+    assert storage.options_for("spyfs://bucket/x") == {
+        "endpoint_url": "http://a",
+        "profile": "default",
+    }
+    assert storage.options_for("spyfs://other/x") == {
+        "endpoint_url": "http://b",
+        "profile": "default",
+    }
+    assert storage.options_for("spyfs://other/x", {"profile": "p"})["profile"] == "p"
+    with storage.open_url("spyfs://other/f.txt", "w") as f:
+        f.write("hi")
+    assert spy.seen[-1] == {"endpoint_url": "http://b", "profile": "default"}
+
+
+def test_local_paths_get_no_remote_options(tmp_path: Any) -> None:
+    storage.configure({"endpoint_url": "http://a"})
+    try:
+        assert storage.options_for(str(tmp_path)) == {}
+        fs, path = storage.url_to_fs(str(tmp_path))
+        assert fs.exists(path)
+    finally:
+        storage.configure()
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ValueError, match="URL prefix"):
+        storage.configure({}, overrides={"bucket": {"anon": True}})
+    with pytest.raises(ValueError, match="mapping of fsspec options"):
+        storage.configure(["endpoint_url"])  # type: ignore[arg-type]
