@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import merge_indexes, verify_mds
+from llmfoundry.utils.logs import configure_logging
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     merge.set_defaults(func=_merge)
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:

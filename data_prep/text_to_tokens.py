@@ -19,6 +19,7 @@ import sys
 
 from llmfoundry.data.prep import text_to_tokens
 from llmfoundry.utils.files import parse_size
+from llmfoundry.utils.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         meta = text_to_tokens(
             args.sources,

@@ -16,6 +16,7 @@ import sys
 
 from llmfoundry.data.prep import tokens_to_mds
 from llmfoundry.utils.files import parse_size
+from llmfoundry.utils.logs import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         meta = tokens_to_mds(
             args.tokens,

@@ -19,13 +19,16 @@ from omegaconf import DictConfig
 from llmfoundry.build import build_trainer
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
+from llmfoundry.utils.logs import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    build_trainer(cfg, HydraConfig.get().runtime.output_dir).fit()
+    run_dir = HydraConfig.get().runtime.output_dir
+    configure_logging(Path(run_dir) / "train.log")  # the console's lines, kept in the run folder
+    build_trainer(cfg, run_dir).fit()
 
 
 if __name__ == "__main__":

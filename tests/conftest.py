@@ -1,7 +1,9 @@
-"""Shared test services: a real S3 API (moto_server) on 127.0.0.1, started once per session."""
+"""Shared test services: a real S3 API (moto_server) on 127.0.0.1, started once per session, and
+process-wide settings (logging handlers, storage options) restored after every test."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -13,6 +15,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from llmfoundry.utils import storage
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_settings() -> Iterator[None]:
+    """Undo what configure_logging / storage.configure did (scripts' main() run in-process)."""
+    root = logging.getLogger()
+    handlers, levels = (
+        list(root.handlers),
+        {n: logging.getLogger(n).level for n in ("", "llmfoundry", "__main__")},
+    )
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    storage.configure()
 
 
 def _free_port() -> int:

@@ -8,6 +8,7 @@ compute.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -16,6 +17,8 @@ from typing import Any
 from llmfoundry.trainer.engine import Algorithm, Logger
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.state import State
+
+log = logging.getLogger(__name__)
 
 
 class LossSpikeGuard(Algorithm):
@@ -83,12 +86,10 @@ class LossSpikeGuard(Algorithm):
             param.grad = None
         logger.log_metrics({"algorithms/loss_spike_skipped": 1.0, "algorithms/loss_spike": loss})
         reason = "not finite" if not math.isfinite(loss) else f"above {threshold:.4g}"
-        if state.rank == 0:
-            print(
-                f"loss spike at batch {state.timestamp.batch}: loss {loss:.4g} ({reason}); "
-                f"optimizer step skipped ({self.consecutive} in a row)",
-                flush=True,
-            )
+        log.warning(
+            f"loss spike at batch {state.timestamp.batch}: loss {loss:.4g} ({reason}); "
+            f"optimizer step skipped ({self.consecutive} in a row)"
+        )
         if self.consecutive >= self.max_consecutive:
             mean = statistics.fmean(self.history) if self.history else float("nan")
             raise RuntimeError(

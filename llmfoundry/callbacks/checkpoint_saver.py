@@ -9,11 +9,14 @@ the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. 
 from __future__ import annotations
 
 import copy
+import logging
 
 from llmfoundry.checkpoint import prune, save_checkpoint
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointSaver(Callback):
@@ -84,4 +87,4 @@ class CheckpointSaver(Callback):
         if state.rank == 0:
             deleted = prune(self.save_folder, self.num_checkpoints_to_keep)
             note = f" (deleted {', '.join(deleted)})" if deleted else ""
-            print(f"saved checkpoint {self.last_saved}{note}", flush=True)
+            log.info("saved checkpoint %s%s", self.last_saved, note)

@@ -11,12 +11,15 @@ not improved by more than `min_delta` for at least that long. Every rank sees th
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from typing import Any, Literal
 
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, Timestamp
+
+log = logging.getLogger(__name__)
 
 TRAIN_LOSS = "loss/train"
 
@@ -90,15 +93,13 @@ class EarlyStopper(Callback):
         if waited < 1.0 - 1e-9:
             return
         state.stop_training = True
-        if state.rank == 0:
-            best = "none (never finite)" if self.best is None else f"{self.best:.6g}"
-            print(
-                f"early stopping after batch {state.timestamp.batch}: {self.monitor} = "
-                f"{value:.6g} has not improved ({self.comparison}, min_delta={self.min_delta:g}) "
-                f"on its best {best} at batch {self.best_timestamp.batch} for patience "
-                f"{self.patience}",
-                flush=True,
-            )
+        best = "none (never finite)" if self.best is None else f"{self.best:.6g}"
+        log.info(
+            f"early stopping after batch {state.timestamp.batch}: {self.monitor} = "
+            f"{value:.6g} has not improved ({self.comparison}, min_delta={self.min_delta:g}) "
+            f"on its best {best} at batch {self.best_timestamp.batch} for patience "
+            f"{self.patience}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_timestamp": self.best_timestamp.state_dict()}

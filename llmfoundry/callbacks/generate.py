@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from tokenizers import Tokenizer
 
@@ -9,6 +11,8 @@ from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.utils import storage
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -53,9 +57,8 @@ class Generate(Callback):
                 out = model.generate(
                     ids, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k
                 )
-                if state.rank == 0:
-                    print(f"--- sample (prompt {prompt!r}) ---", flush=True)
-                    print(self.tokenizer.decode(out[0].tolist()), flush=True)
+                text = self.tokenizer.decode(out[0].tolist())
+                log.info("--- sample (prompt %r) ---\n%s", prompt, text)
         finally:
             torch.random.set_rng_state(rng_state)
             model.train()

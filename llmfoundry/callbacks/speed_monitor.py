@@ -19,6 +19,7 @@ part of what a step costs) and evaluation excluded (it is not training throughpu
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from llmfoundry.callbacks.peak_flops import device_peak_flops
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
+
+log = logging.getLogger(__name__)
 
 
 class _Point(NamedTuple):
@@ -87,11 +90,8 @@ class SpeedMonitor(Callback):
                 f"{state.precision}; set callbacks.speed_monitor.peak_flops=<flop/s per device>",
                 stacklevel=2,
             )
-        elif state.rank == 0:
-            print(
-                f"speed monitor: peak {self._peak / 1e9:.1f} GFLOP/s per device ({source})",
-                flush=True,
-            )
+        else:
+            log.info("speed monitor: peak %.1f GFLOP/s per device (%s)", self._peak / 1e9, source)
         ts = state.timestamp
         self._eval_seconds = 0.0
         self._history.clear()

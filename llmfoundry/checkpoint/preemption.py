@@ -9,11 +9,13 @@ signal gets the previous handler (for SIGINT: KeyboardInterrupt at once).
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -42,11 +44,10 @@ class Preemption:
         del frame
         self.signal = signal.Signals(signum)
         self._restore()
-        print(
-            f"received {self.signal.name}: saving a checkpoint after the current batch, then "
-            "stopping (send it again to stop at once)",
-            file=sys.stderr,
-            flush=True,
+        log.info(  # once, from rank 0: every rank gets the signal
+            "received %s: saving a checkpoint after the current batch, then stopping (send it "
+            "again to stop at once)",
+            self.signal.name,
         )
 
     def _restore(self) -> None:

@@ -18,6 +18,7 @@ algorithms, callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ from llmfoundry.checkpoint.io import (
 )
 from llmfoundry.checkpoint.rng import rng_state
 from llmfoundry.distributed import unwrap_model
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
     from llmfoundry.trainer.engine import Logger
@@ -180,9 +183,7 @@ def restore(
     if "rng" in ignore:
         return None
     if checkpoint.rng is None:
-        print(
-            f"checkpoint {where!r} has no RNG state for rank {state.rank}; keeping the seeded one"
-        )
+        log.warning("checkpoint %r has no RNG state for this rank; keeping the seeded one", where)
     return checkpoint.rng
 
 

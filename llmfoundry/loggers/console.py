@@ -1,13 +1,19 @@
-"""Plain-text metrics on stdout, every `log_interval`, and a run summary at the end."""
+"""Plain-text metrics every `log_interval`, and a run summary at the end.
+
+Lines go through `logging` (stdout and the run folder's train.log; see llmfoundry/utils/logs.py).
+"""
 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, Timestamp
+
+log = logging.getLogger(__name__)
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
@@ -54,5 +60,5 @@ class ConsoleLogger(LoggerDestination):
 
     @staticmethod
     def _print(state: State, line: str) -> None:
-        if state.rank == 0:
-            print(line, flush=True)
+        del state  # other ranks are filtered out by the logging setup (llmfoundry/utils/logs.py)
+        log.info(line)

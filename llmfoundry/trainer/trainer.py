@@ -7,6 +7,7 @@ step), `evaluate` (each eval set). Where each event fires is listed in `events.m
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.rng import seed_all
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
+
+log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 Schedule = Callable[[State], float]
@@ -129,9 +132,8 @@ class Trainer:
             load_rng_state(rng)
             rng = None
         self._resume_rng = rng
-        if self.state.rank == 0:
-            ts = self.state.timestamp
-            print(f"loaded checkpoint {path} (epoch {ts.epoch}, batch {ts.batch})", flush=True)
+        ts = self.state.timestamp
+        log.info("loaded checkpoint %s (epoch %d, batch %d)", path, ts.epoch, ts.batch)
         self.engine.run_event(Event.AFTER_LOAD)
 
     # ------------------------------------------------------------------ training
@@ -145,8 +147,7 @@ class Trainer:
                 while not state.finished:
                     self._train_epoch()
                 if self._preempted:  # saved at BATCH_CHECKPOINT; resumable, so no FIT_END
-                    if state.rank == 0:
-                        print(f"preempted: stopped after batch {state.timestamp.batch}", flush=True)
+                    log.info("preempted: stopped after batch %d", state.timestamp.batch)
                     return state
                 if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
                     self.evaluate()
@@ -331,12 +332,12 @@ class Trainer:
                 "model, or a strategy that shards the model."
             )
         state.device_train_microbatch_size = size // 2
-        if state.rank == 0:
-            print(
-                f"out of memory with device_train_microbatch_size={size} on some rank; "
-                f"retrying the batch with {size // 2}",
-                flush=True,
-            )
+        log.info(
+            "out of memory with device_train_microbatch_size=%d on some rank; retrying the "
+            "batch with %d",
+            size,
+            size // 2,
+        )
 
     def _log_microbatch_size(self) -> None:
         size = self.state.device_train_microbatch_size
@@ -344,8 +345,7 @@ class Trainer:
             return
         self._logged_microbatch_size = size
         self.logger.log_metrics({"trainer/device_train_microbatch_size": size})
-        if self.state.rank == 0:
-            print(f"device_train_microbatch_size (auto): {size}", flush=True)
+        log.info("device_train_microbatch_size (auto): %d", size)
 
     def _set_lr(self) -> None:
         """Set each group's lr from the schedule, for the step about to be taken."""

@@ -1,4 +1,5 @@
 import copy
+import logging
 
 import pytest
 
@@ -33,7 +34,8 @@ def test_improving_metric_never_stops(tmp_path):
 
 
 @pytest.mark.parametrize("patience", ["3ba", "192tok", "12sp", "0.3dur"])
-def test_stops_when_patience_runs_out_in_any_unit(tmp_path, capsys, patience):
+def test_stops_when_patience_runs_out_in_any_unit(tmp_path, caplog, patience):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
     # min_delta larger than any change: the first eval (batch 1) stays the best, and 3 batches
     # (= 192 tokens = 12 samples = 0.3 of 10 batches) later the run stops.
     stopper = EarlyStopper(monitor="eval/val/loss", min_delta=100.0, patience=patience)
@@ -41,7 +43,7 @@ def test_stops_when_patience_runs_out_in_any_unit(tmp_path, capsys, patience):
     assert state.stop_training
     assert state.timestamp.batch == 4
     assert stopper.best_timestamp.batch == 1
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "early stopping after batch 4: eval/val/loss" in out
     assert f"best {stopper.best:.6g} at batch 1" in out
 

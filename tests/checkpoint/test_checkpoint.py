@@ -2,6 +2,7 @@
 loading with ignored keys, and preemption in one process."""
 
 import functools
+import logging
 import os
 import signal
 import uuid
@@ -74,11 +75,12 @@ def test_save_interval_in_any_unit(tmp_path, interval, expected):
     assert [n for n in folders(tmp_path / "ckpt") if n != "latest"] == expected
 
 
-def test_keeps_only_the_newest_checkpoints(tmp_path, capsys):
+def test_keeps_only_the_newest_checkpoints(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
     saver = CheckpointSaver(str(tmp_path / "ckpt"), save_interval="1ba", num_checkpoints_to_keep=2)
     make_trainer(tmp_path, token_batches(5, 2), saver=saver).fit()
     assert folders(tmp_path / "ckpt") == ["ep0-ba4", "ep0-ba5", "latest"]
-    assert "deleted ep0-ba2" in capsys.readouterr().out
+    assert "deleted ep0-ba2" in caplog.text
 
 
 def test_prune_counts_back_from_latest(tmp_path):
@@ -318,15 +320,16 @@ def test_load_fires_before_and_after_load(tmp_path):
     assert seen[3] == ("fit_start", 2)
 
 
-def test_resuming_a_finished_run_does_not_save_again(tmp_path, capsys):
+def test_resuming_a_finished_run_does_not_save_again(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
     make_trainer(tmp_path, token_batches(2, 2), saver=CheckpointSaver(str(tmp_path / "c"))).fit()
-    capsys.readouterr()
+    caplog.clear()
     saver = CheckpointSaver(str(tmp_path / "c"))
     state = make_trainer(
         tmp_path, token_batches(2, 2), saver=saver, load_path=str(tmp_path / "c")
     ).fit()
     assert state.timestamp.batch == 2 and saver.last_saved is None
-    assert "saved checkpoint" not in capsys.readouterr().out
+    assert "saved checkpoint" not in caplog.text
 
 
 def test_stop_training_saves_at_the_stopping_batch(tmp_path):

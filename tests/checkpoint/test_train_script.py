@@ -85,7 +85,7 @@ def test_preempt_crash_and_autoresume_match_a_straight_run(tmp_path, mds):
     (run / "steps.jsonl.sent").touch()
     code, out, err = finish(process)
     assert code == 0, err
-    assert "Traceback" not in err and "received SIGTERM" in err
+    assert "Traceback" not in err and "received SIGTERM" in out
     assert "preempted: stopped after batch 4" in out
     assert read_latest(str(run / "ckpt")) == "ep0-ba4"
 

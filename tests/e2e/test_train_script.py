@@ -81,4 +81,9 @@ def test_train_script_with_overrides(mds_dir, tmp_path):
     assert "--- sample" in out
     assert "algorithms/replaced_fraction" in out
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+    # the run folder keeps the console's lines (not the progress bar, which is on stderr)
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"eval/val/loss: first [\d.]+ -> last [\d.]+", log)
+    assert "saved checkpoint" in log and "--- sample" in log
+    assert log.count("\n") <= out.count("\n")
     assert (tmp_path / "ckpt" / "latest").is_file()

@@ -1,4 +1,5 @@
 import io
+import logging
 import re
 import sys
 
@@ -55,9 +56,10 @@ def test_bad_unit():
         ProgressBarLogger(unit="ep")
 
 
-def test_console_prints_train_loss_and_metrics_every_interval(tmp_path, capsys):
+def test_console_prints_train_loss_and_metrics_every_interval(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
     trainer = make_trainer(tmp_path, n_batches=4, loggers=[ConsoleLogger(log_interval="2ba")])
     trainer.fit()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[batch")]
+    lines = [line for line in caplog.messages if line.startswith("[batch")]
     assert [line.split("]")[0] for line in lines] == ["[batch 2", "[batch 4"]
     assert f"loss/train {trainer.state.train_loss:.4g}" in lines[-1]

@@ -5,6 +5,7 @@ tests/distributed/test_ddp.py.
 """
 
 import functools
+import logging
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def assert_same_params(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_oom_in_forward_halves_until_it_fits_and_matches_one_large_batch(tmp_path, capsys):
+def test_oom_in_forward_halves_until_it_fits_and_matches_one_large_batch(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
     oom, sizes, metrics = InjectOOM(limit=1), ForwardSizes(), Metrics()
     trainer = train(
         tmp_path,
@@ -99,7 +101,7 @@ def test_oom_in_forward_halves_until_it_fits_and_matches_one_large_batch(tmp_pat
     assert [
         (s, v) for s, k, v in metrics.logged if k == "trainer/device_train_microbatch_size"
     ] == [(0, 1)]
-    out = capsys.readouterr().out
+    out = caplog.text
     assert "retrying the batch with 2" in out and "retrying the batch with 1" in out
     assert "device_train_microbatch_size (auto): 1" in out
     reference = train(tmp_path, masked_batches())

@@ -29,7 +29,6 @@ def spy() -> Iterator[type[_SpyFS]]:
     _SpyFS.seen.clear()
     _SpyFS.clear_instance_cache()
     yield _SpyFS
-    storage.configure()
     _SpyFS.clear_instance_cache()
 
 
@@ -64,13 +63,10 @@ def test_prefix_overrides_and_call_options_win(spy: type[_SpyFS]) -> None:
 
 
 def test_local_paths_get_no_remote_options(tmp_path: Any) -> None:
-    storage.configure({"endpoint_url": "http://a"})
-    try:
-        assert storage.options_for(str(tmp_path)) == {}
-        fs, path = storage.url_to_fs(str(tmp_path))
-        assert fs.exists(path)
-    finally:
-        storage.configure()
+    storage.configure({"endpoint_url": "http://a"})  # tests/conftest.py resets it
+    assert storage.options_for(str(tmp_path)) == {}
+    fs, path = storage.url_to_fs(str(tmp_path))
+    assert fs.exists(path)
 
 
 def test_bad_configuration_is_refused() -> None:
