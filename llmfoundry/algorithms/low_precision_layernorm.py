@@ -44,7 +44,7 @@ class LowPrecisionLayerNorm(Algorithm):
         return event is Event.INIT
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if state.precision == "fp32":
+        if state.precision.name == "fp32":
             warnings.warn(
                 "LowPrecisionLayerNorm has no effect with precision=fp32 (there is no autocast "
                 "dtype); use precision=amp_bf16 or remove the algorithm",

@@ -5,27 +5,13 @@ from __future__ import annotations
 import logging
 
 import torch
-from tokenizers import Tokenizer
 
+from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
-from llmfoundry.utils import storage
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    """A `tokenizers` tokenizer from a tokenizer.json path or URL."""
-    try:
-        with storage.open_url(path, "r", encoding="utf-8") as f:
-            return Tokenizer.from_str(f.read())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"tokenizer file {path!r} not found: data_prep/tokens_to_mds.py writes tokenizer.json "
-            "next to the shards; set tokenizer=<path to tokenizer.json>, or leave out the "
-            "samples with callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
-        ) from None
 
 
 class Generate(Callback):
@@ -38,7 +24,15 @@ class Generate(Callback):
         top_k: int | None = 40,
         seed: int = 0,
     ) -> None:
-        self.tokenizer = load_tokenizer(tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(tokenizer)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
+                "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
+                "leave out the samples with "
+                "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
+            ) from None
         self.prompts = list(prompts)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature

@@ -77,7 +77,7 @@ class SpeedMonitor(Callback):
         if self.peak_flops is not None:
             self._peak, source = self.peak_flops, "set by speed_monitor.peak_flops"
         else:
-            self._peak, source = device_peak_flops(state.device, state.precision)
+            self._peak, source = device_peak_flops(state.device, state.precision.name)
         if self._flops_per_token is None:
             warnings.warn(
                 f"{type(model).__name__} has no flops_per_token(seq_len) method: throughput is "
@@ -87,7 +87,7 @@ class SpeedMonitor(Callback):
         elif self._peak is None:
             warnings.warn(
                 f"MFU is not logged: no peak flop/s known ({source}) for precision "
-                f"{state.precision}; set callbacks.speed_monitor.peak_flops=<flop/s per device>",
+                f"{state.precision.name}; set callbacks.speed_monitor.peak_flops=<flop/s per device>",
                 stacklevel=2,
             )
         else:

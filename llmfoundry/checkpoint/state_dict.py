@@ -125,7 +125,7 @@ def run_state(state: State, logger: Logger) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "optimizer": state.optimizer.state_dict(),
         "scheduler": _state_of(state.scheduler),
-        "scaler": _state_of(state.scaler),
+        "scaler": _state_of(state.precision),
         "timestamp": state.timestamp.state_dict(),
         "algorithms": _by_name(state.algorithms),
         "callbacks": _by_name(state.callbacks),
@@ -166,7 +166,7 @@ def restore(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "
                 "add 'optimizer' to load_ignore_keys to start the optimizer afresh"
             ) from None
-    for key, obj in (("scheduler", state.scheduler), ("scaler", state.scaler)):
+    for key, obj in (("scheduler", state.scheduler), ("scaler", state.precision)):
         if key not in ignore and saved[key] and obj is not None:
             obj.load_state_dict(saved[key])
     if "timestamp" not in ignore:

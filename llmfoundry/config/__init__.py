@@ -1,9 +1,9 @@
 """Config: top-level settings, run naming, and validation of a composed Hydra config."""
 
-from llmfoundry.config.check import register_resolvers, validate_config
 from llmfoundry.config.run_name import default_run_name
+from llmfoundry.config.schema import ConfigError
 from llmfoundry.config.settings import GROUPS, TrainSettings
-from llmfoundry.config.validate import ConfigError
+from llmfoundry.config.train_config import register_resolvers, validate_config
 
 __all__ = [
     "GROUPS",

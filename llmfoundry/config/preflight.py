@@ -17,8 +17,8 @@ from hydra.errors import HydraException
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from llmfoundry.config.check import register_resolvers, validate_config
-from llmfoundry.config.validate import HYDRA_KEYS, ConfigError, suggest, target_schema
+from llmfoundry.config.schema import HYDRA_KEYS, ConfigError, suggest, target_schema
+from llmfoundry.config.train_config import register_resolvers, validate_config
 
 # Hydra command-line flags after which composing the plain overrides is not meaningful.
 _SKIP_FLAGS = {

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
 
 
@@ -24,7 +25,9 @@ class State:
     max_duration: Time
     run_dir: Path
     device: torch.device
-    precision: str = "fp32"
+    # Autocast and loss scaling of the step; `precision.name` is the setting ("amp_bf16"), and
+    # its state_dict (amp_fp16's grad scaler) is saved in checkpoints under "scaler".
+    precision: Precision = field(default_factory=lambda: Precision("fp32", torch.device("cpu")))
     # This process's place among all training processes (loggers print on rank 0 only).
     rank: int = 0
     world_size: int = 1
@@ -52,9 +55,6 @@ class State:
     callbacks: list[Any] = field(default_factory=list)
     # Free-form config (plain containers) saved with checkpoints for provenance.
     config: dict[str, Any] = field(default_factory=dict)
-    # Loss-scaling state of the precision (amp_fp16's grad scaler): an object with
-    # state_dict/load_state_dict that checkpoints save and restore.
-    scaler: Any = None
 
     def elapsed(self, duration: Time, timestamp: Timestamp | None = None) -> float:
         """How much of `duration` has passed at `timestamp` (default: now), as a fraction.

@@ -95,7 +95,7 @@ class Trainer:
             max_duration=Time.parse(max_duration),
             run_dir=Path(run_dir),
             device=self.strategy.device,
-            precision=precision,
+            precision=self.precision,
             rank=self.strategy.rank,
             world_size=self.strategy.world_size,
             seed=seed,
@@ -106,7 +106,6 @@ class Trainer:
                 None if self.auto_microbatching else device_train_microbatch_size
             ),
             config=config or {},
-            scaler=self.precision,
         )
         self.logger = Logger(self.state, loggers)
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from llmfoundry.config import ConfigError
-from llmfoundry.config.check import validate_config
 from llmfoundry.config.preflight import check, compose_config
+from llmfoundry.config.train_config import validate_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

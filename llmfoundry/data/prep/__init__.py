@@ -11,7 +11,13 @@ from llmfoundry.data.prep.text_to_tokens import (
     sidecar_path,
     text_to_tokens,
 )
-from llmfoundry.data.prep.tokenizer import EOS_TOKEN, PreparedTokenizer, load_tokenizer, train_bpe
+from llmfoundry.data.prep.tokenizer import (
+    EOS_TOKEN,
+    PreparedTokenizer,
+    load_tokenizer,
+    prepare_tokenizer,
+    train_bpe,
+)
 from llmfoundry.data.prep.tokens_to_mds import split_rows, tokens_to_mds
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "open_doc_index",
     "open_tokens",
     "plan_tasks",
+    "prepare_tokenizer",
     "read_task",
     "sidecar_path",
     "split_rows",

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
-from llmfoundry.data.prep.tokenizer import load_tokenizer, prepare, train_bpe
+from llmfoundry.data.prep.tokenizer import prepare, prepare_tokenizer, train_bpe
 from llmfoundry.utils.files import atomic_path, atomic_write
 
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
@@ -241,7 +241,7 @@ def text_to_tokens(
         raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
     tasks = plan_tasks(sources, globs, excludes, text_field, hf_split, hf_config)
 
-    loaded = load_tokenizer(tokenizer, eos_token, bos_token) if tokenizer is not None else None
+    loaded = prepare_tokenizer(tokenizer, eos_token, bos_token) if tokenizer is not None else None
     settings = {
         "inputs": fingerprint(tasks),
         "tokenizer": loaded.sha256 if loaded else ["train_bpe", vocab_size, train_bytes],

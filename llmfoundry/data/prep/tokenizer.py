@@ -8,6 +8,7 @@ decodes back to exactly the input text, which is what makes the round trip testa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,9 +16,17 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llmfoundry.utils import storage
 from llmfoundry.utils.files import atomic_write
 
-__all__ = ["EOS_TOKEN", "PreparedTokenizer", "load_tokenizer", "train_bpe"]
+__all__ = [
+    "EOS_TOKEN",
+    "PreparedTokenizer",
+    "load_tokenizer",
+    "prepare",
+    "prepare_tokenizer",
+    "train_bpe",
+]
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -80,36 +89,59 @@ def _token_id(tok: Tokenizer, token: str, flag: str) -> int:
     return token_id
 
 
-def load_tokenizer(
-    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
-) -> PreparedTokenizer:
-    """Load ``tokenizer.json`` (file, or a folder holding one) or a transformers tokenizer folder.
-
-    The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
-    transformers tokenizer's ``eos_token``.
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer at ``path``: a tokenizer.json file or URL, or a folder holding one, or a
+    transformers tokenizer folder (fast tokenizers only). Used by data prep and by training.
     """
-    path = Path(path)
-    default_eos = None
+    url = os.fspath(path)
+    if not storage.is_local(url):
+        try:
+            with storage.open_url(url, "r", encoding="utf-8") as f:
+                return Tokenizer.from_str(f.read())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"tokenizer {url} not found") from None
+    path = Path(storage.local_path(url))
     if path.is_file():
-        tok = Tokenizer.from_file(str(path))
-    elif (path / "tokenizer.json").is_file():
-        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    elif path.is_dir():
+        return Tokenizer.from_file(str(path))
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    if path.is_dir():
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if not getattr(hf, "is_fast", False):
             raise ValueError(
-                f"{path} holds a slow (Python) tokenizer; data prep needs a fast one "
+                f"{path} holds a slow (Python) tokenizer; a fast one is needed "
                 "(a folder with tokenizer.json)"
             )
-        tok = hf.backend_tokenizer
-        default_eos = hf.eos_token
-    else:
-        raise FileNotFoundError(
-            f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
-        )
-    return prepare(tok, eos_token, bos_token, default_eos)
+        return hf.backend_tokenizer
+    raise FileNotFoundError(
+        f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
+    )
+
+
+def prepare_tokenizer(
+    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
+) -> PreparedTokenizer:
+    """:func:`load_tokenizer` plus the EOS/BOS ids data prep needs (see :func:`prepare`).
+
+    The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
+    ``eos_token`` a transformers folder's tokenizer_config.json names.
+    """
+    return prepare(load_tokenizer(path), eos_token, bos_token, _configured_eos(Path(path)))
+
+
+def _configured_eos(folder: Path) -> str | None:
+    """The eos_token a transformers tokenizer folder configures, if any."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config = folder / name
+        if folder.is_dir() and config.is_file():
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                return eos
+    return None
 
 
 def prepare(

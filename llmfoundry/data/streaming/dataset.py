@@ -29,7 +29,7 @@ from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.eviction import CacheLimiter
 from llmfoundry.data.streaming.predownload import Predownloader
-from llmfoundry.data.streaming.readers import ShardReaders
+from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, RankPlan, stream_counts
 from llmfoundry.data.streaming.stream import Stream
 from llmfoundry.data.streaming.world import World
@@ -150,7 +150,7 @@ class StreamingDataset(IterableDataset):
         self.epoch_size = int(self.stream_counts.sum())
         self._epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, samples consumed)
-        self._runtime: tuple[int, ShardReaders] | None = None
+        self._runtime: tuple[int, ShardReaderPool] | None = None
 
     # -- per-process state ------------------------------------------------------------------
 
@@ -159,9 +159,9 @@ class StreamingDataset(IterableDataset):
         state["_runtime"] = None  # open files and maps stay with their process
         return state
 
-    def _readers(self) -> ShardReaders:
+    def _readers(self) -> ShardReaderPool:
         if self._runtime is None or self._runtime[0] != os.getpid():
-            readers = ShardReaders(self.caches, self.limiter, self.allow_unsafe)
+            readers = ShardReaderPool(self.caches, self.limiter, self.allow_unsafe)
             self._runtime = (os.getpid(), readers)
         return self._runtime[1]
 

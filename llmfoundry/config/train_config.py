@@ -1,4 +1,4 @@
-"""Validate a whole composed training config (see `validate.py` for the per-node rules)."""
+"""Validate a whole composed training config (per-node rules from `_target_` signatures: schema.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config.run_name import default_run_name
+from llmfoundry.config.schema import ConfigError, check_keys, check_type, validate_targets
 from llmfoundry.config.settings import GROUPS, TrainSettings
-from llmfoundry.config.validate import ConfigError, check_keys, check_type, validate_targets
 
 
 def register_resolvers() -> None:

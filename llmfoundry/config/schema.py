@@ -1,4 +1,4 @@
-"""Config validation before anything heavy: unknown keys, wrong types, impossible combinations.
+"""Config schema checks before anything heavy: unknown keys, wrong types, impossible combinations.
 
 Every object in the config is named by its ``_target_``; the target's own signature (or dataclass
 fields) is the schema, so there is no second list of allowed keys to keep in sync. A problem is

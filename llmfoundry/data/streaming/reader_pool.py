@@ -1,4 +1,4 @@
-"""This process's open shard readers, over the shards of every stream, opened on first use.
+"""A pool of this process's open shard readers (LRU-bounded), over every stream's shards.
 
 A reader maps its shard once; keeping a bounded number open makes random access cheap without
 exhausting memory maps. When a cache limit is set, a shard in use is re-touched at most once a
@@ -18,7 +18,7 @@ from llmfoundry.data.mds import ShardReader
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.eviction import CacheLimiter
 
-__all__ = ["ShardReaders"]
+__all__ = ["ShardReaderPool"]
 
 _TOUCH_EVERY_S = 1.0
 
@@ -30,7 +30,7 @@ class _Open:
     arrays: dict[str, np.ndarray]
 
 
-class ShardReaders:
+class ShardReaderPool:
     """Readers for global shard numbers ``0 .. sum(len(cache.shards)) - 1``.
 
     Args:
