@@ -9,6 +9,8 @@ import transformers
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from llmfoundry.config import ConfigError
+from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +31,21 @@ REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
 
 
 def load(name: str, **overrides) -> MPTConfig:
-    return instantiate(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"), **overrides)
+    """The model config `model=<name>` composes to (its shape on top of conf/model_base/mpt.yaml)."""
+    return instantiate(compose_config(REPO / "conf", [f"model={name}"]).model, **overrides)
+
+
+def test_sizes_state_only_their_shape_and_share_the_base_options():
+    base = OmegaConf.load(REPO / "conf" / "model_base" / "mpt.yaml")
+    for path in MODEL_CONFS:
+        own = set(OmegaConf.load(path)) - {"defaults"}
+        assert own <= {"d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size"}, path.name
+    cfg = compose_config(REPO / "conf", ["model=mpt-1b", "model.alibi=false"]).model
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers) == (2048, 16, 24)
+    assert cfg.alibi is False and cfg.max_seq_len == base.max_seq_len == 2048
+    check(REPO / "conf", ["model=mpt-1b"])  # the composed config still validates
+    with pytest.raises(ConfigError, match=r"model.alibii: unknown key; did you mean 'alibi'"):
+        check(REPO / "conf", ["model=mpt-1b", "+model.alibii=true"])
 
 
 def test_every_size_has_a_config():
