@@ -11,6 +11,8 @@ act around it (metrics, checkpoints, early stopping); logger destinations receiv
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +80,33 @@ class Logger:
             destination.log_hyperparameters(hyperparameters)
 
 
+_EVENT_NAMES = sorted(event.value for event in Event)
+
+
+def check_event_methods(callback: Callback) -> None:
+    """Refuse a handler-shaped method ``(state, logger)`` whose name is no event.
+
+    A misspelt handler (``batch_ended``) would otherwise never be called, silently.
+    """
+    api = set(dir(LoggerDestination))
+    for name in dir(type(callback)):
+        method = getattr(type(callback), name)
+        if name.startswith("_") or name in api or name in _EVENT_NAMES or not callable(method):
+            continue
+        try:
+            params = list(inspect.signature(method).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params[1:] == ["state", "logger"]:
+            close = difflib.get_close_matches(name, _EVENT_NAMES, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(
+                f"{type(callback).__name__}.{name}(state, logger) matches no event and would "
+                f"never be called; {hint}events are listed in llmfoundry/trainer/events.md "
+                "(rename it, or make it private with a leading underscore)"
+            )
+
+
 class Engine:
     def __init__(
         self,
@@ -86,6 +115,8 @@ class Engine:
         algorithms: Sequence[Algorithm] = (),
         callbacks: Sequence[Callback] = (),
     ) -> None:
+        for callback in (*callbacks, *logger.destinations):
+            check_event_methods(callback)
         self.state = state
         self.logger = logger
         state.algorithms = list(algorithms)

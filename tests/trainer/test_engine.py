@@ -1,5 +1,6 @@
 import functools
 
+import pytest
 import torch
 
 from llmfoundry.optim import DecoupledAdamW
@@ -117,3 +118,31 @@ def test_after_event_property():
     assert Event.AFTER_LOSS.is_after and Event.EVAL_AFTER_FORWARD.is_after
     assert not Event.BATCH_END.is_after and not Event.BEFORE_LOSS.is_after
     assert torch.is_tensor(torch.zeros(1))
+
+
+def test_a_misspelt_event_method_is_an_error_at_construction(tmp_path):
+    class Typo(Callback):
+        def batch_ended(self, state, logger):
+            raise AssertionError("never called")
+
+    class Fine(Callback):
+        def batch_end(self, state, logger):
+            pass
+
+        def _helper(self, state, logger):
+            pass
+
+        def summary(self, text):  # not handler-shaped: allowed
+            return text
+
+    make = functools.partial(make_trainer, tmp_path, None)
+    make(callbacks=[Fine()])
+    with pytest.raises(ValueError, match=r"Typo.batch_ended.*did you mean 'batch_end'"):
+        make(callbacks=[Typo()])
+
+    class BadDestination(LoggerDestination):
+        def fit_ended(self, state, logger):
+            pass
+
+    with pytest.raises(ValueError, match=r"BadDestination.fit_ended.*did you mean 'fit_end'"):
+        make(loggers=[BadDestination()])
