@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench plot clean
+.PHONY: setup test test-fast demo lint bench plot clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Everything but the end-to-end script runs (tests marked `slow`): a quick check while editing.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The demo corpus: this Python's own standard library sources (every Python ships them).
 DEMO := data/demo

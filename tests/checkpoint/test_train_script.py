@@ -19,6 +19,8 @@ from llmfoundry.checkpoint import read_latest
 
 from .helpers import INTERRUPT_ENV, read_steps, write_mds
 
+pytestmark = pytest.mark.slow  # runs scripts in subprocesses; `make test-fast` skips it
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 120
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs scripts in subprocesses; `make test-fast` skips it
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
