@@ -1,9 +1,9 @@
 """Column encodings of the MDS format: one value <-> bytes.
 
 Each encoding name in an index.json (``"int"``, ``"str"``, ``"ndarray:uint16:2048"``...) maps to an
-:class:`Encoding` through :func:`get_encoding`. The byte layouts follow
-``docs/mds-format.md`` exactly, because shards we write must be readable by mosaicml-streaming
-and the other way round. Decoders take any bytes-like object (``bytes``, ``memoryview`` of an
+:class:`Encoding` through :func:`get_encoding`. The byte layouts follow FORMAT.md (beside this
+file) exactly, because shards we write must be readable by mosaicml-streaming and the other way
+round. Decoders take any bytes-like object (``bytes``, ``memoryview`` of an
 mmap), so the reader can decode without copying when it wants a view.
 """
 
@@ -216,7 +216,7 @@ class Pickle(Encoding):
 
 
 class NDArray(Encoding):
-    """numpy array with a static or dynamic dtype and shape (four layouts, see mds-format.md).
+    """numpy array with a static or dynamic dtype and shape (four layouts, see FORMAT.md).
 
     Name forms: ``ndarray`` (both dynamic), ``ndarray:DTYPE`` (static dtype),
     ``ndarray:DTYPE:D0,D1`` (both static, fixed size), ``ndarray::D0,D1`` (static shape,

@@ -1,7 +1,7 @@
 """index.json: the list of shards of an MDS dataset, parsed strictly.
 
-Every shard entry has exactly the keys of mds-format.md (the reference reader rejects unknown
-keys, so accepting them here would let us write indexes it cannot read). Basenames may carry a
+Every shard entry has exactly the keys listed in FORMAT.md beside this file (the reference reader
+rejects unknown keys, so accepting them here would let us write indexes it cannot read). Basenames may carry a
 sub-folder (merged indexes: ``"train/shard.00000.mds"``) but never escape the dataset folder.
 """
 

@@ -1,7 +1,8 @@
 """Write MDS shards and index.json, byte-identical to mosaicml-streaming's MDSWriter.
 
 Samples are buffered until the next one would push the shard past ``size_limit`` (the exact
-rule of mds-format.md), then the shard is encoded, hashed, optionally compressed and written.
+rule of FORMAT.md beside this file), then the shard is encoded, hashed, optionally compressed
+and written.
 ``out`` may be a local folder or any fsspec URL (``s3://bucket/ds``): remote shards are staged
 in a temporary folder, uploaded in background threads, and index.json is uploaded last, so a
 reader never sees an index that lists a shard not yet there.
