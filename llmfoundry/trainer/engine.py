@@ -81,12 +81,15 @@ class Logger:
 
 
 _EVENT_NAMES = sorted(event.value for event in Event)
+_EVENT_PREFIXES = ("before_", "after_", "eval_")
 
 
 def check_event_methods(callback: Callback) -> None:
-    """Refuse a handler-shaped method ``(state, logger)`` whose name is no event.
+    """Refuse a method that looks like a misspelt event handler (it would never be called).
 
-    A misspelt handler (``batch_ended``) would otherwise never be called, silently.
+    A public method taking ``(state, logger)`` whose name is no event but is close to one
+    (``batch_ended``) or uses an event prefix (``before_``, ``after_``, ``eval_``) is an error;
+    other methods of that shape (``CheckpointSaver.save``) are ordinary API.
     """
     api = set(dir(LoggerDestination))
     for name in dir(type(callback)):
@@ -97,8 +100,8 @@ def check_event_methods(callback: Callback) -> None:
             params = list(inspect.signature(method).parameters)
         except (TypeError, ValueError):
             continue
-        if params[1:] == ["state", "logger"]:
-            close = difflib.get_close_matches(name, _EVENT_NAMES, n=1)
+        close = difflib.get_close_matches(name, _EVENT_NAMES, n=1, cutoff=0.8)
+        if params[1:] == ["state", "logger"] and (close or name.startswith(_EVENT_PREFIXES)):
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ValueError(
                 f"{type(callback).__name__}.{name}(state, logger) matches no event and would "

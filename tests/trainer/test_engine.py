@@ -135,6 +135,9 @@ def test_a_misspelt_event_method_is_an_error_at_construction(tmp_path):
         def summary(self, text):  # not handler-shaped: allowed
             return text
 
+        def save(self, state, logger):  # handler-shaped but nothing like an event: allowed
+            pass
+
     make = functools.partial(make_trainer, tmp_path, None)
     make(callbacks=[Fine()])
     with pytest.raises(ValueError, match=r"Typo.batch_ended.*did you mean 'batch_end'"):
@@ -146,3 +149,10 @@ def test_a_misspelt_event_method_is_an_error_at_construction(tmp_path):
 
     with pytest.raises(ValueError, match=r"BadDestination.fit_ended.*did you mean 'fit_end'"):
         make(loggers=[BadDestination()])
+
+    class Unknown(Callback):
+        def before_optimizer_step(self, state, logger):
+            pass
+
+    with pytest.raises(ValueError, match=r"Unknown.before_optimizer_step.*matches no event"):
+        make(callbacks=[Unknown()])
