@@ -26,7 +26,7 @@ import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
 from llmfoundry.utils import storage
-from llmfoundry.utils.files import atomic_write, fsync_path, join_url
+from llmfoundry.utils.files import FileWriter, atomic_write, fsync_path, join_url
 
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
@@ -46,9 +46,6 @@ STATE_FILE = "state.pt"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
 _STAGING = re.compile(r"^\.(ep\d+-ba\d+)\.(staging|old)$")
-
-# Writes one file of a checkpoint to a local path.
-FileWriter = Callable[[Path], None]
 
 
 def rng_file(rank: int) -> str:

@@ -16,9 +16,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_write", "fsync_path", "join_url", "parse_size", "temp_name"]
+__all__ = [
+    "FileWriter",
+    "atomic_path",
+    "atomic_write",
+    "fsync_path",
+    "join_url",
+    "parse_size",
+    "temp_name",
+]
 
-# Writes a whole file at the given local path.
+# Writes a whole file at the given local path (checkpoint files, atomic_write).
 FileWriter = Callable[[Path], None]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
