@@ -1,0 +1,276 @@
+"""Render a job for each backend, and submit what was rendered.
+
+- local: a bash script running torchrun with a standalone rendezvous on this machine (CPU
+  processes talk over gloo, GPUs over NCCL).
+- slurm: an sbatch script. One torchrun per node under ``srun``, meeting at a c10d rendezvous on
+  the job's first node (``--rdzv_id`` the Slurm job id, which a requeued job keeps). Slurm sends
+  SIGTERM ``slurm.grace_s`` seconds before the time limit (``--signal``) and on preemption; the
+  trainer checkpoints and stops, and the script requeues the job when the run is unfinished
+  (exit 75 from the outcome check); ``autoresume`` continues it. Logs: ``<run folder>/slurm-<id>.log``.
+- kubernetes: an indexed Job and a headless Service (plain batch/v1 and v1 objects: every
+  cluster has them, no operator such as JobSet or the Kubeflow training operator has to be
+  installed, and the official client validates them). Pod i of an indexed Job is reachable as
+  ``<name>-<i>.<name>``; torchrun's c10d rendezvous runs on pod 0. Pods restart on failure
+  (``restartPolicy: OnFailure``, up to ``kubernetes.max_restarts``); a restarted container
+  rejoins the rendezvous and every worker resumes from the last checkpoint, and a preempted run
+  exits 75, a failure, so it is restarted too. Secrets are ``secretKeyRef``\\ s to
+  ``kubernetes.secret``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmfoundry.config import ConfigError
+from llmfoundry.launch.command import (
+    RESUME_EXIT,
+    code_lines,
+    is_url,
+    node_script,
+    run_folder,
+)
+from llmfoundry.launch.job import Job
+from llmfoundry.launch.layout import Layout, plan
+
+
+@dataclass
+class Rendered:
+    """A rendered job: the file's name and text, and the layout it was rendered for."""
+
+    filename: str
+    text: str
+    layout: Layout
+
+
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def render_local(job: Job, checkout: Path) -> Rendered:
+    if job.compute.gpus and job.compute.gpus > local_gpus():
+        raise ConfigError(
+            "compute.gpus", f"{job.compute.gpus} GPUs asked, this machine has {local_gpus()}"
+        )
+    layout = plan(job.compute, max(local_gpus(), 1), max_nodes=1)
+    code = code_lines(job, str(checkout), str(checkout / ".launch" / job.name / "code"))
+    body = node_script(job, layout, shlex.quote(sys.executable), ["--standalone"], code)
+    return Rendered(f"{job.name}.sh", "#!/bin/bash\n" + body, layout)
+
+
+def render_slurm(job: Job, checkout: Path) -> Rendered:
+    slurm = job.slurm
+    layout = plan(job.compute, slurm.gpus_per_node)
+    folder = run_folder(job)
+    if is_url(job.outputs):
+        log_dir = f"{checkout}/.launch/{job.name}"
+    else:
+        log_dir = folder if folder.startswith("/") else f"{checkout}/{folder}"
+    directives = [
+        f"--job-name={job.name}",
+        f"--nodes={layout.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={log_dir}/slurm-%j.log",
+        "--open-mode=append",
+        "--requeue",
+        f"--signal=TERM@{slurm.grace_s}",
+    ]
+    if layout.gpus_per_node:
+        directives.append(f"--gpus-per-node={layout.gpus_per_node}")
+    if job.compute.cpus_per_node:
+        directives.append(f"--cpus-per-task={job.compute.cpus_per_node}")
+    if job.compute.memory:
+        directives.append(f"--mem={job.compute.memory}")
+    for key in ("partition", "account", "time"):
+        value = getattr(slurm, key)
+        if value:
+            directives.append(f"--{key}={value}")
+    directives += slurm.directives
+    rendezvous = [
+        "--rdzv_backend=c10d",
+        f'--rdzv_endpoint="$LAUNCH_HEAD_NODE:{slurm.rdzv_port}"',
+        '--rdzv_id="$SLURM_JOB_ID"',
+    ]
+    # The code is fetched once, on the first node, into the shared checkout; nodes cd there.
+    clone_dir = f"{checkout}/.launch/{job.name}/code"
+    workdir = clone_dir if job.code.repo else str(checkout)
+    # The current checkout's Python (a venv on the shared disk), else the image's or setup's.
+    python = "python3" if job.code.repo else shlex.quote(sys.executable)
+    node = node_script(job, layout, python, rendezvous, [f"cd {shlex.quote(workdir)}"])
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        f"# Rendered by scripts/launch.py: {layout.nodes} node(s) x {layout.procs_per_node} "
+        "process(es). Secrets come from the submitting environment (sbatch exports it).",
+        "set -euo pipefail",
+        *code_lines(job, str(checkout), clone_dir),
+        'export LAUNCH_HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "rc=0",
+        f"srun --nodes={layout.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
+        f"bash -c {shlex.quote(node)} || rc=$?",
+        f'if [ "$rc" -eq {RESUME_EXIT} ]; then',
+        '  echo "run unfinished (preempted or out of time): requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$rc"',
+    ]
+    return Rendered(f"{job.name}.sbatch", "\n".join(lines) + "\n", layout)
+
+
+def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
+    """The headless Service and the indexed Job, as plain dicts (the API's JSON shape)."""
+    k8s = job.kubernetes
+    layout = plan(job.compute, k8s.gpus_per_node)
+    if not job.image:
+        raise ConfigError("image", "kubernetes runs a container image; set image=<registry/name:tag>")
+    if layout.nodes > 1 and not is_url(job.outputs):
+        raise ConfigError(
+            "outputs",
+            f"{job.outputs!r} is a folder inside each pod, lost when a pod restarts and not "
+            "shared between nodes; set outputs to a URL (s3://bucket/runs, gs://...)",
+        )
+    if job.secrets and not k8s.secret:
+        raise ConfigError(
+            "kubernetes.secret",
+            f"secrets {', '.join(job.secrets)} need the name of the Kubernetes Secret holding "
+            "them (kubectl create secret generic <name> --from-literal=NAME=...)",
+        )
+    name, labels = job.name, {"app.kubernetes.io/name": "llmfoundry", "llmfoundry/job": job.name}
+    rendezvous = [
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={name}-0.{name}:{k8s.rdzv_port}",
+        f"--rdzv_id={name}",
+        f"--max-restarts={k8s.max_restarts}",
+    ]
+    code = code_lines(job, None, "/workspace/code")
+    script = node_script(job, layout, "python3", rendezvous, code)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in job.env.items()]
+    env += [
+        {"name": s, "valueFrom": {"secretKeyRef": {"name": k8s.secret, "key": s}}}
+        for s in job.secrets
+    ]
+    resources: dict[str, Any] = {"limits": {}, "requests": {}}
+    if layout.gpus_per_node:
+        resources["limits"][k8s.gpu_resource] = layout.gpus_per_node
+        resources["requests"][k8s.gpu_resource] = layout.gpus_per_node
+    if job.compute.cpus_per_node:
+        resources["requests"]["cpu"] = job.compute.cpus_per_node
+    if job.compute.memory:
+        resources["requests"]["memory"] = job.compute.memory
+        resources["limits"]["memory"] = job.compute.memory
+    container = {
+        "name": "train",
+        "image": job.image,
+        "command": ["bash", "-c", script],
+        "env": env,
+        "ports": [{"containerPort": k8s.rdzv_port, "name": "rendezvous"}],
+        "resources": {k: v for k, v in resources.items() if v},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    pod_spec: dict[str, Any] = {
+        "subdomain": name,
+        "restartPolicy": "OnFailure",
+        "containers": [container],
+        # NCCL and data loader workers share memory through /dev/shm, 64 MB by default.
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }
+    if k8s.service_account:
+        pod_spec["serviceAccountName"] = k8s.service_account
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "clusterIP": "None",
+            # Pod 0's name resolves before it is ready, so the rendezvous can start.
+            "publishNotReadyAddresses": True,
+            "selector": {"llmfoundry/job": name},
+            "ports": [{"port": k8s.rdzv_port, "name": "rendezvous"}],
+        },
+    }
+    job_object = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": layout.nodes,
+            "parallelism": layout.nodes,
+            "backoffLimit": k8s.max_restarts * layout.nodes,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+    return [service, job_object], layout
+
+
+def render_kubernetes(job: Job, checkout: Path) -> Rendered:
+    import yaml
+
+    objects, layout = kubernetes_objects(job)
+    text = yaml.safe_dump_all(objects, sort_keys=False)
+    return Rendered(f"{job.name}.yaml", text, layout)
+
+
+def submit_local(path: Path, job: Job) -> int:
+    """Run the rendered script here, its output also in <run folder>/launch.log."""
+    missing = [s for s in job.secrets if s not in os.environ]
+    if missing:
+        raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
+    log = Path(path).parent / "launch.log"
+    with open(log, "ab") as sink:
+        process = subprocess.Popen(
+            ["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        assert process.stdout is not None
+        for chunk in iter(process.stdout.readline, b""):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            sink.write(chunk)
+            sink.flush()
+        return process.wait()
+
+
+def submit_slurm(path: Path, job: Job) -> int:
+    missing = [s for s in job.secrets if s not in os.environ]
+    if missing:
+        raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
+    # Slurm opens the log file before the script runs, so its folder must exist already.
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("#SBATCH --output="):
+            Path(line.split("=", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
+    print(f"submitted Slurm job {result.stdout.strip()} ({job.name})")
+    return 0
+
+
+def submit_kubernetes(path: Path, job: Job) -> int:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    service, job_object = kubernetes_objects(job)[0]
+    namespace = job.kubernetes.namespace
+    client.CoreV1Api().create_namespaced_service(namespace, service)
+    client.BatchV1Api().create_namespaced_job(namespace, job_object)
+    print(f"created Service and Job {job.name} in namespace {namespace}")
+    return 0
+
+
+BACKENDS: dict[str, tuple[Callable[[Job, Path], Rendered], Callable[[Path, Job], int]]] = {
+    "local": (render_local, submit_local),
+    "slurm": (render_slurm, submit_slurm),
+    "kubernetes": (render_kubernetes, submit_kubernetes),
+}
