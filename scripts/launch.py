@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "render":
         return 0
     try:
-        return submit(path, job)
+        return submit(path, job, ROOT)
     except ConfigError as err:
         print(f"Job error: {err}", file=sys.stderr)
         return 2

@@ -86,10 +86,13 @@ class RunStatus(Callback):
         if "://" not in self.path:
             self.path = str(state.run_dir / self.path)
         config = state.config
+        save_folder = config.get("save_folder")
+        if save_folder and "://" not in save_folder:  # readable from any working directory
+            save_folder = os.path.abspath(save_folder)
         self._record = {
             "run_name": config.get("run_name") or state.run_dir.name,
             "max_duration": str(state.max_duration),
-            "save_folder": config.get("save_folder"),
+            "save_folder": save_folder,
             "started": time.time(),
             "host": socket.gethostname(),
             "pid": os.getpid(),

@@ -49,6 +49,11 @@ class Rendered:
     layout: Layout
 
 
+def clone_dir(job: Job, checkout: Path) -> Path:
+    """Where local and Slurm runs clone code.repo: beside the launching checkout (shared disk)."""
+    return checkout / ".launch" / job.name / "code"
+
+
 def local_gpus() -> int:
     import torch
 
@@ -61,7 +66,7 @@ def render_local(job: Job, checkout: Path) -> Rendered:
             "compute.gpus", f"{job.compute.gpus} GPUs asked, this machine has {local_gpus()}"
         )
     layout = plan(job.compute, max(local_gpus(), 1), max_nodes=1)
-    code = code_lines(job, str(checkout), str(checkout / ".launch" / job.name / "code"))
+    code = code_lines(job, str(checkout), str(clone_dir(job, checkout)))
     body = node_script(job, layout, shlex.quote(sys.executable), ["--standalone"], code)
     return Rendered(f"{job.name}.sh", "#!/bin/bash\n" + body, layout)
 
@@ -69,11 +74,14 @@ def render_local(job: Job, checkout: Path) -> Rendered:
 def render_slurm(job: Job, checkout: Path) -> Rendered:
     slurm = job.slurm
     layout = plan(job.compute, slurm.gpus_per_node)
+    # The code is fetched once, on the first node, into the shared disk; nodes cd there.
+    clone = str(clone_dir(job, checkout))
+    workdir = clone if job.code.repo else str(checkout)
     folder = run_folder(job)
     if is_url(job.outputs):
         log_dir = f"{checkout}/.launch/{job.name}"
     else:
-        log_dir = folder if folder.startswith("/") else f"{checkout}/{folder}"
+        log_dir = folder if folder.startswith("/") else f"{workdir}/{folder}"
     directives = [
         f"--job-name={job.name}",
         f"--nodes={layout.nodes}",
@@ -99,9 +107,6 @@ def render_slurm(job: Job, checkout: Path) -> Rendered:
         f'--rdzv_endpoint="$LAUNCH_HEAD_NODE:{slurm.rdzv_port}"',
         '--rdzv_id="$SLURM_JOB_ID"',
     ]
-    # The code is fetched once, on the first node, into the shared checkout; nodes cd there.
-    clone_dir = f"{checkout}/.launch/{job.name}/code"
-    workdir = clone_dir if job.code.repo else str(checkout)
     # The current checkout's Python (a venv on the shared disk), else the image's or setup's.
     python = "python3" if job.code.repo else shlex.quote(sys.executable)
     node = node_script(job, layout, python, rendezvous, [f"cd {shlex.quote(workdir)}"])
@@ -111,7 +116,7 @@ def render_slurm(job: Job, checkout: Path) -> Rendered:
         f"# Rendered by scripts/launch.py: {layout.nodes} node(s) x {layout.procs_per_node} "
         "process(es). Secrets come from the submitting environment (sbatch exports it).",
         "set -euo pipefail",
-        *code_lines(job, str(checkout), clone_dir),
+        *code_lines(job, str(checkout), clone),
         'export LAUNCH_HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "rc=0",
         f"srun --nodes={layout.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
@@ -131,7 +136,9 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
     k8s = job.kubernetes
     layout = plan(job.compute, k8s.gpus_per_node)
     if not job.image:
-        raise ConfigError("image", "kubernetes runs a container image; set image=<registry/name:tag>")
+        raise ConfigError(
+            "image", "kubernetes runs a container image; set image=<registry/name:tag>"
+        )
     if layout.nodes > 1 and not is_url(job.outputs):
         raise ConfigError(
             "outputs",
@@ -220,12 +227,16 @@ def render_kubernetes(job: Job, checkout: Path) -> Rendered:
     return Rendered(f"{job.name}.yaml", text, layout)
 
 
-def submit_local(path: Path, job: Job) -> int:
-    """Run the rendered script here, its output also in <run folder>/launch.log."""
+def submit_local(path: Path, job: Job, checkout: Path) -> int:
+    """Run the rendered script here, its output also in <run folder>/launch.log (next to the
+    script when the run folder is a URL)."""
     missing = [s for s in job.secrets if s not in os.environ]
     if missing:
         raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
-    log = Path(path).parent / "launch.log"
+    code_dir = clone_dir(job, checkout) if job.code.repo else checkout
+    folder = Path(path).parent if is_url(job.outputs) else code_dir / run_folder(job)
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "launch.log"
     with open(log, "ab") as sink:
         process = subprocess.Popen(
             ["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -239,7 +250,7 @@ def submit_local(path: Path, job: Job) -> int:
         return process.wait()
 
 
-def submit_slurm(path: Path, job: Job) -> int:
+def submit_slurm(path: Path, job: Job, checkout: Path) -> int:
     missing = [s for s in job.secrets if s not in os.environ]
     if missing:
         raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
@@ -254,7 +265,7 @@ def submit_slurm(path: Path, job: Job) -> int:
     return 0
 
 
-def submit_kubernetes(path: Path, job: Job) -> int:
+def submit_kubernetes(path: Path, job: Job, checkout: Path) -> int:
     from kubernetes import client, config
 
     try:
@@ -269,7 +280,7 @@ def submit_kubernetes(path: Path, job: Job) -> int:
     return 0
 
 
-BACKENDS: dict[str, tuple[Callable[[Job, Path], Rendered], Callable[[Path, Job], int]]] = {
+BACKENDS: dict[str, tuple[Callable[[Job, Path], Rendered], Callable[[Path, Job, Path], int]]] = {
     "local": (render_local, submit_local),
     "slurm": (render_slurm, submit_slurm),
     "kubernetes": (render_kubernetes, submit_kubernetes),

@@ -81,8 +81,7 @@ def code_lines(job: Job, checkout: str | None, clone_dir: str) -> list[str]:
 def secret_lines(job: Job) -> list[str]:
     """Fail early, by name, when a secret is missing; values are only read from the environment."""
     return [
-        f': "${{{name}:?secret {name} is not set in the job environment}}"'
-        for name in job.secrets
+        f': "${{{name}:?secret {name} is not set in the job environment}}"' for name in job.secrets
     ]
 
 

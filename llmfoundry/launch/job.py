@@ -50,7 +50,9 @@ class Compute:
         for key in ("gpus", "gpus_per_node", "procs_per_node", "nodes", "cpus_per_node"):
             value = getattr(self, key)
             if value is not None and value < (0 if key == "gpus" else 1):
-                raise ValueError(f"{key}: must be {'>= 0' if key == 'gpus' else '>= 1'}, got {value}")
+                raise ValueError(
+                    f"{key}: must be {'>= 0' if key == 'gpus' else '>= 1'}, got {value}"
+                )
 
 
 @dataclass

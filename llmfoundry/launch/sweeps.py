@@ -53,7 +53,10 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
             "folders hold .hydra/overrides.yaml"
         )
     found = []
-    for folder in sorted(folders, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+    for folder in sorted(
+        folders,
+        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name),
+    ):
         overrides = [str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")]
         metrics = folder / "metrics.jsonl"
         series = read_metrics(metrics) if metrics.is_file() else {}
