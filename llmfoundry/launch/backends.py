@@ -165,12 +165,13 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
         {"name": s, "valueFrom": {"secretKeyRef": {"name": k8s.secret, "key": s}}}
         for s in job.secrets
     ]
+    # Quantities are strings in the API ("8", "512Gi").
     resources: dict[str, Any] = {"limits": {}, "requests": {}}
     if layout.gpus_per_node:
-        resources["limits"][k8s.gpu_resource] = layout.gpus_per_node
-        resources["requests"][k8s.gpu_resource] = layout.gpus_per_node
+        resources["limits"][k8s.gpu_resource] = str(layout.gpus_per_node)
+        resources["requests"][k8s.gpu_resource] = str(layout.gpus_per_node)
     if job.compute.cpus_per_node:
-        resources["requests"]["cpu"] = job.compute.cpus_per_node
+        resources["requests"]["cpu"] = str(job.compute.cpus_per_node)
     if job.compute.memory:
         resources["requests"]["memory"] = job.compute.memory
         resources["limits"]["memory"] = job.compute.memory
