@@ -3,9 +3,9 @@
 Each backend wraps the same bash lines: the local backend runs them as a script, Slurm runs them
 once per node under ``srun``, Kubernetes as each pod's command. The run is named after the job
 and resumes itself (``autoresume=true``, checkpoints in ``<outputs>/<name>/checkpoints``), so a
-requeued Slurm job or a restarted pod continues where it stopped. After torchrun exits with 0,
+requeued Slurm job or a restarted pod continues where it stopped. After torchrun exits,
 `llmfoundry.launch.outcome` reads the run's status file and tells the scheduler whether the run
-finished (0) or was stopped to be continued (75), see there.
+finished (0), was stopped to be continued (75) or failed, see there.
 """
 
 from __future__ import annotations
@@ -105,8 +105,12 @@ def node_script(
         *secret_lines(job),
         *env_lines(job),
         *job.setup,
-        f"{torchrun(python, layout, rendezvous, job.script)} {train}",
+        # Schedulers send SIGTERM to every process of the job: the trainers checkpoint and
+        # stop, torchrun's agent exits non-zero, and this shell must live on to report.
+        "trap 'echo \"node: SIGTERM received; the run checkpoints and stops\"' TERM",
+        "torchrun_exit=0",
+        f"{torchrun(python, layout, rendezvous, job.script)} {train} || torchrun_exit=$?",
         f"{python} -m llmfoundry.launch.outcome {shlex.quote(status_path(job))} "
-        f"--wait {OUTCOME_WAIT_S}",
+        f'--wait {OUTCOME_WAIT_S} --exit-code "$torchrun_exit"',
     ]
     return "\n".join(lines) + "\n"

@@ -1,16 +1,17 @@
-"""After torchrun exits 0: did the run finish, or stop early to be continued?
+"""After torchrun exits: did the run finish, stop early to be continued, or fail?
 
-The trainer exits 0 both when it finishes and when it was preempted (it saved a checkpoint and
-stopped; `llmfoundry/checkpoint/preemption.py`), so the exit status alone cannot tell a
-scheduler whether to run the job again. The run's status file can
-(`llmfoundry.callbacks.run_status`):
+Neither exit status tells a scheduler whether to run the job again: the trainer exits 0 both
+when it finishes and when it was preempted (it saved a checkpoint and stopped;
+`llmfoundry/checkpoint/preemption.py`), and torchrun's agent exits non-zero when the scheduler's
+SIGTERM reaches it too, even though its workers saved and stopped cleanly. The run's status
+file knows (`llmfoundry.callbacks.run_status`):
 
-    python -m llmfoundry.launch.outcome <status file or URL> [--wait SECONDS]
+    python -m llmfoundry.launch.outcome <status file or URL> [--wait S] [--exit-code N]
 
 exits 0 when the run finished, 75 (`RESUME_EXIT`) when it was preempted (the Slurm script
-requeues the job, a Kubernetes pod restarts and resumes), and 1 otherwise. On nodes other than
-the first, torchrun can return before rank 0 has recorded the end, so a ``running`` status is
-re-read for up to ``--wait`` seconds.
+requeues the job, a Kubernetes pod restarts and resumes), and otherwise torchrun's exit status
+(``--exit-code``; at least 1). On nodes other than the first, torchrun can return before rank 0
+has recorded the end, so a ``running`` status is re-read for up to ``--wait`` seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.launch.command import RESUME_EXIT
 
 
-def outcome(path: str, wait_s: float = 0.0, poll_s: float = 1.0) -> int:
+def outcome(path: str, wait_s: float = 0.0, exit_code: int = 1, poll_s: float = 1.0) -> int:
     deadline = time.monotonic() + wait_s
     while True:
         record = read_status(path)
@@ -32,9 +33,9 @@ def outcome(path: str, wait_s: float = 0.0, poll_s: float = 1.0) -> int:
             return 0
         if status == "preempted":
             return RESUME_EXIT
-        if status == "failed" or time.monotonic() >= deadline:
+        if status != "running" or time.monotonic() >= deadline:
             print(f"run status at {path}: {status or 'missing'}", file=sys.stderr)
-            return 1
+            return exit_code if exit_code not in (0, RESUME_EXIT) else 1
         time.sleep(poll_s)
 
 
@@ -42,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="the run's status.json (a path or fsspec URL)")
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an end")
+    parser.add_argument("--exit-code", type=int, default=1, help="torchrun's exit status")
     args = parser.parse_args(argv)
-    return outcome(args.path, args.wait)
+    return outcome(args.path, args.wait, args.exit_code)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def test_heartbeat_while_running(tmp_path):
 
 def test_outcome_exit_codes(tmp_path):
     path = str(tmp_path / "status.json")
-    assert outcome(path) == 1  # no status at all
+    assert outcome(path) == 1  # no status at all: the run never started
+    assert outcome(path, exit_code=3) == 3
     for status, code in [
         ("finished", 0),
         ("preempted", RESUME_EXIT),
@@ -88,6 +89,8 @@ def test_outcome_exit_codes(tmp_path):
     ]:
         write_status(path, {"status": status})
         assert outcome(path) == code
+        # torchrun's exit status does not override what the run recorded.
+        assert outcome(path, exit_code=1 if code == 0 else 0) == code
     # A node whose torchrun returned first waits for rank 0 to record the end.
     write_status(path, {"status": "running"})
     timer = threading.Timer(0.3, write_status, (path, {"status": "finished"}))
