@@ -120,6 +120,10 @@ class Job:
     kubernetes: Kubernetes = field(default_factory=Kubernetes)
 
     def __post_init__(self) -> None:
+        for key in ("setup", "secrets", "train"):
+            for item in getattr(self, key):
+                if not isinstance(item, str):
+                    raise ValueError(f"{key}: expected strings, got {item!r}; quote it")
         if not _NAME.match(self.name):
             raise ValueError(
                 f"name: {self.name!r} must be lowercase letters, digits and '-', at most 40 "

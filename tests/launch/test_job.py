@@ -38,6 +38,7 @@ def test_example_job_loads_and_overrides_apply():
         ("name: a\nenv: {N: 1}", [], "env.N: expected a string, got 1; quote it"),
         ("name: a\nsecrets: [not-a-name]", [], "secrets: 'not-a-name' is not a valid"),
         ("name: a\ntrain: [--lr]", [], "train: '--lr' is not a key=value override"),
+        ("name: a\nsetup: [1]", [], "setup: expected strings, got 1; quote it"),
         ("name: a\ncode: {branch: main}", [], "code.branch/commit: set code.repo"),
         ("name: a", ["slurm.partiton=x"], "slurm.partiton: unknown key; did you mean 'partition'?"),
     ],
