@@ -275,8 +275,18 @@ def submit_kubernetes(path: Path, job: Job, checkout: Path) -> int:
         config.load_kube_config()
     service, job_object = kubernetes_objects(job)[0]
     namespace = job.kubernetes.namespace
-    client.CoreV1Api().create_namespaced_service(namespace, service)
-    client.BatchV1Api().create_namespaced_job(namespace, job_object)
+    try:
+        client.CoreV1Api().create_namespaced_service(namespace, service)
+        client.BatchV1Api().create_namespaced_job(namespace, job_object)
+    except client.ApiException as err:
+        if err.status == 409:
+            raise ConfigError(
+                "name",
+                f"{job.name} already exists in namespace {namespace}; to run it again (it "
+                f"continues from its checkpoints) first: kubectl -n {namespace} delete "
+                f"job/{job.name} service/{job.name}",
+            ) from None
+        raise
     print(f"created Service and Job {job.name} in namespace {namespace}")
     return 0
 

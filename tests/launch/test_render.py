@@ -197,3 +197,34 @@ def test_launch_cli_renders_and_reports_errors_in_one_line(tmp_path, capsys):
     assert (
         "Job error: model.n_layer: unknown key; did you mean 'n_layers'?" in capsys.readouterr().err
     )
+
+
+def test_kubernetes_submit_creates_service_and_job_and_explains_a_clash(monkeypatch, tmp_path):
+    kubernetes = pytest.importorskip("kubernetes")
+    from llmfoundry.launch.backends import submit_kubernetes
+
+    created = []
+
+    class Api:
+        def create_namespaced_service(self, namespace, body):
+            if any(kind == "Service" for kind, _, _ in created):
+                raise kubernetes.client.ApiException(status=409, reason="AlreadyExists")
+            created.append(("Service", namespace, body))
+
+        def create_namespaced_job(self, namespace, body):
+            created.append(("Job", namespace, body))
+
+    api = Api()
+    monkeypatch.setattr(kubernetes.config, "load_incluster_config", lambda: None)
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: api)
+    monkeypatch.setattr(kubernetes.client, "BatchV1Api", lambda: api)
+    job = big_job(outputs="s3://b/r", **{"kubernetes.secret": "s", "kubernetes.namespace": "ml"})
+    assert submit_kubernetes(tmp_path / "unused.yaml", job, ROOT) == 0
+    assert [(kind, ns, body["metadata"]["name"]) for kind, ns, body in created] == [
+        ("Service", "ml", "mpt-tiny-demo"),
+        ("Job", "ml", "mpt-tiny-demo"),
+    ]
+    with pytest.raises(
+        ConfigError, match="already exists in namespace ml; .* delete job/mpt-tiny-demo"
+    ):
+        submit_kubernetes(tmp_path / "unused.yaml", job, ROOT)
