@@ -159,7 +159,8 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
         f"--max-restarts={k8s.max_restarts}",
     ]
     code = code_lines(job, None, "/workspace/code")
-    script = node_script(job, layout, "python3", rendezvous, code)
+    # The environment is in the container spec, where Kubernetes shows it.
+    script = node_script(job, layout, "python3", rendezvous, code, export_env=False)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in job.env.items()]
     env += [
         {"name": s, "valueFrom": {"secretKeyRef": {"name": k8s.secret, "key": s}}}
@@ -223,8 +224,19 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
 def render_kubernetes(job: Job, checkout: Path) -> Rendered:
     import yaml
 
+    class Dumper(yaml.SafeDumper):
+        """Multi-line strings (the pods' script) as readable literal blocks; no anchors."""
+
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    def string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, string)
     objects, layout = kubernetes_objects(job)
-    text = yaml.safe_dump_all(objects, sort_keys=False)
+    text = yaml.dump_all(objects, Dumper=Dumper, sort_keys=False)
     return Rendered(f"{job.name}.yaml", text, layout)
 
 

@@ -95,6 +95,7 @@ def node_script(
     python: str,
     rendezvous: Sequence[str],
     code: Sequence[str],
+    export_env: bool = True,
 ) -> str:
     """Bash for one node: `code` (lines from `code_lines`, or a cd where the launcher already
     put it), secrets, env, setup, then torchrun and the outcome check."""
@@ -103,7 +104,7 @@ def node_script(
         "set -euo pipefail",
         *code,
         *secret_lines(job),
-        *env_lines(job),
+        *(env_lines(job) if export_env else []),
         *job.setup,
         # Schedulers send SIGTERM to every process of the job: the trainers checkpoint and
         # stop, torchrun's agent exits non-zero, and this shell must live on to report.

@@ -228,3 +228,16 @@ def test_kubernetes_submit_creates_service_and_job_and_explains_a_clash(monkeypa
         ConfigError, match="already exists in namespace ml; .* delete job/mpt-tiny-demo"
     ):
         submit_kubernetes(tmp_path / "unused.yaml", job, ROOT)
+
+
+@pytest.mark.parametrize("job_file", sorted((ROOT / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("backend", ["slurm", "kubernetes"])
+def test_shipped_job_files_render(job_file, backend, tmp_path, capsys):
+    """Every job in jobs/ renders (its training overrides checked against conf/)."""
+    pytest.importorskip("kubernetes")
+    extra = ["outputs=s3://bucket/runs"] if backend == "kubernetes" else []
+    extra += ["kubernetes.secret=llm-secrets"] if backend == "kubernetes" else []
+    launch = load_script("launch")
+    code = launch.main(["render", backend, str(job_file), *extra, "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    assert len(list(tmp_path.iterdir())) == 1
