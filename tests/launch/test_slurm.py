@@ -13,6 +13,7 @@ LLMFOUNDRY_SLURM_REQUEUE_TEST=1.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -121,12 +122,43 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
         subprocess.run(
             ["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30
         )
-        for pid_file in reversed(pid_files):
-            if pid_file.exists():
-                try:
-                    os.kill(int(pid_file.read_text().split()[0]), 15)
-                except (ProcessLookupError, ValueError):
-                    pass
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and queued(env):
+            time.sleep(0.5)
+        # slurmd before slurmctld before munged (both need it to shut down cleanly); then any
+        # process still running with this cluster's config (a slurmd child finishing a step).
+        pids = [int(f.read_text().split()[0]) for f in reversed(pid_files) if f.exists()]
+        for pid in pids + processes_using(conf):
+            stop(pid)
+
+
+def queued(env) -> bool:
+    result = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=10)
+    return bool(result.stdout.strip())
+
+
+def processes_using(conf: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(conf).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def submit(slurm_env, tmp_path, name, max_duration, extra=()):
@@ -218,3 +250,51 @@ def test_preempted_job_is_requeued_and_resumes(slurm, tmp_path):
     assert f"requeueing job {job_id}" in log, log[-3000:]
     assert "loaded checkpoint" in log
     assert status(folder)["status"] == "finished" and status(folder)["step"] == 300
+
+
+@pytest.mark.slow
+def test_submitit_launcher_runs_sweep_trials_as_slurm_jobs(slurm, tmp_path):
+    """The README's hydra/launcher=submitit_slurm: each trial a Slurm job, its own run."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher", reason="pip install 'llmfoundry[sweep]'"
+    )
+    mds = write_mds(tmp_path / "mds", {"train": 32, "val": 8})
+    env = {**slurm, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/train.py"),
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.timeout_min=10",
+            "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.mem_gb=0",
+            "optimizer.lr=1e-3,3e-3",
+            f"data.remote={mds}",
+            f"model.vocab_size={VOCAB}",
+            f"model.max_seq_len={SEQ_LEN}",
+            "model.d_model=64",
+            "model.n_heads=2",
+            "model.n_layers=2",
+            "global_train_batch_size=4",
+            "max_duration=2ba",
+            "eval_interval=2ba",
+            "eval_subset_num_batches=2",
+            "callbacks=[run_status]",
+            "loggers=[jsonl]",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs").glob("sweep-*")
+    assert (sweep / ".submitit").is_dir()
+    names = {
+        status(sweep / str(n))["run_name"]
+        for n in range(2)
+        if status(sweep / str(n))["status"] == "finished"
+    }
+    assert names == {f"{sweep.name}/0", f"{sweep.name}/1"}
