@@ -241,3 +241,30 @@ def test_shipped_job_files_render(job_file, backend, tmp_path, capsys):
     code = launch.main(["render", backend, str(job_file), *extra, "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_code_from_a_git_repo_is_cloned_at_its_commit(tmp_path):
+    """The rendered code lines really clone the repo at the branch and check out the commit."""
+    from llmfoundry.launch.command import code_lines
+
+    repo = tmp_path / "repo"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", "-b", "dev", str(repo)], check=True, timeout=30)
+    commits = []
+    for text in ("one", "two"):
+        (repo / "file.txt").write_text(text)
+        subprocess.run([*git, "add", "."], check=True, timeout=30)
+        subprocess.run([*git, "commit", "-qm", text], check=True, timeout=30)
+        head = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        )
+        commits.append(head.stdout.strip())
+    job = load_job(EXAMPLE, [f"code.repo={repo}", "code.branch=dev", f"code.commit={commits[0]}"])
+    clone = tmp_path / "clone"
+    script = "\n".join(["set -euo pipefail", *code_lines(job, None, str(clone)), "cat file.txt"])
+    for _ in range(2):  # a restarted node finds the clone and reuses it
+        result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.endswith("one")
+    slurm = render_slurm(job, ROOT).text
+    assert f"git clone --branch dev {repo} {ROOT}/.launch/mpt-tiny-demo/code" in slurm
