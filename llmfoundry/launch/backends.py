@@ -242,7 +242,12 @@ def render_kubernetes(job: Job, checkout: Path) -> Rendered:
 
 def submit_local(path: Path, job: Job, checkout: Path) -> int:
     """Run the rendered script here, its output also in <run folder>/launch.log (next to the
-    script when the run folder is a URL)."""
+    script when the run folder is a URL).
+
+    Ctrl-C reaches the whole process group: the trainers checkpoint after the current batch and
+    stop (exit 75, `RESUME_EXIT`; run the same command to continue), so the first one only keeps
+    this process relaying their output; a second one stops at once.
+    """
     missing = [s for s in job.secrets if s not in os.environ]
     if missing:
         raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
@@ -255,12 +260,19 @@ def submit_local(path: Path, job: Job, checkout: Path) -> int:
             ["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         assert process.stdout is not None
-        for chunk in iter(process.stdout.readline, b""):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-            sink.write(chunk)
-            sink.flush()
-        return process.wait()
+        interrupted = False
+        while True:
+            try:
+                for chunk in iter(process.stdout.readline, b""):
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                    sink.write(chunk)
+                    sink.flush()
+                return process.wait()
+            except KeyboardInterrupt:
+                if interrupted:
+                    raise
+                interrupted = True
 
 
 def submit_slurm(path: Path, job: Job, checkout: Path) -> int:

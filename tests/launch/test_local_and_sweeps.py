@@ -4,13 +4,16 @@ give every trial its own folder and name, and sweep_report.py tabulates and plot
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from llmfoundry.launch.command import RESUME_EXIT
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, write_mds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +149,59 @@ def test_optuna_sweep_of_three_trials_and_its_report(tmp_path, mds, capsys):
     assert float(rows[0][2]) == pytest.approx(best, abs=1e-4)
     assert [float(r[2]) for r in rows] == sorted(float(r[2]) for r in rows)
     assert (sweep / "plots" / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds):
+    outputs = tmp_path / "outputs"
+    train = [
+        f"data.remote={mds}",
+        *TINY,
+        "max_duration=80ba",
+        "eval_interval=40ba",
+        "callbacks=[]",
+        "loggers=[console]",
+        "++callbacks.run_status.interval_s=0.2",
+    ]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/launch.py"),
+        "submit",
+        "local",
+        str(ROOT / "jobs/tiny.yaml"),
+        "name=ctrl-c",
+        f"outputs={outputs}",
+        "--out",
+        str(tmp_path / "rendered"),
+        *(f"--train={o}" for o in train),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    status_file = outputs / "ctrl-c" / "status.json"
+    # Its own process group, as a terminal's: Ctrl-C reaches the launcher, torchrun and trainers.
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (status_file.is_file() and json.loads(status_file.read_text())["step"] >= 10):
+            assert time.monotonic() < deadline and process.poll() is None, "no progress"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(TIMEOUT) == RESUME_EXIT
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+    stopped = json.loads(status_file.read_text())
+    assert stopped["status"] == "preempted" and 10 <= stopped["step"] < 80
+    run(command[1:], cwd=tmp_path)
+    assert json.loads(status_file.read_text())["status"] == "finished"
+    assert (
+        f"loaded checkpoint {outputs}/ctrl-c/checkpoints/ep"
+        in (outputs / "ctrl-c" / "launch.log").read_text()
+    )
