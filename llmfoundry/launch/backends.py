@@ -13,8 +13,8 @@
   ``<name>-<i>.<name>``; torchrun's c10d rendezvous runs on pod 0. Pods restart on failure
   (``restartPolicy: OnFailure``, up to ``kubernetes.max_restarts``); a restarted container
   rejoins the rendezvous and every worker resumes from the last checkpoint, and a preempted run
-  exits 75, a failure, so it is restarted too. Secrets are ``secretKeyRef``\\ s to
-  ``kubernetes.secret``.
+  exits 75, a failure, so it is restarted too. Secrets are ``secretKeyRef`` entries
+  naming keys of ``kubernetes.secret``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def local_gpus() -> int:
 def render_local(job: Job, checkout: Path) -> Rendered:
     if job.compute.gpus and job.compute.gpus > local_gpus():
         raise ConfigError(
-            "compute.gpus", f"{job.compute.gpus} GPUs asked, this machine has {local_gpus()}"
+            "compute.gpus",
+            f"{job.compute.gpus} GPUs asked, this machine has {local_gpus()}; use --gpus 0 "
+            "(CPU processes: compute.procs_per_node) or the slurm/kubernetes backend",
         )
     layout = plan(job.compute, max(local_gpus(), 1), max_nodes=1)
     code = code_lines(job, str(checkout), str(clone_dir(job, checkout)))

@@ -3,10 +3,10 @@
 A job names the run, the image, the compute it needs, the code to run, setup commands, plain
 environment variables, secrets (names only: their values come from the submitting environment or
 a Kubernetes Secret when the job starts, and are never written into a rendered file) and the
-training overrides (Hydra ``key=value``\\ s for ``scripts/train.py``). Example: ``jobs/tiny.yaml``.
+training overrides (Hydra ``key=value`` overrides of ``scripts/train.py``). Example: ``jobs/tiny.yaml``.
 
 The schema is the dataclasses below; a file is checked against them with the same one-line
-`ConfigError`\\ s as training configs (``compute.gpu: unknown key; did you mean 'gpus'? ...``).
+`ConfigError` messages as training configs (``compute.gpu: unknown key; did you mean 'gpus'? ...``).
 Any field can be overridden from the command line as ``key=value`` (OmegaConf dot-list).
 """
 

@@ -134,14 +134,19 @@ def log_file(run: Run) -> str:
     for pattern in LOG_PATTERNS:
         found = fs.glob(f"{path.rstrip('/')}/{pattern}")
         if found:
-            newest = max(
-                found, key=lambda f: fs.info(f).get("mtime") or fs.info(f).get("LastModified") or 0
-            )
+            newest = max(found, key=lambda f: _modified(fs, f))
             protocol = run.folder.split("://", 1)[0] + "://" if "://" in run.folder else ""
             return protocol + newest
     raise FileNotFoundError(
         f"run {run.name} has no log file in {run.folder} (looked for {', '.join(LOG_PATTERNS)})"
     )
+
+
+def _modified(fs: fsspec.AbstractFileSystem, path: str) -> float:
+    """Modification time in seconds: local files give a number, object stores a datetime."""
+    info = fs.info(path)
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
 
 
 def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[bytes]:

@@ -268,3 +268,11 @@ def test_code_from_a_git_repo_is_cloned_at_its_commit(tmp_path):
         assert result.stdout.endswith("one")
     slurm = render_slurm(job, ROOT).text
     assert f"git clone --branch dev {repo} {ROOT}/.launch/mpt-tiny-demo/code" in slurm
+
+
+def test_local_refuses_more_gpus_than_this_machine_has():
+    from llmfoundry.launch.backends import local_gpus, render_local
+
+    job = load_job(EXAMPLE, [f"compute.gpus={local_gpus() + 1}"])
+    with pytest.raises(ConfigError, match="GPUs asked, this machine has .*; use --gpus 0"):
+        render_local(job, ROOT)
