@@ -53,10 +53,8 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
             "folders hold .hydra/overrides.yaml"
         )
     found = []
-    for folder in sorted(
-        folders,
-        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name),
-    ):
+    # Numbered folders in numeric order (2 before 10).
+    for folder in sorted(folders, key=lambda p: (len(p.name), p.name)):
         overrides = [str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")]
         metrics = folder / "metrics.jsonl"
         series = read_metrics(metrics) if metrics.is_file() else {}
@@ -67,7 +65,7 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
                 folder=folder,
                 overrides=overrides,
                 status=status.get("status", "unknown"),
-                final_loss=_final_loss(series),
+                final_loss=_final_loss(series, _eval_split(folder)),
                 tokens_per_sec=_mean(series.get("throughput/tokens_per_sec")),
                 series=series,
             )
@@ -75,10 +73,17 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
     return found
 
 
-def _final_loss(series: Series) -> float | None:
-    """The last eval loss (the first eval set by name), else the last training loss."""
-    evals = sorted(m for m in series if m.startswith("eval/") and m.endswith("/loss"))
-    for metric in [*evals, "loss/train"]:
+def _eval_split(folder: Path) -> str | None:
+    """The trial's main eval set (data.eval_split), whose loss `objective` returned."""
+    config = folder / ".hydra" / "config.yaml"
+    if not config.is_file():
+        return None
+    return OmegaConf.select(OmegaConf.load(config), "data.eval_split", default=None)
+
+
+def _final_loss(series: Series, eval_split: str | None) -> float | None:
+    """The last loss of the main eval set, else the last training loss (as `objective`)."""
+    for metric in (f"eval/{eval_split}/loss", "loss/train"):
         if metric in series and series[metric][1]:
             return series[metric][1][-1]
     return None
