@@ -12,6 +12,7 @@ backends: llmfoundry/launch/backends.py.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="folder for the rendered file")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     overrides = list(args.overrides)
     if args.gpus is not None:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import subprocess
@@ -38,6 +39,8 @@ from llmfoundry.launch.command import (
 )
 from llmfoundry.launch.job import Job
 from llmfoundry.launch.layout import Layout, plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -288,7 +291,7 @@ def submit_slurm(path: Path, job: Job, checkout: Path) -> int:
     result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
-    print(f"submitted Slurm job {result.stdout.strip()} ({job.name})")
+    log.info("submitted Slurm job %s (%s)", result.stdout.strip(), job.name)
     return 0
 
 
@@ -313,7 +316,7 @@ def submit_kubernetes(path: Path, job: Job, checkout: Path) -> int:
                 f"job/{job.name} service/{job.name}",
             ) from None
         raise
-    print(f"created Service and Job {job.name} in namespace {namespace}")
+    log.info("created Service and Job %s in namespace %s", job.name, namespace)
     return 0
 
 

@@ -17,11 +17,14 @@ has recorded the end, so a ``running`` status is re-read for up to ``--wait`` se
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
 from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.launch.command import RESUME_EXIT
+
+log = logging.getLogger(__name__)
 
 
 def outcome(path: str, wait_s: float = 0.0, exit_code: int = 1, poll_s: float = 1.0) -> int:
@@ -34,7 +37,7 @@ def outcome(path: str, wait_s: float = 0.0, exit_code: int = 1, poll_s: float = 
         if status == "preempted":
             return RESUME_EXIT
         if status != "running" or time.monotonic() >= deadline:
-            print(f"run status at {path}: {status or 'missing'}", file=sys.stderr)
+            log.warning("run status at %s: %s", path, status or "missing")
             return exit_code if exit_code not in (0, RESUME_EXIT) else 1
         time.sleep(poll_s)
 
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=0.0, help="seconds to wait for an end")
     parser.add_argument("--exit-code", type=int, default=1, help="torchrun's exit status")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     return outcome(args.path, args.wait, args.exit_code)
 
 

@@ -199,7 +199,7 @@ def submit(slurm_env, tmp_path, name, max_duration, extra=()):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    job_id = result.stdout.split("submitted Slurm job ")[1].split()[0]
+    job_id = result.stderr.split("submitted Slurm job ")[1].split()[0]
     return job_id, tmp_path / "outputs" / name
 
 
