@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmfoundry.models.mpt.attention import check_attn_impl
+from llmfoundry.models.mpt.kernels import check_attn_impl
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
@@ -24,6 +24,11 @@ class MPTConfig:
     `learned_pos_emb` unset picks the one ALiBi does not provide, so `alibi=false` alone switches
     a model to learned positions.
 
+    Attention: `kv_n_heads` < `n_heads` shares each key/value head among n_heads // kv_n_heads
+    query heads (grouped-query attention; 1 is multi-query; unset: one per query head).
+    `softmax_scale` multiplies q k^T (unset: 1 / sqrt(head_dim)). `qk_ln` normalises queries and
+    keys before they are split into heads; `clip_qkv` clamps the fused q/k/v projection.
+
     Initialisation: with `init_std` unset, every matrix and embedding is drawn with
     `kaiming_normal_(fan_in, relu)` (MPT's default); with `init_std` set, from N(0, init_std).
     Either way the projections that write into the residual stream (attention `out_proj`, MLP
@@ -35,6 +40,7 @@ class MPTConfig:
     d_model: int
     n_heads: int
     n_layers: int
+    kv_n_heads: int | None = None
     expansion_ratio: int = 4
     max_seq_len: int = 2048
     vocab_size: int = 50368
@@ -46,6 +52,7 @@ class MPTConfig:
     low_precision_layernorm: bool = False
     qk_ln: bool = False
     clip_qkv: float | None = None
+    softmax_scale: float | None = None
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     emb_pdrop: float = 0.0
@@ -61,6 +68,23 @@ class MPTConfig:
             raise ValueError(
                 f"MPTConfig.d_model ({self.d_model}) must be divisible by MPTConfig.n_heads "
                 f"({self.n_heads}); pick n_heads among the divisors of d_model"
+            )
+        if self.kv_n_heads is None:
+            self.kv_n_heads = self.n_heads
+        if (
+            isinstance(self.kv_n_heads, bool)
+            or not isinstance(self.kv_n_heads, int)
+            or self.kv_n_heads <= 0
+            or self.n_heads % self.kv_n_heads != 0
+        ):
+            raise ValueError(
+                f"MPTConfig.kv_n_heads must be a positive divisor of n_heads ({self.n_heads}), "
+                f"got {self.kv_n_heads!r}; null means one key/value head per query head"
+            )
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ValueError(
+                f"MPTConfig.softmax_scale must be null (1/sqrt(head_dim)) or > 0, "
+                f"got {self.softmax_scale!r}"
             )
         check_attn_impl(self.attn_impl)
         if self.learned_pos_emb is None:
