@@ -7,12 +7,80 @@ message that names the field and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.models.mpt.kernels import check_attn_impl
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
+
+
+INFINI_UPDATES = ("linear", "delta")
+
+
+@dataclass
+class InfiniConfig:
+    """Infini-attention (Munkhdalai et al. 2024): local attention per segment plus a memory.
+
+    Each sequence is cut into segments of `segment_len` tokens. Inside a segment, attention is
+    the ordinary causal kernel (`attn_impl`, with ALiBi); across segments, each head reads a
+    compressive memory of the earlier segments' keys and values, and a learned per-head gate
+    mixes the two. `update` picks the memory rule ("linear" adds sigma(K)^T V; "delta" adds only
+    what the memory does not already retrieve). `gate_init` is the gate's logit at init (0: half
+    memory, half local). `gate_lr` is the gate's own learning rate (null: the optimizer's); the
+    gate never gets weight decay. `truncate_every` detaches the memory every that many segments
+    (null: the gradient flows through the memory across the whole sequence). `eps` keeps the
+    memory's normaliser away from 0.
+    """
+
+    segment_len: int
+    update: str = "linear"
+    gate_init: float = 0.0
+    gate_lr: float | None = None
+    truncate_every: int | None = None
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("segment_len", "truncate_every"):
+            value = getattr(self, name)
+            if value is None and name == "truncate_every":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"MPTConfig.infini.{name} must be a positive integer, got {value!r}"
+                )
+        if self.update not in INFINI_UPDATES:
+            raise ValueError(
+                f"MPTConfig.infini.update must be one of {', '.join(map(repr, INFINI_UPDATES))}, "
+                f"got {self.update!r}"
+            )
+        if self.gate_lr is not None and not self.gate_lr > 0:
+            raise ValueError(f"MPTConfig.infini.gate_lr must be null or > 0, got {self.gate_lr!r}")
+        if not self.eps > 0:
+            raise ValueError(f"MPTConfig.infini.eps must be > 0, got {self.eps!r}")
+
+
+def _infini_config(value: Any) -> InfiniConfig | None:
+    """`MPTConfig.infini` from YAML (a mapping) or code (an InfiniConfig); None when off."""
+    if value is None or isinstance(value, InfiniConfig):
+        return value
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"MPTConfig.infini must be null or a mapping of infini-attention options, got {value!r}"
+        )
+    allowed = [f.name for f in fields(InfiniConfig)]
+    unknown = sorted(set(value) - set(allowed))
+    if unknown or "segment_len" not in value:
+        raise ValueError(
+            f"MPTConfig.infini: unknown key(s) {unknown} or missing segment_len; allowed: {allowed}"
+        )
+    return InfiniConfig(**value)
 
 
 @dataclass
@@ -28,6 +96,9 @@ class MPTConfig:
     query heads (grouped-query attention; 1 is multi-query; unset: one per query head).
     `softmax_scale` multiplies q k^T (unset: 1 / sqrt(head_dim)). `qk_ln` normalises queries and
     keys before they are split into heads; `clip_qkv` clamps the fused q/k/v projection.
+    `infini` (an `InfiniConfig`, or its fields as a mapping) makes every block's attention
+    infini-attention; `conf/model/infini/*.yaml` select it (`+model/infini=linear`).
+    `compile=true` compiles each block with torch.compile (the parameters keep their names).
 
     Initialisation: with `init_std` unset, every matrix and embedding is drawn with
     `kaiming_normal_(fan_in, relu)` (MPT's default); with `init_std` set, from N(0, init_std).
@@ -58,6 +129,8 @@ class MPTConfig:
     emb_pdrop: float = 0.0
     init_std: float | None = None
     init_device: str = "cpu"
+    infini: InfiniConfig | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
@@ -117,3 +190,6 @@ class MPTConfig:
                 f"got {self.init_device!r}; to place the model on an accelerator build it on "
                 "'meta', then call to_empty(device=...) and init_weights()"
             )
+        self.infini = _infini_config(self.infini)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"MPTConfig.compile must be true or false, got {self.compile!r}")

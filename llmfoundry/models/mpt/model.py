@@ -16,6 +16,7 @@ from torch import nn
 
 from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks
 from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.infini import infini_attention
 from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 
 LAYER_NORM_EPS = 1e-5
@@ -89,14 +90,55 @@ class Attention(nn.Module):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        """The kernel on q, k, v (queries are the last of the key positions), then out_proj."""
-        dropout_p = self.attn_pdrop if self.training else 0.0
-        y = self.attn_fn(q, k, v, mask, dropout_p, self.softmax_scale)
+        """`kernel` on q, k, v (queries are the last of the key positions), then out_proj."""
+        y = self.kernel(q, k, v, mask)
         batch, _, q_len, _ = q.shape
         return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))
 
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Each head's attention output [B, n_heads, q_len, head_dim] (`attn_impl`'s kernel)."""
+        dropout_p = self.attn_pdrop if self.training else 0.0
+        return self.attn_fn(q, k, v, mask, dropout_p, self.softmax_scale)
+
     def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         return self.attend(*self.project(x), mask)
+
+
+class InfiniAttention(Attention):
+    """Attention with infini-attention's compressive memory across segments (`cfg.infini`).
+
+    The projections are Attention's; `gate` holds each head's mixing logit beta, in its own
+    optimizer group (its own lr, no weight decay: `own_param_groups`, read by
+    `llmfoundry.optim.build_param_groups`). The recurrence is in `infini.py`.
+    """
+
+    def __init__(self, cfg: MPTConfig) -> None:
+        super().__init__(cfg)
+        self.infini = cfg.infini
+        self.gate = nn.Parameter(torch.empty(cfg.n_heads))
+        overrides = {"weight_decay": 0.0}
+        if cfg.infini.gate_lr is not None:
+            overrides["lr"] = cfg.infini.gate_lr
+        self.own_param_groups = {"gate": ("infini_gate", overrides)}
+
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        cfg = self.infini
+        return infini_attention(
+            q,
+            k,
+            v,
+            mask,
+            self.gate,
+            cfg.segment_len,
+            cfg.update,
+            cfg.eps,
+            cfg.truncate_every,
+            local=super().kernel,
+        )
 
 
 class MLP(nn.Module):
@@ -119,7 +161,7 @@ class Block(nn.Module):
         super().__init__()
         bias, low_precision = not cfg.no_bias, cfg.low_precision_layernorm
         self.norm_1 = LayerNorm(cfg.d_model, bias, low_precision)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg) if cfg.infini is None else InfiniAttention(cfg)
         self.norm_2 = LayerNorm(cfg.d_model, bias, low_precision)
         self.ffn = MLP(cfg)
         self.resid_attn_dropout = nn.Dropout(cfg.resid_pdrop)
@@ -196,6 +238,11 @@ class MPTForCausalLM(nn.Module):
         if config.init_device != "meta":
             self.to_empty(device=config.init_device)
             self.init_weights()
+        if config.compile:
+            # Per block: each compiles once and is reused by every layer of the same shape;
+            # Module.compile keeps parameter names, so checkpoints do not change.
+            for block in self.transformer.blocks:
+                block.compile()
 
     def forward(
         self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = None
@@ -257,13 +304,16 @@ class MPTForCausalLM(nn.Module):
         of each block (Wqkv, out_proj, up_proj, down_proj) and the tied output head (vocab x
         d_model). Embedding lookups, norms and biases are left out: they cost no matmul flops.
         The second term is attention's q k^T and weights @ v, counted over the full (not causal)
-        square as is the convention for MFU.
+        square as is the convention for MFU (over one segment with infini-attention, whose
+        memory costs O(head_dim^2) per token, not O(seq_len)).
         """
         cfg = self.config
         d = cfg.d_model
         kv_dim = cfg.kv_n_heads * (d // cfg.n_heads)
         per_block = d * (d + 2 * kv_dim) + d * d + 2 * cfg.expansion_ratio * d * d
         n_matmul = cfg.n_layers * per_block + cfg.vocab_size * d
+        if cfg.infini is not None:  # local attention spans one segment
+            seq_len = min(seq_len, cfg.infini.segment_len)
         return 6 * n_matmul + 12 * cfg.n_layers * d * seq_len
 
     @torch.no_grad()
@@ -282,6 +332,8 @@ class MPTForCausalLM(nn.Module):
                 module.reset_parameters()
         residual_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
         for block in self.transformer.blocks:
+            if isinstance(block.attn, InfiniAttention):
+                block.attn.gate.fill_(cfg.infini.gate_init)
             block.attn.out_proj.weight.mul_(residual_scale)
             block.ffn.down_proj.weight.mul_(residual_scale)
         self.transformer.masks.reset()
