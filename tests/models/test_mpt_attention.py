@@ -71,7 +71,14 @@ OPTIONS = {
     "qk_ln": {"qk_ln": True},
     "clip_qkv": {"clip_qkv": 0.5},
     "softmax_scale": {"softmax_scale": 0.3},
-    "all": {"kv_n_heads": 2, "qk_ln": True, "clip_qkv": 0.5, "softmax_scale": 0.3},
+    "sliding_window": {"sliding_window": 6},
+    "all": {
+        "kv_n_heads": 2,
+        "qk_ln": True,
+        "clip_qkv": 0.5,
+        "softmax_scale": 0.3,
+        "sliding_window": 9,
+    },
 }
 TOLERANCE = {"sdpa": 1e-5}
 
@@ -126,10 +133,11 @@ def test_unknown_attn_impl_lists_allowed():
 @pytest.mark.parametrize("impl", ["torch", "sdpa"])
 @pytest.mark.parametrize("alibi", [True, False])
 @pytest.mark.parametrize("use_sequence_id", [False, True])
-def test_queries_are_the_last_key_positions(impl, alibi, use_sequence_id):
+@pytest.mark.parametrize("window", [None, 5])
+def test_queries_are_the_last_key_positions(impl, alibi, use_sequence_id, window):
     # The seam a KV cache uses: the new queries with every key give the tail of the full output.
     torch.manual_seed(0)
-    masks = AttentionMasks(n_heads=4, max_seq_len=16, alibi=alibi, alibi_bias_max=8)
+    masks = AttentionMasks(n_heads=4, max_seq_len=16, alibi=alibi, alibi_bias_max=8, window=window)
     q = torch.randn(3, 4, 40, 8)
     k, v = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
     sid = _sequence_id(3, 40) if use_sequence_id else None
@@ -154,3 +162,12 @@ def test_gqa_shrinks_the_kv_projection_and_flops():
     saved = 2 * (64 - 8) * 64
     assert full.num_params() - mqa.num_params() == saved
     assert full.flops_per_token(16) - mqa.flops_per_token(16) == 6 * saved
+
+
+def test_sliding_window_hides_keys_window_or_more_back():
+    bias = causal_alibi_bias(2, 6, None, window=3)[0, 0]
+    visible = torch.isfinite(bias)
+    expected = torch.tensor([[0 <= i - j < 3 for j in range(6)] for i in range(6)])
+    assert torch.equal(visible, expected)
+    with pytest.raises(ValueError, match="sliding_window must be null"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, sliding_window=0)

@@ -57,8 +57,11 @@ def causal_alibi_bias(
     alibi_bias_max: float | None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
+
+    With a sliding `window`, keys `window` or more positions back are -inf too.
 
     The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
     (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
@@ -72,13 +75,17 @@ def causal_alibi_bias(
     else:
         slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
         bias = -(distance[None, None] * slopes[None, :, None, None])
-    bias = bias.masked_fill(distance < 0, float("-inf"))
+    hidden = distance < 0
+    if window is not None:
+        hidden |= distance >= window
+    bias = bias.masked_fill(hidden, float("-inf"))
     return bias.to(dtype)
 
 
 @dataclass(eq=False)
 class AttentionMask:
-    """What each query may attend to: causal, with optional ALiBi and document masking.
+    """What each query may attend to: causal, with optional ALiBi, sliding window (the
+    source's `window`: keys at most window - 1 positions back) and document masking.
 
     Made once per model forward by `AttentionMasks` (its `source`) and passed to every layer.
     `sequence_id` is [batch, k_len] (None: every row is one document); `dtype` is the dtype the
@@ -113,12 +120,14 @@ class AttentionMask:
     def dense_bias(self, q_len: int, k_len: int) -> torch.Tensor | None:
         """Additive float bias broadcastable to [batch, n_heads, q_len, k_len], or None.
 
-        It holds ALiBi, causality (-inf for future keys) and the document mask (-inf across
-        documents). None means plain causal attention with q_len == k_len and nothing else, which
+        It holds ALiBi, causality (-inf for future keys), the sliding window and the document
+        mask (-inf across documents). None means plain causal attention with q_len == k_len and nothing else, which
         lets `sdpa` take its fastest (is_causal) path.
         """
-        if self.source.alibi_bias_max is None and self.sequence_id is None and q_len == k_len:
-            return None
+        src = self.source
+        if src.alibi_bias_max is None and src.window is None and self.sequence_id is None:
+            if q_len == k_len:
+                return None
         return self.cached(("dense", q_len, k_len), lambda: self._dense(q_len, k_len))
 
     def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
@@ -142,9 +151,17 @@ class AttentionMasks(nn.Module):
     (device, dtype, length) rebuild them after the model moves.
     """
 
-    def __init__(self, n_heads: int, max_seq_len: int, alibi: bool, alibi_bias_max: float) -> None:
+    def __init__(
+        self,
+        n_heads: int,
+        max_seq_len: int,
+        alibi: bool,
+        alibi_bias_max: float,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.window = window
         self.max_seq_len = max_seq_len
         self.alibi_bias_max = alibi_bias_max if alibi else None
         self.reset()
@@ -170,7 +187,7 @@ class AttentionMasks(nn.Module):
         if stale or cached.shape[-1] < seq_len:
             size = max(seq_len, self.max_seq_len)
             self.cached = cached = causal_alibi_bias(
-                self.n_heads, size, self.alibi_bias_max, device, dtype
+                self.n_heads, size, self.alibi_bias_max, device, dtype, self.window
             )
         return cached[..., :seq_len, :seq_len]
 

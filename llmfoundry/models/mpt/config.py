@@ -96,6 +96,7 @@ class MPTConfig:
     query heads (grouped-query attention; 1 is multi-query; unset: one per query head).
     `softmax_scale` multiplies q k^T (unset: 1 / sqrt(head_dim)). `qk_ln` normalises queries and
     keys before they are split into heads; `clip_qkv` clamps the fused q/k/v projection.
+    `sliding_window` lets each token attend to itself and the window - 1 tokens before it.
     `infini` (an `InfiniConfig`, or its fields as a mapping) makes every block's attention
     infini-attention; `conf/model/infini/*.yaml` select it (`+model/infini=linear`).
     `compile=true` compiles each block with torch.compile (the parameters keep their names).
@@ -124,6 +125,7 @@ class MPTConfig:
     qk_ln: bool = False
     clip_qkv: float | None = None
     softmax_scale: float | None = None
+    sliding_window: int | None = None
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     emb_pdrop: float = 0.0
@@ -158,6 +160,15 @@ class MPTConfig:
             raise ValueError(
                 f"MPTConfig.softmax_scale must be null (1/sqrt(head_dim)) or > 0, "
                 f"got {self.softmax_scale!r}"
+            )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"MPTConfig.sliding_window must be null (full causal attention) or a positive "
+                f"integer, got {self.sliding_window!r}"
             )
         check_attn_impl(self.attn_impl)
         if self.learned_pos_emb is None:

@@ -203,7 +203,9 @@ class MPTModel(nn.Module):
         if cfg.learned_pos_emb:
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
-        self.masks = AttentionMasks(cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max)
+        self.masks = AttentionMasks(
+            cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max, cfg.sliding_window
+        )
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
