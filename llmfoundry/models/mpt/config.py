@@ -170,7 +170,7 @@ class MPTConfig:
                 f"MPTConfig.sliding_window must be null (full causal attention) or a positive "
                 f"integer, got {self.sliding_window!r}"
             )
-        check_attn_impl(self.attn_impl)
+        check_attn_impl(self.attn_impl, self.attn_pdrop)
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not self.alibi
         if self.alibi and self.learned_pos_emb:

@@ -1,17 +1,33 @@
 """The attention kernels by name (`MPTConfig.attn_impl`), and the check that names them.
 
 Every entry has the signature of `attention.AttnFn`; see `attention.py` for the contract.
+`torch` is the reference the others are tested against; `sdpa` is PyTorch's fused kernel (any
+device); `flex` is FlexAttention (compiled; GPU for training); `flash` is flash-attn 2 (CUDA,
+`pip install 'llmfoundry[gpu]'`).
 """
 
 from __future__ import annotations
 
+from llmfoundry.models.mpt import flash
 from llmfoundry.models.mpt.attention import AttnFn, sdpa_attention, torch_attention
+from llmfoundry.models.mpt.flex import flex_attention
 
-ATTN_IMPLS: dict[str, AttnFn] = {"torch": torch_attention, "sdpa": sdpa_attention}
+ATTN_IMPLS: dict[str, AttnFn] = {
+    "torch": torch_attention,
+    "sdpa": sdpa_attention,
+    "flex": flex_attention,
+    "flash": flash.flash_attention,
+}
 
 
-def check_attn_impl(name: str) -> None:
+def check_attn_impl(name: str, attn_pdrop: float = 0.0) -> None:
     """Raise a ValueError that says what to do if `name` is not a usable attention kernel."""
     if name not in ATTN_IMPLS:
         allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
         raise ValueError(f"MPTConfig.attn_impl={name!r} is not known; allowed: {allowed}")
+    if name == "flash" and (problem := flash.missing_package()):
+        raise ValueError(f"MPTConfig.{problem}")
+    if name == "flex" and attn_pdrop > 0:
+        raise ValueError(
+            "MPTConfig.attn_impl='flex' has no attention dropout; set attn_pdrop=0 or use sdpa"
+        )
