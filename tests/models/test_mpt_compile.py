@@ -1,10 +1,12 @@
 """model.compile=true: every block compiled with torch.compile; losses and gradients unchanged."""
 
+import pytest
 import torch
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 
 
+@pytest.mark.slow  # torch.compile on CPU (~30-60 s)
 def test_compiled_and_eager_losses_agree():
     base = dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64, kv_n_heads=2)
     torch.manual_seed(0)

@@ -173,6 +173,7 @@ def _model_pair(impl, device="cpu", **overrides):
     return ref, other
 
 
+@pytest.mark.slow  # compiles FlexAttention for CPU (~40 s)
 def test_flex_forward_on_cpu_equals_torch():
     ref, fast = _model_pair("flex")
     torch.manual_seed(1)
