@@ -100,19 +100,22 @@ def test_varlen_layout_of_documents_and_padding():
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("documents", ["none", "packed", "padded"])
 def test_flash_glue_equals_dense_reference(flash_on_cpu, alibi, window, kv_heads, documents):
-    q, k, v = _qkv(kv_heads=kv_heads)
+    q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=kv_heads))
     sid = (
         None if documents == "none" else _sequence_id(3, 40, pad=4 if documents == "padded" else 0)
     )
     masks = AttentionMasks(4, 40, alibi=alibi, alibi_bias_max=8, window=window)
-    ref = torch_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3)
-    out = flash.flash_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3)
+    ref = torch_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
+    out = flash.flash_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
     keep = torch.ones(3, 40, dtype=torch.bool) if sid is None else sid >= 0
-    torch.testing.assert_close(
-        out.transpose(1, 2)[keep], ref.transpose(1, 2)[keep], atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=0)
     if documents == "padded":
-        assert (out.transpose(1, 2)[~keep] == 0).all()
+        assert (out[~keep] == 0).all()
+    weights = torch.randn_like(ref[keep])
+    grads = torch.autograd.grad((out[keep] * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref[keep] * weights).sum(), (q, k, v))
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0, msg=name)
 
 
 def test_flash_glue_decoding_step_is_bottom_right_aligned(flash_on_cpu):
