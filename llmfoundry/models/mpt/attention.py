@@ -6,8 +6,8 @@ The seam between a block and a kernel is one call,
 
 with q shaped [batch, n_heads, q_len, head_dim] and k, v [batch, kv_n_heads, k_len, head_dim]
 (kv_n_heads divides n_heads: grouped-query attention; 1 is multi-query). `mask` is an
-`AttentionMask`: a description of what each query may see (causality, ALiBi slopes, document
-ids), not a tensor. Each kernel turns it into what it consumes (a dense additive bias for
+`AttentionMask`: a description of what each query may see (causality, ALiBi slopes, sliding
+window, document ids), not a tensor. Each kernel turns it into what it consumes (a dense additive bias for
 `torch` and `sdpa`, a `score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for
 `flash`) through `mask.cached(key, build)`, so the product is built once per forward and shared by
 every layer; the part that does not depend on the batch is cached across forwards by the

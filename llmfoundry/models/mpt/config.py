@@ -17,8 +17,6 @@ from llmfoundry.models.mpt.kernels import check_attn_impl
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
-
-
 INFINI_UPDATES = ("linear", "delta")
 
 
@@ -45,10 +43,10 @@ class InfiniConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("segment_len", "truncate_every"):
-            value = getattr(self, name)
-            if value is None and name == "truncate_every":
-                continue
+        counts = {"segment_len": self.segment_len}
+        if self.truncate_every is not None:
+            counts["truncate_every"] = self.truncate_every
+        for name, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(
                     f"MPTConfig.infini.{name} must be a positive integer, got {value!r}"
