@@ -16,6 +16,7 @@ import torch
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt import flash
 from llmfoundry.models.mpt.attention import AttentionMasks, torch_attention
+from llmfoundry.models.mpt.infini import infini_attention
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -230,3 +231,28 @@ def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
 def test_scale_default_is_inverse_sqrt_head_dim():
     model = MPTForCausalLM(MPTConfig(d_model=64, n_heads=4, n_layers=1, vocab_size=10))
     assert model.transformer.blocks[0].attn.softmax_scale == pytest.approx(1 / math.sqrt(16))
+
+
+def test_flash_glue_as_infini_local_attention(flash_on_cpu):
+    # Segments folded into the batch, the short last one padded with sequence id -1.
+    q, k, v = _qkv(seq=22)
+    sid = _sequence_id(3, 22)
+    gate = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    outs = []
+    for local in (torch_attention, flash.flash_attention):
+        mask = AttentionMasks(4, 8, alibi=True, alibi_bias_max=8)(sid, q.device, q.dtype)
+        outs.append(
+            infini_attention(
+                q,
+                k,
+                v,
+                mask,
+                gate,
+                8,
+                "delta",
+                1e-6,
+                None,
+                local=lambda q_, k_, v_, m, fn=local: fn(q_, k_, v_, m, 0.0, 0.3),
+            )
+        )
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
