@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import fsspec
-import torch
 from tokenizers import Tokenizer
 
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 
@@ -25,6 +25,12 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 class Generate(Callback):
+    """At fit end, continue each prompt (one left-padded batch, `generation.generate`).
+
+    Each prompt's samples come from a generator seeded with `seed`, so they are reproducible and
+    leave the training RNG untouched.
+    """
+
     def __init__(
         self,
         tokenizer: str,
@@ -36,26 +42,15 @@ class Generate(Callback):
     ) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
         self.prompts = list(prompts)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.seed = seed
+        self.config = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
 
-    @torch.no_grad()
     def fit_end(self, state: State, logger: Logger) -> None:
+        ids, mask = left_pad([self.tokenizer.encode(p).ids for p in self.prompts])
         model = unwrap_model(state.model)
-        model.eval()
-        rng_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            for prompt in self.prompts:
-                ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=state.device)
-                out = model.generate(
-                    ids, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k
-                )
-                if state.rank == 0:
-                    print(f"--- sample (prompt {prompt!r}) ---", flush=True)
-                    print(self.tokenizer.decode(out[0].tolist()), flush=True)
-        finally:
-            torch.random.set_rng_state(rng_state)
-            model.train()
+        out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
+        if state.rank == 0:
+            for prompt, text in zip(self.prompts, out.texts, strict=True):
+                print(f"--- sample (prompt {prompt!r}) ---", flush=True)
+                print(prompt + text, flush=True)

@@ -1,0 +1,110 @@
+"""The decoding state of an MPT model: what a forward over new tokens needs from earlier ones.
+
+Decoding one token at a time would otherwise rerun the whole prefix at every step. With a
+`KVCache`, `MPTForCausalLM.forward(new_ids, sequence_id, cache=cache)` projects only the new
+tokens, appends their keys and values to each layer's cache and attends over all of them. The
+attention kernels need nothing more: queries are the last of the key positions (see
+`attention.py`), so ALiBi, causality, the sliding window and document masking line up as in a
+full forward.
+
+Infini-attention layers keep their own state instead (`InfiniState`): the compressive memory of
+the completed segments and the keys and values of the current one, so memory stays bounded by
+one segment however long the text grows.
+
+Buffers are allocated once for `max_len` positions and filled in place, so a step copies only
+the new keys, not the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class LayerKV:
+    """One attention layer's keys and values so far, in buffers of `max_len` positions."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, n, D] after the earlier ones; return all of them (views)."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"the KV cache holds {self.max_len} positions and is full; make a KVCache with "
+                f"a larger max_len (needed: {end})"
+            )
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.k = k.new_empty(shape)
+            self.v = v.new_empty((*shape[:3], v.shape[3]))
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+@dataclass
+class InfiniState:
+    """One infini-attention layer's state between forwards.
+
+    `memory` [B, kv_heads, D, Dv] and `norm` [B, kv_heads, D] (float32) hold the segments before
+    the current one; `k`, `v` [B, kv_heads, n, D] are the current segment's first n positions
+    (n == segment_len: complete, folded into the memory when the next token arrives).
+    """
+
+    memory: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+
+@dataclass
+class KVCache:
+    """The state of every layer of one batch of sequences, and the document ids seen so far.
+
+    `sequence_id` [B, length] (None: no document masking, e.g. no padding) covers every cached
+    position; a forward with the cache passes the new tokens' ids and the model attends with the
+    concatenation. Make one per batch with `KVCache.for_model(model, max_len)`.
+    """
+
+    layers: list[LayerKV | InfiniState]
+    max_len: int
+    length: int = 0
+    sequence_id: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_len: int) -> KVCache:
+        """An empty cache for `model` (an MPTForCausalLM) holding up to `max_len` positions."""
+        infini = model.config.infini is not None
+        n_layers = model.config.n_layers
+        layers = [InfiniState() if infini else LayerKV(max_len) for _ in range(n_layers)]
+        return cls(layers, max_len)
+
+    def extend(self, sequence_id: torch.Tensor | None, new_len: int) -> torch.Tensor | None:
+        """Record `new_len` more positions; return the document ids of all positions, or None.
+
+        Mixing calls with and without `sequence_id` is refused: the positions before would have
+        no ids.
+        """
+        if self.length + new_len > self.max_len:
+            raise ValueError(
+                f"the KV cache holds {self.max_len} positions; {self.length} are used and "
+                f"{new_len} more were given; make a KVCache with a larger max_len"
+            )
+        if (sequence_id is None) != (self.sequence_id is None) and self.length:
+            raise ValueError(
+                "pass sequence_id on every forward with this KV cache or on none: the cached "
+                "positions were given " + ("ids" if self.sequence_id is not None else "no ids")
+            )
+        if sequence_id is not None:
+            if self.sequence_id is not None:
+                sequence_id = torch.cat([self.sequence_id, sequence_id], dim=1)
+            self.sequence_id = sequence_id
+        self.length += new_len
+        return self.sequence_id
