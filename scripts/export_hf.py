@@ -42,10 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model, found = load_pretrained(args.checkpoint)
-    try:
-        to_hf_config(model.config)  # refuse before any work
-    except ValueError as err:
-        sys.exit(str(err))
+    to_hf_config(model.config)  # refuses what transformers cannot represent, before any work
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
         sys.exit(
@@ -70,4 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
+        sys.exit(f"error: {err}")

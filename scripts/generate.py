@@ -79,4 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
+        sys.exit(f"error: {err}")

@@ -33,10 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        model = from_hf(args.hf_dir)
-    except (ValueError, FileNotFoundError) as err:
-        sys.exit(str(err))
+    model = from_hf(args.hf_dir)
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None)
     overrides = " ".join(
@@ -50,4 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
+        sys.exit(f"error: {err}")

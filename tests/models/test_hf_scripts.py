@@ -2,6 +2,8 @@
 
 import functools
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,7 +103,7 @@ def test_export_refuses_what_transformers_cannot_represent(tmp_path):
         callbacks=[CheckpointSaver(str(tmp_path / "ckpt"), "2ba", 1)],
     )
     t.fit()
-    with pytest.raises(SystemExit, match="cannot export.*kv_n_heads=1"):
+    with pytest.raises(ValueError, match="cannot export.*kv_n_heads=1"):
         script("export_hf")([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", "x"])
 
 
@@ -145,3 +147,14 @@ def test_generate_script_from_checkpoint_and_hf_folder(run, tmp_path, capsys):
         ):
             text = tokenizer.decode([t for t in tokens if t != 63])
             assert f"--- prompt {prompt!r} ({reason}) ---\n{prompt}{text}\n" in printed
+
+
+def test_bad_input_is_one_line_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "generate.py"), str(tmp_path / "nowhere"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: load_path") and result.stderr.count("\n") == 1
