@@ -219,3 +219,15 @@ def test_greedy_equals_transformers_generate(tmp_path, n_heads):
         eos_token_id=None,
     )
     assert theirs[:, ids.shape[1] :].tolist() == ours.tokens
+
+
+def test_compiled_model_decodes_eagerly_with_the_same_tokens():
+    """Each decoding step has new shapes; compiling them would recompile at every step."""
+    from torch._dynamo.utils import counters
+
+    ids, mask = left_pad(PROMPTS[:2])
+    eager = generate(tiny(), ids, mask, GREEDY)
+    counters.clear()
+    compiled = generate(tiny(compile=True), ids, mask, GREEDY)
+    assert compiled.tokens == eager.tokens
+    assert not counters["frames"]["total"], "decoding went through torch.compile"

@@ -210,7 +210,9 @@ class Decoder:
         """Generate one more token for every unfinished row; returns it (None: finished rows)."""
         if self.done:
             raise RuntimeError("every row has finished; read the output")
-        with torch.no_grad(), _eval_mode(self.model):
+        # Eager even if the blocks are compiled: every step has new shapes (one more key), and
+        # recompiling per step would cost far more than it saves.
+        with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
             logits = self._forward()
         chosen = self._choose(logits.float()).tolist()
         new: list[int | None] = []
