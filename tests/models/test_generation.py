@@ -193,6 +193,8 @@ def test_model_mode_restored_and_bad_input_refused():
         generate(
             tiny(alibi=False), torch.tensor([[1] * 60]), None, GenerationConfig(max_new_tokens=5)
         )
+    with pytest.raises(ValueError, match=r"token ids in \[0, 50\)"):
+        generate(model, torch.tensor([[1, 50]]))
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         GenerationConfig(temperature=-1)
     with pytest.raises(ValueError, match="top_p must be in"):

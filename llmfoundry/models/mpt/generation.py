@@ -160,13 +160,14 @@ class Decoder:
             raise ValueError(f"got {len(configs)} GenerationConfigs for {batch} prompts")
         if decode is None and any(c.stop for c in configs):
             raise ValueError("stop strings need `decode` (e.g. tokenizer.decode) to read the text")
-        self.model, self.configs, self.decode, self.use_cache = (
-            model,
-            list(configs),
-            decode,
-            use_cache,
-        )
         cfg = model.config
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
+            raise ValueError(
+                f"input_ids must be token ids in [0, {cfg.vocab_size}) (the model's vocab_size), "
+                f"got values from {int(input_ids.min())} to {int(input_ids.max())}"
+            )
+        self.model, self.configs = model, list(configs)
+        self.decode, self.use_cache = decode, use_cache
         device = model.transformer.wte.weight.device
         self.ids = input_ids.to(device)
         self.sid = None if attention_mask is None else sequence_ids(attention_mask.to(device))
