@@ -19,13 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.models.mpt.hf import export_to_hf, logits_relative_error, to_hf_config
-from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = 1e-5
 
 
@@ -33,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint folder, or a save folder (its latest)")
     p.add_argument("out_dir", help="folder to write the transformers model into")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="weights' dtype (default fp32)")
+    p.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, default="fp32", help="weights' dtype (default fp32)"
+    )
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
     return p.parse_args(argv)
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         model,
         args.out_dir,
         tokenizer=tokenizer.tokenizer,
-        dtype=DTYPES[args.dtype],
+        dtype=WEIGHT_DTYPES[args.dtype],
         eos_token=tokenizer.eos_token,
     )
     print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path})")

@@ -20,7 +20,7 @@ import torch
 
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
-from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, default="fp32", help="weights' dtype (default fp32)"
+    )
     p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
     return p.parse_args(argv)
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_id=tokenizer.eos_id,
         seed=args.seed,
     )
-    model.to(torch.device(args.device))
+    model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype])
     ids, mask = left_pad(encoded)
     out = generate(
         model, ids, mask, config, decode=tokenizer.tokenizer.decode, use_cache=not args.no_cache

@@ -147,6 +147,9 @@ def test_generate_script_from_checkpoint_and_hf_folder(run, tmp_path, capsys):
         ):
             text = tokenizer.decode([t for t in tokens if t != 63])
             assert f"--- prompt {prompt!r} ({reason}) ---\n{prompt}{text}\n" in printed
+    argv = [str(run / "ckpt"), "--prompt", "w1", "--dtype", "bf16", "--top-p", "0.9", "--stop", "w"]
+    assert script("generate")(argv) == 0
+    assert "--- prompt 'w1' (stop) ---\nw1\n" in capsys.readouterr().out
 
 
 def test_bad_input_is_one_line_error(tmp_path):

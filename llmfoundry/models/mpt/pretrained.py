@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import torch
 
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
@@ -39,6 +40,8 @@ from llmfoundry.models.mpt.model import MPTForCausalLM
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_TARGET = "llmfoundry.models.mpt.MPTConfig"
+# The --dtype choices of the scripts that load or export a model.
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def is_hf_folder(path: str | Path) -> bool:
