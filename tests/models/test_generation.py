@@ -19,7 +19,7 @@ from llmfoundry.models.mpt.generation import (
 from llmfoundry.models.mpt.hf import export_to_hf
 
 VOCAB = 50
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [3] * 11, [42]]
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [3] * 11, [42], [5, 4, 3]]
 GREEDY = GenerationConfig(max_new_tokens=12, temperature=0)
 
 VARIANTS = {
@@ -63,6 +63,12 @@ def test_cache_gives_the_tokens_of_recomputation_and_padding_changes_nothing(var
     # The greedy tokens really are the argmax of a full forward over prompt + tokens so far.
     full = torch.tensor([PROMPTS[0] + cached.tokens[0]])
     assert model(full[:, :-1])[0, len(PROMPTS[0]) - 1 :].argmax(-1).tolist() == cached.tokens[0]
+    # Rows that finish early leave the batch; the others go on exactly as before.
+    budgets = [12, 5, 12, 9, 3]
+    configs = [GenerationConfig(max_new_tokens=n, temperature=0) for n in budgets]
+    for use_cache in (True, False):
+        short = generate(model, ids, mask, configs, use_cache=use_cache)
+        assert short.tokens == [t[:n] for t, n in zip(cached.tokens, budgets, strict=True)]
 
 
 def test_infini_cache_carries_the_memory_across_segments():
@@ -177,6 +183,7 @@ def test_eos_stop_strings_and_cancel():
     decoder.cancel(1)
     second = decoder.step()
     assert first == [tokens[0][0], tokens[1][0]] and second == [tokens[0][1], None]
+    assert decoder.cache.layers[0].k.shape[0] == 1  # the cancelled row left the batch
     while not decoder.done:
         decoder.step()
     assert decoder.output().finish_reasons == ["length", "cancelled"]

@@ -48,6 +48,11 @@ class LayerKV:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (a LongTensor of indices)."""
+        if self.k is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
+
 
 @dataclass
 class InfiniState:
@@ -62,6 +67,13 @@ class InfiniState:
     norm: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (a LongTensor of indices)."""
+        for name in ("memory", "norm", "k", "v"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[rows])
 
 
 @dataclass
@@ -85,6 +97,13 @@ class KVCache:
         n_layers = model.config.n_layers
         layers = [InfiniState() if infini else LayerKV(max_len) for _ in range(n_layers)]
         return cls(layers, max_len)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (a LongTensor of indices): the others are done."""
+        for layer in self.layers:
+            layer.select(rows)
+        if self.sequence_id is not None:
+            self.sequence_id = self.sequence_id[rows]
 
     def extend(self, sequence_id: torch.Tensor | None, new_len: int) -> torch.Tensor | None:
         """Record `new_len` more positions; return the document ids of all positions, or None.

@@ -132,7 +132,9 @@ class Decoder:
     `input_ids` [batch, prompt_len] are left-padded (`attention_mask` 0 on padding, or None for
     none); `configs` is one GenerationConfig for every row or one per row. `decode` turns token
     ids into text (needed for stop strings; e.g. a tokenizer's `decode`). The model is run in
-    eval mode and without gradients, and put back in its mode after each step.
+    eval mode and without gradients, and put back in its mode after each step. A row that
+    finishes (or is cancelled) leaves the batch tensors and the cache at the next step, so it
+    costs nothing more; rows keep their input index in every result.
     """
 
     def __init__(
@@ -197,6 +199,8 @@ class Decoder:
             rows, cols = (real >= 0).nonzero(as_tuple=True)
             self._seen[rows, real[rows, cols]] = True
         self._next_input = self.ids  # what the next forward reads (all of it without a cache)
+        # The rows still in the batch tensors, by their index in the input; finished rows leave.
+        self._active = list(range(batch))
 
     @property
     def done(self) -> bool:
@@ -211,23 +215,19 @@ class Decoder:
         """Generate one more token for every unfinished row; returns it (None: finished rows)."""
         if self.done:
             raise RuntimeError("every row has finished; read the output")
+        self._drop_finished()
         # Eager even if the blocks are compiled: every step has new shapes (one more key), and
         # recompiling per step would cost far more than it saves.
         with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
             logits = self._forward()
         chosen = self._choose(logits.float()).tolist()
-        new: list[int | None] = []
-        for row, token in enumerate(chosen):
-            if self.finish_reasons[row] is not None:
-                new.append(None)
-                continue
-            new.append(token)
+        new: list[int | None] = [None] * len(self.tokens)
+        for row, token in zip(self._active, chosen, strict=True):
+            new[row] = token
             self._accept(row, token)
-        feed = torch.tensor(
-            [t if t is not None else 0 for t in new], device=self.ids.device, dtype=torch.long
-        )[:, None]
+        feed = torch.tensor(chosen, device=self.ids.device, dtype=torch.long)[:, None]
         if self._seen is not None:
-            self._seen[torch.arange(len(new), device=feed.device), feed[:, 0]] = True
+            self._seen[torch.arange(len(chosen), device=feed.device), feed[:, 0]] = True
         if self.use_cache:
             self._next_input = feed
         else:
@@ -251,22 +251,34 @@ class Decoder:
                 sid = torch.cat([self.sid, self.sid.new_ones(ids.shape[0], grown)], dim=1)
         return self.model(ids, sid, cache=self.cache)[:, -1]
 
+    def _drop_finished(self) -> None:
+        """Take finished (or cancelled) rows out of the batch, so they cost no more compute."""
+        keep = [j for j, row in enumerate(self._active) if self.finish_reasons[row] is None]
+        if len(keep) == len(self._active):
+            return
+        index = torch.tensor(keep, device=self.ids.device)
+        self._active = [self._active[j] for j in keep]
+        self._next_input = self._next_input[index]
+        if self.sid is not None:
+            self.sid = self.sid[index]
+        if self._seen is not None:
+            self._seen, self._penalty = self._seen[index], self._penalty[index]
+        if self.cache is not None:
+            self.cache.select(index)
+
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token of every row [batch] from its last logits."""
+        """The next token of every active row from its last logits [active rows, vocab]."""
         if self._seen is not None:
             logits = apply_repetition_penalty(logits, self._seen, self._penalty)
-        greedy = logits.argmax(dim=-1)
-        sampled = [i for i, c in enumerate(self.configs) if c.temperature > 0]
-        if not sampled or all(self.finish_reasons[i] is not None for i in sampled):
-            return greedy
-        rows = torch.tensor(sampled, device=logits.device)
-        cfgs = [self.configs[i] for i in sampled]
-        probs = sampling_probs(logits[rows], cfgs)
-        for j, row in enumerate(sampled):
-            if self.finish_reasons[row] is None:
-                gen = self._generators[row]
-                greedy[row] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return greedy
+        chosen = logits.argmax(dim=-1)
+        sampled = [j for j, row in enumerate(self._active) if self.configs[row].temperature > 0]
+        if not sampled:
+            return chosen
+        rows = [self._active[j] for j in sampled]
+        probs = sampling_probs(logits[sampled], [self.configs[row] for row in rows])
+        for j, row, p in zip(sampled, rows, probs, strict=True):
+            chosen[j] = torch.multinomial(p, 1, generator=self._generators[row])[0]
+        return chosen
 
     def _accept(self, row: int, token: int) -> None:
         cfg, tokens = self.configs[row], self.tokens[row]
