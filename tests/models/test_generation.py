@@ -240,3 +240,27 @@ def test_compiled_model_decodes_eagerly_with_the_same_tokens():
     compiled = generate(tiny(compile=True), ids, mask, GREEDY)
     assert compiled.tokens == eager.tokens
     assert not counters["frames"]["total"], "decoding went through torch.compile"
+
+
+@pytest.mark.parametrize("variant", ["alibi", "learned_pos", "gqa", "window"])
+def test_prompts_joining_a_running_batch_decode_as_if_alone(variant):
+    model = tiny(attn_impl="torch", **VARIANTS[variant])
+    sampled = GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=5)
+    penalised = GenerationConfig(max_new_tokens=4, temperature=0, repetition_penalty=2.0)
+    decoder = Decoder(model, *left_pad(PROMPTS[:2]), GREEDY)
+    decoder.step()
+    decoder.step()
+    joins = [([3] * 11, GREEDY), ([42], penalised)]  # longer, then shorter than the batch so far
+    rows = [decoder.add(prompt, config) for prompt, config in joins]
+    decoder.step()
+    rows.append(decoder.add([5, 4, 3], sampled))
+    while not decoder.done:
+        decoder.step()
+    out = decoder.output()
+    assert rows == [2, 3, 4] and out.finish_reasons == ["length"] * 5
+    expected = [(p, GREEDY) for p in PROMPTS[:2]] + joins + [([5, 4, 3], sampled)]
+    for row, (prompt, config) in enumerate(expected):
+        alone = generate(model, torch.tensor([prompt]), None, config).tokens[0]
+        assert out.tokens[row] == alone, row
+    with pytest.raises(ValueError, match="step\\(\\) once first"):
+        Decoder(model, torch.tensor([[1]]), None, GREEDY).add([2])

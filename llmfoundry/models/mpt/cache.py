@@ -53,6 +53,30 @@ class LayerKV:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def join(self, other: LayerKV, length: int, max_len: int) -> None:
+        """Append `other`'s rows to the batch; both are first right-aligned at `length`
+        positions (zeros before their own) in buffers of `max_len`."""
+        self.k = torch.cat(
+            [
+                _aligned(self.k, self.length, length, max_len),
+                _aligned(other.k, other.length, length, max_len),
+            ]
+        )
+        self.v = torch.cat(
+            [
+                _aligned(self.v, self.length, length, max_len),
+                _aligned(other.v, other.length, length, max_len),
+            ]
+        )
+        self.length, self.max_len = length, max_len
+
+
+def _aligned(t: torch.Tensor, used: int, length: int, max_len: int) -> torch.Tensor:
+    """t's first `used` positions moved to end at `length`, in a zeroed buffer of `max_len`."""
+    out = t.new_zeros((*t.shape[:2], max_len, t.shape[3]))
+    out[:, :, length - used : length] = t[:, :, :used]
+    return out
+
 
 @dataclass
 class InfiniState:
@@ -74,6 +98,14 @@ class InfiniState:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[rows])
+
+
+def _padded_ids(cache: KVCache, length: int) -> torch.Tensor:
+    """`cache`'s document ids left-padded with 0 to `length` (ones where it had none)."""
+    buffer = cache.layers[0].k
+    ids = torch.zeros(buffer.shape[0], length, dtype=torch.long, device=buffer.device)
+    ids[:, length - cache.length :] = 1 if cache.sequence_id is None else cache.sequence_id
+    return ids
 
 
 @dataclass
@@ -104,6 +136,27 @@ class KVCache:
             layer.select(rows)
         if self.sequence_id is not None:
             self.sequence_id = self.sequence_id[rows]
+
+    def join(self, other: KVCache) -> None:
+        """Add the rows of `other` (another batch of the same model) to this batch.
+
+        The shorter of the two is left-padded with empty positions whose document id is 0 (so
+        every later forward passes `sequence_id`: 1 for real tokens), which no real token attends
+        to; ALiBi is relative, and learned positions count from each row's first real token, so
+        neither row sees a difference. Each row keeps the room it had left.
+        """
+        if any(not isinstance(layer, LayerKV) for layer in (*self.layers, *other.layers)):
+            raise ValueError("only key/value caches join (infini-attention rows are not padded)")
+        if self.length == 0 or other.length == 0:
+            raise ValueError("both caches must hold positions to join (run the prompts first)")
+        length = max(self.length, other.length)
+        max_len = length + max(self.max_len - self.length, other.max_len - other.length)
+        plain = all(c.sequence_id is None and c.length == length for c in (self, other))
+        ids = None if plain else torch.cat([_padded_ids(c, length) for c in (self, other)])
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.join(theirs, length, max_len)
+        self.sequence_id = ids
+        self.length, self.max_len = length, max_len
 
     def extend(self, sequence_id: torch.Tensor | None, new_len: int) -> torch.Tensor | None:
         """Record `new_len` more positions; return the document ids of all positions, or None.

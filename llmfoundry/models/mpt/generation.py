@@ -191,7 +191,9 @@ class Decoder:
         self._generators = [
             None if c.seed is None else torch.Generator(device).manual_seed(c.seed) for c in configs
         ]
-        self._penalty = torch.tensor([c.repetition_penalty for c in configs], device=device)
+        self._penalty = torch.tensor(
+            [c.repetition_penalty for c in configs], device=device, dtype=torch.float32
+        )
         self._seen = None
         if bool((self._penalty != 1).any()):
             real = self.ids if self.sid is None else self.ids.masked_fill(self.sid == 0, -1)
@@ -205,6 +207,44 @@ class Decoder:
     @property
     def done(self) -> bool:
         return all(r is not None for r in self.finish_reasons)
+
+    def add(self, prompt: Sequence[int], config: GenerationConfig = GenerationConfig()) -> int:
+        """Join a new prompt to the running batch (continuous batching); returns its row.
+
+        The prompt is run alone (its first token is chosen at once, and is in `tokens`), then its
+        cache joins the batch's, the shorter side left-padded (`KVCache.join`), so from the next
+        `step()` it decodes with the others, exactly as it would alone. Needs the KV cache, a
+        batch that has stepped at least once, and a model without infini-attention.
+        """
+        if self.cache is None or self.cache.length == 0:
+            raise ValueError("add() joins a running batch: use_cache=True and step() once first")
+        if self.model.config.infini is not None:
+            raise ValueError("infini-attention rows cannot be padded, so they cannot join a batch")
+        newcomer = Decoder(self.model, torch.tensor([list(prompt)]), None, config, self.decode)
+        newcomer.step()
+        row = len(self.tokens)
+        self.tokens += newcomer.tokens
+        self.finish_reasons += newcomer.finish_reasons
+        self.texts += newcomer.texts
+        self.configs += newcomer.configs
+        self._generators += newcomer._generators
+        if newcomer.done:
+            return row
+        self._drop_finished()
+        self.cache.join(newcomer.cache)
+        self._active.append(row)
+        self._next_input = torch.cat([self._next_input, newcomer._next_input])
+        self._penalty = torch.cat([self._penalty, newcomer._penalty])
+        if self._seen is not None or newcomer._seen is not None:
+            vocab = self.model.config.vocab_size
+            seen = [
+                d._seen
+                if d._seen is not None
+                else self._penalty.new_zeros(n, vocab, dtype=torch.bool)
+                for d, n in ((self, len(self._active) - 1), (newcomer, 1))
+            ]
+            self._seen = torch.cat(seen)
+        return row
 
     def cancel(self, row: int) -> None:
         """Stop decoding `row` (its client left); the batch goes on without it."""
@@ -242,13 +282,13 @@ class Decoder:
     def _forward(self) -> torch.Tensor:
         """Last-position logits [batch, vocab] of the sequence so far."""
         ids = self._next_input
-        sid = None
-        if self.sid is not None:
-            if self.use_cache and self.cache.length > 0:
-                sid = torch.ones_like(ids)
-            else:
-                grown = ids.shape[1] - self.sid.shape[1]
-                sid = torch.cat([self.sid, self.sid.new_ones(ids.shape[0], grown)], dim=1)
+        if self.cache is not None and self.cache.length > 0:  # new tokens are real (id 1)
+            sid = None if self.cache.sequence_id is None else torch.ones_like(ids)
+        elif self.sid is None:
+            sid = None
+        else:
+            grown = ids.shape[1] - self.sid.shape[1]
+            sid = torch.cat([self.sid, self.sid.new_ones(ids.shape[0], grown)], dim=1)
         return self.model(ids, sid, cache=self.cache)[:, -1]
 
     def _drop_finished(self) -> None:
@@ -259,10 +299,11 @@ class Decoder:
         index = torch.tensor(keep, device=self.ids.device)
         self._active = [self._active[j] for j in keep]
         self._next_input = self._next_input[index]
-        if self.sid is not None:
-            self.sid = self.sid[index]
+        if self.sid is not None and (self.cache is None or self.cache.length == 0):
+            self.sid = self.sid[index]  # the prompts' ids, read until the cache holds them
+        self._penalty = self._penalty[index]
         if self._seen is not None:
-            self._seen, self._penalty = self._seen[index], self._penalty[index]
+            self._seen = self._seen[index]
         if self.cache is not None:
             self.cache.select(index)
 
