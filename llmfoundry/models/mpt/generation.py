@@ -6,8 +6,9 @@ The one entry point for callers that want whole answers is
 
 and for callers that want tokens as they come (a server streaming, or batching requests
 dynamically), `Decoder`: build it with the same arguments, call `step()` until `done`, read
-each row's tokens as they grow, and `cancel(row)` a row whose client went away. `generate` is
-that loop.
+each row's tokens as they grow, `add(prompt, config)` a request that arrives meanwhile (it joins
+the running batch and decodes exactly as it would alone), and `cancel(row)` a row whose client
+went away. Finished rows leave the batch. `generate` is that loop.
 
 Prompts of different lengths share a batch through left padding: `attention_mask` is 0 on the
 padding, which becomes its own document (`sequence_id` 0, the prompt and its continuation 1), so
