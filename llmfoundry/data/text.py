@@ -7,7 +7,8 @@ The contract with the trainer:
 ``{"input_ids": LongTensor[B, L], "labels": LongTensor[B, L]}`` (plus ``"sequence_id"`` when
 the shards have that column, or when ``cfg.sequence_id_from_eos`` derives it from the eos token
 ending each document). ``labels`` is a copy of ``input_ids``, -100 on padding (only
-rows of unequal length are padded; fixed-length rows never are). ``B`` is the per-rank batch
+rows of unequal length are padded; fixed-length rows never are), or the shards' own ``labels``
+column when they have one (instruction data: -100 on prompts, see data/prep/instructions.py). ``B`` is the per-rank batch
 size; the final batch of an epoch may be shorter unless ``cfg.drop_last``. The trainer calls,
 on the loader:
 
@@ -43,7 +44,7 @@ from llmfoundry.utils.storage import open_url
 
 __all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
 
-TOKENS, SEQUENCE_ID = "tokens", "sequence_id"
+TOKENS, SEQUENCE_ID, LABELS = "tokens", "sequence_id", "labels"
 _TOKEN_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64")
 _PAD_LABEL, _PAD_SEQUENCE_ID = -100, -1
 
@@ -75,7 +76,18 @@ class StreamingTextDataset(StreamingDataset):
         self.eos_id = eos_id
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
-        self.columns = (TOKENS, SEQUENCE_ID) if self.has_sequence_id else (TOKENS,)
+        with_labels = [LABELS in s.column_names for _, s in shards]
+        if any(with_labels) and not all(with_labels):
+            raise ValueError(
+                "some shards have a labels column (instruction data) and others do not; "
+                "train on one kind at a time"
+            )
+        self.has_labels = all(with_labels)
+        self.columns = (
+            (TOKENS,)
+            + ((SEQUENCE_ID,) if self.has_sequence_id else ())
+            + ((LABELS,) if self.has_labels else ())
+        )
         # Per shard: (row width after the max_seq_len cut, dtype of each column) when every
         # column has a fixed size, so rows are slices of one [samples, L] view of the mapped
         # shard; else None (rows are decoded one by one). Batches whose shards all share one
@@ -104,7 +116,7 @@ class StreamingTextDataset(StreamingDataset):
                 coders[column] = coder
             shapes = {column: coder.shape for column, coder in coders.items()}
             if len(set(shapes.values())) > 1:
-                raise ValueError(f"{where}: tokens and sequence_id rows differ in shape {shapes}")
+                raise ValueError(f"{where}: column rows differ in shape {shapes}")
             fixed = all(size is not None for size in shard.column_sizes)
             if fixed and shapes[TOKENS]:
                 width = min(shapes[TOKENS][0], max_seq_len or shapes[TOKENS][0])
@@ -132,6 +144,8 @@ class StreamingTextDataset(StreamingDataset):
         for column in self.columns:
             row = torch.from_numpy(self._row(shard, j, column).astype(np.int64))
             out["input_ids" if column == TOKENS else column] = row
+        if self.has_labels:
+            out["labels"] = out.pop(LABELS)
         if self.eos_id is not None and not self.has_sequence_id:
             out[SEQUENCE_ID] = sequence_ids_from_eos(out["input_ids"][None], self.eos_id)[0]
         return out
@@ -168,22 +182,27 @@ class StreamingTextDataset(StreamingDataset):
             lengths = np.array([len(row) for row in decoded[TOKENS]], np.int64)
             width = int(lengths.max())
             for column in self.columns:
-                fill = 0 if column == TOKENS else _PAD_SEQUENCE_ID
+                fill = {TOKENS: 0, LABELS: _PAD_LABEL}.get(column, _PAD_SEQUENCE_ID)
                 array = rows[column] = np.full((len(ids), width), fill, np.int64)
                 for r, row in enumerate(decoded[column]):
                     array[r, : len(row)] = row
         tokens = rows[TOKENS]
         batch = {
             "input_ids": torch.from_numpy(tokens.astype(np.int64)),
-            "labels": torch.from_numpy(tokens.astype(np.int64)),
+            "labels": torch.from_numpy(
+                rows[LABELS if self.has_labels else TOKENS].astype(np.int64)
+            ),
         }
+        padding = None
         if lengths is not None and (lengths < width).any():
-            batch["labels"][torch.arange(width) >= torch.from_numpy(lengths)[:, None]] = _PAD_LABEL
+            padding = torch.arange(width) >= torch.from_numpy(lengths)[:, None]
+            batch["labels"][padding] = _PAD_LABEL
         if self.has_sequence_id:
             batch[SEQUENCE_ID] = torch.from_numpy(rows[SEQUENCE_ID].astype(np.int64))
         elif self.eos_id is not None:
             batch[SEQUENCE_ID] = sequence_ids_from_eos(batch["input_ids"], self.eos_id)
-            batch[SEQUENCE_ID][batch["labels"] == _PAD_LABEL] = _PAD_SEQUENCE_ID
+            if padding is not None:
+                batch[SEQUENCE_ID][padding] = _PAD_SEQUENCE_ID
         return batch
 
 
