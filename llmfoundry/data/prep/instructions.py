@@ -48,6 +48,7 @@ import numpy as np
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
+from llmfoundry.trainer.metrics import IGNORE_INDEX
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 
@@ -62,7 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INSTRUCTIONS_META_FORMAT = "llmfoundry.mds-instructions"
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # the label the loss skips
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "drop")
 
