@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo lint bench plot clean
+.PHONY: setup test test-fast demo finetune-demo lint bench plot clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,21 @@ $(DEMO)/mds/meta.json: | setup
 		--train-tokenizer --vocab-size 8192 --workers 2 --out $(DEMO)/tokens.bin
 	$(PY) data_prep/tokens_to_mds.py $(DEMO)/tokens.bin --seq-len 256 --val-fraction 0.02 \
 		--out $(DEMO)/mds
+
+# Instruction finetuning of the `make demo` model (README "After pretraining"): pairs of a stdlib
+# function's signature (prompt) and its docstring (response); only response tokens count.
+# PRETRAINED: the checkpoints to start from (default: the newest run that is not a finetune).
+SFT := $(DEMO)/sft
+PRETRAINED ?= $$(ls -td outputs/*/checkpoints | grep -v '/finetune-' | head -1)
+
+finetune-demo: setup $(SFT)/meta.json
+	$(PY) scripts/train.py +experiment=finetune load_path=$(PRETRAINED) data.remote=$(SFT) \
+		run_name=finetune-$$(date +%Y%m%d-%H%M%S) max_duration=120ba eval_interval=20ba \
+		eval_subset_num_batches=4
+
+$(SFT)/meta.json: | setup $(DEMO)/mds/meta.json
+	$(PY) data_prep/instructions_to_mds.py --from-python-sources $(STDLIB) \
+		--tokenizer $(DEMO)/mds/tokenizer.json --seq-len 256 --val-fraction 0.05 --out $(SFT)
 
 lint: setup
 	$(PY) -m ruff check llmfoundry scripts data_prep tests bench

@@ -3,6 +3,7 @@
 from llmfoundry.callbacks.checkpoint_saver import CheckpointSaver
 from llmfoundry.callbacks.early_stopper import EarlyStopper
 from llmfoundry.callbacks.generate import Generate
+from llmfoundry.callbacks.icl_eval import ICLEval
 from llmfoundry.callbacks.lr_monitor import LRMonitor
 from llmfoundry.callbacks.memory_monitor import MemoryMonitor
 from llmfoundry.callbacks.nan_detector import NaNDetector
@@ -14,6 +15,7 @@ __all__ = [
     "CheckpointSaver",
     "EarlyStopper",
     "Generate",
+    "ICLEval",
     "LRMonitor",
     "MemoryMonitor",
     "NaNDetector",

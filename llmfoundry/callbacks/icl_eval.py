@@ -1,0 +1,36 @@
+"""In-context-learning accuracy at every evaluation, beside the loss of the eval sets."""
+
+from __future__ import annotations
+
+from llmfoundry.data.prep.tokenizer import load_tokenizer
+from llmfoundry.distributed import unwrap_model
+from llmfoundry.eval.icl import evaluate_tasks, load_task
+from llmfoundry.trainer.engine import Callback, Logger
+from llmfoundry.trainer.state import State
+
+
+class ICLEval(Callback):
+    """At ``EVAL_BEFORE_ALL`` (model in eval mode; the trainer restores the RNG after
+    evaluation), score the .jsonl `tasks` (llmfoundry/eval/icl.py) and log
+    ``icl/<task>/accuracy``. Every rank scores the same examples (a sharded model needs all of
+    them); `limit` keeps it cheap during training.
+    """
+
+    def __init__(
+        self,
+        tokenizer: str,
+        tasks: list[str],
+        shots: int = 0,
+        seed: int = 17,
+        limit: int | None = 100,
+    ) -> None:
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.tasks = [load_task(url) for url in tasks]
+        self.shots, self.seed, self.limit = shots, seed, limit
+
+    def eval_before_all(self, state: State, logger: Logger) -> None:
+        model = unwrap_model(state.model)
+        results = evaluate_tasks(
+            model, self.tokenizer, self.tasks, self.shots, self.seed, self.limit
+        )
+        logger.log_metrics({f"icl/{name}/accuracy": r["accuracy"] for name, r in results.items()})

@@ -1,0 +1,237 @@
+"""In-context-learning evaluation: accuracy of a causal LM on .jsonl tasks, n-shot, seeded.
+
+A task is one .jsonl file; its kind follows from the fields of its lines:
+
+- multiple choice, ``{"query": str, "choices": [str, ...], "gold": int}``: the prediction is
+  the choice whose tokens, after the prompt, have the lowest mean loss per token (length
+  normalised, so a long choice is not penalised for being long);
+- language modelling (LAMBADA style), ``{"context": str, "continuation": str}`` (the passage and
+  its last word, e.g. " dog"): correct when the most likely token at every position of the
+  continuation (teacher forcing) is the continuation's token;
+- question answering, ``{"question": str, "answer": str | [str, ...]}``: the model continues
+  ``"Q: {question}\\nA:"`` greedily (``generation.generate``) to a newline or
+  ``max_new_tokens``; correct when the stripped line equals an answer exactly.
+
+n-shot prompts put ``shots`` other examples of the same task (with their answers) before each
+query, chosen by a generator seeded with ``(seed, task name, example index)``, so results do not
+depend on the order or the number of tasks. Prompt and answer are tokenized separately (as the
+answer is scored on its own tokens); a prompt longer than the model's context loses its start.
+
+Scoring only needs ``logits_fn(input_ids [1, L]) -> logits [1, L, V]``, so the same code scores
+our model and transformers' (tests compare the two on an exported model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from llmfoundry.models.mpt.generation import GenerationConfig, generate
+from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.utils import storage
+
+__all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]
+
+log = logging.getLogger(__name__)
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+KINDS = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "language_modeling": ("context", "continuation"),
+    "qa": ("question", "answer"),
+}
+SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    kind: str
+    examples: list[dict[str, Any]]
+
+
+def _kind(example: dict[str, Any], where: str) -> str:
+    for kind, keys in KINDS.items():
+        if all(k in example for k in keys):
+            return kind
+    raise ValueError(
+        f"{where}: cannot tell the task kind from keys {sorted(example)}; lines need one of "
+        + "; ".join(f"{k}: {list(v)}" for k, v in KINDS.items())
+    )
+
+
+def load_task(url: str, name: str | None = None) -> Task:
+    """The task in the .jsonl file ``url`` (local or fsspec), named after the file by default."""
+    examples, kind = [], None
+    with storage.open_url(url, "r", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{url} line {number}"
+            try:
+                example = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
+            if not isinstance(example, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            this = _kind(example, where)
+            if kind is not None and this != kind:
+                raise ValueError(f"{where}: a {this} example in a {kind} task; one kind per file")
+            kind = this
+            if kind == "multiple_choice":
+                choices, gold = example["choices"], example["gold"]
+                if not (isinstance(choices, list) and len(choices) >= 2):
+                    raise ValueError(f"{where}: 'choices' must list at least two strings")
+                if not (isinstance(gold, int) and 0 <= gold < len(choices)):
+                    raise ValueError(f"{where}: 'gold' must index 'choices', got {gold!r}")
+            if kind == "qa" and isinstance(example["answer"], str):
+                example["answer"] = [example["answer"]]
+            examples.append(example)
+    if kind is None:
+        raise ValueError(f"{url} holds no examples")
+    return Task(name or PurePosixPath(url).stem, kind, examples)
+
+
+def _shot(task: Task, example: dict[str, Any]) -> str:
+    """An example written out with its answer, as a shot before the query."""
+    if task.kind == "multiple_choice":
+        return example["query"] + example["choices"][example["gold"]] + SEPARATOR
+    if task.kind == "language_modeling":
+        return example["context"] + example["continuation"] + SEPARATOR
+    return f"Q: {example['question']}\nA: {example['answer'][0]}{SEPARATOR}"
+
+
+def _prefix(task: Task, index: int, shots: int, seed: int) -> str:
+    others = [i for i in range(len(task.examples)) if i != index]
+    if shots > len(others):
+        raise ValueError(
+            f"task {task.name} has {len(task.examples)} examples, too few for {shots} shots"
+        )
+    chosen = random.Random(f"{seed}:{task.name}:{index}").sample(others, shots)
+    return "".join(_shot(task, task.examples[i]) for i in chosen)
+
+
+def _continuation_logprobs(
+    logits_fn: LogitsFn, prompt: list[int], answer: list[int], max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities [A, V] at the positions predicting `answer`'s A tokens, and `answer`."""
+    if not answer:
+        raise ValueError("an answer that tokenizes to nothing cannot be scored")
+    ids = (prompt + answer)[-max_seq_len:]
+    if len(ids) <= len(answer):
+        raise ValueError(f"an answer of {len(answer)} tokens leaves no room for its prompt")
+    with torch.no_grad():
+        logits = logits_fn(torch.tensor([ids]))[0].float()
+    start = len(ids) - len(answer)
+    return F.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1), torch.tensor(answer)
+
+
+def score_example(
+    logits_fn: LogitsFn,
+    tokenizer: Tokenizer,
+    task: Task,
+    index: int,
+    prefix: str,
+    max_seq_len: int,
+    model: MPTForCausalLM | None = None,
+    max_new_tokens: int = 32,
+) -> tuple[bool, Any]:
+    """Whether the model answers example `index` of `task` right (module docstring: kinds),
+    and its answer: the chosen index, the predicted token ids, or the generated text."""
+    ex = task.examples[index]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    if task.kind == "multiple_choice":
+        prompt = encode(prefix + ex["query"])
+        losses = []
+        for choice in ex["choices"]:
+            logprobs, answer = _continuation_logprobs(
+                logits_fn, prompt, encode(choice), max_seq_len
+            )
+            losses.append(-logprobs.gather(1, answer[:, None]).mean().item())
+        choice = min(range(len(losses)), key=losses.__getitem__)
+        return choice == ex["gold"], choice
+    if task.kind == "language_modeling":
+        logprobs, answer = _continuation_logprobs(
+            logits_fn, encode(prefix + ex["context"]), encode(ex["continuation"]), max_seq_len
+        )
+        predicted = logprobs.argmax(dim=-1)
+        return bool((predicted == answer).all()), predicted.tolist()
+    if model is None:
+        raise ValueError(f"task {task.name}: question answering generates, so it needs the model")
+    prompt = encode(f"{prefix}Q: {ex['question']}\nA:")
+    prompt = prompt[-(max_seq_len - max_new_tokens) :]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",))
+    out = generate(model, torch.tensor([prompt]), None, config, decode=tokenizer.decode)
+    text = out.texts[0].strip()
+    return text in [a.strip() for a in ex["answer"]], text
+
+
+def evaluate_tasks(
+    model: MPTForCausalLM,
+    tokenizer: Tokenizer,
+    tasks: Sequence[Task],
+    shots: int = 0,
+    seed: int = 17,
+    limit: int | None = None,
+    logits_fn: LogitsFn | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Accuracy per task: ``{name: {kind, accuracy, correct, examples, shots}}``.
+
+    `limit` scores only the first examples of each task (shots still come from all of them).
+    """
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    logits_fn = logits_fn or model
+    was_training = model.training
+    model.eval()
+    results = {}
+    try:
+        for task in tasks:
+            n = len(task.examples) if limit is None else min(limit, len(task.examples))
+            correct = sum(
+                score_example(
+                    logits_fn,
+                    tokenizer,
+                    task,
+                    i,
+                    _prefix(task, i, shots, seed),
+                    model.config.max_seq_len,
+                    model,
+                )[0]
+                for i in range(n)
+            )
+            results[task.name] = {
+                "kind": task.kind,
+                "accuracy": correct / n,
+                "correct": correct,
+                "examples": n,
+                "shots": shots,
+            }
+            log.info("%s (%s, %d-shot): %d/%d", task.name, task.kind, shots, correct, n)
+    finally:
+        model.train(was_training)
+    return results
+
+
+def summary_table(results: dict[str, dict[str, Any]]) -> str:
+    """The results as a fixed-width text table, one task per line and the mean accuracy."""
+    width = max([len("task"), *map(len, results)])
+    lines = [f"{'task':<{width}}  {'kind':<17}  shots  examples  accuracy"]
+    for name, r in results.items():
+        lines.append(
+            f"{name:<{width}}  {r['kind']:<17}  {r['shots']:>5}  {r['examples']:>8}  "
+            f"{r['accuracy']:>8.4f}"
+        )
+    if results:
+        mean = sum(r["accuracy"] for r in results.values()) / len(results)
+        lines.append(f"{'mean':<{width}}  {'':<17}  {'':>5}  {'':>8}  {mean:>8.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Score a checkpoint or a transformers MPT folder on in-context-learning tasks (.jsonl files).
+
+    python scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --shots 3 --out eval.json
+
+Each .jsonl file is one task, named after the file; its kind (multiple choice, LAMBADA-style
+language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). Prints a
+table of per-task accuracy and writes it with the settings to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from llmfoundry.data.prep.tokenizer import load_tokenizer
+from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.utils.files import atomic_write
+from llmfoundry.utils.logs import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("model", help="checkpoint, save folder (its latest) or transformers MPT folder")
+    p.add_argument("tasks", nargs="+", help=".jsonl task files (local paths or URLs)")
+    p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")
+    p.add_argument("--seed", type=int, default=17, help="seed of the shot choice (default 17)")
+    p.add_argument("--limit", type=int, help="score only the first N examples of each task")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the model's own)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    configure_logging()
+    try:
+        model, tokenizer_path = load_pretrained(args.model)
+        tokenizer_path = args.tokenizer or tokenizer_path
+        if tokenizer_path is None:
+            raise ValueError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
+        tokenizer = load_tokenizer(tokenizer_path)
+        tasks = [load_task(url) for url in args.tasks]
+        results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary_table(results))
+    if args.out:
+        report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}
+        atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

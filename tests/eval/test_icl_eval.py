@@ -1,0 +1,150 @@
+"""ICL scoring (llmfoundry/eval/icl.py): by hand on a bigram table, and against transformers."""
+
+import json
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from llmfoundry.data.prep import train_bpe
+from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt.generation import GenerationConfig, generate
+
+WORDS = ["a", "b", "c", "d", "e"]
+
+
+def word_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+def bigram(table: torch.Tensor):
+    """A 'model' whose next-token logits depend only on the current token: table[token]."""
+    return lambda ids: table[ids]
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def nll(row: list[float], target: int) -> float:
+    return math.log(sum(math.exp(v) for v in row)) - row[target]
+
+
+def test_multiple_choice_takes_the_lowest_mean_loss_per_token(tmp_path):
+    torch.manual_seed(0)
+    table = torch.randn(5, 5)
+    table[1, 2] = 3.0  # b -> c likely: " c" is cheap per token
+    table[1, 3], table[3, 3] = 2.5, 6.0  # b -> d fairly likely, d -> d very likely
+    t = table.tolist()
+    per_token = {0: nll(t[1], 2), 1: (nll(t[1], 3) + nll(t[3], 3)) / 2}  # choices after "a b"
+    total = {0: per_token[0], 1: per_token[1] * 2}
+    assert min(per_token, key=per_token.get) == 1 and min(total, key=total.get) == 0
+    task = load_task(
+        write(tmp_path / "mc.jsonl", [{"query": "a b", "choices": [" c", " d d"], "gold": 0}])
+    )
+    assert task.kind == "multiple_choice"
+    correct, choice = score_example(bigram(table), word_tokenizer(), task, 0, "", 16)
+    assert (correct, choice) == (False, 1)
+
+
+def test_language_modelling_needs_every_token_greedy(tmp_path):
+    table = torch.zeros(5, 5)
+    table[0, 1] = table[1, 2] = 1.0  # a -> b -> c
+    task = load_task(
+        write(
+            tmp_path / "lm.jsonl",
+            [{"context": "a", "continuation": " b c"}, {"context": "a", "continuation": " b d"}],
+        )
+    )
+    tok = word_tokenizer()
+    assert score_example(bigram(table), tok, task, 0, "", 16) == (True, [1, 2])
+    assert score_example(bigram(table), tok, task, 1, "", 16) == (False, [1, 2])
+
+
+def test_shots_are_seeded_per_example_and_never_the_query(tmp_path):
+    rows = [{"context": w, "continuation": " e"} for w in WORDS]
+    task = load_task(write(tmp_path / "lm.jsonl", rows))
+    for i, word in enumerate(WORDS):
+        prefix = _prefix(task, i, 3, seed=1)
+        assert prefix.count("\n\n") == 3 and f"{word} e\n\n" not in prefix
+        assert prefix == _prefix(task, i, 3, seed=1)
+    assert any(_prefix(task, i, 3, 1) != _prefix(task, i, 3, 2) for i in range(5))
+    with pytest.raises(ValueError, match="too few for 5 shots"):
+        _prefix(task, 0, 5, 1)
+
+
+def tiny_model() -> MPTForCausalLM:
+    torch.manual_seed(0)
+    return MPTForCausalLM(
+        MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=300)
+    ).eval()
+
+
+def bpe():
+    return train_bpe(["the cat sat on the mat", "a dog ran to the park", "Q: A:"] * 30, 300)
+
+
+def test_qa_is_exact_match_on_the_greedy_line(tmp_path):
+    model, tok = tiny_model(), bpe()
+    prompt = tok.encode("Q: the cat\nA:").ids
+    config = GenerationConfig(max_new_tokens=32, temperature=0.0, stop=("\n",))
+    text = generate(model, torch.tensor([prompt]), None, config, decode=tok.decode).texts[0]
+    task = load_task(
+        write(
+            tmp_path / "qa.jsonl",
+            [
+                {"question": "the cat", "answer": [text.strip(), "x"]},
+                {"question": "the cat", "answer": "not it"},
+            ],
+        )
+    )
+    results = evaluate_tasks(model, tok, [task])
+    assert results["qa"]["correct"] == 1 and results["qa"]["accuracy"] == 0.5
+    assert "qa" in summary_table(results) and "0.5000" in summary_table(results)
+
+
+def test_same_choices_as_transformers_on_the_exported_model(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from llmfoundry.models.mpt.hf import export_to_hf
+
+    model, tok = tiny_model(), bpe()
+    export_to_hf(model, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    words = ["cat", "dog", "mat", "park", "the", "sat", "ran"]
+    mc = [
+        {"query": f"the {w} sat on", "choices": [f" the {x}" for x in words[:4]], "gold": i % 4}
+        for i, w in enumerate(words)
+    ]
+    lm = [
+        {"context": f"a {w} ran to the", "continuation": f" {x}"}
+        for w in words
+        for x in ("park", "mat")
+    ]
+    tasks = [
+        load_task(write(tmp_path / "mc.jsonl", mc)),
+        load_task(write(tmp_path / "lm.jsonl", lm)),
+    ]
+    hf_logits = lambda ids: hf(ids).logits  # noqa: E731
+    for task in tasks:
+        for i in range(len(task.examples)):
+            prefix = _prefix(task, i, 2, seed=17)
+            ours = score_example(model, tok, task, i, prefix, 64)
+            theirs = score_example(hf_logits, tok, task, i, prefix, 64)
+            assert ours == theirs
+
+
+def test_bad_task_lines_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="line 1: cannot tell the task kind"):
+        load_task(write(tmp_path / "x.jsonl", [{"text": "x"}]))
+    with pytest.raises(ValueError, match="'gold' must index 'choices'"):
+        load_task(write(tmp_path / "y.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 2}]))
+    mixed = [{"context": "a", "continuation": "b"}, {"question": "q", "answer": "a"}]
+    with pytest.raises(ValueError, match="line 2: a qa example in a language_modeling task"):
+        load_task(write(tmp_path / "z.jsonl", mixed))
