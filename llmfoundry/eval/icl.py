@@ -190,6 +190,11 @@ def evaluate_tasks(
     """
     if shots < 0:
         raise ValueError(f"shots must be >= 0, got {shots}")
+    if tokenizer.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more "
+            f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
+        )
     logits_fn = logits_fn or model
     was_training = model.training
     model.eval()

@@ -148,3 +148,29 @@ def test_bad_task_lines_name_the_problem(tmp_path):
     mixed = [{"context": "a", "continuation": "b"}, {"question": "q", "answer": "a"}]
     with pytest.raises(ValueError, match="line 2: a qa example in a language_modeling task"):
         load_task(write(tmp_path / "z.jsonl", mixed))
+
+
+def test_callback_logs_accuracy_at_every_evaluation(tmp_path):
+    from pathlib import Path
+
+    from llmfoundry.build import build_trainer
+    from llmfoundry.config.preflight import compose_config
+    from tests.e2e.test_build import CONF, TINY, write_dataset
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(word_tokenizer().to_str())
+    task = write(tmp_path / "lm.jsonl", [{"context": "a", "continuation": " b"}] * 3)
+    overrides = [
+        *TINY,
+        f"data.remote={write_dataset(tmp_path / 'mds', 1)}",
+        f"tokenizer={tokenizer}",
+        "callbacks=[icl_eval]",
+        f"callbacks.icl_eval.tasks=[{task}]",
+        "eval_interval=1ba",
+    ]
+    trainer = build_trainer(compose_config(Path(CONF), overrides), tmp_path / "run")
+    logged = []
+    trainer.logger.log_metrics = lambda metrics, *a: logged.append(dict(metrics))  # noqa: E731
+    trainer.fit()
+    accuracies = [m["icl/lm/accuracy"] for m in logged if "icl/lm/accuracy" in m]
+    assert len(accuracies) == 3 and all(a in (0.0, 1.0) for a in accuracies)  # batches 0, 1, 2
