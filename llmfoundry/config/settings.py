@@ -82,6 +82,11 @@ class TrainSettings:
                 f"{self.num_checkpoints_to_keep}"
             )
         check_ignore_keys(self.load_ignore_keys)
+        if self.load_ignore_keys and not self.load_path and not self.autoresume:
+            raise ValueError(
+                "load_ignore_keys: set, but load_path is null, so nothing is loaded; give "
+                "load_path=<checkpoint or save folder> (e.g. the pretraining run's to finetune)"
+            )
         if self.autoresume and not self.save_folder:
             raise ValueError(
                 "autoresume: it continues from <save_folder>/latest, but save_folder is null; "

@@ -4,10 +4,12 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from llmfoundry.build import build_trainer
-from llmfoundry.config.preflight import compose_config
+from llmfoundry.config import ConfigError
+from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import IGNORE, Packer, instructions_to_mds
 from llmfoundry.data.text import DataConfig, build_dataloader
@@ -124,3 +126,8 @@ def test_finetune_recipe_starts_from_pretrained_weights(tmp_path):
         torch.equal(a, b)
         for a, b in zip(tuned.state_dict().values(), pretrained.state_dict().values(), strict=True)
     )
+
+
+def test_finetune_recipe_without_load_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="load_ignore_keys: set, but load_path is null"):
+        check(CONF, ["+experiment=finetune"])
