@@ -38,19 +38,28 @@ $(DEMO)/mds/meta.json: | setup
 		--out $(DEMO)/mds
 
 # Instruction finetuning of the `make demo` model (README "After pretraining"): pairs of a stdlib
-# function's signature (prompt) and its docstring (response); only response tokens count.
+# function's signature (prompt) and its docstring (response); only response tokens count. Then
+# both models take a multiple-choice test made from the stdlib's test folders (held out).
 # PRETRAINED: the checkpoints to start from (default: the newest run that is not a finetune).
 SFT := $(DEMO)/sft
+TASK := $(DEMO)/tasks/docstrings.jsonl
 PRETRAINED ?= $$(ls -td outputs/*/checkpoints | grep -v '/finetune-' | head -1)
+FINETUNE_RUN := finetune-$(shell date +%Y%m%d-%H%M%S)
 
-finetune-demo: setup $(SFT)/meta.json
+finetune-demo: setup $(SFT)/meta.json $(TASK)
+	$(PY) scripts/eval.py $(PRETRAINED) $(TASK) --out outputs/$(FINETUNE_RUN)/eval-pretrained.json
 	$(PY) scripts/train.py +experiment=finetune load_path=$(PRETRAINED) data.remote=$(SFT) \
-		run_name=finetune-$$(date +%Y%m%d-%H%M%S) max_duration=120ba eval_interval=20ba \
-		eval_subset_num_batches=4
+		run_name=$(FINETUNE_RUN) max_duration=120ba eval_interval=20ba eval_subset_num_batches=4
+	$(PY) scripts/eval.py outputs/$(FINETUNE_RUN)/checkpoints $(TASK) \
+		--out outputs/$(FINETUNE_RUN)/eval-finetuned.json
 
 $(SFT)/meta.json: | setup $(DEMO)/mds/meta.json
 	$(PY) data_prep/instructions_to_mds.py --from-python-sources $(STDLIB) \
 		--tokenizer $(DEMO)/mds/tokenizer.json --seq-len 256 --val-fraction 0.05 --out $(SFT)
+
+$(TASK): | setup $(DEMO)/mds/meta.json
+	$(PY) data_prep/docstring_task.py $(STDLIB)/test --tokenizer $(DEMO)/mds/tokenizer.json \
+		--out $(TASK) --limit 200
 
 lint: setup
 	$(PY) -m ruff check llmfoundry scripts data_prep tests bench

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmfoundry.data.prep import train_bpe
-from llmfoundry.data.prep.docstrings import docstring_examples
+from llmfoundry.data.prep.docstrings import choice_task, docstring_examples
 from llmfoundry.data.prep.instructions import (
     IGNORE,
     Formatter,
@@ -165,3 +165,24 @@ def test_docstring_examples_pair_signatures_with_first_paragraphs():
     assert list(docstring_examples(source)) == [
         {"prompt": "def area(w: int, h: int=1) -> int:", "response": "Area of a box."}
     ]
+
+
+def test_prompt_is_the_untrained_text_before_the_response(tokenizer):
+    fmt = Formatter(tokenizer)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    ids, labels = fmt.encode(messages)
+    first = int(np.argmax(labels != IGNORE))
+    assert fmt.prompt(messages) == "### User:\nq\n\n### Assistant:\n"
+    assert fmt.prepared.tokenizer.decode(ids[:first].tolist()) == fmt.prompt(messages)
+
+
+def test_choice_task_hides_the_answer_among_others():
+    examples = [{"prompt": f"def f{i}():", "response": f"Doc {i}."} for i in range(10)]
+    lines = choice_task(examples, n_choices=4, seed=3)
+    assert lines == choice_task(examples, n_choices=4, seed=3)
+    for ex, line in zip(examples, lines, strict=True):
+        assert line["query"] == ex["prompt"] and len(set(line["choices"])) == 4
+        assert line["choices"][line["gold"]] == ex["response"]
+    assert len({line["gold"] for line in lines}) > 1
+    with pytest.raises(ValueError, match="fewer than 4 choices"):
+        choice_task(examples[:3])

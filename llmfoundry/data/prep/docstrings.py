@@ -10,12 +10,13 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from llmfoundry.utils.files import atomic_write
 
-__all__ = ["docstring_examples", "write_docstring_examples"]
+__all__ = ["choice_task", "docstring_examples", "write_docstring_examples"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,25 @@ def docstring_examples(source: str, max_response_chars: int = 400) -> Iterator[d
         first = doc.split("\n\n")[0].strip()
         if 10 <= len(first) <= max_response_chars:
             yield {"prompt": _signature(node), "response": first}
+
+
+def choice_task(
+    examples: Sequence[dict[str, str]], n_choices: int = 4, seed: int = 17
+) -> list[dict]:
+    """Multiple-choice lines ``{"query": prompt, "choices": [responses], "gold"}`` (see
+    llmfoundry/eval/icl.py): each example's response among ``n_choices - 1`` others, drawn with
+    a generator seeded by ``seed``; the query is the example's ``prompt`` as given."""
+    responses = sorted({ex["response"] for ex in examples})
+    if len(responses) < n_choices:
+        raise ValueError(f"{len(responses)} distinct responses, fewer than {n_choices} choices")
+    rng = random.Random(seed)
+    lines = []
+    for ex in examples:
+        others = rng.sample([r for r in responses if r != ex["response"]], n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = others[:gold] + [ex["response"]] + others[gold:]
+        lines.append({"query": ex["prompt"], "choices": choices, "gold": gold})
+    return lines
 
 
 def write_docstring_examples(

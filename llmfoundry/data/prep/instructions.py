@@ -183,6 +183,16 @@ class Formatter:
             pieces.append((rest[len(done) :], False))
         return pieces
 
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        """The text a model continues to answer: everything before the first response, as
+        formatted in training (for evaluation and serving prompts)."""
+        text = ""
+        for piece, trained in self.segments(messages):
+            if trained:
+                return text
+            text += piece
+        raise ValueError("the conversation has no assistant turn to answer")
+
     def encode(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, labels)`` as int64 arrays; labels are -100 where not trained."""
         ids: list[int] = []
