@@ -174,3 +174,29 @@ def test_callback_logs_accuracy_at_every_evaluation(tmp_path):
     trainer.fit()
     accuracies = [m["icl/lm/accuracy"] for m in logged if "icl/lm/accuracy" in m]
     assert len(accuracies) == 3 and all(a in (0.0, 1.0) for a in accuracies)  # batches 0, 1, 2
+
+
+def test_eval_script_scores_a_checkpoint_and_writes_json(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from llmfoundry.models.mpt.pretrained import save_weights
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "eval.py"
+    spec = importlib.util.spec_from_file_location("eval_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(bpe().to_str())
+    save_weights(tiny_model(), str(tmp_path / "ckpt"), tokenizer)
+    mc = [{"query": "the cat", "choices": [" sat", " ran"], "gold": i % 2} for i in range(4)]
+    task = write(tmp_path / "mc.jsonl", mc)
+    out = tmp_path / "results.json"
+    assert module.main([str(tmp_path / "ckpt"), task, "--shots", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tasks"]["mc"]["examples"] == 4 and report["shots"] == 0
+    assert (
+        report["tasks"]["mc"]["correct"] == 2
+    )  # one prompt, so one choice: right for half the golds
+    assert "mc" in capsys.readouterr().out
+    assert module.main([str(tmp_path / "ckpt"), str(tmp_path / "missing.jsonl")]) == 2
