@@ -186,3 +186,14 @@ def test_choice_task_hides_the_answer_among_others():
     assert len({line["gold"] for line in lines}) > 1
     with pytest.raises(ValueError, match="fewer than 4 choices"):
         choice_task(examples[:3])
+
+
+def test_inputs_and_output_on_an_object_store(tmp_path, tokenizer):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    rows = [{"prompt": f"p{i}", "response": "r"} for i in range(5)]
+    fs.pipe_file("/sft/in.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    meta = instructions_to_mds(["memory://sft/in.jsonl"], "memory://sft/out", tokenizer, 32)
+    assert meta["examples"] == 5 and fs.exists("/sft/out/train/index.json")
+    assert json.loads(fs.cat_file("/sft/out/meta.json"))["fingerprint"] == meta["fingerprint"]
