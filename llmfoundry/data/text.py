@@ -8,9 +8,9 @@ The contract with the trainer:
 the shards have that column, or when ``cfg.sequence_id_from_eos`` derives it from the eos token
 ending each document). ``labels`` is a copy of ``input_ids``, -100 on padding (only
 rows of unequal length are padded; fixed-length rows never are), or the shards' own ``labels``
-column when they have one (instruction data: -100 on prompts, see data/prep/instructions.py). ``B`` is the per-rank batch
-size; the final batch of an epoch may be shorter unless ``cfg.drop_last``. The trainer calls,
-on the loader:
+column when they have one (instruction data: -100 on prompts, see data/prep/instructions.py).
+``B`` is the per-rank batch size; the final batch of an epoch may be shorter unless
+``cfg.drop_last``. The trainer calls, on the loader:
 
 - ``loader.set_epoch(epoch)`` before iterating each epoch (the shuffle is seeded by
   ``(shuffle_seed, epoch)``; without the call every iteration repeats epoch 0's order);
