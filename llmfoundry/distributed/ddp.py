@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from llmfoundry.distributed.single import Strategy, materialize, resolve_device
+from llmfoundry.distributed.base import Strategy, materialize, resolve_device
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds given to gloo's worker threads around destroying the process group (see teardown).
@@ -29,21 +29,6 @@ _NO_FORWARD_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else {"broadcast_buffers": False}
 )
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside data-parallel (``.module``) or torch.compile (``._orig_mod``)
-    wrappers, or the model itself.
-
-    Code that names parameters (checkpoints, EMA, parameter groups) or calls the model's own
-    methods (flops_per_token, generate) uses this, so it does not depend on the strategy
-    ("transformer.wte.weight", never "module.transformer.wte.weight").
-    """
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
 
 
 class DDP(Strategy):

@@ -55,6 +55,9 @@ class State:
     # Loss-scaling state of the precision (amp_fp16's grad scaler): an object with
     # state_dict/load_state_dict that checkpoints save and restore.
     scaler: Any = None
+    # The distributed strategy (llmfoundry.distributed): checkpoints get and set model and
+    # optimizer state through it.
+    strategy: Any = None
 
     def elapsed(self, duration: Time, timestamp: Timestamp | None = None) -> float:
         """How much of `duration` has passed at `timestamp` (default: now), as a fraction.

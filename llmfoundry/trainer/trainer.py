@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint import Preemption, load_checkpoint, load_rng_state, rng_state
+from llmfoundry.checkpoint import Preemption, load_checkpoint
 from llmfoundry.distributed import SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
+from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.metrics import LanguageMetrics, loss_token_count
 from llmfoundry.trainer.precision import Precision
-from llmfoundry.trainer.rng import seed_all
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
 
@@ -104,6 +104,7 @@ class Trainer:
             ),
             config=config or {},
             scaler=self.precision,
+            strategy=self.strategy,
         )
         self.logger = Logger(self.state, loggers)
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
@@ -268,8 +269,8 @@ class Trainer:
         self.precision.unscale(state.optimizer)
         engine.run_event(Event.AFTER_TRAIN_BATCH)
         self._set_lr()
-        self.precision.step(state.optimizer)
-        state.optimizer.zero_grad(set_to_none=True)
+        self.strategy.step(state.optimizer, self.precision)
+        self.strategy.zero_grad(state.optimizer)
         state.timestamp.after_batch(int(samples), int(tokens), time.perf_counter() - started)
         self.logger.log_metrics({"loss/train": state.train_loss})
 
@@ -301,7 +302,7 @@ class Trainer:
                 mb_tokens = loss_token_count(microbatch["labels"])
                 weight = mb_tokens * self.strategy.world_size / loss_tokens
                 engine.run_event(Event.BEFORE_BACKWARD)
-                self.precision.backward(state.loss * weight)
+                self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
             loss_sum += state.loss.detach().double() * mb_tokens
         return loss_sum
@@ -319,7 +320,7 @@ class Trainer:
     def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
         """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
         state = self.state
-        state.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(state.optimizer)
         state.batch, state.outputs, state.loss = batch, None, None
         if state.device.type == "cuda":
             torch.cuda.empty_cache()
