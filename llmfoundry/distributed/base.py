@@ -63,6 +63,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+class OutOfMemoryElsewhere(RuntimeError):
+    """Another rank ran out of memory in this step; all ranks learned it from one collective
+    (`Strategy.guard_collectives`), so this rank does not join the trainer's agreement."""
+
+
 class Strategy:
     """How one training process relates to the others. Subclasses override what differs.
 
@@ -113,6 +118,12 @@ class Strategy:
         """
         del model
 
+    def guard_collectives(self, model: torch.nn.Module) -> None:
+        """Auto-microbatching is on: make collectives inside forward and backward safe from a
+        rank that runs out of memory (none here: data parallelism defers its only collective,
+        the gradient average, to `sync_gradients`)."""
+        del model
+
     def backward(self, loss: torch.Tensor, precision: Precision) -> None:
         """Backward of one microbatch's (weighted) loss."""
         precision.backward(loss)
@@ -122,8 +133,14 @@ class Strategy:
         precision.step(optimizer)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the gradients (after a step, or of an attempt abandoned for lack of memory)."""
+        """Drop the gradients after a step."""
         optimizer.zero_grad(set_to_none=True)
+
+    def abandon_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Discard an attempt that ran out of memory on some rank: its gradients and whatever
+        the strategy holds for the step (gathered weights), so the retry starts clean."""
+        del model
+        self.zero_grad(optimizer)
 
     # ------------------------------------------------------------------ state for checkpoints
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

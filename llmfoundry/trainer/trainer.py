@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from llmfoundry.checkpoint import Preemption, load_checkpoint
-from llmfoundry.distributed import SingleDevice, Strategy
+from llmfoundry.distributed import OutOfMemoryElsewhere, SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
@@ -80,6 +80,8 @@ class Trainer:
         self.schedule = scheduler
         self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
+        if self.auto_microbatching:
+            self.strategy.guard_collectives(prepared)
         self._logged_microbatch_size: int | None = None
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
@@ -232,7 +234,8 @@ class Trainer:
         discards the partial step on every rank (the ranks agree through an all-reduce of an
         OOM flag after each attempt), halves the microbatch size and retries the same batch.
         Gradients are then averaged across ranks only after that agreement, so no rank is ever
-        left inside a collective that another rank abandoned.
+        left inside a collective that another rank abandoned; a strategy with collectives inside
+        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`).
         """
         state, engine = self.state, self.engine
         started = time.perf_counter()
@@ -251,14 +254,15 @@ class Trainer:
         while True:
             try:
                 loss_sum = self._accumulate_gradients(batch, loss_tokens)
-                out_of_memory = False
+                out_of_memory = agreed = False
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not (self.auto_microbatching and _is_out_of_memory(err)):
                     raise
-                out_of_memory = True
+                # Learned from another rank at a collective: all ranks agreed there already.
+                out_of_memory, agreed = True, isinstance(err, OutOfMemoryElsewhere)
             if not self.auto_microbatching:
                 break
-            if not self._out_of_memory_on_any_rank(out_of_memory):
+            if not agreed and not self._out_of_memory_on_any_rank(out_of_memory):
                 self.strategy.sync_gradients(state.model)
                 self._log_microbatch_size()
                 break
@@ -320,7 +324,7 @@ class Trainer:
     def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
         """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
         state = self.state
-        self.strategy.zero_grad(state.optimizer)
+        self.strategy.abandon_step(state.model, state.optimizer)
         state.batch, state.outputs, state.loss = batch, None, None
         if state.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,136 @@
+"""FSDP2 with two processes (gloo, CPU, fp32): the same global batch gives the same losses as one
+process, for every sharding option; sharded checkpoints resume at another world size and
+strategy (and full ones into FSDP), continuing the same sample order.
+
+Tolerance: relative 1e-5 on losses. Every strategy computes the same math in fp32, but sums
+in a different order: two ranks' half-batch gradients are added by a reduce-scatter or an
+all-reduce instead of inside one matmul, so results differ in the last bits (fp32 epsilon is
+1.2e-7), and three AdamW steps (whose update divides by sqrt of the second moment) carry
+such differences into the next losses at around 1e-7 relative; 1e-5 leaves room without
+hiding a real error (a wrong gradient scale, a missing shard or a skipped sample moves the
+loss by 1e-3 or more).
+"""
+
+import functools
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.optim import DecoupledAdamW
+from llmfoundry.trainer import Trainer
+from tests.checkpoint.helpers import write_mds
+from tests.trainer.conftest import tiny_model
+
+from .sharded_worker import PARITY, RESUME_BATCHES, STOP_AT, Recorder, rank_main, resume_run
+from .workers import global_batches
+
+WORLD, LIMIT_S, RTOL = 2, 180, 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def single_reference(tmp_path) -> Recorder:
+    batches = global_batches()
+    recorder = Recorder()
+    Trainer(
+        model=tiny_model(),
+        strategy=SingleDevice("cpu"),
+        train_dataloader=batches,
+        max_duration=f"{len(batches)}ba",
+        optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
+        callbacks=[recorder],
+        run_dir=tmp_path,
+    ).fit()
+    return recorder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Single-process references, then one spawn of two ranks running every distributed case."""
+    out = tmp_path_factory.mktemp("fsdp")
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    single = {
+        "parity": single_reference(out),
+        "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
+        "saved": resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT),
+    }
+    ports = [free_port() for _ in range(len(PARITY) + 7)]
+    context = mp.start_processes(
+        rank_main, args=(WORLD, ports, str(out), mds), nprocs=WORLD, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + LIMIT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"two-rank FSDP runs did not finish within {LIMIT_S} s")
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    single["from_fsdp"] = resume_run(
+        SingleDevice("cpu"), mds, str(out / "single_from_fsdp"), load=str(out / "fsdp_saved")
+    )
+    return single, ranks
+
+
+@pytest.mark.parametrize("name", [*PARITY, "fsdp_auto"])
+def test_same_losses_as_one_process(runs, name):
+    single, ranks = runs
+    reference = single["parity"].losses
+    assert len(reference) == 3
+    for rank in ranks:
+        assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
+
+
+@pytest.mark.parametrize("name", [n for n, options in PARITY.items() if options is not None])
+def test_sharded_initialization_equals_one_process_initialization(runs, name):
+    single, ranks = runs
+    initial = ranks[0][name]["initial"]
+    assert initial.keys() == single["parity"].initial.keys()
+    for key, value in single["parity"].initial.items():
+        assert torch.equal(initial[key], value), key
+
+
+def test_auto_microbatching_agrees_when_one_rank_runs_out_of_memory_mid_forward(runs):
+    _, ranks = runs
+    # Rank 1 fails inside its second block's forward at 2 samples (once); rank 0, already past
+    # the all-gathers, learns it at its next collective and halves with it.
+    assert [r["fsdp_auto"]["raised"] for r in ranks] == [0, 1]
+
+
+def test_ranks_read_disjoint_partitions_of_the_global_batch(runs):
+    single, ranks = runs
+    for step, ids in enumerate(single["straight"].ids):
+        both = ranks[0]["fsdp_straight"]["ids"][step] + ranks[1]["fsdp_straight"]["ids"][step]
+        assert sorted(both) == sorted(ids)
+
+
+@pytest.mark.parametrize(
+    "resumed", ["ddp_from_fsdp", "fsdp_from_ddp", "fsdp_from_single", "single_from_fsdp"]
+)
+def test_resume_at_another_world_size_and_strategy(runs, resumed):
+    single, ranks = runs
+    straight = single["straight"]
+    if resumed == "single_from_fsdp":
+        losses, ids = single["from_fsdp"].losses, single["from_fsdp"].ids
+    else:
+        losses = ranks[0][resumed]["losses"]
+        ids = [a + b for a, b in zip(*(r[resumed]["ids"] for r in ranks), strict=True)]
+    assert len(losses) == RESUME_BATCHES - STOP_AT
+    assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
+    assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def test_fsdp_checkpoint_is_sharded(runs, tmp_path_factory):
+    _, ranks = runs
+    folder = next(tmp_path_factory.getbasetemp().glob("fsdp*")) / "fsdp_saved" / f"ep0-ba{STOP_AT}"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["rng-rank0.pt", "rng-rank1.pt", "sharded", "state.pt"]
+    assert (folder / "sharded" / ".metadata").exists()
