@@ -13,13 +13,14 @@ safetensors file.
 from __future__ import annotations
 
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmfoundry.checkpoint.io import FileWriter
+from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
 
 # Keys of a sharded checkpoint's DCP state: what `Strategy.sharded_state` returns.
 SHARDED_KEYS = ("model", "optimizer")
@@ -60,3 +61,15 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
     dcp.load({"model": model}, checkpoint_id=folder)
     return model
+
+
+def convert_to_safetensors(checkpoint: str, output: str | Path) -> Path:
+    """Write the whole model weights of a checkpoint (sharded or full) to one safetensors file."""
+    found = read_checkpoint(checkpoint, rank=0)
+    weights = found.model
+    if weights is None:
+        weights = full_model_state(f"{found.path.rstrip('/')}/{SHARDED_DIR}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_tensors(weights)(output)
+    return output

@@ -13,12 +13,17 @@ loss by 1e-3 or more).
 
 import functools
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
 
+from llmfoundry.checkpoint.io import MODEL_FILE
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer
@@ -134,3 +139,19 @@ def test_fsdp_checkpoint_is_sharded(runs, tmp_path_factory):
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["rng-rank0.pt", "rng-rank1.pt", "sharded", "state.pt"]
     assert (folder / "sharded" / ".metadata").exists()
+
+
+def test_convert_sharded_checkpoint_to_one_safetensors_file(runs, tmp_path_factory, tmp_path):
+    base = next(tmp_path_factory.getbasetemp().glob("fsdp*"))
+    written = tmp_path / "model.safetensors"
+    script = Path(__file__).parents[2] / "scripts" / "convert_checkpoint.py"
+    subprocess.run(
+        [sys.executable, str(script), str(base / "fsdp_saved"), str(written)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    merged = safetensors.torch.load_file(written)
+    # The one-process run at the same batch holds the same weights (up to summation order).
+    single = safetensors.torch.load_file(base / "single_saved" / f"ep0-ba{STOP_AT}" / MODEL_FILE)
+    assert merged.keys() == single.keys()
+    for name, value in single.items():
+        torch.testing.assert_close(merged[name], value, rtol=RTOL, atol=1e-6, msg=name)
