@@ -1,18 +1,17 @@
 """Sharded checkpoints: each rank writes and reads its own shard of the model and optimizer.
 
 Strategies that shard the model (``Strategy.sharded_checkpoints``) save model and optimizer
-state through torch.distributed.checkpoint (DCP) into a ``sharded/`` folder of the checkpoint,
-instead of rank 0 gathering whole tensors into ``model.safetensors``; the rest of the
-checkpoint (``state.pt``, the RNG files) and the atomic `latest` pointer are io.py's, as for
-full checkpoints. DCP records each tensor's global shape and which slice each file holds, so a
-checkpoint loads into any layout: FSDP on another number of ranks, DDP, or one process (each
-rank reads the slices it now holds). `scripts/convert_checkpoint.py` merges one into a single
-safetensors file.
+state into a ``sharded/`` folder of the checkpoint (`Strategy.save_shards`: FSDP through
+torch.distributed.checkpoint (DCP), DeepSpeed through its own checkpoint) instead of rank 0
+gathering whole tensors into ``model.safetensors``; the rest of the checkpoint (``state.pt``, the
+RNG files) and the atomic `latest` pointer are io.py's, as for full checkpoints. DCP records
+each tensor's global shape and which slice each file holds, so a DCP checkpoint loads into any
+layout: FSDP on another number of ranks, DDP, or one process (each rank reads the slices it now
+holds). `scripts/convert_checkpoint.py` merges one into a single safetensors file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +21,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
 
-# Keys of a sharded checkpoint's DCP state: what `Strategy.sharded_state` returns.
+# What a sharded checkpoint's shards hold (the rest is in state.pt).
 SHARDED_KEYS = ("model", "optimizer")
 
 
-def write_sharded(state: dict[str, Any]) -> FileWriter:
-    """A writer of this rank's shards; every rank calls it with the same path (a collective)."""
-    return lambda path: dcp.save(state, checkpoint_id=str(path))
-
-
-def load_sharded(
-    folder: str,
-    strategy: Any,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    keys: Collection[str] = SHARDED_KEYS,
-) -> None:
-    """Load `keys` of the sharded checkpoint in `folder` into this rank's model and optimizer,
-    resharding onto the strategy's current layout (called on every rank)."""
-    state = {k: v for k, v in strategy.sharded_state(model, optimizer).items() if k in keys}
-    if not state:
-        return
-    dcp.load(state, checkpoint_id=folder)
-    strategy.load_sharded_state(model, optimizer, state)
+def write_shards(
+    strategy: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> FileWriter:
+    """A writer of this rank's shards (`Strategy.save_shards`); every rank writes the same path."""
+    return lambda path: strategy.save_shards(path, model, optimizer)
 
 
 def full_model_state(folder: str) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
-from llmfoundry.checkpoint.sharded import SHARDED_KEYS, load_sharded, write_sharded
+from llmfoundry.checkpoint.sharded import SHARDED_KEYS, write_shards
 from llmfoundry.rng import rng_state
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
@@ -107,7 +107,7 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
     files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
     run = run_state(state, logger)
     if strategy.sharded_checkpoints:
-        files[SHARDED_DIR] = write_sharded(strategy.sharded_state(state.model, state.optimizer))
+        files[SHARDED_DIR] = write_shards(strategy, state.model, state.optimizer)
     else:
         weights = model_weights(strategy.model_state_dict(state.model))
         run["optimizer"] = strategy.optimizer_state_dict(state.model, state.optimizer)
@@ -168,7 +168,7 @@ def restore(
     if checkpoint.model is None:  # sharded: model and optimizer come from its shards
         keys = [k for k in SHARDED_KEYS if k not in ignore]
         try:
-            load_sharded(f"{where}/{SHARDED_DIR}", strategy, state.model, state.optimizer, keys)
+            strategy.load_shards(f"{where}/{SHARDED_DIR}", state.model, state.optimizer, keys)
         except (RuntimeError, ValueError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its shards do not fit this model and optimizer "

@@ -8,11 +8,13 @@ from llmfoundry.distributed.base import (
     unwrap_model,
 )
 from llmfoundry.distributed.ddp import DDP
+from llmfoundry.distributed.deepspeed import DeepSpeed
 from llmfoundry.distributed.fsdp import FSDP
 from llmfoundry.distributed.single import SingleDevice
 
 __all__ = [
     "DDP",
+    "DeepSpeed",
     "FSDP",
     "OutOfMemoryElsewhere",
     "SingleDevice",

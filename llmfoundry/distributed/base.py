@@ -8,10 +8,13 @@ implement the same interface, so neither the trainer nor checkpoints branch on w
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -100,6 +103,13 @@ class Strategy:
         """Materialize a model built on the meta device, initialize it, and wrap it."""
         raise NotImplementedError
 
+    def wrap_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Hand the prepared model and the optimizer built on its parameters to an engine that
+        owns the optimizer step (DeepSpeed); returns what the loop trains and steps."""
+        return model, optimizer
+
     # ------------------------------------------------------------------ the training step
     def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
         """Wrap one microbatch's forward and backward; with `sync=False` gradients stay local.
@@ -168,6 +178,27 @@ class Strategy:
         set_optimizer_state_dict(
             model, optimizer, state, options=StateDictOptions(full_state_dict=full)
         )
+
+    def save_shards(
+        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Write this rank's shards of model and optimizer into the folder `path` (a collective:
+        every rank calls it with the same path); torch.distributed.checkpoint by default."""
+        dcp.save(self.sharded_state(model, optimizer), checkpoint_id=str(path))
+
+    def load_shards(
+        self,
+        path: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        keys: Collection[str] = ("model", "optimizer"),
+    ) -> None:
+        """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
+        strategy whose state DCP can reshard), onto this rank's current layout."""
+        state = {k: v for k, v in self.sharded_state(model, optimizer).items() if k in keys}
+        if state:
+            dcp.load(state, checkpoint_id=path)
+            self.load_sharded_state(model, optimizer, state)
 
     def sharded_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer

@@ -25,7 +25,6 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -140,28 +139,9 @@ class FSDP(ProcessGroupStrategy):
         self._units = [*plan.blocks, model]
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
-            with self._rank0_generator(), _WholeTensorInit():
+            with self.rank0_generator(), _WholeTensorInit():
                 model.init_weights()
         return model
-
-    @contextmanager
-    def _rank0_generator(self):
-        """Run with rank 0's random generator state on every rank (rank 0 advances its own,
-        as one process would; the others use a copy and keep theirs)."""
-        cuda = self.device.type == "cuda"
-        states = [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if cuda else [])]
-        for state in states:
-            on_device = state.to(self.device)
-            dist.broadcast(on_device, src=0)
-            state.copy_(on_device.cpu())
-        if self.rank == 0:
-            yield
-            return
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            torch.set_rng_state(states[0])
-            if cuda:
-                torch.cuda.set_rng_state(states[1])
-            yield
 
     # ------------------------------------------------------------------ the training step
     def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:

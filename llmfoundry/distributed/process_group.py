@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -70,6 +72,26 @@ class ProcessGroupStrategy(Strategy):
             timeout=self.timeout,
         )
         self._owns_group = True
+
+    @contextmanager
+    def rank0_generator(self) -> Iterator[None]:
+        """Run with rank 0's random generator state on every rank (rank 0 advances its own,
+        as one process would; the others use a copy and keep theirs): initializing a model
+        inside gives every rank the weights one process would have drawn."""
+        cuda = self.device.type == "cuda"
+        states = [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if cuda else [])]
+        for state in states:
+            on_device = state.to(self.device)
+            dist.broadcast(on_device, src=0)
+            state.copy_(on_device.cpu())
+        if self.rank == 0:
+            yield
+            return
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(states[0])
+            if cuda:
+                torch.cuda.set_rng_state(states[1])
+            yield
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -77,6 +77,7 @@ class Trainer:
         opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
             group.setdefault("initial_lr", group["lr"])
+        prepared, opt = self.strategy.wrap_optimizer(prepared, opt)
         self.schedule = scheduler
         self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)

@@ -174,3 +174,31 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
 
 def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:
     return resume_run(SingleDevice("cpu"), mds, folder, **kwargs)
+
+
+def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
+    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed."""
+    from llmfoundry.distributed import DeepSpeed
+
+    torch.set_num_threads(1)
+    # DeepSpeed caches its process groups for the life of the process, so all runs share one
+    # (each strategy finds it initialized and leaves it); `owner` creates and destroys it.
+    join(rank, world, ports[0])
+    owner = DDP("cpu", timeout_s=60)
+    owner.setup()
+    result: dict[str, dict] = {}
+    for stage in (1, 2, 3):
+        recorder = parity_run(
+            DeepSpeed(stage, "cpu", timeout_s=60), rank, world, device_train_microbatch_size=1
+        )
+        result[f"zero{stage}"] = {"losses": recorder.losses}
+    for name, kwargs in (
+        ("zero3_straight", {}),
+        ("zero3_saved", {"stop_at": STOP_AT}),
+        ("zero3_resumed", {"load": f"{out}/zero3_saved"}),
+    ):
+        recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    owner.teardown()
+    torch.save(result, Path(out) / f"rank{rank}.pt")

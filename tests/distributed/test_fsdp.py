@@ -42,6 +42,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def spawn(main, out, mds: str, n_ports: int) -> list[dict]:
+    """Run `main` on two spawned ranks; a hang (ranks waiting on each other) fails the test."""
+    ports = [free_port() for _ in range(n_ports)]
+    context = mp.start_processes(
+        main, args=(WORLD, ports, str(out), mds), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + LIMIT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"two-rank runs did not finish within {LIMIT_S} s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
 def single_reference(tmp_path) -> Recorder:
     batches = global_batches()
     recorder = Recorder()
@@ -67,18 +82,7 @@ def runs(tmp_path_factory):
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
         "saved": resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT),
     }
-    ports = [free_port() for _ in range(len(PARITY) + 7)]
-    context = mp.start_processes(
-        rank_main, args=(WORLD, ports, str(out), mds), nprocs=WORLD, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + LIMIT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"two-rank FSDP runs did not finish within {LIMIT_S} s")
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = spawn(rank_main, out, mds, n_ports=len(PARITY) + 7)
     single["from_fsdp"] = resume_run(
         SingleDevice("cpu"), mds, str(out / "single_from_fsdp"), load=str(out / "fsdp_saved")
     )
