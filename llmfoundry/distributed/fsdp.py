@@ -164,8 +164,16 @@ class FSDP(ProcessGroupStrategy):
 
     def abandon_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Also reset FSDP's per-step state (gathered blocks, half-run hooks) after a forward
-        or backward that an out-of-memory error cut short."""
+        or backward that an out-of-memory error cut short, and drop the gradients a cut-short
+        backward left on gathered (unsharded) parameters: FSDP would otherwise add them into
+        the next reduce-scatter. torch has no public call for the latter (2.13)."""
         model.reset_iter_state()
+        for unit in self._units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if getattr(param, "_unsharded_param", None) is not None:
+                        param._unsharded_param.grad = None
         super().abandon_step(model, optimizer)
 
     def _agree_before_forward(self, *_: Any) -> None:

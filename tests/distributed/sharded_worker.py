@@ -72,21 +72,29 @@ class StopAt(Callback):
         state.stop_training = state.stop_training or state.timestamp.batch == self.batch
 
 
-class OutOfMemoryMidForward(Algorithm):
-    """On one rank, the second block's forward runs out of memory for microbatches larger than
-    `limit`: after the first blocks' all-gathers, while the other rank goes on gathering."""
+class OutOfMemoryInBlock(Algorithm):
+    """On one rank, a block runs out of memory for microbatches larger than `limit`:
+    ``"forward"`` in the second block's forward (after the first blocks' all-gathers, while the
+    other rank goes on gathering), ``"backward"`` as the first block's backward starts (after
+    the second block's reduce-scatter, while the other rank heads for the first block's)."""
 
-    def __init__(self, rank: int, limit: int) -> None:
-        self.rank, self.limit, self.raised = rank, limit, 0
+    def __init__(self, rank: int, limit: int, where: str) -> None:
+        self.rank, self.limit, self.where, self.raised = rank, limit, where, 0
+        self._size = 0
 
     def match(self, event, state):
-        return event is Event.FIT_START and state.rank == self.rank
+        return event in (Event.FIT_START, Event.BEFORE_FORWARD) and state.rank == self.rank
 
     def apply(self, event, state, logger):
-        state.model.transformer.blocks[1].register_forward_hook(self._hook)
+        if event is Event.BEFORE_FORWARD:
+            self._size = state.batch["input_ids"].shape[0]
+        elif self.where == "forward":
+            state.model.transformer.blocks[1].register_forward_hook(self._raise)
+        else:
+            state.model.transformer.blocks[0].register_full_backward_pre_hook(self._raise)
 
-    def _hook(self, module, args, output):
-        if torch.is_grad_enabled() and args[0].shape[0] > self.limit:
+    def _raise(self, *_):
+        if self._size > self.limit:
             self.raised += 1
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
@@ -147,16 +155,17 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         recorder = parity_run(strategy, rank, world)
         record(name, recorder, initial=recorder.initial)
 
+    for where in ("forward", "backward"):
+        join(rank, world, next(ports))
+        oom = OutOfMemoryInBlock(rank=1, limit=1, where=where)
+        recorder = parity_run(
+            FSDP("cpu", timeout_s=60), rank, world, device_train_microbatch_size="auto",
+            algorithms=[oom],
+        )  # fmt: skip
+        record(f"fsdp_auto_oom_in_{where}", recorder, raised=oom.raised)
+
     join(rank, world, next(ports))
-    oom = OutOfMemoryMidForward(rank=1, limit=1)
-    recorder = parity_run(
-        FSDP("cpu", timeout_s=60),
-        rank,
-        world,
-        device_train_microbatch_size="auto",
-        algorithms=[oom],
-    )
-    record("fsdp_auto", recorder, raised=oom.raised)
+    record("fsdp_bf16", parity_run(FSDP("cpu", timeout_s=60, mixed_precision="bf16"), rank, world))
 
     for name, make, kwargs in (
         ("fsdp_straight", FSDP, {}),
