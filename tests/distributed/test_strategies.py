@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmfoundry.build import per_rank_batch
+from llmfoundry.data.streaming import World
 from llmfoundry.distributed import FSDP
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
@@ -52,3 +53,13 @@ def test_the_mpt_plan_names_its_blocks_and_other_models_have_none():
     assert parallel_plan(model).blocks == list(model.transformer.blocks)
     with pytest.raises(ValueError, match="no parallelization plan for Linear"):
         parallel_plan(torch.nn.Linear(2, 2))
+
+
+def test_the_data_partition_comes_from_the_strategy_not_the_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    world = World.detect((1, 2))
+    assert (world.rank, world.world_size) == (1, 2)
+    assert (World.detect().rank, World.detect().world_size) == (0, 4)
+    with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        World.detect((2, 2))
