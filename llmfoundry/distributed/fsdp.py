@@ -105,6 +105,8 @@ class FSDP(ProcessGroupStrategy):
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.mesh: DeviceMesh | None = None
+        # The sharded modules (the plan's blocks, then the root), set by `prepare`.
+        self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
 
     def setup(self) -> None:
