@@ -12,11 +12,12 @@ loss by 1e-3 or more).
 """
 
 import functools
+import runpy
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import safetensors.torch
@@ -161,10 +162,9 @@ def test_convert_sharded_checkpoint_to_one_safetensors_file(runs, tmp_path_facto
     base = next(tmp_path_factory.getbasetemp().glob("fsdp*"))
     written = tmp_path / "model.safetensors"
     script = Path(__file__).parents[2] / "scripts" / "convert_checkpoint.py"
-    subprocess.run(
-        [sys.executable, str(script), str(base / "fsdp_saved"), str(written)],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+    argv = [str(script), str(base / "fsdp_saved"), str(written)]
+    with mock.patch.object(sys, "argv", argv):  # the CLI, in this process (no second import)
+        runpy.run_path(str(script), run_name="__main__")
     merged = safetensors.torch.load_file(written)
     # The one-process run at the same batch holds the same weights (up to summation order).
     single = safetensors.torch.load_file(base / "single_saved" / f"ep0-ba{STOP_AT}" / MODEL_FILE)
