@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -64,6 +65,17 @@ class Recorder(Callback):
         self.losses.append(state.train_loss)
 
 
+class SigtermAt(Callback):
+    """Rank 1 gets SIGTERM (as from a scheduler preempting the job) at the end of a batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def batch_end(self, state, logger) -> None:
+        if state.rank == 1 and state.timestamp.batch == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class StopAt(Callback):
     def __init__(self, batch: int) -> None:
         self.batch = batch
@@ -117,9 +129,15 @@ def parity_run(strategy: Strategy, rank: int, world: int, **kwargs) -> Recorder:
 
 
 def resume_run(
-    strategy: Strategy, mds: str, folder: str, stop_at: int | None = None, load: str | None = None
+    strategy: Strategy,
+    mds: str,
+    folder: str,
+    stop_at: int | None = None,
+    load: str | None = None,
+    sigterm_at: int | None = None,
 ) -> Recorder:
-    """Training on the real data pipeline, its partition taken from the strategy."""
+    """Training on the real data pipeline, its partition taken from the strategy; stopped
+    after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption)."""
     data = DataConfig(remote=mds, shuffle_seed=5, shuffle_block_size=8, eval_split=None)
     recorder = Recorder()
     loader = build_dataloader(
@@ -132,7 +150,12 @@ def resume_run(
         train_dataloader=loader,
         max_duration=f"{RESUME_BATCHES}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=3e-3, weight_decay=1e-2),
-        callbacks=[recorder, *([StopAt(stop_at)] if stop_at else []), CheckpointSaver(folder)],
+        callbacks=[
+            recorder,
+            *([StopAt(stop_at)] if stop_at else []),
+            *([SigtermAt(sigterm_at)] if sigterm_at else []),
+            CheckpointSaver(folder),
+        ],
         run_dir=folder,
         load_path=load,
     ).fit()
@@ -174,6 +197,8 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("ddp_saved", DDP, {"stop_at": STOP_AT}),
         ("fsdp_from_ddp", FSDP, {"load": f"{out}/ddp_saved"}),
         ("fsdp_from_single", FSDP, {"load": f"{out}/single_saved"}),
+        ("fsdp_preempted", FSDP, {"sigterm_at": STOP_AT}),
+        ("fsdp_after_preemption", FSDP, {"load": f"{out}/fsdp_preempted"}),
     ):
         join(rank, world, next(ports))
         folder = f"{out}/{name}"

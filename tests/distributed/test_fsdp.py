@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
         "saved": resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT),
     }
-    ranks = spawn(rank_main, out, mds, n_ports=len(PARITY) + 9)
+    ranks = spawn(rank_main, out, mds, n_ports=len(PARITY) + 11)
     single["from_fsdp"] = resume_run(
         SingleDevice("cpu"), mds, str(out / "single_from_fsdp"), load=str(out / "fsdp_saved")
     )
@@ -148,6 +148,17 @@ def test_resume_at_another_world_size_and_strategy(runs, resumed):
     assert len(losses) == RESUME_BATCHES - STOP_AT
     assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
     assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def test_sigterm_on_one_rank_saves_a_sharded_checkpoint_that_resumes(runs):
+    _, ranks = runs
+    for rank in ranks:  # both ranks stopped after the batch the signal arrived in
+        assert len(rank["fsdp_preempted"]["losses"]) == STOP_AT
+        resumed = rank["fsdp_after_preemption"]
+        assert resumed["losses"] == pytest.approx(
+            rank["fsdp_straight"]["losses"][STOP_AT:], rel=RTOL
+        )
+        assert resumed["ids"] == rank["fsdp_straight"]["ids"][STOP_AT:]
 
 
 def test_fsdp_checkpoint_is_sharded(runs, tmp_path_factory):
