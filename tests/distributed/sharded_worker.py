@@ -135,6 +135,7 @@ def resume_run(
     stop_at: int | None = None,
     load: str | None = None,
     sigterm_at: int | None = None,
+    load_ignore_keys: tuple[str, ...] = (),
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption)."""
@@ -158,6 +159,7 @@ def resume_run(
         ],
         run_dir=folder,
         load_path=load,
+        load_ignore_keys=load_ignore_keys,
     ).fit()
     return recorder
 
@@ -212,7 +214,8 @@ def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:
 
 def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
-    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed."""
+    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, and one
+    started from a one-process checkpoint's weights."""
     from llmfoundry.distributed import DeepSpeed
 
     torch.set_num_threads(1)
@@ -231,6 +234,8 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
         ("zero3_straight", {}),
         ("zero3_saved", {"stop_at": STOP_AT}),
         ("zero3_resumed", {"load": f"{out}/zero3_saved"}),
+        # A full (safetensors) checkpoint's weights into ZeRO-3's partitioned parameters.
+        ("zero3_from_single", {"load": f"{out}/single_saved", "load_ignore_keys": ("optimizer",)}),
     ):
         recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}

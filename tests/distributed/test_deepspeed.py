@@ -2,16 +2,22 @@
 losses as one process (tolerance and why: test_fsdp.py); a ZeRO-3 checkpoint (DeepSpeed's own
 plus our trainer state) resumes exactly."""
 
+import importlib.util
+
 import pytest
 import torch
 
-from llmfoundry.distributed import DeepSpeed
+from llmfoundry.distributed import DeepSpeed, SingleDevice
 from tests.checkpoint.helpers import write_mds
 
-from .sharded_worker import STOP_AT, deepspeed_rank_main
+from .sharded_worker import STOP_AT, deepspeed_rank_main, resume_run
 from .test_fsdp import RTOL, single_reference, spawn
 
-pytest.importorskip("deepspeed", reason="the deepspeed strategies need pip install deepspeed")
+# find_spec, not importorskip: importing DeepSpeed here would cost seconds for nothing.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="the deepspeed strategies need pip install 'llmfoundry[deepspeed]'",
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,25 +25,35 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
     mds = str(write_mds(out / "mds", {"train": 32}))
     reference = single_reference(out)
+    straight = resume_run(SingleDevice("cpu"), mds, str(out / "single_straight"))
+    resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT)
     ranks = spawn(deepspeed_rank_main, out, mds, n_ports=1)
-    return reference, ranks
+    return reference, ranks, straight
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_gives_the_losses_of_one_process(runs, stage):
-    reference, ranks = runs
+    reference, ranks, _ = runs
     for rank in ranks:
         assert rank[f"zero{stage}"]["losses"] == pytest.approx(reference.losses, rel=RTOL)
 
 
 def test_zero3_checkpoint_resumes_the_same_run(runs):
-    _, ranks = runs
+    _, ranks, _ = runs
     for rank in ranks:
         assert len(rank["zero3_resumed"]["losses"]) == len(rank["zero3_straight"]["losses"]) - 2
         assert rank["zero3_resumed"]["losses"] == pytest.approx(
             rank["zero3_straight"]["losses"][STOP_AT:], rel=RTOL
         )
         assert rank["zero3_resumed"]["ids"] == rank["zero3_straight"]["ids"][STOP_AT:]
+
+
+def test_full_checkpoint_weights_load_into_zero3(runs):
+    _, ranks, straight = runs
+    # The first step after loading runs on the loaded weights alone (the optimizer starts
+    # afresh), so its loss is the one-process run's at that step.
+    first = ranks[0]["zero3_from_single"]["losses"][0]
+    assert first == pytest.approx(straight.losses[STOP_AT], rel=RTOL)
 
 
 def test_deepspeed_config_is_built_from_ours(monkeypatch):
