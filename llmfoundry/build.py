@@ -23,21 +23,20 @@ from llmfoundry.trainer import Trainer
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
     strategy = instantiate(cfg.strategy)
-    if settings.global_train_batch_size % strategy.world_size:
-        raise ValueError(
-            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
-            f"{strategy.world_size} training processes"
-        )
-    device_batch = settings.global_train_batch_size // strategy.world_size
+    device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
+    # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
+    data_parallel = (strategy.dp_rank, strategy.dp_size)
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len
     # Built without memory; the strategy materializes it and initializes it from `seed`.
     model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
 
     data = instantiate(cfg.data)
-    train_loader = build_dataloader(data, data.train_split, device_batch, seq_len)
+    train_loader = build_dataloader(
+        data, data.train_split, device_batch, seq_len, data_parallel=data_parallel
+    )
     eval_batch = settings.device_eval_batch_size or device_batch
-    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len)
+    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len, data_parallel)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}
@@ -77,4 +76,17 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         config=OmegaConf.to_container(cfg, resolve=True),
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
+    )
+
+
+def per_rank_batch(global_batch: int, dp_size: int) -> int:
+    """Samples per data-parallel rank; a global batch `dp_size` does not divide is refused
+    (before any model is built) with the nearest sizes that work."""
+    if global_batch % dp_size == 0:
+        return global_batch // dp_size
+    below, above = global_batch // dp_size * dp_size, (global_batch // dp_size + 1) * dp_size
+    nearest = " or ".join(str(n) for n in (below, above) if n > 0)
+    raise ValueError(
+        f"global_train_batch_size={global_batch} is not divisible by the {dp_size} data-parallel "
+        f"ranks; use {nearest}"
     )

@@ -6,7 +6,6 @@ num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
 
 from llmfoundry.checkpoint.io import latest_checkpoint, prune, read_checkpoint, read_latest
 from llmfoundry.checkpoint.preemption import Preemption
-from llmfoundry.checkpoint.rng import load_rng_state, rng_state
 from llmfoundry.checkpoint.state_dict import (
     LOADABLE_KEYS,
     WEIGHTS_ONLY,
@@ -20,8 +19,6 @@ __all__ = [
     "WEIGHTS_ONLY",
     "Preemption",
     "check_ignore_keys",
-    "load_rng_state",
-    "rng_state",
     "latest_checkpoint",
     "load_checkpoint",
     "prune",

@@ -4,7 +4,8 @@ A save folder holds checkpoints and a pointer to the newest complete one::
 
     <save_folder>/latest            one line: the name of the newest complete checkpoint
     <save_folder>/ep0-ba200/        a checkpoint, named by the epoch and batch it was taken at
-        model.safetensors           model weights (written by rank 0)
+        model.safetensors           model weights (written by rank 0), or
+        sharded/                    model and optimizer shards of every rank (sharded.py)
         state.pt                    the rest of the run (rank 0; contents: state_dict.py)
         rng-rank<r>.pt              each rank's random generator states
 
@@ -43,6 +44,7 @@ from llmfoundry.utils.files import FileWriter, atomic_write, fsync_path, join_ur
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
+SHARDED_DIR = "sharded"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
 _STAGING = re.compile(r"^\.(ep\d+-ba\d+)\.(staging|old)$")
@@ -93,7 +95,7 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
         with tempfile.TemporaryDirectory(prefix="llmfoundry-ckpt-") as tmp:
             for filename, write in files.items():
                 write(Path(tmp) / filename)
-                fs.put_file(str(Path(tmp) / filename), f"{target}/{filename}")
+                fs.put(str(Path(tmp) / filename), f"{target}/{filename}", recursive=True)
         _barrier()
     if rank == 0:
         _write_latest(fs, root, name)
@@ -178,10 +180,11 @@ def _batch_epoch(name: str) -> tuple[int, int]:
 
 @dataclass
 class Checkpoint:
-    """What one rank reads back: the weights, the run state, and its own RNG states if saved."""
+    """What one rank reads back: the weights (None in a sharded checkpoint, whose weights
+    sharded.py loads), the run state, and its own RNG states if saved."""
 
     path: str
-    model: dict[str, torch.Tensor]
+    model: dict[str, torch.Tensor] | None
     state: dict[str, Any]
     rng: dict[str, Any] | None
 
@@ -205,10 +208,14 @@ def read_checkpoint(path: str, rank: int) -> Checkpoint:
     """Read the checkpoint at `path` (see `resolve`) for `rank`, never unpickling objects."""
     path = resolve(path)
     fs, root = storage.url_to_fs(path)
-    missing = [f for f in (MODEL_FILE, STATE_FILE) if not fs.exists(join_url(root, f))]
+    sharded = fs.exists(join_url(root, SHARDED_DIR))
+    expected = (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE)
+    missing = [f for f in expected if not fs.exists(join_url(root, f))]
     if missing:
         raise FileNotFoundError(f"checkpoint {path!r} is incomplete: {', '.join(missing)} missing")
-    if isinstance(fs, LocalFileSystem):
+    if sharded:
+        model = None
+    elif isinstance(fs, LocalFileSystem):
         model = safetensors.torch.load_file(join_url(root, MODEL_FILE))
     else:
         model = safetensors.torch.load(fs.cat_file(join_url(root, MODEL_FILE)))

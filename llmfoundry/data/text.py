@@ -370,6 +370,7 @@ def build_dataloader(
     max_seq_len: int | None,
     *,
     shuffle: bool | None = None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> StreamingDataLoader:
     """This rank's loader of ``split`` (see the module docstring for the trainer contract).
 
@@ -379,6 +380,8 @@ def build_dataloader(
         batch_size: samples per rank per batch.
         max_seq_len: cut longer rows to this many tokens; None keeps them whole.
         shuffle: override; default ``cfg.shuffle`` for the training split, False otherwise.
+        data_parallel: (rank, size) among the data-parallel readers (the strategy's); default
+            torchrun's RANK and WORLD_SIZE.
     """
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
@@ -405,6 +408,7 @@ def build_dataloader(
         allow_unsafe=cfg.allow_unsafe,
         max_seq_len=max_seq_len,
         eos_id=cfg.eos_id(),
+        data_parallel=data_parallel,
     )
     return StreamingDataLoader(
         dataset,
@@ -416,13 +420,22 @@ def build_dataloader(
 
 
 def build_eval_dataloaders(
-    cfg: DataConfig, batch_size: int, max_seq_len: int | None
+    cfg: DataConfig,
+    batch_size: int,
+    max_seq_len: int | None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> dict[str, StreamingDataLoader]:
     """Every evaluation loader by label: the main data's `eval_split`, then `eval_datasets`."""
     if not cfg.eval_split:
         return {}
-    loaders = {cfg.eval_split: build_dataloader(cfg, cfg.eval_split, batch_size, max_seq_len)}
+    loaders = {
+        cfg.eval_split: build_dataloader(
+            cfg, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+        )
+    }
     for label, remote in (cfg.eval_datasets or {}).items():
         other = replace(cfg, remote=remote, local=None, streams=None, eval_datasets=None)
-        loaders[label] = build_dataloader(other, cfg.eval_split, batch_size, max_seq_len)
+        loaders[label] = build_dataloader(
+            other, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+        )
     return loaders
