@@ -18,16 +18,26 @@ from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils.errors import UserError
+
+
+def check_batch_divides(global_batch: int, world_size: int) -> None:
+    """Each process trains on an equal slice of the global batch; name the nearest sizes that work."""
+    if global_batch % world_size == 0:
+        return
+    below = global_batch - global_batch % world_size
+    sizes = " or ".join(str(n) for n in (below, below + world_size) if n > 0)
+    raise UserError(
+        f"global_train_batch_size={global_batch} is not divisible by the {world_size} training "
+        f"processes; use global_train_batch_size={sizes}, or launch a number of processes "
+        f"that divides {global_batch}"
+    )
 
 
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
     strategy = instantiate(cfg.strategy)
-    if settings.global_train_batch_size % strategy.world_size:
-        raise ValueError(
-            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
-            f"{strategy.world_size} training processes"
-        )
+    check_batch_divides(settings.global_train_batch_size, strategy.world_size)
     device_batch = settings.global_train_batch_size // strategy.world_size
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len

@@ -5,10 +5,14 @@
     torchrun --nproc_per_node=8 scripts/train.py model=mpt-1b ...
 
 Every value in conf/ can be overridden as key=value; `--cfg job` prints the composed config.
+A problem with the config or the inputs (a missing data folder, strategy=ddp without torchrun)
+is one line on stderr and exit status 2; `--debug` (or LLMFOUNDRY_DEBUG=1) shows its traceback.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,19 +23,35 @@ from omegaconf import DictConfig
 from llmfoundry.build import build_trainer
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
+from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# What Hydra and logging put in a run folder before training starts; a run that fails with
+# nothing else there leaves no folder behind (`make plot` would pick it as the latest run).
+_SETUP_ONLY = {".hydra", "train.log"}
+DEBUG = False
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_dir = HydraConfig.get().runtime.output_dir
-    configure_logging(Path(run_dir) / "train.log")  # the console's lines, kept in the run folder
-    build_trainer(cfg, run_dir).fit()
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
+    try:
+        with exit_on_user_error(DEBUG):
+            trainer = build_trainer(cfg, run_dir)
+    except SystemExit:
+        if {p.name for p in run_dir.iterdir()} <= _SETUP_ONLY:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    with exit_on_user_error(DEBUG):
+        trainer.fit()
 
 
 if __name__ == "__main__":
+    sys.argv[1:], DEBUG = split_debug_flag(sys.argv[1:])
+    if DEBUG:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own report keeps the whole traceback
     register_resolvers()
-    preflight(sys.argv[1:], CONF_DIR)
+    preflight(sys.argv[1:], CONF_DIR, debug=DEBUG)
     main()

@@ -20,11 +20,13 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmfoundry.utils.errors import UserError
+
 # Keys Hydra's instantiate understands in any node that has a _target_.
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config problem, with the dotted key it concerns."""
 
     def __init__(self, key: str, message: str) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from llmfoundry.distributed.single import Strategy, materialize, resolve_device
+from llmfoundry.utils.errors import UserError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds given to gloo's worker threads around destroying the process group (see teardown).
@@ -62,7 +63,7 @@ class DDP(Strategy):
     ) -> None:
         missing = [key for key in _ENV if key not in os.environ]
         if missing:
-            raise ValueError(
+            raise UserError(
                 f"strategy=ddp needs the torchrun environment, but {', '.join(missing)} "
                 "is not set: launch with `torchrun --nproc_per_node=N scripts/train.py "
                 "strategy=ddp ...`, or use strategy=single for one process"

@@ -11,6 +11,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from llmfoundry.utils.errors import UserError
+
 
 def resolve_device(device: str) -> torch.device:
     """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
@@ -18,7 +20,7 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise UserError(
             f"strategy.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'"
         )
     return resolved

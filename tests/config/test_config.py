@@ -120,3 +120,18 @@ def test_config_error_from_omegaconf_interpolation():
     cfg = OmegaConf.merge(cfg, {"tokenizer": "${missing_key}"})
     with pytest.raises(ConfigError):
         validate_config(cfg)
+
+
+def test_max_duration_in_dur_is_refused():
+    message = error_for("max_duration=0.5dur")
+    assert message.startswith("max_duration: ") and "'dur'" in message and "ba" in message
+
+
+@pytest.mark.parametrize("key", ["eval_interval", "save_interval"])
+def test_zero_interval_is_refused(key):
+    message = error_for(f"{key}=0ba")
+    assert message.startswith(f"{key}: ") and "null" in message
+
+
+def test_time_strings_with_underscores_and_compound_wall_clock_are_valid():
+    check(CONF, ["max_duration=1h30m", "eval_interval=4_000tok", "scheduler.t_warmup=1_000tok"])
