@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp
+from llmfoundry.trainer.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class EarlyStopper(Callback):
         monitor: str = "eval/val/loss",
         comparison: Literal["min", "max"] = "min",
         min_delta: float = 0.0,
-        patience: str = "1ep",
+        patience: TimeString = "1ep",
     ) -> None:
         if monitor != TRAIN_LOSS and not monitor.startswith("eval/"):
             raise ValueError(

@@ -62,11 +62,8 @@ def _explain(
     parent_key, _, name = key.rpartition(".")
     rest = [o for o in overrides if not o.lstrip("+~").startswith(f"{key}=")]
     try:
-        parent = (
-            OmegaConf.select(compose_config(config_dir, rest, config_name), parent_key)
-            if parent_key
-            else None
-        )
+        root = compose_config(config_dir, rest, config_name)
+        parent = OmegaConf.select(root, parent_key) if parent_key else root
     except HydraException:
         parent = None
     if not isinstance(parent, DictConfig):

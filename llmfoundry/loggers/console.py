@@ -11,7 +11,7 @@ from typing import Any
 
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp
+from llmfoundry.trainer.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 class ConsoleLogger(LoggerDestination):
-    def __init__(self, log_interval: str = "10ba") -> None:
+    def __init__(self, log_interval: TimeString = "10ba") -> None:
         self.log_interval = Time.parse(log_interval)
         self._pending: dict[str, float] = {}
         self._before: Timestamp = Timestamp()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Annotated
 
 
 class TimeUnit(str, Enum):
@@ -95,6 +96,11 @@ class Time:
 
     def __str__(self) -> str:
         return f"{self.value:g}{self.unit.value}"
+
+
+# A config value holding a Time string: the config check parses it before the run starts
+# (llmfoundry/config/schema.py), so `t_warmup=abc` fails in the first second, not at step 1.
+TimeString = Annotated[str, Time.parse]
 
 
 @dataclass
