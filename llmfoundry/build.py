@@ -18,6 +18,7 @@ from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 
 
@@ -36,6 +37,8 @@ def check_batch_divides(global_batch: int, world_size: int) -> None:
 
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
+    # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
+    storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
     check_batch_divides(settings.global_train_batch_size, strategy.world_size)
     device_batch = settings.global_train_batch_size // strategy.world_size

@@ -10,6 +10,7 @@ from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.utils.errors import MissingInput
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ class Generate(Callback):
         try:
             self.tokenizer = load_tokenizer(tokenizer)
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
                 "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
                 "leave out the samples with "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from llmfoundry.checkpoint import check_ignore_keys
 from llmfoundry.trainer.time import Time, TimeUnit
+from llmfoundry.utils.storage import parse_settings
 
 # Config groups under conf/, each selected in train.yaml's defaults list.
 GROUPS = (
@@ -55,8 +56,12 @@ class TrainSettings:
     load_ignore_keys: list[str] = field(default_factory=list)
     # Continue from <save_folder>/latest when it exists: rerun the same command after a crash.
     autoresume: bool = False
+    # Object-store settings for every remote read and write (llmfoundry/utils/storage.py):
+    # {options: {endpoint_url: ..., profile: ...}, overrides: {"s3://bucket/": {...}}}.
+    storage: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        parse_settings(self.storage)
         for key in ("max_duration", "eval_interval", "save_interval"):
             value = getattr(self, key)
             if value is not None:
