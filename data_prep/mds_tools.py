@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         "--subfolders", nargs="*", help="sub-folders to merge, in order (default: all, sorted)"
     )
     merge.set_defaults(func=_merge)
-    add_script_arguments(parser)
+    for command in (verify, merge):
+        add_script_arguments(command)
     args = parser.parse_args(argv)
     configure_logging()
     with script_errors(args, also=(ValueError, FileNotFoundError)):
