@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from llmfoundry.build import build_trainer
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
+from llmfoundry.config.run_files import write_run_config
 from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
@@ -35,8 +36,10 @@ DEBUG = False
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
+    write_run_config(run_dir, cfg, hydra_cfg, hydra_cfg.overrides.task)
     try:
         with exit_on_user_error(DEBUG):
             trainer = build_trainer(cfg, run_dir)

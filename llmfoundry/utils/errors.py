@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
+from llmfoundry.utils.secrets import redact_urls
+
 __all__ = [
     "DEBUG_ENV",
     "DEBUG_FLAG",
@@ -76,7 +78,7 @@ def exit_on_user_error(
         found = find_user_error(err, also)
         if debug or found is None:
             raise
-        message = " ".join(str(found).split()) or type(found).__name__
+        message = redact_urls(" ".join(str(found).split())) or type(found).__name__
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
         raise SystemExit(EXIT_USAGE) from None
