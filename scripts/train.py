@@ -52,6 +52,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # `_target_: my_callbacks.MyCallback` finds my_callbacks.py in the folder the run is launched
+    # from, as `python -m` would; installed packages come first.
+    sys.path.append(os.getcwd())
     sys.argv[1:], DEBUG = split_debug_flag(sys.argv[1:])
     if DEBUG:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own report keeps the whole traceback
