@@ -62,7 +62,9 @@ class EarlyStopper(Callback):
                 f"run's eval sets are: {sets}; monitor one of them, or {TRAIN_LOSS!r}"
             )
 
-    def batch_end(self, state: State, logger: Logger) -> None:
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        # After BATCH_END, where the batch's metrics are printed, so the message follows them;
+        # before the checkpoint savers, which then save the stopping run.
         if self.monitor == TRAIN_LOSS:
             self._check(state, state.train_loss)
 

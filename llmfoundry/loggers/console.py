@@ -42,7 +42,9 @@ class ConsoleLogger(LoggerDestination):
             self._print(state, f"[batch {state.timestamp.batch}] {format_metrics(train)}")
             self._pending = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
 
-    def eval_after_all(self, state: State, logger: Logger) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
+        # Each eval set's line as soon as its metrics are in, so it comes before anything that
+        # acts on them at EVAL_AFTER_ALL (an early stopper's message refers to it).
         evals = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
         self._print(state, f"[eval @ batch {state.timestamp.batch}] {format_metrics(evals)}")
         self._pending = {k: v for k, v in self._pending.items() if not k.startswith("eval/")}
