@@ -22,26 +22,12 @@ from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 
 
-def check_batch_divides(global_batch: int, world_size: int) -> None:
-    """Each process trains on an equal slice of the global batch; name the nearest sizes that work."""
-    if global_batch % world_size == 0:
-        return
-    below = global_batch - global_batch % world_size
-    sizes = " or ".join(str(n) for n in (below, below + world_size) if n > 0)
-    raise UserError(
-        f"global_train_batch_size={global_batch} is not divisible by the {world_size} training "
-        f"processes; use global_train_batch_size={sizes}, or launch a number of processes "
-        f"that divides {global_batch}"
-    )
-
-
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
     # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
     storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
-    check_batch_divides(settings.global_train_batch_size, strategy.world_size)
-    device_batch = settings.global_train_batch_size // strategy.world_size
+    device_batch = per_rank_batch(settings.global_train_batch_size, strategy.world_size)
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len
     # Built without memory; the strategy materializes it and initializes it from `seed`.
@@ -90,4 +76,17 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         config=OmegaConf.to_container(cfg, resolve=True),
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
+    )
+
+
+def per_rank_batch(global_batch: int, dp_size: int) -> int:
+    """Samples per data-parallel rank; a global batch `dp_size` does not divide is refused
+    (before any model is built) with the nearest sizes that work."""
+    if global_batch % dp_size == 0:
+        return global_batch // dp_size
+    below, above = global_batch // dp_size * dp_size, (global_batch // dp_size + 1) * dp_size
+    nearest = " or ".join(str(n) for n in (below, above) if n > 0)
+    raise UserError(
+        f"global_train_batch_size={global_batch} is not divisible by the {dp_size} data-parallel "
+        f"ranks; use {nearest}"
     )
