@@ -10,7 +10,7 @@ from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
-from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,11 @@ class Generate(Callback):
                 "leave out the samples with "
                 "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
             ) from None
+        except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
+            raise UserError(
+                f"tokenizer={tokenizer!r} is not a readable tokenizer ({err}); point tokenizer= "
+                "at the tokenizer.json data_prep wrote next to the shards"
+            ) from err
         self.prompts = list(prompts)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature

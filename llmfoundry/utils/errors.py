@@ -7,12 +7,15 @@ names the problem, the path or key, and the fix; ``scripts/train.py`` and the ``
 scripts run under :func:`exit_on_user_error`, which prints that message on one line and exits
 with status 2, as config errors do. ``--debug`` on the command line, or ``LLMFOUNDRY_DEBUG=1``
 in the environment, lets the exception through with its traceback. Bugs (any other exception)
-always keep their traceback.
+always keep their traceback. A full disk, a quota, a read-only or forbidden path (`OSError` with
+one of `_ENVIRONMENT_FIXES`' error numbers) is the machine's state, not a bug, and is reported
+the same way with the path it concerns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -32,6 +35,13 @@ __all__ = [
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "LLMFOUNDRY_DEBUG"
 EXIT_USAGE = 2  # as argparse and the config check use
+# OSErrors that say what to fix on the machine, and the fix.
+_ENVIRONMENT_FIXES = {
+    errno.ENOSPC: "free space there or point the run at another folder",
+    errno.EDQUOT: "free space within the quota or point the run at another folder",
+    errno.EROFS: "the filesystem is read-only; point the run at a writable folder",
+    errno.EACCES: "give this user access or point the run at another folder",
+}
 
 
 class UserError(ValueError):
@@ -58,6 +68,9 @@ def find_user_error(
     while current is not None and id(current) not in seen:
         if isinstance(current, (UserError, *also)):
             return current
+        if isinstance(current, OSError) and current.errno in _ENVIRONMENT_FIXES:
+            where = f": {current.filename}" if current.filename else ""
+            return UserError(f"{current.strerror}{where}; {_ENVIRONMENT_FIXES[current.errno]}")
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None

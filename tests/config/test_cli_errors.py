@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ..checkpoint.helpers import write_mds
+
 pytestmark = pytest.mark.slow  # runs scripts in subprocesses; `make test-fast` skips it
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,3 +77,13 @@ def test_debug_shows_the_traceback(tmp_path, how):
     result = train(tmp_path, "strategy=ddp", *args, env=env)
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "strategy=ddp needs the torchrun" in result.stderr
+
+
+def test_invalid_tokenizer_file(tmp_path):
+    data = write_mds(tmp_path / "mds", {"train": 8, "val": 4})
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("not a tokenizer")
+    line = one_line_error(
+        train(tmp_path, f"data.remote={data}", f"tokenizer={bad}", "model.max_seq_len=16")
+    )
+    assert line.startswith(f"error: tokenizer='{bad}' is not a readable tokenizer")
