@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import fsspec
-import yaml
+from omegaconf import OmegaConf
 
 __all__ = [
     "configure",
@@ -109,9 +109,12 @@ def load_settings(spec: str) -> dict[str, Any]:
     """Storage settings from a YAML/JSON file, or given inline: ``'{options: {profile: r2}}'``."""
     text = open(spec, encoding="utf-8").read() if os.path.isfile(spec) else spec
     try:
-        settings = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"--storage {spec!r}: not a YAML/JSON file or mapping ({err})") from None
+        settings = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except Exception as err:  # YAML syntax errors of any kind
+        message = " ".join(str(err).split())
+        raise ValueError(
+            f"--storage {spec!r}: not a YAML/JSON file or mapping ({message})"
+        ) from None
     if not isinstance(settings, Mapping):
         raise ValueError(
             f"--storage {spec!r}: expected a file or a mapping such as "
