@@ -5,6 +5,8 @@
     torchrun --nproc_per_node=8 scripts/train.py model=mpt-1b ...
 
 Every value in conf/ can be overridden as key=value; `--cfg job` prints the composed config.
+Sweeps: `-m optimizer.lr=1e-3,3e-3 model.n_layers=2,4` (a grid), or an Optuna search space from
+conf/sweep/: `-m +sweep=tiny_lr` (README, Sweeps).
 A problem with the config or the inputs (a missing data folder, strategy=ddp without torchrun)
 is one line on stderr and exit status 2; `--debug` (or LLMFOUNDRY_DEBUG=1) shows its traceback.
 """
@@ -24,6 +26,7 @@ from llmfoundry.build import build_trainer
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
 from llmfoundry.config.run_files import write_run_config
+from llmfoundry.launch.sweeps import objective
 from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
@@ -35,7 +38,8 @@ DEBUG = False
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
+    """Train; return the final validation loss, which sweepers (-m, hydra/sweeper=optuna) minimise."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
@@ -48,7 +52,7 @@ def main(cfg: DictConfig) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     with exit_on_user_error(DEBUG):
-        trainer.fit()
+        return objective(trainer.fit())
 
 
 if __name__ == "__main__":

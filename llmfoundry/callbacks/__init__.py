@@ -6,6 +6,7 @@ from llmfoundry.callbacks.generate import Generate
 from llmfoundry.callbacks.lr_monitor import LRMonitor
 from llmfoundry.callbacks.memory_monitor import MemoryMonitor
 from llmfoundry.callbacks.nan_detector import NaNDetector
+from llmfoundry.callbacks.run_status import RunStatus
 from llmfoundry.callbacks.runtime_estimator import RuntimeEstimator
 from llmfoundry.callbacks.speed_monitor import SpeedMonitor
 
@@ -16,6 +17,7 @@ __all__ = [
     "LRMonitor",
     "MemoryMonitor",
     "NaNDetector",
+    "RunStatus",
     "RuntimeEstimator",
     "SpeedMonitor",
 ]

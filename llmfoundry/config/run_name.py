@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from pathlib import PurePath
 
 
 def default_run_name(env: Mapping[str, str] | None = None, now: float | None = None) -> str:
@@ -18,7 +19,12 @@ def default_run_name(env: Mapping[str, str] | None = None, now: float | None = N
     - several processes without one: the rendezvous address and port, which all ranks share
       (set `run_name` explicitly for multi-node runs that reuse a port).
     - one process: the start time.
+    - a job of a Hydra multirun (sweep): ``<sweep folder name>/<job number>``, so each trial
+      has its own name and its folder (``outputs/<run_name>``) is the one Hydra gives the job.
     """
+    sweep_job = _multirun_job_name()
+    if sweep_job:
+        return sweep_job
     env = os.environ if env is None else env
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
@@ -28,3 +34,15 @@ def default_run_name(env: Mapping[str, str] | None = None, now: float | None = N
         addr = env.get("MASTER_ADDR", "localhost").replace(".", "-")
         return f"run-{addr}-{env.get('MASTER_PORT', '0')}"
     return f"run-{stamp}"
+
+
+def _multirun_job_name() -> str | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN:
+        return None
+    return f"{PurePath(hydra.sweep.dir).name}/{hydra.job.num}"

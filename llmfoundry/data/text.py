@@ -5,7 +5,8 @@ The contract with the trainer:
 ``build_dataloader(cfg, split, batch_size, max_seq_len, shuffle=None)`` returns a
 :class:`~llmfoundry.data.streaming.StreamingDataLoader` for this rank whose batches are
 ``{"input_ids": LongTensor[B, L], "labels": LongTensor[B, L]}`` (plus ``"sequence_id"`` when
-the shards have that column). ``labels`` is a copy of ``input_ids``, -100 on padding (only
+the shards have that column, or when ``cfg.sequence_id_from_eos`` derives it from the eos token
+ending each document). ``labels`` is a copy of ``input_ids``, -100 on padding (only
 rows of unequal length are padded; fixed-length rows never are). ``B`` is the per-rank batch
 size; the final batch of an epoch may be shorter unless ``cfg.drop_last``. The trainer calls,
 on the loader:
@@ -25,6 +26,7 @@ same number of samples, a few repeated when the epoch does not divide by the wor
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -37,6 +39,7 @@ from llmfoundry.data.mds import NDArray, get_encoding, is_hash
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.utils.files import join_url, parse_size
+from llmfoundry.utils.storage import open_url
 
 __all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
 
@@ -58,10 +61,18 @@ class StreamingTextDataset(StreamingDataset):
         All other arguments: :class:`StreamingDataset`.
     """
 
-    def __init__(self, *args: Any, max_seq_len: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        max_seq_len: int | None = None,
+        eos_id: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         check_int("max_seq_len", max_seq_len, minimum=1, optional=True)
+        check_int("eos_id", eos_id, minimum=0, optional=True)
         self.max_seq_len = max_seq_len
+        self.eos_id = eos_id
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
         self.columns = (TOKENS, SEQUENCE_ID) if self.has_sequence_id else (TOKENS,)
@@ -121,6 +132,8 @@ class StreamingTextDataset(StreamingDataset):
         for column in self.columns:
             row = torch.from_numpy(self._row(shard, j, column).astype(np.int64))
             out["input_ids" if column == TOKENS else column] = row
+        if self.eos_id is not None and not self.has_sequence_id:
+            out[SEQUENCE_ID] = sequence_ids_from_eos(out["input_ids"][None], self.eos_id)[0]
         return out
 
     def get_batch(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
@@ -168,7 +181,20 @@ class StreamingTextDataset(StreamingDataset):
             batch["labels"][torch.arange(width) >= torch.from_numpy(lengths)[:, None]] = _PAD_LABEL
         if self.has_sequence_id:
             batch[SEQUENCE_ID] = torch.from_numpy(rows[SEQUENCE_ID].astype(np.int64))
+        elif self.eos_id is not None:
+            batch[SEQUENCE_ID] = sequence_ids_from_eos(batch["input_ids"], self.eos_id)
+            batch[SEQUENCE_ID][batch["labels"] == _PAD_LABEL] = _PAD_SEQUENCE_ID
         return batch
+
+
+def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of each token of `input_ids` [B, L], counting the documents of each row.
+
+    data_prep ends every document with `eos_id`; the eos token belongs to the document it ends,
+    so a new document starts right after it.
+    """
+    is_eos = (input_ids == eos_id).long()
+    return is_eos.cumsum(dim=1) - is_eos
 
 
 _STREAM_KEYS = ("remote", "local", "proportion", "repeat", "choose")
@@ -212,6 +238,10 @@ class DataConfig:
     download_retry: int = 2
     storage_options: dict[str, Any] | None = None
     allow_unsafe: bool = False
+    # Document masking: mark each token's document (batches get "sequence_id") from the eos
+    # token data_prep ends every document with. An id, or "auto" for meta.json's eos_id. Shards
+    # with their own sequence_id column keep it.
+    sequence_id_from_eos: int | str | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -275,6 +305,16 @@ class DataConfig:
             )
         if self.cache_limit is not None:
             parse_size(self.cache_limit, "data.cache_limit")
+        eos = self.sequence_id_from_eos
+        if (
+            eos is not None
+            and eos != "auto"
+            and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0)
+        ):
+            raise ValueError(
+                f"data.sequence_id_from_eos must be null, a token id or 'auto' (meta.json's "
+                f"eos_id), got {eos!r}"
+            )
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise ValueError("data.storage_options must be a mapping of fsspec options")
 
@@ -297,6 +337,28 @@ class DataConfig:
             return Stream(**args)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
+
+    def eos_id(self) -> int | None:
+        """The token id that ends documents, if `sequence_id_from_eos` asks for document ids."""
+        if self.sequence_id_from_eos != "auto":
+            return self.sequence_id_from_eos
+        if self.remote is None:
+            raise ValueError(
+                "data.sequence_id_from_eos=auto reads <remote>/meta.json, but data.remote is not "
+                "set; give the eos token id instead"
+            )
+        url = join_url(self.remote, "meta.json")
+        try:
+            with open_url(url, "r", **(self.storage_options or {})) as f:
+                eos_id = json.load(f).get("eos_id")
+        except FileNotFoundError:
+            raise ValueError(
+                f"data.sequence_id_from_eos=auto: {url} not found (data_prep writes it); give the "
+                "eos token id instead"
+            ) from None
+        if not isinstance(eos_id, int):
+            raise ValueError(f"data.sequence_id_from_eos=auto: {url} records no eos_id")
+        return eos_id
 
     def stream_list(self, training: bool) -> list[Stream] | None:
         """The configured streams (without their epoch shares unless ``training``), or None."""
@@ -346,6 +408,7 @@ def build_dataloader(
         storage_options=cfg.storage_options,
         allow_unsafe=cfg.allow_unsafe,
         max_seq_len=max_seq_len,
+        eos_id=cfg.eos_id(),
     )
     return StreamingDataLoader(
         dataset,

@@ -7,6 +7,13 @@ optimizer's `no_decay_norm_bias_embedding` switch then exempts the tagged group 
 decay. So the decision is one key in `conf/optimizer/*.yaml`, and any torch optimizer still
 works on the same groups.
 
+A module can also ask for a group of its own: an attribute `own_param_groups` mapping a
+parameter's local name to `(tag, hyperparameters)`, e.g. infini-attention's gate,
+`{"gate": ("infini_gate", {"lr": 1e-2, "weight_decay": 0.0})}`. Every parameter with the same
+tag goes into one group carrying those keys (under `OWN_GROUP`, the tag), which override the
+optimizer's: a group's "lr" is its own (the schedule scales it like any other), its
+"weight_decay" its decoupled decay.
+
 Decay is for the weights that multiply activations; shrinking a norm's gain, a bias or an
 embedding row towards zero is a constraint the model did not ask for (the GPT-3 / nanoGPT
 convention).
@@ -26,6 +33,7 @@ from llmfoundry.distributed import unwrap_model
 # weight decay (torch's own "weight_decay" key stays 0 so torch never applies a coupled decay).
 NORM_BIAS_EMBEDDING = "norm_bias_embedding"
 DECOUPLED_DECAY = "decoupled_decay"
+OWN_GROUP = "own_group"
 
 _NORMS = (
     nn.LayerNorm,
@@ -42,7 +50,8 @@ _NORMS = (
 
 
 def build_param_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """The model's parameters as named groups: ordinary weights, then norms/biases/embeddings.
+    """The model's parameters as named groups: ordinary weights, norms/biases/embeddings, then
+    one group per `own_param_groups` tag.
 
     A parameter belongs to the second group if its module is a normalization layer or an
     embedding, or its own name is ``bias``. A tied parameter is listed once, under its first
@@ -51,20 +60,38 @@ def build_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """
     model = unwrap_model(model)
     exempt: set[int] = set()
+    own: dict[int, tuple[str, dict[str, Any]]] = {}
     for module in model.modules():
+        requests = getattr(module, "own_param_groups", {})
         for local_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, (*_NORMS, nn.Embedding)) or local_name == "bias":
+            if local_name in requests:
+                own[id(param)] = requests[local_name]
+            elif isinstance(module, (*_NORMS, nn.Embedding)) or local_name == "bias":
                 exempt.add(id(param))
     split: dict[bool, tuple[list[str], list[nn.Parameter]]] = {False: ([], []), True: ([], [])}
+    tagged: dict[str, dict[str, Any]] = {}
     for name, param in model.named_parameters():
+        if id(param) in own:
+            tag, overrides = own[id(param)]
+            group = tagged.setdefault(
+                tag,
+                {"params": [], "param_names": [], NORM_BIAS_EMBEDDING: False, OWN_GROUP: tag},
+            )
+            if any(group.get(k, v) != v for k, v in overrides.items()):
+                raise ValueError(f"parameters of group {tag!r} ask for different {overrides}")
+            group.update(overrides)
+            group["params"].append(param)
+            group["param_names"].append(name)
+            continue
         names, params = split[id(param) in exempt]
         names.append(name)
         params.append(param)
-    return [
+    plain = [
         {"params": params, "param_names": names, NORM_BIAS_EMBEDDING: flag}
         for flag, (names, params) in split.items()
         if params
     ]
+    return plain + list(tagged.values())
 
 
 def decoupled_groups(

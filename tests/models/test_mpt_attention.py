@@ -1,14 +1,13 @@
 """ALiBi against transformers' MPT, the attention kernels against each other, the bias cache."""
 
-import sys
-
 import pytest
 import torch
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt import attention
-from llmfoundry.models.mpt.attention import alibi_slopes, causal_alibi_bias
+from llmfoundry.models.mpt.attention import AttentionMasks, alibi_slopes, causal_alibi_bias
+from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])
@@ -64,19 +63,41 @@ def _sequence_id(batch, seq_len):
     return sid
 
 
+# Options every kernel must honour; each agrees with `torch` in fp32 within TOLERANCE.
+OPTIONS = {
+    "mha": {},
+    "gqa": {"kv_n_heads": 2},
+    "mqa": {"kv_n_heads": 1},
+    "qk_ln": {"qk_ln": True},
+    "clip_qkv": {"clip_qkv": 0.5},
+    "softmax_scale": {"softmax_scale": 0.3},
+    "sliding_window": {"sliding_window": 6},
+    "all": {
+        "kv_n_heads": 2,
+        "qk_ln": True,
+        "clip_qkv": 0.5,
+        "softmax_scale": 0.3,
+        "sliding_window": 9,
+    },
+}
+TOLERANCE = {"sdpa": 1e-5}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("alibi", [True, False])
 @pytest.mark.parametrize("use_sequence_id", [False, True])
-def test_torch_and_sdpa_agree(alibi, use_sequence_id):
-    ref, fast = _pair(alibi=alibi, no_bias=alibi)
+def test_torch_and_sdpa_agree(option, alibi, use_sequence_id):
+    ref, fast = _pair(alibi=alibi, no_bias=alibi, **OPTIONS[option])
     torch.manual_seed(1)
     ids = torch.randint(0, 101, (3, 40))
     sid = _sequence_id(3, 40) if use_sequence_id else None
     out_ref, out_fast = ref(ids, sid), fast(ids, sid)
-    torch.testing.assert_close(out_fast, out_ref, rtol=0, atol=1e-5)
+    atol = TOLERANCE["sdpa"]
+    torch.testing.assert_close(out_fast, out_ref, rtol=0, atol=atol)
     MPTForCausalLM.loss(out_ref, ids).backward()
     MPTForCausalLM.loss(out_fast, ids).backward()
     for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
-        torch.testing.assert_close(p_fast.grad, p_ref.grad, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(p_fast.grad, p_ref.grad, rtol=0, atol=atol, msg=name)
 
 
 def test_sdpa_bias_built_once_and_reused(monkeypatch):
@@ -101,7 +122,7 @@ def test_sdpa_bias_built_once_and_reused(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids)
     assert len(builds) == 2  # a new dtype needs its own copy
-    assert not any("attn_bias" in k for k in model.state_dict())
+    assert not any("masks" in k for k in model.state_dict())
 
 
 def test_unknown_attn_impl_lists_allowed():
@@ -109,12 +130,44 @@ def test_unknown_attn_impl_lists_allowed():
         MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="magic")
 
 
-def test_flash_without_flash_attn_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes find_spec report it missing
-    with pytest.raises(ValueError, match=r"attn_impl='flash' needs the flash_attn package"):
-        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flash")
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
+@pytest.mark.parametrize("alibi", [True, False])
+@pytest.mark.parametrize("use_sequence_id", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_queries_are_the_last_key_positions(impl, alibi, use_sequence_id, window):
+    # The seam a KV cache uses: the new queries with every key give the tail of the full output.
+    torch.manual_seed(0)
+    masks = AttentionMasks(n_heads=4, max_seq_len=16, alibi=alibi, alibi_bias_max=8, window=window)
+    q = torch.randn(3, 4, 40, 8)
+    k, v = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    sid = _sequence_id(3, 40) if use_sequence_id else None
+    fn = ATTN_IMPLS[impl]
+    full = fn(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.35)
+    for q_len in (1, 7):
+        tail = fn(q[:, :, -q_len:], k, v, masks(sid, q.device, q.dtype), 0.0, 0.35)
+        torch.testing.assert_close(tail, full[:, :, -q_len:], rtol=0, atol=1e-6)
 
 
-def test_planned_impl_is_refused_clearly():
-    with pytest.raises(ValueError, match=r"attn_impl='flex' is not implemented.*'sdpa'"):
-        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flex")
+@pytest.mark.parametrize("kv_n_heads", [0, 3, 8, True])
+def test_kv_n_heads_must_divide_n_heads(kv_n_heads):
+    with pytest.raises(ValueError, match=r"kv_n_heads must be a positive divisor of n_heads \(4\)"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, kv_n_heads=kv_n_heads)
+
+
+def test_gqa_shrinks_the_kv_projection_and_flops():
+    full = MPTForCausalLM(MPTConfig(d_model=64, n_heads=8, n_layers=1, vocab_size=10))
+    mqa = MPTForCausalLM(MPTConfig(d_model=64, n_heads=8, n_layers=1, vocab_size=10, kv_n_heads=1))
+    assert full.transformer.blocks[0].attn.Wqkv.weight.shape == (3 * 64, 64)
+    assert mqa.transformer.blocks[0].attn.Wqkv.weight.shape == (64 + 2 * 8, 64)
+    saved = 2 * (64 - 8) * 64
+    assert full.num_params() - mqa.num_params() == saved
+    assert full.flops_per_token(16) - mqa.flops_per_token(16) == 6 * saved
+
+
+def test_sliding_window_hides_keys_window_or_more_back():
+    bias = causal_alibi_bias(2, 6, None, window=3)[0, 0]
+    visible = torch.isfinite(bias)
+    expected = torch.tensor([[0 <= i - j < 3 for j in range(6)] for i in range(6)])
+    assert torch.equal(visible, expected)
+    with pytest.raises(ValueError, match="sliding_window must be null"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, sliding_window=0)

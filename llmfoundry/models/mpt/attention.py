@@ -1,28 +1,39 @@
-"""Causal self-attention for MPT: ALiBi, the shared attention bias, and the attention kernels.
+"""Causal self-attention for MPT: ALiBi, the mask description, and the attention kernels.
 
-The block calls one seam, `ATTN_IMPLS[name](q, k, v, bias, dropout_p)`, with q, k, v shaped
-[batch, heads, seq, head_dim] and `bias` built once per forward by `AttentionBias`. A new kernel
-(flash, flex, infini) is one more entry in `ATTN_IMPLS`; until it exists, `check_attn_impl`
-explains why it cannot be chosen.
+The seam between a block and a kernel is one call,
 
-Bias convention: `bias` is an additive float mask broadcastable to [batch, heads, seq, seq] that
-already holds ALiBi, causality (-inf above the diagonal) and, given `sequence_id`, the document
-mask (-inf across documents). `bias=None` means plain causal attention with nothing else, which
-lets `sdpa` take its fastest (is_causal) path.
+    ATTN_IMPLS[name](q, k, v, mask, dropout_p, scale) -> [batch, n_heads, q_len, head_dim]
+
+with q shaped [batch, n_heads, q_len, head_dim] and k, v [batch, kv_n_heads, k_len, head_dim]
+(kv_n_heads divides n_heads: grouped-query attention; 1 is multi-query). `mask` is an
+`AttentionMask`: a description of what each query may see (causality, ALiBi slopes, sliding
+window, document ids), not a tensor. Each kernel turns it into what it consumes (a dense additive bias for
+`torch` and `sdpa`, a `score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for
+`flash`) through `mask.cached(key, build)`, so the product is built once per forward and shared by
+every layer; the part that does not depend on the batch is cached across forwards by the
+`AttentionMasks` module that made the mask.
+
+Positions: queries are the last `q_len` of the `k_len` key positions (bottom-right aligned, as
+flash-attn's causal mode). A full forward has q_len == k_len; a decoding step with a cache of
+past keys passes only the new queries and every key, and ALiBi, causality and document masking
+line up without another argument. ALiBi is relative (-slope * (i - j)), so left padding does not
+shift it either. Document ids (`sequence_id`, [batch, k_len]) cover the key positions; a query's
+id is the one of its own position.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 AttnFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, "AttentionMask", float, float], torch.Tensor
 ]
 
 
@@ -46,8 +57,11 @@ def causal_alibi_bias(
     alibi_bias_max: float | None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
+
+    With a sliding `window`, keys `window` or more positions back are -inf too.
 
     The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
     (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
@@ -61,61 +75,155 @@ def causal_alibi_bias(
     else:
         slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
         bias = -(distance[None, None] * slopes[None, :, None, None])
-    bias = bias.masked_fill(distance < 0, float("-inf"))
+    hidden = distance < 0
+    if window is not None:
+        hidden |= distance >= window
+    bias = bias.masked_fill(hidden, float("-inf"))
     return bias.to(dtype)
 
 
-class AttentionBias(nn.Module):
-    """Builds the attention bias every block shares, caching the part that does not change.
+@dataclass(eq=False)
+class AttentionMask:
+    """What each query may attend to: causal, with optional ALiBi, sliding window (the
+    source's `window`: keys at most window - 1 positions back) and document masking.
 
-    The ALiBi-plus-causal tensor depends only on (seq_len, device, dtype), so it is built once (for
-    at least `max_seq_len` tokens), cached, and sliced for shorter inputs; only the per-batch
-    document mask is made per forward. The cache is a plain attribute, not a buffer: it is derived
-    data, so it must stay out of state dicts, FSDP sharding and DDP's per-step buffer broadcast;
-    its key (device, dtype, length) rebuilds it after the model moves.
+    Made once per model forward by `AttentionMasks` (its `source`) and passed to every layer.
+    `sequence_id` is [batch, k_len] (None: every row is one document); `dtype` is the dtype the
+    scores are computed in (autocast's). Kernels memoise what they derive from it with `cached`.
     """
 
-    def __init__(self, n_heads: int, max_seq_len: int, alibi: bool, alibi_bias_max: float) -> None:
+    source: AttentionMasks
+    sequence_id: torch.Tensor | None
+    device: torch.device
+    dtype: torch.dtype
+    _built: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def alibi_slopes(self) -> torch.Tensor | None:
+        """float32 [n_heads] on the mask's device, or None without ALiBi."""
+        return self.source.slopes(self.device)
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`build()` the first time `key` is asked for in this forward, the same object after."""
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    def with_sequence_id(self, sequence_id: torch.Tensor | None) -> AttentionMask:
+        """The same mask for other rows (e.g. a sequence cut into segments), with its own memo."""
+        return AttentionMask(self.source, sequence_id, self.device, self.dtype)
+
+    def query_sequence_id(self, q_len: int) -> torch.Tensor | None:
+        """Document id of each query position: the last `q_len` columns of `sequence_id`."""
+        return None if self.sequence_id is None else self.sequence_id[:, -q_len:]
+
+    def dense_bias(self, q_len: int, k_len: int) -> torch.Tensor | None:
+        """Additive float bias broadcastable to [batch, n_heads, q_len, k_len], or None.
+
+        It holds ALiBi, causality (-inf for future keys), the sliding window and the document
+        mask (-inf across documents). None means plain causal attention with q_len == k_len and nothing else, which
+        lets `sdpa` take its fastest (is_causal) path.
+        """
+        src = self.source
+        if src.alibi_bias_max is None and src.window is None and self.sequence_id is None:
+            if q_len == k_len:
+                return None
+        return self.cached(("dense", q_len, k_len), lambda: self._dense(q_len, k_len))
+
+    def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
+        full = self.source.alibi_causal(k_len, self.device, self.dtype)
+        bias = full[..., k_len - q_len : k_len, :k_len]
+        if self.sequence_id is not None:
+            q_sid = self.query_sequence_id(q_len)
+            other_doc = q_sid[:, None, :, None] != self.sequence_id[:, None, None, :]
+            bias = bias.masked_fill(other_doc, float("-inf"))
+        return bias
+
+
+class AttentionMasks(nn.Module):
+    """Makes each forward's `AttentionMask`, caching what does not change between forwards.
+
+    The ALiBi-plus-causal tensor depends only on (length, device, dtype), so it is built once (for
+    at least `max_seq_len` tokens), cached, and sliced for shorter inputs; the ALiBi slopes are
+    cached per device, and kernels may keep batch-free products (a causal BlockMask) in
+    `shared_cached`. The caches are plain attributes, not buffers: they are derived data, so
+    they stay out of state dicts, FSDP sharding and DDP's per-step buffer broadcast; their keys
+    (device, dtype, length) rebuild them after the model moves.
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        max_seq_len: int,
+        alibi: bool,
+        alibi_bias_max: float,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.window = window
         self.max_seq_len = max_seq_len
         self.alibi_bias_max = alibi_bias_max if alibi else None
-        self.cached: torch.Tensor | None = None
+        self.reset()
 
-    def _alibi_causal(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def reset(self) -> None:
+        """Drop the caches (after the model is re-initialised or moved)."""
+        self.cached: torch.Tensor | None = None
+        self._slopes: torch.Tensor | None = None
+        self._shared: dict[Any, Any] = {}
+
+    def slopes(self, device: torch.device) -> torch.Tensor | None:
+        """ALiBi slopes, float32 [n_heads] on `device`; None without ALiBi."""
+        if self.alibi_bias_max is None:
+            return None
+        if self._slopes is None or self._slopes.device != device:
+            self._slopes = alibi_slopes(self.n_heads, self.alibi_bias_max).to(device)
+        return self._slopes
+
+    def alibi_causal(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The ALiBi + causal bias [1, H or 1, seq_len, seq_len], sliced from the cache."""
         cached = self.cached
         stale = cached is None or cached.device != device or cached.dtype != dtype
         if stale or cached.shape[-1] < seq_len:
             size = max(seq_len, self.max_seq_len)
             self.cached = cached = causal_alibi_bias(
-                self.n_heads, size, self.alibi_bias_max, device, dtype
+                self.n_heads, size, self.alibi_bias_max, device, dtype, self.window
             )
         return cached[..., :seq_len, :seq_len]
 
+    def shared_cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Like `AttentionMask.cached`, but kept across forwards (for batch-free products)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
     def forward(
-        self,
-        seq_len: int,
-        sequence_id: torch.Tensor | None,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor | None:
-        if self.alibi_bias_max is None and sequence_id is None:
-            return None
-        bias = self._alibi_causal(seq_len, device, dtype)
-        if sequence_id is not None:
-            other_doc = sequence_id[:, None, :, None] != sequence_id[:, None, None, :]
-            bias = bias.masked_fill(other_doc, float("-inf"))
-        return bias
+        self, sequence_id: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+    ) -> AttentionMask:
+        return AttentionMask(self, sequence_id, device, dtype)
+
+
+def repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, kv_heads, L, D] -> [B, n_heads, L, D]: each kv head serves n_heads // kv_heads queries."""
+    groups = n_heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
 def torch_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
 ) -> torch.Tensor:
-    """The reference: softmax(q k^T / sqrt(d) + bias) v, written out, softmax in float32."""
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    """The reference: softmax(scale * q k^T + bias) v, written out, softmax in float32."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    bias = mask.dense_bias(q_len, k_len)
     if bias is None:
-        seq_len = q.shape[-2]
-        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).triu(1)
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     else:
         scores = scores + bias
@@ -125,37 +233,22 @@ def torch_attention(
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, dropout_p: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
 ) -> torch.Tensor:
-    """PyTorch's fused scaled_dot_product_attention; the bias goes in as its float attn_mask."""
+    """PyTorch's fused scaled_dot_product_attention; the dense bias goes in as its attn_mask."""
+    bias = mask.dense_bias(q.shape[-2], k.shape[-2])
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=bias is None
-    )
-
-
-ATTN_IMPLS: dict[str, AttnFn] = {"torch": torch_attention, "sdpa": sdpa_attention}
-
-# Kernels a later issue adds; named here so choosing one says why it is not available.
-_PLANNED = {
-    "flash": "flash_attn",
-    "flex": None,
-    "infini": None,
-}
-
-
-def check_attn_impl(name: str) -> None:
-    """Raise a ValueError that says what to do if `name` is not a usable attention kernel."""
-    if name in ATTN_IMPLS:
-        return
-    allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
-    if name not in _PLANNED:
-        raise ValueError(f"MPTConfig.attn_impl={name!r} is not known; allowed: {allowed}")
-    package = _PLANNED[name]
-    if package is not None and importlib.util.find_spec(package) is None:
-        raise ValueError(
-            f"MPTConfig.attn_impl={name!r} needs the {package} package, which is not installed "
-            f"(on a CUDA machine: pip install 'llmfoundry[gpu]'); otherwise use one of: {allowed}"
-        )
-    raise ValueError(
-        f"MPTConfig.attn_impl={name!r} is not implemented in this version; use one of: {allowed}"
+        q,
+        k,
+        v,
+        attn_mask=bias,
+        dropout_p=dropout_p,
+        is_causal=bias is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
     )

@@ -7,12 +7,78 @@ message that names the field and what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
-from llmfoundry.models.mpt.attention import check_attn_impl
+from omegaconf import DictConfig, OmegaConf
+
+from llmfoundry.models.mpt.kernels import check_attn_impl
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
+INFINI_UPDATES = ("linear", "delta")
+
+
+@dataclass
+class InfiniConfig:
+    """Infini-attention (Munkhdalai et al. 2024): local attention per segment plus a memory.
+
+    Each sequence is cut into segments of `segment_len` tokens. Inside a segment, attention is
+    the ordinary causal kernel (`attn_impl`, with ALiBi); across segments, each head reads a
+    compressive memory of the earlier segments' keys and values, and a learned per-head gate
+    mixes the two. `update` picks the memory rule ("linear" adds sigma(K)^T V; "delta" adds only
+    what the memory does not already retrieve). `gate_init` is the gate's logit at init (0: half
+    memory, half local). `gate_lr` is the gate's own learning rate (null: the optimizer's); the
+    gate never gets weight decay. `truncate_every` detaches the memory every that many segments
+    (null: the gradient flows through the memory across the whole sequence). `eps` keeps the
+    memory's normaliser away from 0.
+    """
+
+    segment_len: int
+    update: str = "linear"
+    gate_init: float = 0.0
+    gate_lr: float | None = None
+    truncate_every: int | None = None
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        counts = {"segment_len": self.segment_len}
+        if self.truncate_every is not None:
+            counts["truncate_every"] = self.truncate_every
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"MPTConfig.infini.{name} must be a positive integer, got {value!r}"
+                )
+        if self.update not in INFINI_UPDATES:
+            raise ValueError(
+                f"MPTConfig.infini.update must be one of {', '.join(map(repr, INFINI_UPDATES))}, "
+                f"got {self.update!r}"
+            )
+        if self.gate_lr is not None and not self.gate_lr > 0:
+            raise ValueError(f"MPTConfig.infini.gate_lr must be null or > 0, got {self.gate_lr!r}")
+        if not self.eps > 0:
+            raise ValueError(f"MPTConfig.infini.eps must be > 0, got {self.eps!r}")
+
+
+def _infini_config(value: Any) -> InfiniConfig | None:
+    """`MPTConfig.infini` from YAML (a mapping) or code (an InfiniConfig); None when off."""
+    if value is None or isinstance(value, InfiniConfig):
+        return value
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"MPTConfig.infini must be null or a mapping of infini-attention options, got {value!r}"
+        )
+    allowed = [f.name for f in fields(InfiniConfig)]
+    unknown = sorted(set(value) - set(allowed))
+    if unknown or "segment_len" not in value:
+        raise ValueError(
+            f"MPTConfig.infini: unknown key(s) {unknown} or missing segment_len; allowed: {allowed}"
+        )
+    return InfiniConfig(**value)
 
 
 @dataclass
@@ -23,6 +89,15 @@ class MPTConfig:
     from a learned table (`learned_pos_emb=True`, the pretraining recipes' default). Leaving
     `learned_pos_emb` unset picks the one ALiBi does not provide, so `alibi=false` alone switches
     a model to learned positions.
+
+    Attention: `kv_n_heads` < `n_heads` shares each key/value head among n_heads // kv_n_heads
+    query heads (grouped-query attention; 1 is multi-query; unset: one per query head).
+    `softmax_scale` multiplies q k^T (unset: 1 / sqrt(head_dim)). `qk_ln` normalises queries and
+    keys before they are split into heads; `clip_qkv` clamps the fused q/k/v projection.
+    `sliding_window` lets each token attend to itself and the window - 1 tokens before it.
+    `infini` (an `InfiniConfig`, or its fields as a mapping) makes every block's attention
+    infini-attention; `conf/model/infini/*.yaml` select it (`+model/infini=linear`).
+    `compile=true` compiles each block with torch.compile (the parameters keep their names).
 
     Initialisation: with `init_std` unset, every matrix and embedding is drawn with
     `kaiming_normal_(fan_in, relu)` (MPT's default); with `init_std` set, from N(0, init_std).
@@ -35,6 +110,7 @@ class MPTConfig:
     d_model: int
     n_heads: int
     n_layers: int
+    kv_n_heads: int | None = None
     expansion_ratio: int = 4
     max_seq_len: int = 2048
     vocab_size: int = 50368
@@ -46,11 +122,15 @@ class MPTConfig:
     low_precision_layernorm: bool = False
     qk_ln: bool = False
     clip_qkv: float | None = None
+    softmax_scale: float | None = None
+    sliding_window: int | None = None
     attn_pdrop: float = 0.0
     resid_pdrop: float = 0.0
     emb_pdrop: float = 0.0
     init_std: float | None = None
     init_device: str = "cpu"
+    infini: InfiniConfig | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
@@ -62,7 +142,33 @@ class MPTConfig:
                 f"MPTConfig.d_model ({self.d_model}) must be divisible by MPTConfig.n_heads "
                 f"({self.n_heads}); pick n_heads among the divisors of d_model"
             )
-        check_attn_impl(self.attn_impl)
+        if self.kv_n_heads is None:
+            self.kv_n_heads = self.n_heads
+        if (
+            isinstance(self.kv_n_heads, bool)
+            or not isinstance(self.kv_n_heads, int)
+            or self.kv_n_heads <= 0
+            or self.n_heads % self.kv_n_heads != 0
+        ):
+            raise ValueError(
+                f"MPTConfig.kv_n_heads must be a positive divisor of n_heads ({self.n_heads}), "
+                f"got {self.kv_n_heads!r}; null means one key/value head per query head"
+            )
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ValueError(
+                f"MPTConfig.softmax_scale must be null (1/sqrt(head_dim)) or > 0, "
+                f"got {self.softmax_scale!r}"
+            )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"MPTConfig.sliding_window must be null (full causal attention) or a positive "
+                f"integer, got {self.sliding_window!r}"
+            )
+        check_attn_impl(self.attn_impl, self.attn_pdrop)
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not self.alibi
         if self.alibi and self.learned_pos_emb:
@@ -93,3 +199,6 @@ class MPTConfig:
                 f"got {self.init_device!r}; to place the model on an accelerator build it on "
                 "'meta', then call to_empty(device=...) and init_weights()"
             )
+        self.infini = _infini_config(self.infini)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"MPTConfig.compile must be true or false, got {self.compile!r}")

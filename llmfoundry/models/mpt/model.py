@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.mpt.attention import ATTN_IMPLS, AttentionBias
+from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks
 from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.infini import infini_attention
+from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 
 LAYER_NORM_EPS = 1e-5
 
@@ -45,37 +47,98 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Attention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection.
+    """Causal self-attention with a fused QKV projection and grouped key/value heads.
 
-    `clip_qkv` clamps the fused projection (a guard against loss spikes); `qk_ln` normalises
-    queries and keys over the full model width before they are split into heads.
+    `Wqkv` projects to n_heads query heads and kv_n_heads key and value heads (MPT's fused
+    layout: [q | k | v]). `clip_qkv` clamps that projection (a guard against loss spikes);
+    `qk_ln` normalises queries and keys over their full width before they are split into heads.
+    `forward` is `project` then `attend`: a caller with a cache of past keys and values can run
+    `project` on the new tokens, extend k and v, and `attend` with the mask of all positions.
     """
 
     def __init__(self, cfg: MPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.kv_n_heads = cfg.n_heads, cfg.kv_n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.softmax_scale = cfg.softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.clip_qkv = cfg.clip_qkv
         self.qk_ln = cfg.qk_ln
         self.attn_pdrop = cfg.attn_pdrop
         self.attn_fn = ATTN_IMPLS[cfg.attn_impl]
-        self.Wqkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=not cfg.no_bias)
+        kv_dim = self.kv_n_heads * self.head_dim
+        self.Wqkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=not cfg.no_bias)
         if cfg.qk_ln:
             self.q_ln = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
-            self.k_ln = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
+            self.k_ln = LayerNorm(kv_dim, not cfg.no_bias, cfg.low_precision_layernorm)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=not cfg.no_bias)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, n_heads, L, head_dim] and k, v [B, kv_n_heads, L, head_dim] for `x` [B, L, d]."""
         batch, seq_len, d_model = x.shape
         qkv = self.Wqkv(x)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-        q, k, v = qkv.split(d_model, dim=-1)
+        kv_dim = self.kv_n_heads * self.head_dim
+        q, k, v = qkv.split([d_model, kv_dim, kv_dim], dim=-1)
         if self.qk_ln:
             q, k = self.q_ln(q), self.k_ln(k)
-        q, k, v = (t.view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.kv_n_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.kv_n_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """`kernel` on q, k, v (queries are the last of the key positions), then out_proj."""
+        y = self.kernel(q, k, v, mask)
+        batch, _, q_len, _ = q.shape
+        return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))
+
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Each head's attention output [B, n_heads, q_len, head_dim] (`attn_impl`'s kernel)."""
         dropout_p = self.attn_pdrop if self.training else 0.0
-        y = self.attn_fn(q, k, v, bias, dropout_p)
-        return self.out_proj(y.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return self.attn_fn(q, k, v, mask, dropout_p, self.softmax_scale)
+
+    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        return self.attend(*self.project(x), mask)
+
+
+class InfiniAttention(Attention):
+    """Attention with infini-attention's compressive memory across segments (`cfg.infini`).
+
+    The projections are Attention's; `gate` holds each head's mixing logit beta, in its own
+    optimizer group (its own lr, no weight decay: `own_param_groups`, read by
+    `llmfoundry.optim.build_param_groups`). The recurrence is in `infini.py`.
+    """
+
+    def __init__(self, cfg: MPTConfig) -> None:
+        super().__init__(cfg)
+        self.infini = cfg.infini
+        self.gate = nn.Parameter(torch.empty(cfg.n_heads))
+        overrides = {"weight_decay": 0.0}
+        if cfg.infini.gate_lr is not None:
+            overrides["lr"] = cfg.infini.gate_lr
+        self.own_param_groups = {"gate": ("infini_gate", overrides)}
+
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        cfg = self.infini
+        return infini_attention(
+            q,
+            k,
+            v,
+            mask,
+            self.gate,
+            cfg.segment_len,
+            cfg.update,
+            cfg.eps,
+            cfg.truncate_every,
+            local=super().kernel,
+        )
 
 
 class MLP(nn.Module):
@@ -98,14 +161,14 @@ class Block(nn.Module):
         super().__init__()
         bias, low_precision = not cfg.no_bias, cfg.low_precision_layernorm
         self.norm_1 = LayerNorm(cfg.d_model, bias, low_precision)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg) if cfg.infini is None else InfiniAttention(cfg)
         self.norm_2 = LayerNorm(cfg.d_model, bias, low_precision)
         self.ffn = MLP(cfg)
         self.resid_attn_dropout = nn.Dropout(cfg.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(cfg.resid_pdrop)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), bias))
+    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask))
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
@@ -140,7 +203,9 @@ class MPTModel(nn.Module):
         if cfg.learned_pos_emb:
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
-        self.attn_bias = AttentionBias(cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max)
+        self.masks = AttentionMasks(
+            cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max, cfg.sliding_window
+        )
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
@@ -156,9 +221,9 @@ class MPTModel(nn.Module):
                 pos = positions_in_document(sequence_id)
             x = x + self.wpe(pos)
         x = self.emb_drop(x)
-        bias = self.attn_bias(seq_len, sequence_id, x.device, compute_dtype(x))
+        mask = self.masks(sequence_id, x.device, compute_dtype(x))
         for block in self.blocks:
-            x = block(x, bias)
+            x = block(x, mask)
         return self.norm_f(x)
 
 
@@ -175,6 +240,11 @@ class MPTForCausalLM(nn.Module):
         if config.init_device != "meta":
             self.to_empty(device=config.init_device)
             self.init_weights()
+        if config.compile:
+            # Per block: each compiles once and is reused by every layer of the same shape;
+            # Module.compile keeps parameter names, so checkpoints do not change.
+            for block in self.transformer.blocks:
+                block.compile()
 
     def forward(
         self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = None
@@ -236,12 +306,16 @@ class MPTForCausalLM(nn.Module):
         of each block (Wqkv, out_proj, up_proj, down_proj) and the tied output head (vocab x
         d_model). Embedding lookups, norms and biases are left out: they cost no matmul flops.
         The second term is attention's q k^T and weights @ v, counted over the full (not causal)
-        square as is the convention for MFU.
+        square as is the convention for MFU (over one segment with infini-attention, whose
+        memory costs O(head_dim^2) per token, not O(seq_len)).
         """
         cfg = self.config
         d = cfg.d_model
-        per_block = 3 * d * d + d * d + 2 * cfg.expansion_ratio * d * d
+        kv_dim = cfg.kv_n_heads * (d // cfg.n_heads)
+        per_block = d * (d + 2 * kv_dim) + d * d + 2 * cfg.expansion_ratio * d * d
         n_matmul = cfg.n_layers * per_block + cfg.vocab_size * d
+        if cfg.infini is not None:  # local attention spans one segment
+            seq_len = min(seq_len, cfg.infini.segment_len)
         return 6 * n_matmul + 12 * cfg.n_layers * d * seq_len
 
     @torch.no_grad()
@@ -260,9 +334,11 @@ class MPTForCausalLM(nn.Module):
                 module.reset_parameters()
         residual_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
         for block in self.transformer.blocks:
+            if isinstance(block.attn, InfiniAttention):
+                block.attn.gate.fill_(cfg.infini.gate_init)
             block.attn.out_proj.weight.mul_(residual_scale)
             block.ffn.down_proj.weight.mul_(residual_scale)
-        self.transformer.attn_bias.cached = None
+        self.transformer.masks.reset()
 
     @torch.no_grad()
     def generate(

@@ -1,0 +1,198 @@
+"""The job file: one YAML that describes a training run for every backend (local, Slurm, Kubernetes).
+
+A job names the run, the image, the compute it needs, the code to run, setup commands, plain
+environment variables, secrets (names only: their values come from the submitting environment or
+a Kubernetes Secret when the job starts, and are never written into a rendered file) and the
+training overrides (Hydra ``key=value`` overrides of ``scripts/train.py``). Example: ``conf/job/tiny.yaml``.
+
+The schema is the dataclasses below; a file is checked against them with the same one-line
+`ConfigError` messages as training configs (``compute.gpu: unknown key; did you mean 'gpus'? ...``).
+Any field can be overridden from the command line as ``key=value`` (OmegaConf dot-list).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmfoundry.config import ConfigError, check_keys, check_type
+
+# A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class Compute:
+    """What the run needs. ``gpus`` in total; 0 trains on CPUs with ``procs_per_node`` processes.
+
+    GPUs become nodes x processes per node (`llmfoundry.launch.layout`): 24 GPUs on nodes of 8
+    are 3 nodes of 8. ``gpus_per_node`` null takes the backend's cluster default
+    (``slurm.gpus_per_node``, ``kubernetes.gpus_per_node``; local: the GPUs this machine has).
+    """
+
+    gpus: int = 0
+    gpus_per_node: int | None = None
+    procs_per_node: int = 1
+    nodes: int | None = None
+    cpus_per_node: int | None = None
+    memory: str | None = None  # per node: "512G" (Slurm) / "512Gi" (Kubernetes)
+
+    def __post_init__(self) -> None:
+        for key in ("gpus", "gpus_per_node", "procs_per_node", "nodes", "cpus_per_node"):
+            value = getattr(self, key)
+            if value is not None and value < (0 if key == "gpus" else 1):
+                raise ValueError(
+                    f"{key}: must be {'>= 0' if key == 'gpus' else '>= 1'}, got {value}"
+                )
+
+
+@dataclass
+class Code:
+    """The code the run executes: a git repo at a branch or commit, or (repo null) the current
+    checkout (local and Slurm, which share its filesystem) or the image's own copy (Kubernetes)."""
+
+    repo: str | None = None
+    branch: str | None = None
+    commit: str | None = None
+    # Where the code is, inside the image (Kubernetes) when repo is null.
+    workdir: str = "/workspace/llmfoundry"
+
+    def __post_init__(self) -> None:
+        if (self.branch or self.commit) and not self.repo:
+            raise ValueError("branch/commit: set code.repo to the git URL they belong to")
+        if self.commit and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
+            raise ValueError(f"commit: {self.commit!r} is not a git commit hash")
+
+
+@dataclass
+class Slurm:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None  # "2-00:00:00"; the run checkpoints and requeues before it ends
+    gpus_per_node: int = 8
+    # Seconds before the time limit at which the run is told to checkpoint and stop (SIGTERM).
+    grace_s: int = 180
+    rdzv_port: int = 29500
+    # More #SBATCH lines, e.g. ["--qos=high", "--constraint=h100"].
+    directives: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Kubernetes:
+    namespace: str = "default"
+    gpus_per_node: int = 8
+    # The Kubernetes Secret whose keys (named like the job's secrets) hold their values.
+    secret: str | None = None
+    gpu_resource: str = "nvidia.com/gpu"
+    service_account: str | None = None
+    # Container restarts of one pod (and torchrun re-rendezvous) before the Job fails.
+    max_restarts: int = 3
+    rdzv_port: int = 29500
+
+
+@dataclass
+class Job:
+    name: str
+    image: str | None = None
+    compute: Compute = field(default_factory=Compute)
+    code: Code = field(default_factory=Code)
+    # Shell commands run on every node before training, in the code folder.
+    setup: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    # Names of secret environment variables; values never appear in rendered files.
+    secrets: list[str] = field(default_factory=list)
+    # Training overrides for scripts/train.py, as on its command line.
+    train: list[str] = field(default_factory=list)
+    script: str = "scripts/train.py"
+    # Where runs write (a folder, relative to the code, or an fsspec URL): the run's checkpoints
+    # and status file go to <outputs>/<name>/. Kubernetes pods share no disk: use a URL there.
+    outputs: str = "outputs"
+    slurm: Slurm = field(default_factory=Slurm)
+    kubernetes: Kubernetes = field(default_factory=Kubernetes)
+
+    def __post_init__(self) -> None:
+        for key in ("setup", "secrets", "train"):
+            for item in getattr(self, key):
+                if not isinstance(item, str):
+                    raise ValueError(f"{key}: expected strings, got {item!r}; quote it")
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"name: {self.name!r} must be lowercase letters, digits and '-', at most 40 "
+                "characters (it names Slurm jobs, Kubernetes objects and the run folder)"
+            )
+        for key, value in self.env.items():
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"env.{key}: not a valid environment variable name")
+            if not isinstance(value, str):
+                raise ValueError(f"env.{key}: expected a string, got {value!r}; quote it")
+        for name in self.secrets:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"secrets: {name!r} is not a valid environment variable name")
+            if name in self.env:
+                raise ValueError(
+                    f"env.{name}: also listed in secrets; remove it from env (a secret's value "
+                    "comes from the environment or a Kubernetes Secret, never from the job file)"
+                )
+        for override in self.train:
+            if "=" not in override or override.startswith("-"):
+                raise ValueError(f"train: {override!r} is not a key=value override")
+
+
+def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
+    """Read a job file, apply ``key=value`` overrides, and check it (raises ConfigError)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("", f"no job file at {path}; see conf/job/tiny.yaml for an example")
+    try:
+        cfg = OmegaConf.load(path)
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
+    if not isinstance(values, dict):
+        raise ConfigError("", f"{path} must hold a mapping of job fields, e.g. name: my-run")
+    return build_dataclass("", values, Job)
+
+
+def build_dataclass(path: str, values: Mapping[str, Any], cls: type) -> Any:
+    """Build `cls` from plain values, checking keys and types field by field (nested too)."""
+    hints = typing.get_type_hints(cls)
+    check_keys(path, [str(k) for k in values], list(hints))
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        key = f"{path}.{name}" if path else str(name)
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, (dict, DictConfig)):
+                raise ConfigError(key, f"expected a mapping of {annotation.__name__} fields")
+            kwargs[name] = build_dataclass(key, value, annotation)
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        check_type(key, value, annotation)
+        kwargs[name] = value
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(path, f"missing required key(s) {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        key, _, message = str(err).partition(": ")
+        full = f"{path}.{key}" if path else key
+        raise ConfigError(full if message else path, message or str(err)) from None

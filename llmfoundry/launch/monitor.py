@@ -1,0 +1,168 @@
+"""Where runs stand, from their status files: the table `scripts/runs.py` prints, and following
+one run's log.
+
+A run is a folder holding ``status.json`` (`llmfoundry.callbacks.run_status`), found up to two
+levels below the root given (``outputs/<run>`` and a sweep's ``outputs/<sweep>/<n>``), on a
+local disk or any fsspec URL (``s3://bucket/runs``). The status says running / finished /
+preempted / failed; a ``running`` status whose heartbeat is older than `stale_s` is reported as
+failed (the process was killed without a word: SIGKILL, lost node). The last checkpoint is
+what ``<save_folder>/latest`` names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from llmfoundry.callbacks.run_status import read_status
+from llmfoundry.checkpoint import read_latest
+
+# Seconds without a heartbeat after which a "running" run is taken for dead.
+STALE_S = 900.0
+# Log files of a run folder, most specific first: the launcher's, Slurm's, Hydra's job log.
+LOG_PATTERNS = ("launch.log", "slurm-*.log", "*.log")
+
+
+@dataclass
+class Run:
+    name: str
+    folder: str  # URL or path of the run folder
+    status: str
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    tokens_per_sec: float | None
+    eta_s: float | None
+    checkpoint: str | None
+    updated: float | None
+    note: str = ""
+
+
+def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> list[Run]:
+    """Every run under `root` (a folder or URL), newest update first."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        raise FileNotFoundError(f"{root} does not exist: pass the outputs folder or its URL")
+    protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
+    base = path.rstrip("/")
+    files = fs.glob(f"{base}/*/status.json") + fs.glob(f"{base}/*/*/status.json")
+    runs = [_run(protocol + f.rsplit("/", 1)[0], protocol + f, stale_s, now) for f in files]
+    return sorted(runs, key=lambda r: -(r.updated or 0))
+
+
+def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Run:
+    record: dict[str, Any] = read_status(status_file) or {}
+    status, note = record.get("status", "unknown"), record.get("error", "")
+    updated = record.get("updated")
+    now = time.time() if now is None else now
+    if status == "running" and updated is not None and now - updated > stale_s:
+        status = "failed"
+        note = f"no heartbeat for {format_seconds(now - updated)} (killed?)"
+    checkpoint = None
+    if record.get("save_folder"):
+        try:
+            checkpoint = read_latest(record["save_folder"])
+        except (OSError, ValueError) as err:
+            note = note or f"checkpoints unreadable: {err}"
+    return Run(
+        name=record.get("run_name") or folder.rsplit("/", 1)[-1],
+        folder=folder,
+        status=status,
+        step=record.get("step"),
+        total_steps=record.get("total_steps"),
+        loss=record.get("loss"),
+        tokens_per_sec=record.get("tokens_per_sec"),
+        eta_s=record.get("eta_s") if status == "running" else None,
+        checkpoint=checkpoint,
+        updated=updated,
+        note=note,
+    )
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def table(runs: list[Run]) -> str:
+    """The runs as an aligned text table, like `mcli get runs`."""
+    header = ("NAME", "STATUS", "STEP", "LOSS", "TOKENS/S", "ETA", "CHECKPOINT", "UPDATED", "NOTE")
+    rows = [header]
+    for run in runs:
+        step = "-" if run.step is None else f"{run.step}/{run.total_steps or '?'}"
+        rows.append(
+            (
+                run.name,
+                run.status,
+                step,
+                "-" if run.loss is None else f"{run.loss:.4f}",
+                "-" if run.tokens_per_sec is None else f"{run.tokens_per_sec:,.0f}",
+                format_seconds(run.eta_s),
+                run.checkpoint or "-",
+                "-"
+                if run.updated is None
+                else time.strftime("%m-%d %H:%M", time.localtime(run.updated)),
+                run.note,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def find_run(root: str, name: str) -> Run:
+    runs = find_runs(root)
+    matches = [r for r in runs if name in (r.name, r.folder.rsplit("/", 1)[-1])]
+    if not matches:
+        known = ", ".join(r.name for r in runs) or "none"
+        raise LookupError(f"no run named {name!r} under {root} (runs: {known})")
+    return matches[0]
+
+
+def log_file(run: Run) -> str:
+    """The run's log: the newest file of the first pattern in LOG_PATTERNS that matches."""
+    fs, path = fsspec.core.url_to_fs(run.folder)
+    for pattern in LOG_PATTERNS:
+        found = fs.glob(f"{path.rstrip('/')}/{pattern}")
+        if found:
+            newest = max(found, key=lambda f: _modified(fs, f))
+            protocol = run.folder.split("://", 1)[0] + "://" if "://" in run.folder else ""
+            return protocol + newest
+    raise FileNotFoundError(
+        f"run {run.name} has no log file in {run.folder} (looked for {', '.join(LOG_PATTERNS)})"
+    )
+
+
+def _modified(fs: fsspec.AbstractFileSystem, path: str) -> float:
+    """Modification time in seconds: local files give a number, object stores a datetime."""
+    info = fs.info(path)
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp)
+
+
+def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[bytes]:
+    """The file's bytes, then what is appended to it while the run is running (like tail -f).
+
+    Stops once the run's status is no longer ``running`` and nothing new was written.
+    """
+    fs, local = fsspec.core.url_to_fs(path)
+    offset = 0
+    while True:
+        size = fs.size(local)
+        if size > offset:
+            yield fs.cat_file(local, start=offset, end=size)
+            offset = size
+            continue
+        record = read_status(status_file) if status_file else None
+        if not record or record.get("status") != "running":
+            return
+        time.sleep(poll_s)

@@ -1,0 +1,39 @@
+"""The attention kernels by name (`MPTConfig.attn_impl`), and the check that names them.
+
+Every entry has the signature of `attention.AttnFn`; see `attention.py` for the contract.
+`torch` is the reference the others are tested against; `sdpa` is PyTorch's fused kernel (any
+device); `flex` is FlexAttention (compiled; GPU for training); `flash` is flash-attn 2 (CUDA,
+`pip install 'llmfoundry[gpu]'`).
+
+Agreement with `torch` in fp32, as tested (tests/models/test_mpt_attention.py,
+test_mpt_kernels.py): sdpa within 1e-5 absolute, forward and gradients; flex within 1e-5
+forward on CPU (its backward needs a GPU); flash's glue (with the kernel's documented semantics
+written out) within 1e-5, forward and gradients. On a GPU the tests require flex and flash in
+bf16 within 2e-2 relative error of `torch`, forward and gradients (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+from llmfoundry.models.mpt import flash
+from llmfoundry.models.mpt.attention import AttnFn, sdpa_attention, torch_attention
+from llmfoundry.models.mpt.flex import flex_attention
+
+ATTN_IMPLS: dict[str, AttnFn] = {
+    "torch": torch_attention,
+    "sdpa": sdpa_attention,
+    "flex": flex_attention,
+    "flash": flash.flash_attention,
+}
+
+
+def check_attn_impl(name: str, attn_pdrop: float = 0.0) -> None:
+    """Raise a ValueError that says what to do if `name` is not a usable attention kernel."""
+    if name not in ATTN_IMPLS:
+        allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
+        raise ValueError(f"MPTConfig.attn_impl={name!r} is not known; allowed: {allowed}")
+    if name == "flash" and (problem := flash.missing_package()):
+        raise ValueError(f"MPTConfig.{problem}")
+    if name == "flex" and attn_pdrop > 0:
+        raise ValueError(
+            "MPTConfig.attn_impl='flex' has no attention dropout; set attn_pdrop=0 or use sdpa"
+        )

@@ -1,0 +1,184 @@
+"""The run status file (RunStatus callback), the outcome check and the runs listing."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import fsspec
+import pytest
+
+from llmfoundry.callbacks import RunStatus
+from llmfoundry.callbacks.run_status import read_status, write_status
+from llmfoundry.launch.command import RESUME_EXIT
+from llmfoundry.launch.monitor import find_run, find_runs, follow, log_file, table
+from llmfoundry.launch.outcome import outcome
+from llmfoundry.trainer import Callback
+from tests.callbacks.conftest import make_trainer
+
+
+class At(Callback):
+    """Does `action` at the end of batch `batch`."""
+
+    def __init__(self, batch, action):
+        self.batch, self.action = batch, action
+
+    def batch_end(self, state, logger):
+        if state.timestamp.batch == self.batch:
+            self.action(state)
+
+
+def status_after(tmp_path, *callbacks, raises=None, **kwargs):
+    trainer = make_trainer(tmp_path, n_batches=6, callbacks=[RunStatus(), *callbacks], **kwargs)
+    if raises:
+        with pytest.raises(raises):
+            trainer.fit()
+    else:
+        trainer.fit()
+    return json.loads((tmp_path / "status.json").read_text())
+
+
+def test_finished_run(tmp_path):
+    status = status_after(tmp_path, config={"run_name": "r1", "save_folder": "ckpt"})
+    assert status["status"] == "finished"
+    assert (status["run_name"], status["step"], status["total_steps"]) == ("r1", 6, 6)
+    assert status["save_folder"] == os.path.abspath("ckpt")
+    assert status["loss"] > 0 and status["tokens_per_sec"] > 0 and status["eta_s"] == 0.0
+
+
+def test_early_stopped_run_is_finished(tmp_path):
+    status = status_after(tmp_path, At(2, lambda s: setattr(s, "stop_training", True)))
+    assert (status["status"], status["step"]) == ("finished", 2)
+
+
+def test_preempted_run(tmp_path):
+    status = status_after(tmp_path, At(3, lambda s: os.kill(os.getpid(), signal.SIGTERM)))
+    assert (status["status"], status["step"]) == ("preempted", 3)
+
+
+def test_failed_run_records_the_error(tmp_path):
+    def crash(state):
+        raise RuntimeError("disk on fire")
+
+    status = status_after(tmp_path, At(2, crash), raises=RuntimeError)
+    assert (status["status"], status["step"]) == ("failed", 2)
+    assert status["error"] == "RuntimeError: disk on fire"
+
+
+def test_heartbeat_while_running(tmp_path):
+    seen = []
+
+    def look(state):
+        seen.append(read_status(str(tmp_path / "status.json")))
+
+    make_trainer(tmp_path, n_batches=4, callbacks=[RunStatus(interval_s=1e-9), At(3, look)]).fit()
+    assert seen[0]["status"] == "running" and seen[0]["step"] == 3
+    assert seen[0]["eta_s"] > 0 and seen[0]["total_steps"] == 4
+
+
+def test_outcome_exit_codes(tmp_path):
+    path = str(tmp_path / "status.json")
+    assert outcome(path) == 1  # no status at all: the run never started
+    assert outcome(path, exit_code=3) == 3
+    for status, code in [
+        ("finished", 0),
+        ("preempted", RESUME_EXIT),
+        ("failed", 1),
+        ("running", 1),
+    ]:
+        write_status(path, {"status": status})
+        assert outcome(path) == code
+        # torchrun's exit status does not override what the run recorded.
+        assert outcome(path, exit_code=1 if code == 0 else 0) == code
+    # A node whose torchrun returned first waits for rank 0 to record the end.
+    write_status(path, {"status": "running"})
+    timer = threading.Timer(0.3, write_status, (path, {"status": "finished"}))
+    timer.start()
+    assert outcome(path, wait_s=10, poll_s=0.05) == 0
+    timer.join()
+
+
+@pytest.fixture
+def runs():
+    """Runs in an fsspec in-memory filesystem: listing works on URLs, not only folders."""
+    fs = fsspec.filesystem("memory")
+    root = "memory://runs-test"
+    now = time.time()
+    write_status(
+        f"{root}/a/status.json",
+        {
+            "run_name": "a",
+            "status": "running",
+            "step": 50,
+            "total_steps": 300,
+            "loss": 3.25,
+            "tokens_per_sec": 12345.0,
+            "eta_s": 125.0,
+            "updated": now,
+            "save_folder": f"{root}/a/checkpoints",
+        },
+    )
+    fs.pipe(f"{root}/a/checkpoints/latest", b"ep0-ba50")
+    fs.pipe(f"{root}/a/launch.log", b"line 1\nline 2\n")
+    write_status(
+        f"{root}/sweep-x/0/status.json",
+        {
+            "run_name": "sweep-x/0",
+            "status": "finished",
+            "step": 6,
+            "total_steps": 6,
+            "updated": now - 60,
+        },
+    )
+    write_status(
+        f"{root}/old/status.json",
+        {"run_name": "old", "status": "running", "step": 7, "updated": now - 7200},
+    )
+    yield root
+    fs.rm(root.removeprefix("memory://"), recursive=True)
+
+
+def test_runs_listing(runs):
+    listed = {run.name: run for run in find_runs(runs)}
+    assert set(listed) == {"a", "sweep-x/0", "old"}
+    assert listed["a"].checkpoint == "ep0-ba50"
+    assert listed["sweep-x/0"].status == "finished"
+    assert listed["old"].status == "failed" and "no heartbeat for 2h00m" in listed["old"].note
+    text = table(list(listed.values())).splitlines()
+    assert text[0].split() == [
+        "NAME",
+        "STATUS",
+        "STEP",
+        "LOSS",
+        "TOKENS/S",
+        "ETA",
+        "CHECKPOINT",
+        "UPDATED",
+        "NOTE",
+    ]
+    row = next(line for line in text if line.startswith("a "))
+    assert row.split()[:7] == ["a", "running", "50/300", "3.2500", "12,345", "2m05s", "ep0-ba50"]
+
+
+def test_logs_follow_until_the_run_ends(runs):
+    run = find_run(runs, "a")
+    path = log_file(run)
+    assert path.endswith("/a/launch.log")
+    chunks = []
+
+    def later():
+        time.sleep(0.3)
+        fsspec.filesystem("memory").pipe(
+            path.removeprefix("memory://"), b"line 1\nline 2\nline 3\n"
+        )
+        write_status(f"{run.folder}/status.json", {"status": "finished"})
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    for chunk in follow(path, f"{run.folder}/status.json", poll_s=0.05):
+        chunks.append(chunk)
+    thread.join()
+    assert b"".join(chunks) == b"line 1\nline 2\nline 3\n"
+    with pytest.raises(LookupError, match="no run named 'nope'"):
+        find_run(runs, "nope")

@@ -1,0 +1,258 @@
+"""flex and flash against the `torch` reference; flash's glue on CPU with the kernel written out.
+
+Tolerances (fp32 unless noted), each against `torch`:
+  sdpa  1e-5 forward and gradients (test_mpt_attention.py)
+  flex  1e-5 forward on CPU (no CPU backward exists); on GPU bf16 forward 2e-2
+  flash glue (the kernel's semantics in fp32) 1e-5; the kernel on GPU in bf16 2e-2 forward and
+        gradients (relative to the gradients' scale)
+"""
+
+import math
+import sys
+
+import pytest
+import torch
+
+from llmfoundry.models import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt import flash
+from llmfoundry.models.mpt.attention import AttentionMasks, torch_attention
+from llmfoundry.models.mpt.infini import infini_attention
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _sequence_id(batch, seq_len, pad=0):
+    """Three documents per row at different cuts, then `pad` padding tokens (id -1)."""
+    sid = torch.zeros(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        sid[row, 5 + 3 * row :] = 1
+        sid[row, 20 + row :] = 2
+        if pad:
+            sid[row, seq_len - pad - row :] = -1
+    return sid
+
+
+def _qkv(batch=3, heads=4, kv_heads=2, seq=40, dim=8, q_len=None):
+    torch.manual_seed(0)
+    q = torch.randn(batch, heads, q_len or seq, dim)
+    return q, torch.randn(batch, kv_heads, seq, dim), torch.randn(batch, kv_heads, seq, dim)
+
+
+# --- flash: the documented kernel semantics, written out, to test the glue on CPU -----------
+
+
+def _flash_reference(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes):
+    """One sequence of flash-attn: q [Lq, H, D], k/v [Lk, Hkv, D]; bottom-right causal."""
+    assert dropout_p == 0 and causal
+    q_len, k_len, heads = q.shape[0], k.shape[0], q.shape[1]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
+    i = torch.arange(q_len)[:, None] + k_len - q_len
+    j = torch.arange(k_len)[None, :]
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes[:, None, None] * (i - j).abs()
+    hidden = j > i
+    if window_size[0] >= 0:
+        hidden |= i - j > window_size[0]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _fake_flash_functions():
+    def dense(q, k, v, **options):
+        return torch.stack([_flash_reference(q[b], k[b], v[b], **options) for b in range(len(q))])
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and cu_seqlens_q.dtype == torch.int32
+        bounds = cu_seqlens_q.tolist()
+        assert (
+            max_seqlen_q
+            == max_seqlen_k
+            == max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+        )
+        parts = [
+            _flash_reference(q[a:b], k[a:b], v[a:b], **options)
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+        return torch.cat(parts)
+
+    return dense, varlen
+
+
+@pytest.fixture
+def flash_on_cpu(monkeypatch):
+    monkeypatch.setattr(flash, "flash_functions", _fake_flash_functions)
+    monkeypatch.setattr(flash, "check_inputs", lambda q: None)
+
+
+def test_varlen_layout_of_documents_and_padding():
+    sid = torch.tensor([[0, 0, 1, 1, 1, -1], [4, 4, 4, 4, 7, 7]])
+    layout = flash.varlen_layout(sid)
+    assert layout.indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]
+    assert layout.cu_seqlens.tolist() == [0, 2, 5, 9, 11]
+    assert layout.cu_seqlens.dtype == torch.int32 and layout.max_seqlen == 4
+    # A document id repeated across rows is still two documents.
+    assert flash.varlen_layout(torch.zeros(2, 3, dtype=torch.long)).cu_seqlens.tolist() == [0, 3, 6]
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("documents", ["none", "packed", "padded"])
+def test_flash_glue_equals_dense_reference(flash_on_cpu, alibi, window, kv_heads, documents):
+    q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=kv_heads))
+    sid = (
+        None if documents == "none" else _sequence_id(3, 40, pad=4 if documents == "padded" else 0)
+    )
+    masks = AttentionMasks(4, 40, alibi=alibi, alibi_bias_max=8, window=window)
+    ref = torch_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
+    out = flash.flash_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
+    keep = torch.ones(3, 40, dtype=torch.bool) if sid is None else sid >= 0
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=0)
+    if documents == "padded":
+        assert (out[~keep] == 0).all()
+    weights = torch.randn_like(ref[keep])
+    grads = torch.autograd.grad((out[keep] * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref[keep] * weights).sum(), (q, k, v))
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=0, msg=name)
+
+
+def test_flash_glue_decoding_step_is_bottom_right_aligned(flash_on_cpu):
+    q, k, v = _qkv(q_len=3)
+    masks = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)
+    ref = torch_attention(q, k, v, masks(None, q.device, q.dtype), 0.0, 0.3)
+    out = flash.flash_attention(q, k, v, masks(None, q.device, q.dtype), 0.0, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_flash_layout_is_built_once_per_forward(flash_on_cpu, monkeypatch):
+    calls = []
+    real = flash.varlen_layout
+    monkeypatch.setattr(flash, "varlen_layout", lambda sid: calls.append(1) or real(sid))
+    q, k, v = _qkv()
+    mask = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)(_sequence_id(3, 40), "cpu", q.dtype)
+    for _ in range(3):  # three layers
+        flash.flash_attention(q, k, v, mask, 0.0, 0.3)
+    assert len(calls) == 1
+
+
+def test_flash_without_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes find_spec report it missing
+    with pytest.raises(
+        ValueError, match=r"needs the flash_attn package.*pip install 'llmfoundry\[gpu\]'"
+    ):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flash")
+    with pytest.raises(ImportError, match=r"pip install 'llmfoundry\[gpu\]'"):
+        flash.flash_functions()
+
+
+def test_flash_on_cpu_says_it_needs_cuda():
+    q, k, v = _qkv()
+    mask = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)(None, "cpu", q.dtype)
+    with pytest.raises(RuntimeError, match="attn_impl='flash' needs a CUDA device"):
+        flash.flash_attention(q, k, v, mask, 0.0, 0.3)
+
+
+# --- flex ------------------------------------------------------------------------------------
+
+
+def _model_pair(impl, device="cpu", **overrides):
+    base = dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=48,
+        vocab_size=101,
+        kv_n_heads=2,
+        qk_ln=True,
+        sliding_window=24,
+    )
+    base.update(overrides)
+    torch.manual_seed(0)
+    ref = MPTForCausalLM(MPTConfig(attn_impl="torch", **base)).to(device)
+    other = MPTForCausalLM(MPTConfig(attn_impl=impl, **base)).to(device)
+    other.load_state_dict(ref.state_dict())
+    return ref, other
+
+
+@pytest.mark.slow  # compiles FlexAttention for CPU (~40 s)
+def test_flex_forward_on_cpu_equals_torch():
+    ref, fast = _model_pair("flex")
+    torch.manual_seed(1)
+    ids = torch.randint(0, 101, (3, 40))
+    with torch.no_grad():
+        for sid in (_sequence_id(3, 40, pad=3), _sequence_id(3, 40)):  # no recompile between
+            torch.testing.assert_close(fast(ids, sid), ref(ids, sid), rtol=0, atol=1e-5)
+
+
+def test_flex_training_on_cpu_is_refused_clearly():
+    _, fast = _model_pair("flex")
+    with pytest.raises(RuntimeError, match="cannot train on CPU.*attn_impl=sdpa"):
+        fast(torch.randint(0, 101, (1, 8)))
+
+
+def test_flex_has_no_attention_dropout():
+    with pytest.raises(ValueError, match="attn_impl='flex' has no attention dropout"):
+        MPTConfig(d_model=32, n_heads=4, n_layers=1, attn_impl="flex", attn_pdrop=0.1)
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+
+
+def _relative_error(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="the flex and flash kernels' training paths need CUDA")
+@pytest.mark.parametrize("impl", ["flex", "flash"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
+    if impl == "flash" and flash.missing_package():
+        pytest.skip(flash.missing_package())
+    ref, fast = _model_pair(impl, device="cuda", max_seq_len=256)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 101, (4, 256), device="cuda")
+    sid = _sequence_id(4, 256, pad=5).cuda() if documents else None
+    keep = torch.ones(4, 256, dtype=torch.bool, device="cuda") if sid is None else sid >= 0
+    labels = ids.masked_fill(~keep, -100)
+    outs = []
+    for model in (ref, fast):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids, sid)
+        MPTForCausalLM.loss(logits, labels).backward()
+        outs.append(logits[keep])
+    assert _relative_error(outs[1], outs[0]) < 2e-2
+    for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
+        assert _relative_error(p_fast.grad, p_ref.grad) < 2e-2, name
+
+
+def test_scale_default_is_inverse_sqrt_head_dim():
+    model = MPTForCausalLM(MPTConfig(d_model=64, n_heads=4, n_layers=1, vocab_size=10))
+    assert model.transformer.blocks[0].attn.softmax_scale == pytest.approx(1 / math.sqrt(16))
+
+
+def test_flash_glue_as_infini_local_attention(flash_on_cpu):
+    # Segments folded into the batch, the short last one padded with sequence id -1.
+    q, k, v = _qkv(seq=22)
+    sid = _sequence_id(3, 22)
+    gate = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    outs = []
+    for local in (torch_attention, flash.flash_attention):
+        mask = AttentionMasks(4, 8, alibi=True, alibi_bias_max=8)(sid, q.device, q.dtype)
+        outs.append(
+            infini_attention(
+                q,
+                k,
+                v,
+                mask,
+                gate,
+                8,
+                "delta",
+                1e-6,
+                None,
+                local=lambda q_, k_, v_, m, fn=local: fn(q_, k_, v_, m, 0.0, 0.3),
+            )
+        )
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
