@@ -21,7 +21,7 @@ import torch
 
 from llmfoundry.data.passkey import read_task, score_passkey
 from llmfoundry.data.text import DataConfig, build_dataloader
-from llmfoundry.models.mpt.load import model_from_checkpoint
+from llmfoundry.models.mpt.pretrained import load_pretrained
 
 
 def attention_window(config, seq_len: int) -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     loader.set_epoch(0)
     rows = torch.cat([batch["input_ids"] for batch in loader])[: args.rows]
     n = len(rows)
-    model = model_from_checkpoint(args.checkpoint)
+    model, _ = load_pretrained(args.checkpoint)
     window = attention_window(model.config, task.seq_len)
     scores = score_passkey(model, rows, task, window, args.batch_size)
     chance = 10.0**-task.n_digits

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.utils.errors import MissingInput, UserError
@@ -16,6 +15,13 @@ log = logging.getLogger(__name__)
 
 
 class Generate(Callback):
+    """At fit end, continue each prompt (one left-padded batch, `generation.generate`).
+
+    Each prompt's samples come from a generator seeded with `seed`, so they are reproducible and
+    leave the training RNG untouched. Every rank generates (a sharded model needs all of them);
+    the samples are logged once, by rank 0.
+    """
+
     def __init__(
         self,
         tokenizer: str,
@@ -40,25 +46,13 @@ class Generate(Callback):
                 "at the tokenizer.json data_prep wrote next to the shards"
             ) from err
         self.prompts = list(prompts)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.seed = seed
+        self.config = GenerationConfig(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
 
-    @torch.no_grad()
     def fit_end(self, state: State, logger: Logger) -> None:
+        ids, mask = left_pad([self.tokenizer.encode(p).ids for p in self.prompts])
         model = unwrap_model(state.model)
-        model.eval()
-        rng_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            for prompt in self.prompts:
-                ids = torch.tensor([self.tokenizer.encode(prompt).ids], device=state.device)
-                out = model.generate(
-                    ids, self.max_new_tokens, temperature=self.temperature, top_k=self.top_k
-                )
-                text = self.tokenizer.decode(out[0].tolist())
-                log.info("--- sample (prompt %r) ---\n%s", prompt, text)
-        finally:
-            torch.random.set_rng_state(rng_state)
-            model.train()
+        out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
+        for prompt, text in zip(self.prompts, out.texts, strict=True):
+            log.info("--- sample (prompt %r) ---\n%s", prompt, prompt + text)

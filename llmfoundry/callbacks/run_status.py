@@ -26,16 +26,14 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
-
-import fsspec
 
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import TimeUnit
+from llmfoundry.utils.files import atomic_write
+from llmfoundry.utils.storage import is_local, local_path, open_url, url_to_fs
 
 STATUSES = ("running", "finished", "preempted", "failed")
 
@@ -43,22 +41,17 @@ STATUSES = ("running", "finished", "preempted", "failed")
 def write_status(path: str, record: dict[str, Any]) -> None:
     """Replace the file at `path` (local or fsspec URL) with `record`, atomically."""
     text = json.dumps(record, allow_nan=False, default=str)
-    if "://" in path:
-        with fsspec.open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+    if is_local(path):
+        atomic_write(local_path(path), text)
         return
-    folder = Path(path).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".status-", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fs, remote = url_to_fs(path)
+    fs.pipe_file(remote, text.encode())  # one PUT: readers see the old object or the new one
 
 
 def read_status(path: str) -> dict[str, Any] | None:
     """The status at `path`, or None when there is none yet."""
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
+        with open_url(path, "r", encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
         return None

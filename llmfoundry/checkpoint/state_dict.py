@@ -150,6 +150,13 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
+    absent = [k for k in LOADABLE_KEYS if k not in ("model", "rng", *ignore) and k not in saved]
+    if absent:
+        raise ValueError(
+            f"checkpoint {where!r} has no {', '.join(absent)} (it holds weights only, e.g. from "
+            f"scripts/import_hf.py); load just its weights with load_ignore_keys=["
+            f"{', '.join(WEIGHTS_ONLY)}]"
+        )
     if "model" not in ignore:
         try:
             unwrap_model(state.model).load_state_dict(checkpoint.model)

@@ -20,6 +20,7 @@ import fsspec
 
 from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
+from llmfoundry.utils.storage import url_to_fs
 
 # Seconds without a heartbeat after which a "running" run is taken for dead.
 STALE_S = 900.0
@@ -44,7 +45,7 @@ class Run:
 
 def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> list[Run]:
     """Every run under `root` (a folder or URL), newest update first."""
-    fs, path = fsspec.core.url_to_fs(root)
+    fs, path = url_to_fs(root)
     if not fs.exists(path):
         raise FileNotFoundError(f"{root} does not exist: pass the outputs folder or its URL")
     protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
@@ -130,7 +131,7 @@ def find_run(root: str, name: str) -> Run:
 
 def log_file(run: Run) -> str:
     """The run's log: the newest file of the first pattern in LOG_PATTERNS that matches."""
-    fs, path = fsspec.core.url_to_fs(run.folder)
+    fs, path = url_to_fs(run.folder)
     for pattern in LOG_PATTERNS:
         found = fs.glob(f"{path.rstrip('/')}/{pattern}")
         if found:
@@ -154,7 +155,7 @@ def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[
 
     Stops once the run's status is no longer ``running`` and nothing new was written.
     """
-    fs, local = fsspec.core.url_to_fs(path)
+    fs, local = url_to_fs(path)
     offset = 0
     while True:
         size = fs.size(local)

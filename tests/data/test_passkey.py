@@ -20,7 +20,7 @@ from llmfoundry.checkpoint.state_dict import model_weights
 from llmfoundry.data.passkey import PasskeyTask, read_task, score_passkey, write_passkey_dataset
 from llmfoundry.data.text import DataConfig, build_dataloader
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.load import model_from_checkpoint
+from llmfoundry.models.mpt.pretrained import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,7 +109,7 @@ def test_eval_script_scores_a_checkpoint(tmp_path, capsys):
         STATE_FILE: write_object({"config": {"model": model_cfg}}),
     }
     write_checkpoint(str(tmp_path / "ckpt"), "ep0-ba1", files)
-    loaded = model_from_checkpoint(str(tmp_path / "ckpt"))
+    loaded, _ = load_pretrained(str(tmp_path / "ckpt"))
     ids = torch.randint(0, len(task.vocab), (2, 32))
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 

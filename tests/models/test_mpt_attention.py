@@ -7,6 +7,7 @@ from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt import attention
 from llmfoundry.models.mpt.attention import AttentionMasks, alibi_slopes, causal_alibi_bias
+from llmfoundry.models.mpt.generation import GenerationConfig, generate
 from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 
 
@@ -116,7 +117,7 @@ def test_sdpa_bias_built_once_and_reused(monkeypatch):
     for length in (16, 16, 9):
         model(ids[:, :length])
     model(ids, _sequence_id(2, 16))
-    model.generate(ids[:, :4], max_new_tokens=6, temperature=0)
+    generate(model, ids[:, :4], configs=GenerationConfig(max_new_tokens=6, temperature=0))
     assert len(builds) == 1, "the ALiBi/causal bias must be built once, not per step"
     assert builds[0][1] == 32  # built for max_seq_len, sliced for shorter inputs
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -20,9 +20,9 @@ def tiny(**overrides) -> MPTForCausalLM:
 
 
 @pytest.mark.parametrize("n_heads", [4, 3])
-@pytest.mark.parametrize("clip_qkv", [None, 0.3])
-def test_round_trip_logits_match_transformers(tmp_path, n_heads, clip_qkv):
-    model = tiny(n_heads=n_heads, d_model=48, clip_qkv=clip_qkv)
+@pytest.mark.parametrize(("clip_qkv", "softmax_scale"), [(None, None), (0.3, None), (None, 0.5)])
+def test_round_trip_logits_match_transformers(tmp_path, n_heads, clip_qkv, softmax_scale):
+    model = tiny(n_heads=n_heads, d_model=48, clip_qkv=clip_qkv, softmax_scale=softmax_scale)
     export_to_hf(model, tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     hf = transformers.MptForCausalLM.from_pretrained(tmp_path).eval()
@@ -56,6 +56,9 @@ def test_export_with_dtype_and_tokenizer(tmp_path):
         (dict(no_bias=False), "no_bias=false"),
         (dict(expansion_ratio=2), "expansion_ratio=2"),
         (dict(alibi_bias_max=4), "alibi_bias_max=4"),
+        (dict(kv_n_heads=2), "kv_n_heads=2"),
+        (dict(sliding_window=8), "sliding_window=8"),
+        (dict(infini=dict(segment_len=8)), "infini"),
     ],
 )
 def test_unsupported_features_are_refused(fields, message):

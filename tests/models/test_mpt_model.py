@@ -241,36 +241,6 @@ def test_dropout_is_active_only_in_training():
     torch.testing.assert_close(model(ids), model(ids))
 
 
-def test_generate():
-    model = tiny().train()
-    prompt = torch.randint(0, VOCAB, (2, 5))
-    greedy = model.generate(prompt, max_new_tokens=6, temperature=0)
-    assert model.training  # the caller's mode is restored
-    assert greedy.shape == (2, 11) and torch.equal(greedy[:, :5], prompt)
-    model.eval()
-    step = model(greedy[:, :-1])[:, -1].argmax(-1)
-    assert torch.equal(step, greedy[:, -1])
-    assert torch.equal(model.generate(prompt, 6, top_k=1), greedy)
-    sample_a = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
-    sample_b = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sample_a, sample_b)
-    # Stops once every row has produced EOS, and rows that are done keep emitting it.
-    eos = int(greedy[0, 5])
-    stopped = model.generate(prompt, 6, temperature=0, eos_token_id=eos)
-    assert (stopped[0, 5:] == eos).all()
-    expected_row1 = greedy[1].clone()
-    hits = (expected_row1[5:] == eos).nonzero()
-    if len(hits):
-        expected_row1[5 + hits[0, 0] :] = eos
-    assert torch.equal(stopped[1], expected_row1)
-    assert model.generate(prompt[[0, 0]], 6, temperature=0, eos_token_id=eos).shape == (2, 6)
-    # Longer than max_seq_len: the context is cropped, generation goes on.
-    long = tiny(alibi=False, max_seq_len=8).generate(prompt, max_new_tokens=6, temperature=0)
-    assert long.shape == (2, 11)
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate(prompt, 2, temperature=-1)
-
-
 SHAPE = dict(n_layers=1)
 
 

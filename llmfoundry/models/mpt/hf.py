@@ -1,13 +1,15 @@
-"""Export an MPTForCausalLM to a Hugging Face transformers `MptForCausalLM` folder.
+"""Convert between MPTForCausalLM and a Hugging Face transformers `MptForCausalLM` folder.
 
-Our parameter names equal transformers', so the export is a state dict copy plus a config. What
-transformers' MPT can represent is narrower than what we train, and a checkpoint it would silently
-misread is worse than none, so `to_hf_config` refuses every feature it lacks:
+Our parameter names equal transformers', so both directions are a state dict copy plus a config
+(`export_to_hf`, `from_hf`; the commands are scripts/export_hf.py and scripts/import_hf.py).
+What transformers' MPT can represent is narrower than what we train, and a checkpoint it would
+silently misread is worse than none, so `to_hf_config` refuses every feature it lacks:
 - ALiBi only: it has no position table, and it builds ALiBi with alibi_bias_max=8 whatever its
   config says;
 - no biases anywhere (its Linear and LayerNorm layers have none);
 - MLP width fixed at 4 * d_model;
-- no qk_ln.
+- no qk_ln, no grouped key/value heads (kv_n_heads), no sliding window, no infini-attention.
+`from_hf_config` likewise refuses a transformers config whose fields its model ignores or we lack.
 Dropout rates are not exported (the folder gets transformers' defaults, 0): transformers' MPT
 applies attn_pdrop to its MLP and residual too and ignores resid_pdrop and emb_pdrop, so copying
 them would change what they mean, and its config types attn_pdrop as an int.
@@ -15,6 +17,7 @@ them would change what they mean, and its config types attn_pdrop as an int.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -40,6 +43,16 @@ def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
         )
     if cfg.qk_ln:
         unsupported.append("qk_ln=true (transformers' MPT has no q/k LayerNorm)")
+    if cfg.kv_n_heads != cfg.n_heads:
+        unsupported.append(
+            f"kv_n_heads={cfg.kv_n_heads} (transformers' MPT has one key/value head per query head)"
+        )
+    if cfg.sliding_window is not None:
+        unsupported.append(
+            f"sliding_window={cfg.sliding_window} (transformers' MPT attends to every earlier token)"
+        )
+    if cfg.infini is not None:
+        unsupported.append("infini (transformers' MPT has no infini-attention memory)")
     if unsupported:
         raise ValueError(
             "cannot export to transformers' MptForCausalLM, which does not support: "
@@ -58,6 +71,7 @@ def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
         attn_config={
             "attn_impl": "torch",
             "clip_qkv": cfg.clip_qkv,
+            "softmax_scale": cfg.softmax_scale,
             "qk_ln": False,
             "alibi": True,
             "alibi_bias_max": 8,
@@ -71,11 +85,14 @@ def export_to_hf(
     out_dir: str | Path,
     tokenizer: Tokenizer | transformers.PreTrainedTokenizerBase | None = None,
     dtype: torch.dtype | None = None,
+    eos_token: str | None = None,
 ) -> Path:
     """Write `model` (and `tokenizer`, if given) as a transformers MptForCausalLM folder.
 
-    The weights go to safetensors; `transformers.MptForCausalLM.from_pretrained(out_dir)` loads
-    them. `dtype` casts the exported copy (e.g. torch.bfloat16), leaving `model` untouched.
+    The weights go to safetensors; `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
+    loads them. `dtype` casts the exported copy (e.g. torch.bfloat16), leaving `model` untouched.
+    `eos_token` (a token of `tokenizer`) becomes the tokenizer's and the model's EOS, so
+    transformers' `generate` stops there.
     """
     hf_config = to_hf_config(model.config)
     state = model.state_dict()
@@ -90,10 +107,91 @@ def export_to_hf(
         hf_model = transformers.MptForCausalLM(hf_config)
     hf_model.load_state_dict(state, strict=True, assign=True)
     hf_model.tie_weights()
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token=eos_token
+        )
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        hf_model.config.eos_token_id = tokenizer.eos_token_id
+        hf_model.generation_config.eos_token_id = tokenizer.eos_token_id
     out_dir = Path(out_dir)
     hf_model.save_pretrained(out_dir, safe_serialization=True)
-    if isinstance(tokenizer, Tokenizer):
-        tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
+    """Our config for a transformers MPT config; ValueError naming what we cannot represent.
+
+    Fields that transformers' model ignores (it always uses ALiBi with alibi_bias_max=8, an MLP
+    of 4 * d_model, no biases, tied embeddings) are refused unless they say what it does, since
+    the weights were then trained for something else. Dropout rates are not imported.
+    """
+    attn = hf.attn_config
+    unsupported = []
+    if getattr(hf, "model_type", None) != "mpt":
+        unsupported.append(f"model_type={getattr(hf, 'model_type', None)!r} (only 'mpt')")
+    checks = [
+        ("attn_config.alibi", attn.alibi, True),
+        ("attn_config.alibi_bias_max", attn.alibi_bias_max, 8),
+        ("attn_config.qk_ln", attn.qk_ln, False),
+        ("attn_config.prefix_lm", attn.prefix_lm, False),
+        ("attn_config.attn_type", attn.attn_type, "multihead_attention"),
+        ("no_bias", hf.no_bias, True),
+        ("expansion_ratio", hf.expansion_ratio, 4),
+        ("layer_norm_epsilon", hf.layer_norm_epsilon, LAYER_NORM_EPS),
+        ("logit_scale", hf.logit_scale, None),
+        ("tie_word_embeddings", hf.tie_word_embeddings, True),
+    ]
+    for name, value, supported in checks:
+        if value != supported:
+            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    if unsupported:
+        raise ValueError(
+            "cannot import this transformers MPT config, which sets: " + "; ".join(unsupported)
+        )
+    return MPTConfig(
+        d_model=hf.d_model,
+        n_heads=hf.n_heads,
+        n_layers=hf.n_layers,
+        expansion_ratio=4,
+        max_seq_len=hf.max_seq_len,
+        vocab_size=hf.vocab_size,
+        alibi=True,
+        alibi_bias_max=8,
+        no_bias=True,
+        clip_qkv=attn.clip_qkv,
+        softmax_scale=attn.softmax_scale,
+    )
+
+
+def from_hf(hf_dir: str | Path) -> MPTForCausalLM:
+    """The transformers MPT folder `hf_dir` (config.json + weights) as our model, in float32."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a transformers model folder (no config.json)")
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config = from_hf_config(hf_config)
+    hf_model = transformers.MptForCausalLM.from_pretrained(
+        hf_dir, config=hf_config, dtype=torch.float32, local_files_only=True
+    )
+    state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.config = config  # built on meta only to skip the init; the weights are real now
+    return model.eval()
+
+
+def logits_relative_error(model: MPTForCausalLM, hf_dir: str | Path) -> float:
+    """How exactly the transformers folder `hf_dir` computes what `model` does, in float32:
+    max |ours - theirs| / max |theirs| over the logits of two rows of seeded random tokens."""
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    seq_len = min(64, model.config.max_seq_len)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=generator)
+    with torch.no_grad():
+        ours, theirs = model(ids), hf_model(ids).logits
+    return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmfoundry.models.mpt.attention import AttentionMask
+from llmfoundry.models.mpt.cache import InfiniState
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
 
@@ -82,6 +83,30 @@ def local_attention(
     return out.reshape(batch, heads, n_seg * segment_len, dim)[:, :, :seq_len]
 
 
+def read_memory(
+    sq: torch.Tensor, memory: torch.Tensor, norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """A_mem = sigma(Q) M / (sigma(Q) z + eps) for sigma(Q) [B, kv_heads, groups, S, D]."""
+    retrieved = torch.einsum("bkgsd,bkde->bkgse", sq, memory)
+    scale = torch.einsum("bkgsd,bkd->bkgs", sq, norm)[..., None] + eps
+    return retrieved / scale
+
+
+def write_memory(
+    sk: torch.Tensor,
+    v: torch.Tensor,
+    memory: torch.Tensor,
+    norm: torch.Tensor,
+    update: str,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M_s, z_s) after a segment with sigma(K) `sk` [B, kv_heads, S, D] and values `v`."""
+    if update == "delta":
+        known = (sk @ memory) / ((sk @ norm[..., None]) + eps)
+        v = v - known
+    return memory + sk.transpose(-2, -1) @ v, norm + sk.sum(dim=-2)
+
+
 def memory_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -119,16 +144,11 @@ def memory_attention(
                     memory, norm = memory * carry[..., None], norm * carry
                 write = (doc == doc[:, -1:]).to(k_s.dtype)[:, None, :, None]  # [B, 1, S, 1]
                 prev_doc = doc[:, -1]
-            retrieved = torch.einsum("bkgsd,bkde->bkgse", q_s, memory)
-            scale = torch.einsum("bkgsd,bkd->bkgs", q_s, norm)[..., None] + eps
-            outputs.append((retrieved / scale).reshape(batch, n_heads, end - start, -1))
+            retrieved = read_memory(q_s, memory, norm, eps)
+            outputs.append(retrieved.reshape(batch, n_heads, end - start, -1))
             if write is not None:
                 k_s = k_s * write
-            if update == "delta":
-                known = (k_s @ memory) / ((k_s @ norm[..., None]) + eps)
-                v_s = v_s - known
-            memory = memory + k_s.transpose(-2, -1) @ v_s
-            norm = norm + k_s.sum(dim=-2)
+            memory, norm = write_memory(k_s, v_s, memory, norm, update, eps)
             if truncate_every is not None and (index + 1) % truncate_every == 0:
                 memory, norm = memory.detach(), norm.detach()
         return torch.cat(outputs, dim=2)
@@ -152,5 +172,71 @@ def infini_attention(
     """
     a_dot = local_attention(q, k, v, mask, segment_len, local)
     a_mem = memory_attention(q, k, v, mask.sequence_id, segment_len, update, eps, truncate_every)
+    return gated(gate, a_mem, a_dot)
+
+
+def gated(gate: torch.Tensor, a_mem: torch.Tensor, a_dot: torch.Tensor) -> torch.Tensor:
+    """sigmoid(gate) * A_mem + (1 - sigmoid(gate)) * A_dot, in A_dot's dtype."""
     g = torch.sigmoid(gate.float())[None, :, None, None]
     return (g * a_mem + (1.0 - g) * a_dot.float()).to(a_dot.dtype)
+
+
+def infini_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    gate: torch.Tensor,
+    segment_len: int,
+    update: str,
+    eps: float,
+    local: LocalFn,
+    state: InfiniState,
+) -> torch.Tensor:
+    """`infini_attention` for new positions only, continuing from `state` (updated in place).
+
+    q [B, n_heads, n, D] and k, v [B, kv_heads, n, D] are the next n positions of the rows whose
+    earlier positions `state` summarises (a KV cache, `cache.py`). The new positions are cut where
+    segments end: a completed segment is folded into the memory when the next one starts, and
+    each piece attends locally to its segment so far (bottom-right aligned, ALiBi included) and
+    reads the memory of the segments before. The result equals `infini_attention` over the whole
+    sequence (without `sequence_id`: every row is one document starting at position 0).
+    """
+    if mask.sequence_id is not None:
+        raise ValueError(
+            "infini-attention with a KV cache needs rows that each hold one document starting at "
+            "position 0 (no padding, no sequence_id); decode rows of different lengths separately"
+        )
+    batch, n_heads, n_new, dim = q.shape
+    kv_heads = k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if state.memory is None:
+        state.memory = torch.zeros(batch, kv_heads, dim, v.shape[-1], dtype=dtype, device=q.device)
+        state.norm = torch.zeros(batch, kv_heads, dim, dtype=dtype, device=q.device)
+    outputs = []
+    start = 0
+    while start < n_new:
+        if state.k is not None and state.k.shape[2] == segment_len:
+            with torch.autocast(q.device.type, enabled=False):
+                state.memory, state.norm = write_memory(
+                    sigma(state.k.to(dtype)),
+                    state.v.to(dtype),
+                    state.memory,
+                    state.norm,
+                    update,
+                    eps,
+                )
+            state.k = state.v = None
+        filled = 0 if state.k is None else state.k.shape[2]
+        end = start + min(segment_len - filled, n_new - start)
+        k_s, v_s = k[:, :, start:end], v[:, :, start:end]
+        state.k = k_s if state.k is None else torch.cat([state.k, k_s], dim=2)
+        state.v = v_s if state.v is None else torch.cat([state.v, v_s], dim=2)
+        q_s = q[:, :, start:end]
+        a_dot = local(q_s, state.k, state.v, mask)
+        with torch.autocast(q.device.type, enabled=False):
+            sq = sigma(q_s.to(dtype)).view(batch, kv_heads, n_heads // kv_heads, end - start, dim)
+            a_mem = read_memory(sq, state.memory, state.norm, eps)
+        outputs.append(gated(gate, a_mem.reshape(batch, n_heads, end - start, -1), a_dot))
+        start = end
+    return torch.cat(outputs, dim=2)

@@ -1,7 +1,8 @@
 """MPT: a decoder-only transformer with ALiBi, tied embeddings and pre-LayerNorm blocks.
 
 Read top to bottom: LayerNorm (with the low-precision option), Attention, MLP, Block, MPTModel
-(embeddings, blocks, final norm), MPTForCausalLM (tied output head, loss, flops, init, sampling).
+(embeddings, blocks, final norm), MPTForCausalLM (tied output head, loss, flops, init).
+Decoding with a KV cache (`cache.py`) and sampling live in `generation.py`.
 Parameter names follow transformers' MptForCausalLM (`transformer.blocks.0.attn.Wqkv.weight`, ...)
 so exporting is a state dict copy. The model knows nothing of parallelism or of the trainer.
 """
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks
+from llmfoundry.models.mpt.cache import InfiniState, KVCache, LayerKV
 from llmfoundry.models.mpt.config import MPTConfig
-from llmfoundry.models.mpt.infini import infini_attention
+from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 
 LAYER_NORM_EPS = 1e-5
@@ -102,8 +104,13 @@ class Attention(nn.Module):
         dropout_p = self.attn_pdrop if self.training else 0.0
         return self.attn_fn(q, k, v, mask, dropout_p, self.softmax_scale)
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        return self.attend(*self.project(x), mask)
+    def forward(
+        self, x: torch.Tensor, mask: AttentionMask, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        q, k, v = self.project(x)
+        if cache is not None:  # attend over the cached positions and the new ones
+            k, v = cache.append(k, v)
+        return self.attend(q, k, v, mask)
 
 
 class InfiniAttention(Attention):
@@ -140,6 +147,28 @@ class InfiniAttention(Attention):
             local=super().kernel,
         )
 
+    def forward(
+        self, x: torch.Tensor, mask: AttentionMask, cache: InfiniState | None = None
+    ) -> torch.Tensor:
+        if cache is None:
+            return super().forward(x, mask)
+        q, k, v = self.project(x)
+        cfg = self.infini
+        y = infini_attention_step(
+            q,
+            k,
+            v,
+            mask,
+            self.gate,
+            cfg.segment_len,
+            cfg.update,
+            cfg.eps,
+            local=super().kernel,
+            state=cache,
+        )
+        batch, _, q_len, _ = q.shape
+        return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))
+
 
 class MLP(nn.Module):
     """GELU feed-forward: d_model -> expansion_ratio * d_model -> d_model."""
@@ -167,8 +196,10 @@ class Block(nn.Module):
         self.resid_attn_dropout = nn.Dropout(cfg.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(cfg.resid_pdrop)
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask))
+    def forward(
+        self, x: torch.Tensor, mask: AttentionMask, cache: LayerKV | InfiniState | None = None
+    ) -> torch.Tensor:
+        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask, cache))
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
@@ -210,20 +241,28 @@ class MPTModel(nn.Module):
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
     def forward(
-        self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        sequence_id: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         seq_len = input_ids.shape[1]
+        past = 0
+        if cache is not None:  # from here on, sequence_id covers the cached positions too
+            past = cache.length
+            sequence_id = cache.extend(sequence_id, seq_len)
         x = self.wte(input_ids)
         if self.learned_pos_emb:
             if sequence_id is None:
-                pos = torch.arange(seq_len, device=input_ids.device)
+                pos = torch.arange(past, past + seq_len, device=input_ids.device)
             else:
-                pos = positions_in_document(sequence_id)
+                pos = positions_in_document(sequence_id)[:, -seq_len:]
             x = x + self.wpe(pos)
         x = self.emb_drop(x)
         mask = self.masks(sequence_id, x.device, compute_dtype(x))
-        for block in self.blocks:
-            x = block(x, mask)
+        layers = [None] * len(self.blocks) if cache is None else cache.layers
+        for block, layer_cache in zip(self.blocks, layers, strict=True):
+            x = block(x, mask, layer_cache)
         return self.norm_f(x)
 
 
@@ -247,12 +286,17 @@ class MPTForCausalLM(nn.Module):
                 block.compile()
 
     def forward(
-        self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        sequence_id: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for `input_ids` [batch, seq].
 
         `sequence_id` [batch, seq] marks the documents packed into each row; tokens then attend
-        only to earlier tokens of their own document.
+        only to earlier tokens of their own document. With a `cache` (see `cache.py`),
+        `input_ids` are the tokens after the cached ones: they attend to those too, and the cache
+        is extended with them (decoding; `llmfoundry.models.mpt.generation`).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -261,12 +305,13 @@ class MPTForCausalLM(nn.Module):
                 f"sequence_id shape {tuple(sequence_id.shape)} must equal input_ids shape "
                 f"{tuple(input_ids.shape)}"
             )
-        if self.config.learned_pos_emb and input_ids.shape[1] > self.config.max_seq_len:
+        total_len = input_ids.shape[1] + (0 if cache is None else cache.length)
+        if self.config.learned_pos_emb and total_len > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {input_ids.shape[1]} exceeds max_seq_len "
+                f"sequence length {total_len} exceeds max_seq_len "
                 f"{self.config.max_seq_len}, the size of the learned position table"
             )
-        h = self.transformer(input_ids, sequence_id)
+        h = self.transformer(input_ids, sequence_id, cache)
         return F.linear(h, self.transformer.wte.weight)
 
     @staticmethod
@@ -339,62 +384,3 @@ class MPTForCausalLM(nn.Module):
             block.attn.out_proj.weight.mul_(residual_scale)
             block.ffn.down_proj.weight.mul_(residual_scale)
         self.transformer.masks.reset()
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `input_ids` [batch, seq]; returns prompt + samples.
-
-        `temperature=0` is greedy decoding. Without a KV cache each step reruns the (cropped to
-        max_seq_len) context, which is simple and fast enough for samples and tests. Rows that
-        have produced `eos_token_id` keep emitting it; generation stops once every row has.
-        """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k}")
-        was_training = self.training
-        self.eval()
-        try:
-            return self._sample(
-                input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator
-            )
-        finally:
-            self.train(was_training)
-
-    def _sample(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        eos_token_id: int | None,
-        generator: torch.Generator | None,
-    ) -> torch.Tensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            context = input_ids[:, -self.config.max_seq_len :]
-            logits = self(context)[:, -1].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            if eos_token_id is not None:
-                next_token = next_token.masked_fill(done, eos_token_id)
-                done |= next_token == eos_token_id
-            input_ids = torch.cat([input_ids, next_token[:, None]], dim=1)
-            if eos_token_id is not None and bool(done.all()):
-                break
-        return input_ids

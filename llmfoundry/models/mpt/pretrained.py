@@ -1,0 +1,123 @@
+"""A trained MPT for generation, export or finetuning: from our checkpoint or a transformers folder.
+
+`load_pretrained(path)` takes either
+- a checkpoint written by training or by scripts/import_hf.py (a checkpoint folder, or a save
+  folder whose `latest` one is read, on any filesystem fsspec reaches): its weights and the model
+  config its run recorded (`config.model` in state.pt);
+- a transformers MPT folder (config.json + weights), converted by `hf.from_hf`;
+and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
+`tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
+
+`save_weights(model, folder)` writes the other direction: a checkpoint that holds only weights
+(and the model config and tokenizer), for `load_path=` with weights-only loading
+(`load_ignore_keys` = `llmfoundry.checkpoint.WEIGHTS_ONLY`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmfoundry.checkpoint.io import (
+    MODEL_FILE,
+    STATE_FILE,
+    checkpoint_name,
+    read_checkpoint,
+    write_checkpoint,
+    write_object,
+    write_tensors,
+)
+from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
+from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.hf import from_hf
+from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.utils.files import join_url
+from llmfoundry.utils.storage import url_to_fs
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_TARGET = "llmfoundry.models.mpt.MPTConfig"
+# The --dtype choices of the scripts that load or export a model.
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether `path` is a local transformers model folder (it has config.json)."""
+    return Path(path, "config.json").is_file()
+
+
+def load_pretrained(path: str) -> tuple[MPTForCausalLM, str | None]:
+    """The model at `path` (eval mode, on CPU) and its tokenizer's location (None: unknown)."""
+    if is_hf_folder(path):
+        has_tokenizer = any(
+            Path(path, f).is_file() for f in (TOKENIZER_FILE, "tokenizer_config.json")
+        )
+        return from_hf(path), str(path) if has_tokenizer else None
+    checkpoint = read_checkpoint(path, rank=0)
+    if checkpoint.model is None:
+        raise ValueError(
+            f"{checkpoint.path} is a sharded checkpoint; merge its shards into one "
+            f"{MODEL_FILE} with scripts/convert_checkpoint.py first, then pass the merged "
+            "checkpoint"
+        )
+    config = model_config(checkpoint.state, checkpoint.path)
+    model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
+    try:
+        model.load_state_dict(checkpoint.model, strict=True, assign=True)
+    except RuntimeError as err:
+        raise ValueError(
+            f"checkpoint {checkpoint.path!r}: its weights do not fit the model config it "
+            f"records ({err})"
+        ) from None
+    model.config = config  # built on meta only to skip the init; the weights are real now
+    return model.eval(), _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
+
+
+def model_config(state: Mapping[str, Any], where: str) -> MPTConfig:
+    """The MPTConfig a checkpoint's run recorded (`config.model` of state.pt), for CPU, eager."""
+    fields = (state.get("config") or {}).get("model")
+    if not isinstance(fields, Mapping):
+        raise ValueError(
+            f"checkpoint {where!r} does not record its model config (config.model in "
+            f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
+        )
+    fields = dict(fields)
+    target = fields.pop("_target_", CONFIG_TARGET)
+    if target != CONFIG_TARGET:
+        raise ValueError(f"checkpoint {where!r}: model config _target_ {target!r} is not MPT")
+    return MPTConfig(**{**fields, "init_device": "cpu", "compile": False})
+
+
+def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
+    own = join_url(path, TOKENIZER_FILE)
+    if url_to_fs(own)[0].exists(own):
+        return own
+    recorded = (state.get("config") or {}).get("tokenizer")
+    if isinstance(recorded, str) and url_to_fs(recorded)[0].exists(recorded):
+        return recorded
+    return None
+
+
+def save_weights(
+    model: MPTForCausalLM, folder: str, tokenizer_file: str | Path | None = None
+) -> str:
+    """Write `model` as a weights-only checkpoint in save folder `folder`; return its URL.
+
+    It is checkpoint ep0-ba0 with `latest` pointing at it, so `load_path=<folder>` finds it.
+    Besides the weights it holds the model config (so `load_pretrained` rebuilds the model) and
+    a copy of `tokenizer_file`; it has no optimizer, schedule or data state.
+    """
+    config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
+    state = {"format_version": FORMAT_VERSION, "config": {"model": config}}
+    files = {
+        MODEL_FILE: write_tensors(model_weights(model)),
+        STATE_FILE: write_object(state),
+    }
+    if tokenizer_file is not None:
+        source = str(tokenizer_file)
+        files[TOKENIZER_FILE] = lambda target: shutil.copyfile(source, target)
+    return write_checkpoint(folder, checkpoint_name(0, 0), files)

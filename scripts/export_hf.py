@@ -1,0 +1,72 @@
+"""Export a checkpoint as a Hugging Face transformers MPT folder (weights, config, tokenizer).
+
+    python scripts/export_hf.py outputs/run/checkpoints OUT_DIR            # the latest checkpoint
+    python scripts/export_hf.py outputs/run/checkpoints/ep0-ba300 OUT_DIR --dtype bf16
+
+OUT_DIR then loads without trust_remote_code:
+    transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)   # an MptForCausalLM
+    transformers.AutoTokenizer.from_pretrained(OUT_DIR)
+
+The tokenizer is the checkpoint's own tokenizer.json or the one its run trained with
+(`tokenizer=`); --tokenizer overrides both. Features transformers' MPT lacks (learned
+positions, biases, grouped key/value heads, qk_ln, sliding window, infini-attention) are refused,
+naming the field. An fp32 export is checked: the folder's logits must equal the checkpoint's
+(relative error at most 1e-5, printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.models.mpt.hf import export_to_hf, logits_relative_error, to_hf_config
+from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
+
+TOLERANCE = 1e-5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint folder, or a save folder (its latest)")
+    p.add_argument("out_dir", help="folder to write the transformers model into")
+    p.add_argument(
+        "--dtype", choices=WEIGHT_DTYPES, default="fp32", help="weights' dtype (default fp32)"
+    )
+    p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
+    p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model, found = load_pretrained(args.checkpoint)
+    to_hf_config(model.config)  # refuses what transformers cannot represent, before any work
+    tokenizer_path = args.tokenizer or found
+    if tokenizer_path is None:
+        sys.exit(
+            f"no tokenizer found with {args.checkpoint} (no tokenizer.json in the checkpoint and "
+            "no tokenizer recorded by its run); pass --tokenizer PATH/tokenizer.json"
+        )
+    tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
+    export_to_hf(
+        model,
+        args.out_dir,
+        tokenizer=tokenizer.tokenizer,
+        dtype=WEIGHT_DTYPES[args.dtype],
+        eos_token=tokenizer.eos_token,
+    )
+    print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path})")
+    if args.dtype == "fp32":
+        error = logits_relative_error(model, args.out_dir)
+        print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")
+        if error > TOLERANCE:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
+        sys.exit(f"error: {err}")
