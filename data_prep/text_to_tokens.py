@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import text_to_tokens
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -93,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         help="redo even if --out is up to date, or replace a different one",
     )
     out.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
+    with script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)):
         meta = text_to_tokens(
             args.sources,
             args.out,
@@ -116,9 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     state = "up to date, reused" if meta["reused"] else "written"
     print(
         f"{args.out}: {state}: {meta['num_tokens']:,} tokens ({meta['dtype']}), "

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -47,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace existing output made from other inputs"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
+    with script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)):
         meta = tokens_to_mds(
             args.tokens,
             args.out,
@@ -62,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(
         f"{k}: {v['rows']:,} rows in {v['shards']} shards" for k, v in meta["splits"].items()

@@ -18,10 +18,14 @@ from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
 
 
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
+    # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
+    storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
     device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
     # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
@@ -86,7 +90,7 @@ def per_rank_batch(global_batch: int, dp_size: int) -> int:
         return global_batch // dp_size
     below, above = global_batch // dp_size * dp_size, (global_batch // dp_size + 1) * dp_size
     nearest = " or ".join(str(n) for n in (below, above) if n > 0)
-    raise ValueError(
+    raise UserError(
         f"global_train_batch_size={global_batch} is not divisible by the {dp_size} data-parallel "
         f"ranks; use {nearest}"
     )

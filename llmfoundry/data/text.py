@@ -261,7 +261,11 @@ class DataConfig:
             )
         if self.streams is not None:
             if self.remote is not None:
-                raise ValueError("set data.remote or data.streams, not both")
+                raise ValueError(
+                    "set data.remote or data.streams, not both: with data.streams add "
+                    "data.remote=null (its default is the demo dataset) and set "
+                    "tokenizer=<path or URL of tokenizer.json>"
+                )
             if not isinstance(self.streams, Mapping) or not self.streams:
                 raise ValueError("data.streams must map stream names to {remote, local, ...}")
             for name, spec in self.streams.items():

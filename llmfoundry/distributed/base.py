@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from llmfoundry.utils.errors import UserError
+
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
     from llmfoundry.trainer.precision import Precision
 
@@ -37,7 +39,7 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise UserError(
             f"strategy.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'"
         )
     return resolved

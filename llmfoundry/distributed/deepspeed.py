@@ -35,6 +35,7 @@ import torch
 
 from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
+from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
 
@@ -63,18 +64,16 @@ class DeepSpeed(ProcessGroupStrategy):
         offload_params: bool = False,
     ) -> None:
         if stage not in (1, 2, 3):
-            raise ValueError(f"strategy.stage={stage!r}: DeepSpeed ZeRO stages are 1, 2 and 3")
+            raise UserError(f"strategy.stage={stage!r}: DeepSpeed ZeRO stages are 1, 2 and 3")
         self.name = f"deepspeed_zero{stage}"
         super().__init__(device, backend, timeout_s)
         if offload_params and stage != 3:
-            raise ValueError(
+            raise UserError(
                 f"strategy.offload_params needs ZeRO stage 3 (parameters are only partitioned "
                 f"there), got stage {stage}; use strategy=deepspeed_zero3 or offload_optimizer"
             )
         if gradient_clipping is not None and gradient_clipping <= 0:
-            raise ValueError(
-                f"strategy.gradient_clipping must be positive, got {gradient_clipping}"
-            )
+            raise UserError(f"strategy.gradient_clipping must be positive, got {gradient_clipping}")
         self.deepspeed = _import_deepspeed()
         self.stage = stage
         self.gradient_clipping = gradient_clipping
@@ -123,7 +122,7 @@ class DeepSpeed(ProcessGroupStrategy):
         return nullcontext()
 
     def guard_collectives(self, model: torch.nn.Module) -> None:
-        raise ValueError(
+        raise UserError(
             f"device_train_microbatch_size=auto is not supported with strategy={self.name}: "
             "ZeRO reduces gradients inside backward and cannot abandon a step; set an integer "
             "device_train_microbatch_size, or use strategy=fsdp"
@@ -153,7 +152,7 @@ class DeepSpeed(ProcessGroupStrategy):
         keys: Collection[str] = ("model", "optimizer"),
     ) -> None:
         if "model" not in keys:
-            raise ValueError(
+            raise UserError(
                 f"strategy={self.name} loads a DeepSpeed checkpoint's model and optimizer "
                 "together; to start the optimizer afresh, convert the checkpoint to weights "
                 "first (scripts/convert_checkpoint.py does not read DeepSpeed's format; use "
@@ -168,7 +167,7 @@ class DeepSpeed(ProcessGroupStrategy):
             load_module_only="optimizer" not in keys,
         )
         if loaded is None:
-            raise ValueError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
+            raise UserError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
 
     def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
         """Whole weights into the engine: gathered for ZeRO-3, then copied to the optimizer's
@@ -184,7 +183,7 @@ class DeepSpeed(ProcessGroupStrategy):
     def load_optimizer_state_dict(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        raise ValueError(
+        raise UserError(
             f"strategy={self.name} cannot load a full checkpoint's optimizer state into ZeRO's "
             "partitions; add 'optimizer' to load_ignore_keys to start it afresh"
         )

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
+from llmfoundry.utils.errors import UserError
 
 _MIXED_PRECISION = {
     None: MixedPrecisionPolicy(),
@@ -91,12 +92,12 @@ class FSDP(ProcessGroupStrategy):
     ) -> None:
         super().__init__(device, backend, timeout_s)
         if replicate < 1 or self.world_size % replicate:
-            raise ValueError(
+            raise UserError(
                 f"strategy.replicate={replicate} must be a positive divisor of the "
                 f"{self.world_size} processes (replicas x shards = world size)"
             )
         if mixed_precision not in _MIXED_PRECISION:
-            raise ValueError(
+            raise UserError(
                 f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
             )
         self.checkpoint_every = _checkpoint_every(activation_checkpointing)
@@ -195,7 +196,7 @@ def _checkpoint_every(value: str | int) -> int:
         return 1
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(
+    raise UserError(
         f"strategy.activation_checkpointing={value!r}: use 'none', 'full' or a positive "
         "integer k (every k-th block)"
     )

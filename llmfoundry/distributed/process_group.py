@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmfoundry.distributed.base import Strategy, resolve_device
+from llmfoundry.utils.errors import UserError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Seconds given to gloo's worker threads around destroying the process group (see teardown).
@@ -33,7 +34,7 @@ class ProcessGroupStrategy(Strategy):
     def __init__(self, device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0):
         missing = [key for key in _ENV if key not in os.environ]
         if missing:
-            raise ValueError(
+            raise UserError(
                 f"strategy={self.name} needs the torchrun environment, but {', '.join(missing)} "
                 "is not set: launch with `torchrun --nproc_per_node=N scripts/train.py "
                 f"strategy={self.name} ...`, or use strategy=single for one process"
@@ -42,14 +43,14 @@ class ProcessGroupStrategy(Strategy):
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
+            raise UserError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
         resolved = resolve_device(device)
         if resolved.type == "cuda" and resolved.index is None:
             resolved = torch.device("cuda", self.local_rank)
         self.device = resolved
         self.backend = backend or ("nccl" if resolved.type == "cuda" else "gloo")
         if timeout_s <= 0:
-            raise ValueError(f"strategy.timeout_s must be positive, got {timeout_s}")
+            raise UserError(f"strategy.timeout_s must be positive, got {timeout_s}")
         self.timeout = timedelta(seconds=timeout_s)
         self._owns_group = False
 

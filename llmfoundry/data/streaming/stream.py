@@ -25,6 +25,7 @@ from typing import Any
 from llmfoundry.data.mds import INDEX_NAME, load_index, parse_index
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.download import list_dirs, read_bytes
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import atomic_write, join_url
 from llmfoundry.utils.storage import is_local, local_path
 
@@ -102,7 +103,7 @@ class Stream:
         if remote is None:
             folder = Path(local) / split if split else Path(local)  # type: ignore[arg-type]
             if not (folder / INDEX_NAME).is_file():
-                raise FileNotFoundError(_missing(str(folder), local, split, None))
+                raise MissingInput(_missing(str(folder), local, split, None))
             return ShardCache(load_index(folder), folder, None, **options)
         root_local = Path(local) if local is not None else default_cache_dir(remote)
         folder = root_local / split if split else root_local
@@ -110,7 +111,7 @@ class Stream:
         try:
             text = read_bytes(join_url(url, INDEX_NAME), storage_options, retries)
         except FileNotFoundError:
-            raise FileNotFoundError(_missing(url, remote, split, storage_options)) from None
+            raise MissingInput(_missing(url, remote, split, storage_options)) from None
         shards = parse_index(text, join_url(url, INDEX_NAME))
         cache = ShardCache(shards, folder, url, storage_options=storage_options, **options)
         atomic_write(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
