@@ -1,10 +1,21 @@
-"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py), preemption signals.
+"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py) and checked
+(manifest.py), preemption signals.
 
 Settings (top-level keys of conf/train.yaml): save_folder, save_interval,
 num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
 """
 
-from llmfoundry.checkpoint.io import latest_checkpoint, prune, read_checkpoint, read_latest
+from llmfoundry.checkpoint.io import (
+    checkpoint_names,
+    clean,
+    find_checkpoint,
+    latest_checkpoint,
+    probe_writable,
+    prune,
+    read_checkpoint,
+    read_latest,
+)
+from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.preemption import Preemption
 from llmfoundry.checkpoint.rng import load_rng_state, rng_state
 from llmfoundry.checkpoint.state_dict import (
@@ -16,10 +27,15 @@ from llmfoundry.checkpoint.state_dict import (
 )
 
 __all__ = [
+    "CheckpointError",
     "LOADABLE_KEYS",
     "WEIGHTS_ONLY",
     "Preemption",
     "check_ignore_keys",
+    "checkpoint_names",
+    "clean",
+    "find_checkpoint",
+    "probe_writable",
     "load_rng_state",
     "rng_state",
     "latest_checkpoint",
