@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import latest_checkpoint
+from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
@@ -23,6 +24,8 @@ from llmfoundry.trainer import Trainer
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
     strategy = instantiate(cfg.strategy)
+    # Before anything is built: the save folder takes writes, no other run uses these folders.
+    locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
     if settings.global_train_batch_size % strategy.world_size:
         raise ValueError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
@@ -47,11 +50,14 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     if settings.save_folder:
         callbacks.append(
             CheckpointSaver(
-                settings.save_folder, settings.save_interval, settings.num_checkpoints_to_keep
+                settings.save_folder,
+                settings.save_interval,
+                settings.num_checkpoints_to_keep,
+                overwrite=settings.save_overwrite,
             )
         )
-    # autoresume: the run's own last checkpoint wins over load_path (which then only seeds
-    # the first launch, e.g. with pretrained weights).
+    # autoresume: the run's own newest complete checkpoint wins over load_path (which then
+    # only seeds the first launch, e.g. with pretrained weights).
     load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
     if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
         load_path, load_ignore_keys = latest, []
@@ -69,7 +75,7 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         eval_first=settings.eval_first,
         eval_subset_num_batches=settings.eval_subset_num_batches,
         algorithms=instantiate_all("algorithms"),
-        callbacks=callbacks,
+        callbacks=[*locks, *callbacks],
         loggers=instantiate_all("loggers"),
         precision=settings.precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,

@@ -8,6 +8,7 @@ num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
 from llmfoundry.checkpoint.io import (
     checkpoint_names,
     clean,
+    delete_checkpoints,
     find_checkpoint,
     latest_checkpoint,
     probe_writable,
@@ -34,6 +35,7 @@ __all__ = [
     "check_ignore_keys",
     "checkpoint_names",
     "clean",
+    "delete_checkpoints",
     "find_checkpoint",
     "probe_writable",
     "load_rng_state",

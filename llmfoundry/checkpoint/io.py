@@ -70,8 +70,8 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
-# What a killed save leaves: staging and scratch folders, temporary `latest` files.
-_LITTER = re.compile(r"^(\.ep\d+-ba\d+\.(staging|old|rank\d+)|latest\.tmp[.-].*)$")
+# What a killed save leaves: staging and scratch folders, temporary `latest` files, probes.
+_LITTER = re.compile(r"^(\.ep\d+-ba\d+\.(staging|old|rank\d+)|latest\.tmp[.-].*|\.write-probe-.*)$")
 
 
 def rng_file(rank: int) -> str:
@@ -330,6 +330,14 @@ def prune(folder: str, keep: int) -> list[str]:
     for name in doomed:
         fs.rm(join_url(root, name), recursive=True)
     return doomed
+
+
+def delete_checkpoints(folder: str, names: list[str]) -> None:
+    """Delete the checkpoints `names` of `folder` (those that exist)."""
+    fs, root = storage.url_to_fs(folder)
+    for name in names:
+        if _NAME.match(name) and fs.exists(join_url(root, name)):
+            fs.rm(join_url(root, name), recursive=True)
 
 
 def probe_writable(folder: str) -> None:

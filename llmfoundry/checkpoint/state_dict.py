@@ -10,7 +10,7 @@ A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip o
   (``Name``, ``Name#1`` for a second one), so adding or removing one between runs is harmless;
 - ``data``: the train dataloader's position, ``state_dict(timestamp.sample_in_epoch)``;
 - ``rng``: each rank's python, numpy, torch (and CUDA) generator states, one file per rank;
-- ``config``: the run's config, for provenance only; it is never loaded.
+- ``config``: the run's config; never loaded, but compared with the loading run's (compat.py).
 
 Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scheduler, scaler, timestamp,
 algorithms, callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`).
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
     STATE_FILE,
@@ -150,6 +151,7 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
+    check_resume(saved.get("config") or {}, state.config, ignore, where)
     if "model" not in ignore:
         try:
             unwrap_model(state.model).load_state_dict(checkpoint.model)
@@ -160,7 +162,8 @@ def restore(
             ) from None
     if "optimizer" not in ignore:
         try:
-            state.optimizer.load_state_dict(saved["optimizer"])
+            with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
+                state.optimizer.load_state_dict(saved["optimizer"])
         except (ValueError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "

@@ -55,6 +55,9 @@ class TrainSettings:
     load_ignore_keys: list[str] = field(default_factory=list)
     # Continue from <save_folder>/latest when it exists: rerun the same command after a crash.
     autoresume: bool = False
+    # A save_folder that already holds checkpoints is refused unless the run continues from
+    # them (autoresume); true replaces them instead.
+    save_overwrite: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_duration", "eval_interval", "save_interval"):
