@@ -205,4 +205,3 @@ def _expired_or_dead(holder: dict[str, Any]) -> bool:
     except PermissionError:
         return False
     return False
-

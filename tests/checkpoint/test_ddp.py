@@ -25,7 +25,13 @@ def test_two_ranks_stop_and_resume_exactly(tmp_path):
     folder = tmp_path / "resumed"
     assert read_latest(str(folder)) == "ep1-ba5"
     files = sorted(p.name for p in (folder / "ep0-ba3").iterdir())
-    assert files == ["manifest.json", "model.safetensors", "rng-rank0.pt", "rng-rank1.pt", "state.pt"]
+    assert files == [
+        "manifest.json",
+        "model.safetensors",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+        "state.pt",
+    ]
     # rank 0's manifest lists every rank's files
     listed = json.loads((folder / "ep0-ba3" / "manifest.json").read_text())["files"]
     assert sorted(listed) == files[1:]
