@@ -346,7 +346,8 @@ def probe_writable(folder: str) -> None:
     fs, root = storage.url_to_fs(folder)
     probe = join_url(root, f".write-probe-{uuid.uuid4().hex[:12]}")
     try:
-        fs.makedirs(root, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):  # (on object stores makedirs may create a bucket)
+            fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"llmfoundry write probe\n")
         fs.rm(probe)
     except Exception as err:  # noqa: BLE001 - any backend's error means the same to the user
