@@ -71,6 +71,7 @@ STATE_FILE = "state.pt"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
 # What a killed save leaves: staging and scratch folders, temporary `latest` files, probes.
+_TMP_PREFIX = "llmfoundry-ckpt-"  # local scratch folders of saves to object stores
 _LITTER = re.compile(r"^(\.ep\d+-ba\d+\.(staging|old|rank\d+)|latest\.tmp[.-].*|\.write-probe-.*)$")
 
 
@@ -162,7 +163,7 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
 def _scratch(folder: Path | None) -> Iterator[Path]:
     """This rank's empty folder to write its files in (`folder`, or a temporary one)."""
     if folder is None:
-        with tempfile.TemporaryDirectory(prefix="llmfoundry-ckpt-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX) as tmp:
             yield Path(tmp)
         return
     shutil.rmtree(folder, ignore_errors=True)
@@ -180,11 +181,16 @@ def _disk_full_is_one_line(folder: str) -> Iterator[None]:
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        where = err.filename or folder
+        where = str(err.filename or folder)
+        fix = (  # checkpoints for object stores are written to a local temporary folder first
+            "set TMPDIR to a disk with room"
+            if _TMP_PREFIX in where
+            else "free space there (num_checkpoints_to_keep keeps fewer) or set save_folder to "
+            "a disk with room"
+        )
         raise CheckpointError(
             f"no space left on the device writing {where}: the checkpoint was not saved and "
-            f"'{LATEST}' still names the previous one; free space there (num_checkpoints_to_keep "
-            "keeps fewer) or set save_folder to a disk with room, then rerun with autoresume=true"
+            f"'{LATEST}' still names the previous one; {fix}, then rerun with autoresume=true"
         ) from None
 
 

@@ -3,6 +3,10 @@ partial checkpoints, NaN weights, a full disk, what killed saves leave behind.""
 
 import errno
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 
 import fsspec
@@ -182,6 +186,45 @@ def test_an_upload_cut_short_never_counts_and_is_cleaned(tmp_path, monkeypatch):
     assert find_checkpoint(url) == "ep0-ba1"
     assert sorted(clean(url)) == ["ep1-ba2", "latest.tmp.77.abc"]
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
+        "ep0-ba1",
+        "latest",
+    ]
+
+
+KILLED_MID_SAVE = """
+import os, signal, sys, torch
+from llmfoundry.checkpoint import io
+
+def model(path):
+    path.write_bytes(b"the first half of the weights")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+files = {"model.safetensors": io.write_tensors({"w": torch.ones(2)}),
+         "state.pt": io.write_object({"format_version": 1})}
+io.write_checkpoint(sys.argv[1], "ep0-ba1", files)
+io.write_checkpoint(sys.argv[1], "ep0-ba2", {**files, "model.safetensors": model})
+"""
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_kill_during_a_save_leaves_no_checkpoint_that_counts(tmp_path, store, request):
+    if store == "s3":
+        request.getfixturevalue("s3_env")
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        bucket = f"killed-{uuid.uuid4().hex[:8]}"
+        fs.mkdir(bucket)
+        url = f"s3://{bucket}/ckpt"
+    else:
+        url = str(tmp_path / "ckpt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, url], env=env, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    assert read_latest(url) == "ep0-ba1"
+    assert find_checkpoint(url) == "ep0-ba1"
+    assert read_checkpoint(url, 0).path.endswith("ep0-ba1")
+    clean(url)  # what the next launch does before its first save
+    fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+    assert sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
         "ep0-ba1",
         "latest",
     ]
