@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import latest_checkpoint
+from llmfoundry.checkpoint import latest_checkpoint, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
@@ -26,6 +26,14 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     strategy = instantiate(cfg.strategy)
     # Before anything is built: the save folder takes writes, no other run uses these folders.
     locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
+    # autoresume: the run's own newest complete checkpoint wins over load_path (which then
+    # only seeds the first launch, e.g. with pretrained weights). A load_path that does not
+    # open fails here, before the model and data are built.
+    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
+    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
+        load_path, load_ignore_keys = latest, []
+    elif load_path:
+        resolve(load_path)
     if settings.global_train_batch_size % strategy.world_size:
         raise ValueError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
@@ -56,11 +64,6 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
                 overwrite=settings.save_overwrite,
             )
         )
-    # autoresume: the run's own newest complete checkpoint wins over load_path (which then
-    # only seeds the first launch, e.g. with pretrained weights).
-    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
-    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
-        load_path, load_ignore_keys = latest, []
 
     return Trainer(
         model=model,

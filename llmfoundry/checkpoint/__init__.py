@@ -15,6 +15,7 @@ from llmfoundry.checkpoint.io import (
     prune,
     read_checkpoint,
     read_latest,
+    resolve,
 )
 from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.preemption import Preemption
@@ -45,5 +46,6 @@ __all__ = [
     "prune",
     "read_checkpoint",
     "read_latest",
+    "resolve",
     "save_checkpoint",
 ]

@@ -308,13 +308,11 @@ def clean(folder: str) -> list[str]:
         if _LITTER.match(name):
             fs.rm(path, recursive=True)
             removed.append(name)
-    names = checkpoint_names(folder)
-    complete = [n for n in names if is_complete(folder, n)]
-    newest = _batch_epoch(complete[-1]) if complete else (-1, -1)
-    for name in names:
-        if name not in complete and _batch_epoch(name) > newest:
-            fs.rm(join_url(root, name), recursive=True)
-            removed.append(name)
+    for name in reversed(checkpoint_names(folder)):  # newest first, down to a complete one
+        if is_complete(folder, name):
+            break
+        fs.rm(join_url(root, name), recursive=True)
+        removed.append(name)
     return removed
 
 

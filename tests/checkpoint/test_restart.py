@@ -139,3 +139,9 @@ def test_a_changed_batch_size_or_lr_is_warned_about_and_takes_effect(tmp_path, m
     assert "optimizer.lr: 0.002 -> 0.0005" in caplog.text
     assert "max_duration" not in caplog.text  # extending a run is not a change of recipe
     assert {g["initial_lr"] for g in trainer.state.optimizer.param_groups} == {0.0005}
+
+
+def test_a_load_path_that_does_not_open_fails_before_the_data_is_read(tmp_path, mds):
+    missing = tmp_path / "no-such-run" / "ckpt"
+    with pytest.raises(FileNotFoundError, match=f"load_path '{missing}' is neither"):
+        build(tmp_path, mds, f"load_path={missing}", f"data.remote={tmp_path / 'no-data'}")
