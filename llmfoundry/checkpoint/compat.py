@@ -101,11 +101,20 @@ def check_resume(
 def keep_hyperparameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Load optimizer state inside this block and keep this run's hyperparameters (lr, betas,
     weight decay, ...): ``load_state_dict`` would bring back the saved ones, silently undoing
-    a changed optimizer config."""
+    a changed optimizer config.
+
+    The current ``lr`` is the schedule's multiplier times ``initial_lr``: the loaded multiplier
+    is kept and applied to this run's ``initial_lr``.
+    """
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     yield
     for group, values in zip(optimizer.param_groups, fresh, strict=True):
+        lr, initial = group["lr"], group.get("initial_lr")
         group.update(values)
+        if initial and group.get("initial_lr", initial) == initial:
+            group["lr"] = lr  # the same recipe: exactly the saved value
+        elif initial:
+            group["lr"] = lr * group["initial_lr"] / initial
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

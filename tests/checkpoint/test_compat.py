@@ -65,3 +65,13 @@ def test_loaded_optimizer_state_keeps_the_new_hyperparameters():
         new.load_state_dict(old.state_dict())
     assert new.param_groups[0]["lr"] == 5e-4 and new.param_groups[0]["weight_decay"] == 0.0
     assert torch.equal(new.state[param]["exp_avg"], old.state[param]["exp_avg"])
+
+
+def test_a_changed_initial_lr_keeps_the_schedule_position():
+    param = torch.nn.Parameter(torch.ones(2))
+    old = torch.optim.AdamW([{"params": [param], "initial_lr": 1e-3, "lr": 1e-3 * 0.25}])
+    new = torch.optim.AdamW([{"params": [param], "initial_lr": 2e-3, "lr": 2e-3}])
+    with keep_hyperparameters(new):
+        new.load_state_dict(old.state_dict())
+    assert new.param_groups[0]["initial_lr"] == 2e-3
+    assert new.param_groups[0]["lr"] == pytest.approx(2e-3 * 0.25)
