@@ -21,7 +21,7 @@ from llmfoundry.checkpoint import (
     checkpoint_names,
     clean,
     delete_checkpoints,
-    find_checkpoint,
+    newest_complete,
     prune,
     save_checkpoint,
 )
@@ -77,7 +77,7 @@ class CheckpointSaver(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         existing = [] if self._resumed else checkpoint_names(self.save_folder)
         if existing and not self.overwrite:
-            newest = find_checkpoint(self.save_folder)
+            newest = newest_complete(self.save_folder)
             holds = f"checkpoints up to {newest}" if newest else "incomplete checkpoints"
             raise CheckpointError(
                 f"save_folder {self.save_folder} already holds {holds}, and this run would "

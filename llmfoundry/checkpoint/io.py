@@ -280,18 +280,22 @@ def find_checkpoint(folder: str) -> str | None:
         pointer = None
     if pointer is not None and is_complete(folder, pointer):
         return pointer
-    for name in reversed(checkpoint_names(folder)):
-        if is_complete(folder, name):
-            why = "is missing" if pointer is None else f"names {pointer}, which is incomplete"
-            log.warning(
-                "%s/%s %s; continuing from %s, the newest complete checkpoint found there",
-                folder.rstrip("/"),
-                LATEST,
-                why,
-                name,
-            )
-            return name
-    return None
+    name = newest_complete(folder)
+    if name is not None:
+        why = "is missing" if pointer is None else f"names {pointer}, which is incomplete"
+        log.warning(
+            "%s/%s %s; continuing from %s, the newest complete checkpoint found there",
+            folder.rstrip("/"),
+            LATEST,
+            why,
+            name,
+        )
+    return name
+
+
+def newest_complete(folder: str) -> str | None:
+    """The newest complete checkpoint of `folder` by batch, whatever `latest` says."""
+    return next((n for n in reversed(checkpoint_names(folder)) if is_complete(folder, n)), None)
 
 
 def clean(folder: str) -> list[str]:
