@@ -144,3 +144,28 @@ def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
     code, _, err = finish(running)
     assert code == 0, err
     assert read_latest(str(folder)) == "ep0-ba4"
+
+
+def test_an_s3_save_folder_is_probed_at_start_and_locked_while_the_run_lives(tmp_path, mds, s3_env):
+    """On a real S3 API (moto): a bucket that is not there fails before training; a good one
+    gets the checkpoints, and the run's lease is gone when it ends."""
+    pytest.importorskip("s3fs")
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"runs-{time.monotonic_ns()}"
+    started = time.monotonic()
+    missing = f"save_folder=s3://{bucket}-missing/ckpt"
+    code, out, err = finish(launch(tmp_path, mds, "s3", overrides=(missing,)))
+    assert code != 0
+    assert f"save_folder s3://{bucket}-missing/ckpt is not writable" in err
+    assert "step" not in out and not (tmp_path / "s3" / "steps.jsonl").exists()
+    assert time.monotonic() - started < TIMEOUT
+
+    fs.mkdir(bucket)
+    url = f"s3://{bucket}/ckpt"
+    code, _, err = finish(launch(tmp_path, mds, "s3", overrides=(f"save_folder={url}",)))
+    assert code == 0, err
+    fs.invalidate_cache()
+    assert read_latest(url) == "ep1-ba10"
+    assert not fs.exists(f"{url}/.lock")
