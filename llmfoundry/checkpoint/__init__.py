@@ -1,8 +1,9 @@
 """Checkpoints: what a run saves (state_dict.py), how it is stored (io.py) and checked
-(manifest.py), preemption signals.
+(manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
+signals.
 
 Settings (top-level keys of conf/train.yaml): save_folder, save_interval,
-num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
+num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume, save_overwrite.
 """
 
 from llmfoundry.checkpoint.io import (
