@@ -16,7 +16,6 @@ Two launches of one `run_name` would otherwise write the same checkpoints, stagi
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -76,9 +75,13 @@ class FolderLock(Callback):
             self._stop.set()
             self._renewer.join()
             self._renewer = None
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 if self._read_lease().get("token") == self.token:
                     self._fs.rm(self._path)
+            except Exception as err:  # noqa: BLE001 - runs while training ends, maybe on error
+                log.warning(
+                    "could not remove the lease %s (it expires by itself): %s", self._path, err
+                )
 
     # ------------------------------------------------------------------ local: flock
     def _acquire_local(self) -> None:
