@@ -409,9 +409,9 @@ def read_checkpoint(path: str, rank: int) -> Checkpoint:
     files = read_manifest(fs, root)
     if files is None:
         raise CheckpointError(
-            f"checkpoint {path} has no {MANIFEST}: its save was cut short or it was copied in "
-            "part; load an earlier checkpoint (or the save folder, which finds the newest "
-            "complete one)"
+            f"checkpoint {path} has no {MANIFEST}: its save was cut short, it was copied in "
+            "part, or an llmfoundry older than manifests saved it; load an earlier checkpoint "
+            "(or the save folder, which finds the newest complete one)"
         )
     problems = missing_files(fs, root, files) + [
         f"{f} (missing)" for f in (MODEL_FILE, STATE_FILE) if f not in files

@@ -58,6 +58,17 @@ class FolderLock(Callback):
         self._file: BinaryIO | None = None  # closing it (even by garbage collection) unlocks
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._lost_to: dict[str, Any] | None = None  # who took an expired lease over
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        """Stop before the next checkpoint if another run took the lease over (this one could
+        not renew it in time: a paused process, a store unreachable for a whole lease)."""
+        if self._lost_to is not None:
+            raise CheckpointError(
+                f"lost the lock on {self.what} {self.folder} to another run "
+                f"({_describe(self._lost_to)}); stopped before saving over its checkpoints: "
+                "let one of the two runs continue (autoresume=true)"
+            )
 
     def acquire(self) -> FolderLock:
         if isinstance(self._fs, LocalFileSystem):
@@ -117,12 +128,7 @@ class FolderLock(Callback):
             try:
                 holder = self._read_lease()
                 if holder.get("token") != self.token:
-                    log.error(
-                        "lost the lock on %s %s to %s; stop one of the two runs",
-                        self.what,
-                        self.folder,
-                        _describe(holder),
-                    )
+                    self._lost_to = holder
                     return
                 self._write_lease()
             except Exception as err:  # noqa: BLE001 - a flaky store must not kill training

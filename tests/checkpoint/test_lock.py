@@ -104,3 +104,16 @@ def test_write_probe_on_s3(bucket):
         CheckpointError, match=r"save_folder s3://no-such-bucket-x/c is not writable"
     ):
         probe_writable("s3://no-such-bucket-x/c")
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_its_next_save(bucket):
+    fs, url = bucket
+    lock = FolderLock(url, "save_folder", lease_seconds=0.6).acquire()
+    lock.batch_end(None, None)  # still ours: nothing happens
+    other = {"host": "elsewhere", "pid": 7, "since": 0, "token": "x", "expires": time.time() + 60}
+    fs.pipe_file(f"{url}/.lock", json.dumps(other).encode())  # as after a pause past expiry
+    time.sleep(0.6)
+    with pytest.raises(CheckpointError, match=r"lost the lock on save_folder .* \(host elsewhere"):
+        lock.batch_end(None, None)
+    lock.close()
+    assert json.loads(fs.cat_file(f"{url}/.lock"))["token"] == "x"  # theirs is left alone
