@@ -10,9 +10,9 @@ Two launches of one `run_name` would otherwise write the same checkpoints, stagi
   expires. The holder renews it from a background thread every third of its length; a lease
   left by a killed run blocks others until it expires (or at once, when the holder was on this
   machine and its process is gone); a run that could not renew in time and finds its lease
-  taken over stops at the next batch end, before it saves. Object stores have no atomic create-if-absent that every
-  fsspec backend exposes, so two launches in the same instant are told apart by writing, waiting
-  and reading back: the later writer wins and the other stops.
+  taken over stops at the next batch end, before it saves. Object stores have no atomic
+  create-if-absent that every fsspec backend exposes, so two launches in the same instant are
+  told apart by writing, waiting and reading back: the later writer wins and the other stops.
 """
 
 from __future__ import annotations
