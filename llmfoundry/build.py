@@ -13,7 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import latest_checkpoint
+from llmfoundry.checkpoint import latest_checkpoint, resolve
+from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
@@ -27,6 +28,16 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
     storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
+    # Before anything is built: the save folder takes writes, no other run uses these folders.
+    locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
+    # autoresume: the run's own newest complete checkpoint wins over load_path (which then
+    # only seeds the first launch, e.g. with pretrained weights). A load_path that does not
+    # open fails here, before the model and data are built.
+    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
+    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
+        load_path, load_ignore_keys = latest, []
+    elif load_path:
+        resolve(load_path)
     device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
     # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
     data_parallel = (strategy.dp_rank, strategy.dp_size)
@@ -50,14 +61,12 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     if settings.save_folder:
         callbacks.append(
             CheckpointSaver(
-                settings.save_folder, settings.save_interval, settings.num_checkpoints_to_keep
+                settings.save_folder,
+                settings.save_interval,
+                settings.num_checkpoints_to_keep,
+                overwrite=settings.save_overwrite,
             )
         )
-    # autoresume: the run's own last checkpoint wins over load_path (which then only seeds
-    # the first launch, e.g. with pretrained weights).
-    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
-    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
-        load_path, load_ignore_keys = latest, []
 
     return Trainer(
         model=model,
@@ -72,7 +81,7 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         eval_first=settings.eval_first,
         eval_subset_num_batches=settings.eval_subset_num_batches,
         algorithms=instantiate_all("algorithms"),
-        callbacks=callbacks,
+        callbacks=[*locks, *callbacks],
         loggers=instantiate_all("loggers"),
         precision=settings.precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,

@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from llmfoundry.build import build_trainer
+from llmfoundry.checkpoint.lock import LOCK_FILE
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
 from llmfoundry.config.run_files import write_run_config
@@ -31,10 +32,18 @@ from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-# What Hydra and logging put in a run folder before training starts; a run that fails with
-# nothing else there leaves no folder behind (`make plot` would pick it as the latest run).
-_SETUP_ONLY = {".hydra", "train.log"}
 DEBUG = False
+
+
+def _only_setup_files(run_dir: Path) -> bool:
+    """Whether the run folder holds only what is written before training starts (the saved
+    config, train.log, folder locks): a run that fails with nothing else there leaves no folder
+    behind (`make plot` would pick it as the latest run)."""
+    for path in run_dir.rglob("*"):
+        relative = path.relative_to(run_dir).parts
+        if path.is_file() and relative[0] != ".hydra" and path.name not in ("train.log", LOCK_FILE):
+            return False
+    return True
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
@@ -44,11 +53,13 @@ def main(cfg: DictConfig) -> float:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
     write_run_config(run_dir, cfg, hydra_cfg, hydra_cfg.overrides.task)
+    # A folder locked before this launch may belong to a running run that refuses this one.
+    locked_before = (run_dir / LOCK_FILE).exists()
     try:
         with exit_on_user_error(DEBUG):
             trainer = build_trainer(cfg, run_dir)
     except SystemExit:
-        if {p.name for p in run_dir.iterdir()} <= _SETUP_ONLY:
+        if not locked_before and _only_setup_files(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     with exit_on_user_error(DEBUG):

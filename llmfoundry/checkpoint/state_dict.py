@@ -11,7 +11,7 @@ A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip o
   (``Name``, ``Name#1`` for a second one), so adding or removing one between runs is harmless;
 - ``data``: the train dataloader's position, ``state_dict(timestamp.sample_in_epoch)``;
 - ``rng``: each rank's python, numpy, torch (and CUDA) generator states, one file per rank;
-- ``config``: the run's config, for provenance only; it is never loaded.
+- ``config``: the run's config; never loaded, but compared with the loading run's (compat.py).
 
 Model and optimizer state come from the strategy (`Strategy.model_state_dict`, ...), so a
 checkpoint saved by one strategy loads into any other, at any world size.
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
     SHARDED_DIR,
@@ -168,6 +169,7 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
+    check_resume(saved.get("config") or {}, state.config, ignore, where)
     strategy = state.strategy
     if checkpoint.model is None:  # sharded: model and optimizer come from its shards
         keys = [k for k in SHARDED_KEYS if k not in ignore]
@@ -197,7 +199,8 @@ def restore(
             ) from None
     if "optimizer" not in ignore:
         try:
-            strategy.load_optimizer_state_dict(state.model, state.optimizer, saved["optimizer"])
+            with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
+                strategy.load_optimizer_state_dict(state.model, state.optimizer, saved["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "

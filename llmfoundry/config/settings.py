@@ -59,6 +59,9 @@ class TrainSettings:
     # Object-store settings for every remote read and write (llmfoundry/utils/storage.py):
     # {options: {endpoint_url: ..., profile: ...}, overrides: {"s3://bucket/": {...}}}.
     storage: dict[str, Any] | None = None
+    # A save_folder that already holds checkpoints is refused unless the run continues from
+    # them (autoresume); true replaces them instead.
+    save_overwrite: bool = False
 
     def __post_init__(self) -> None:
         parse_settings(self.storage)

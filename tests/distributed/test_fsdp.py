@@ -165,7 +165,7 @@ def test_fsdp_checkpoint_is_sharded(runs, tmp_path_factory):
     _, ranks = runs
     folder = next(tmp_path_factory.getbasetemp().glob("fsdp*")) / "fsdp_saved" / f"ep0-ba{STOP_AT}"
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["rng-rank0.pt", "rng-rank1.pt", "sharded", "state.pt"]
+    assert names == ["manifest.json", "rng-rank0.pt", "rng-rank1.pt", "sharded", "state.pt"]
     assert (folder / "sharded" / ".metadata").exists()
 
 
