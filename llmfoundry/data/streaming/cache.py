@@ -87,15 +87,9 @@ class ShardCache:
 
     def _check_complete(self) -> None:
         """Fail now, not mid-epoch, when an in-place folder lacks a raw shard."""
-        for j, info in enumerate(self.shards):
+        for j in range(len(self.shards)):
             if self.path(j).is_file():
                 continue
-            if info.zip_basename and (self.local / info.zip_basename).is_file():
-                raise FileNotFoundError(
-                    f"shard {self.local / info.zip_basename} is compressed and {self.local} is "
-                    "read in place; give a local cache folder to decompress the shards into "
-                    "(remote=<this folder>, local=<cache folder>)"
-                )
             raise FileNotFoundError(
                 f"shard {self.path(j)} listed in {self.local / 'index.json'} is missing; the "
                 "dataset folder is incomplete (rewrite it, or copy the missing shards)"
@@ -198,6 +192,13 @@ class ShardCache:
         try:
             os.utime(self.path(j))
             return True
+        except FileNotFoundError:
+            return False
+
+    def is_file(self, j: int, inode: int) -> bool:
+        """Whether shard ``j``'s raw file is still the file with ``inode`` (not deleted/replaced)."""
+        try:
+            return os.stat(self.path(j)).st_ino == inode
         except FileNotFoundError:
             return False
 
