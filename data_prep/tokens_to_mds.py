@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         "--compression", help="zstd, zstd:LEVEL, gz, bz2, br or snappy (default none)"
     )
     parser.add_argument(
-        "--hashes", nargs="*", default=[], help="shard hashes to record, e.g. xxh64 sha1"
+        "--hashes",
+        nargs="*",
+        default=["xxh64"],
+        help="shard hashes to record (default xxh64; e.g. xxh64 sha1; none: --hashes with no names)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing output made from other inputs"
