@@ -12,9 +12,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
+from llmfoundry.data.prep.interrupt import stop_on_signals
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -53,18 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        meta = tokens_to_mds(
-            args.tokens,
-            args.out,
-            args.seq_len,
-            val_fraction=args.val_fraction,
-            val_rows=args.val_rows,
-            size_limit=parse_size(args.size_limit),
-            compression=args.compression,
-            hashes=args.hashes,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
+        with stop_on_signals():
+            meta = tokens_to_mds(
+                args.tokens,
+                args.out,
+                args.seq_len,
+                val_fraction=args.val_fraction,
+                val_rows=args.val_rows,
+                size_limit=parse_size(args.size_limit),
+                compression=args.compression,
+                hashes=args.hashes,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+            )
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
+        print(
+            f"interrupted ({err or 'SIGINT'}): stopped, temporary output removed", file=sys.stderr
         )
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -13,11 +13,13 @@ the output is byte-identical whatever the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -66,6 +68,15 @@ def _init_worker(tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: st
     _STATE.update(tokenizer=tok, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
 
 
+def _init_pool_worker(*init_args: Any) -> None:
+    # Ctrl-C reaches the whole process group; the parent stops the workers itself (below), so
+    # they ignore it instead of each printing a KeyboardInterrupt traceback. SIGTERM (the
+    # parent's terminate()) must kill a worker, whatever handler it inherited through fork.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(*init_args)
+
+
 def _encode_task(task: Task) -> _Encoded:
     docs, skipped = read_task(task)
     nonempty = [d for d in docs if d]
@@ -91,7 +102,12 @@ def _encode_task(task: Task) -> _Encoded:
 def _ordered_map(
     fn: Callable[[Task], _Encoded], tasks: Sequence[Task], workers: int, init_args: tuple
 ) -> Iterator[_Encoded]:
-    """``map(fn, tasks)`` over ``workers`` processes, in order, at most 2*workers in flight."""
+    """``map(fn, tasks)`` over ``workers`` processes, in order, at most 2*workers in flight.
+
+    If the consumer stops early (an error, SIGTERM/SIGINT as raised by ``stop_on_signals``, or
+    closing the generator), the workers are terminated at once rather than left to finish (or
+    orphaned, still holding their memory).
+    """
     if workers <= 1:
         _init_worker(*init_args)
         yield from map(fn, tasks)
@@ -103,22 +119,30 @@ def _ordered_map(
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    others = set(multiprocessing.active_children())  # children that are not our workers
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_pool_worker, initargs=init_args
+    )
     try:
-        with ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_init_worker, initargs=init_args
-        ) as pool:
-            todo = iter(tasks)
-            pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
-            try:
-                while pending:
-                    result = pending.popleft().result()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        pending.append(pool.submit(fn, nxt))
-                    yield result
-            finally:
-                for future in pending:
-                    future.cancel()
+        todo = iter(tasks)
+        pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(pool.submit(fn, nxt))
+            yield result
+        pool.shutdown(wait=True)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        workers_left = set(multiprocessing.active_children()) - others
+        for process in workers_left:
+            process.terminate()
+        for process in workers_left:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        raise
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -153,8 +177,9 @@ def _write_stream(
     """Tokenize ``tasks`` in order, appending tokens and document starts; return the counts."""
     counts = {"tokens": 0, "documents": 0, "skipped": 0, "bytes": 0}
     bar = tqdm(total=len(tasks), desc="tokenizing", unit="task", disable=not progress)
-    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs:
-        for enc in _ordered_map(_encode_task, tasks, workers, init):
+    encoded = contextlib.closing(_ordered_map(_encode_task, tasks, workers, init))
+    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs, encoded as results:
+        for enc in results:
             n_docs = len(enc.doc_tokens)
             if max_bytes is not None:  # keep documents until the one that reaches the cap
                 before = counts["bytes"] + np.concatenate([[0], np.cumsum(enc.doc_bytes)[:-1]])
