@@ -290,7 +290,10 @@ def parse_index(text: str | bytes, source: str = INDEX_NAME) -> list[ShardInfo]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{source}: not valid JSON ({err})") from None
+        raise ValueError(
+            f"{source}: not valid JSON ({err}); the index is damaged: rewrite the dataset "
+            "(data_prep/tokens_to_mds.py --overwrite) or restore the file"
+        ) from None
     _require(
         isinstance(obj, dict) and set(obj) == {"shards", "version"},
         source,

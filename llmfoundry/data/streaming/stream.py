@@ -107,7 +107,7 @@ class Stream:
         if remote is None:
             folder = Path(local) / split if split else Path(local)  # type: ignore[arg-type]
             if not (folder / INDEX_NAME).is_file():
-                raise FileNotFoundError(_missing(str(folder), local, split, None))
+                raise FileNotFoundError(_missing_local(folder, local, split))
             shards = load_index(folder)
             if not _compressed(folder, shards):
                 return ShardCache(shards, folder, None, **options)
@@ -136,6 +136,22 @@ class Stream:
 def _compressed(folder: Path, shards: list[ShardInfo]) -> bool:
     """Whether some shard of ``folder`` is stored only compressed (its raw file is absent)."""
     return any(s.zip_basename and not (folder / s.raw_basename).is_file() for s in shards)
+
+
+def _missing_local(folder: Path, root: str, split: str | None) -> str:
+    """Why a local folder is not an MDS dataset, in one line with the fix."""
+    if not folder.exists():
+        missing = next(p for p in (folder, *folder.parents) if p.parent.exists())
+        problem = f"data folder {missing} does not exist"
+    elif not folder.is_dir():
+        problem = f"{folder} is a file, not an MDS dataset folder"
+    else:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        problem = f"{folder} is not an MDS dataset (no {INDEX_NAME}; it holds {shown or 'nothing'})"
+    if split and Path(root).is_dir():
+        problem += f"; available splits under {root}: {list_dirs(root)}"
+    return f"{problem}. To fix: {_HOW_TO_MAKE}"
 
 
 def _missing(
