@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _HOW_TO_MAKE = (
     "write MDS shards there first with the data_prep/ scripts (text -> tokens -> MDS), "
-    "or point remote/local at an existing MDS folder"
+    "or point remote (data.remote in a training config) at an existing MDS folder"
 )
 
 
