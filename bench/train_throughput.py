@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -270,7 +269,7 @@ def run_config(
     tokens = steps * batch * seq_len
     rates = {side: [tokens / t for t in ts[1:]] for side, ts in times.items()}  # drop warm-up
     dtype = torch.bfloat16 if precision_name == "amp_bf16" else torch.float32
-    peak = measure_cpu_peak_flops(dtype, args.threads)
+    peak = measure_cpu_peak_flops(dtype, args.threads, clock)
     flops = ours.flops_per_token(seq_len)
     names = {"a": "trainer (a)", "b": "transformers (b)", "c": "ours bare (c)"}
     print(
