@@ -26,6 +26,7 @@ def test_value_and_gradient_match_cross_entropy(monkeypatch, dtype, chunk_elemen
     want_in = logits.clone().requires_grad_()
     got, want = next_token_loss_sum(got_in, labels), reference(want_in, labels)
     (got * grad_out).backward()
+    assert torch.equal(got_in.detach(), logits)  # the logits are left as they were
     (want * grad_out).backward()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)

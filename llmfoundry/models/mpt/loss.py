@@ -52,11 +52,18 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         step = _chunks(n_rows, vocab).step
         for start in _chunks(n_rows, vocab):
             stop = min(start + step, n_rows)
-            probs = logits[start:stop].float().sub_(lse[start:stop, None]).exp_()
+            # float32 logits: compute straight into the gradient's rows (no temporary); others:
+            # in a float32 temporary, cast once into the gradient. Never in the logits' storage.
+            if grad.dtype == torch.float32:
+                probs = torch.sub(logits[start:stop], lse[start:stop, None], out=grad[start:stop])
+            else:
+                probs = logits[start:stop].float() - lse[start:stop, None]
+            probs.exp_()
             rows = torch.arange(stop - start, device=logits.device)
             probs[rows, safe_targets[start:stop]] -= 1.0
             probs.mul_(scale[start:stop, None])
-            grad[start:stop] = probs
+            if probs.dtype != grad.dtype:
+                grad[start:stop] = probs
         return grad, None
 
 
