@@ -108,6 +108,9 @@ class Setup:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     optimizer_bytes: int = 8
+    # Counted from the model on the meta device in __post_init__.
+    n_params: int = dataclasses.field(init=False)
+    flops_per_token: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -120,6 +123,9 @@ class Setup:
             raise ValueError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise ValueError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
+        model = MPTForCausalLM(dataclasses.replace(self.model, init_device="meta"))
+        self.n_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(self.seq_len)
 
 
 def _shards(setup: Setup) -> tuple[int, int, int]:
@@ -140,8 +146,7 @@ def _shards(setup: Setup) -> tuple[int, int, int]:
 def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
     """Bytes per device for one forward and backward of `microbatch` sequences."""
     cfg = setup.model
-    model = MPTForCausalLM(dataclasses.replace(cfg, init_device="meta"))
-    n_params = model.num_params()
+    n_params = setup.n_params
     p_shards, g_shards, o_shards = _shards(setup)
     params = n_params * PARAM_BYTES / p_shards
     grads = n_params * GRAD_BYTES / g_shards
@@ -168,7 +173,7 @@ def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
     logits = 2 * tokens * cfg.vocab_size * compute_bytes
     return MemoryPlan(
         n_params=n_params,
-        flops_per_token=model.flops_per_token(setup.seq_len),
+        flops_per_token=setup.flops_per_token,
         params=params,
         grads=grads,
         optimizer=optimizer,
