@@ -26,6 +26,13 @@ measured in the same run (llmfoundry/callbacks/peak_flops.py).
     python bench/train_throughput.py --shape mpt-50m --precision amp_bf16 --rounds 6
     python bench/train_throughput.py --model mpt-125m --seq-len 2048 --batch 1 --override \\
         model.n_layers=2                                    # any conf/model with overrides
+
+`--gpu` (what bench/gpu.sh runs) measures instead our model's bare loop on one accelerator:
+mpt-125m, mpt-350m and mpt-1b at sequence 2048 in amp_bf16, with every attention kernel this
+install can use (sdpa, flex, flash), torch.compile of the blocks off and on, and prints tokens/s,
+MFU against the device's datasheet peak (llmfoundry/callbacks/peak_flops.py) and peak memory.
+The microbatch is the planner's largest fitting 60% of the device memory (capped at 16), unless
+--batch is given. Wall-clock timing between CUDA synchronisations, after --warmup steps.
 """
 
 from __future__ import annotations
@@ -45,13 +52,15 @@ import torch
 from hydra.utils import instantiate
 
 from llmfoundry.build import build_trainer
-from llmfoundry.callbacks.peak_flops import measure_cpu_peak_flops
+from llmfoundry.callbacks.peak_flops import device_peak_flops, measure_cpu_peak_flops
 from llmfoundry.config.preflight import compose_config
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt.attention import check_attn_impl
 from llmfoundry.models.mpt.hf import to_hf_config
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.optim.param_groups import build_param_groups
+from llmfoundry.planning import Setup, largest_microbatch
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.state import State
@@ -71,6 +80,9 @@ SHAPES: dict[str, tuple[str, list[str], int, int]] = {
     ),
 }
 PRECISIONS = ("fp32", "amp_bf16")
+GPU_MODELS = ("mpt-125m", "mpt-350m", "mpt-1b")
+GPU_ATTN_IMPLS = ("sdpa", "flex", "flash")
+GPU_SEQ_LEN, GPU_MAX_BATCH, GPU_MEMORY_SHARE = 2048, 16, 0.6
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -89,7 +101,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-round", type=int, default=2, help="steps per side per round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--sides", default="abc", help="which sides to run (default abc)")
+    gpu = p.add_argument_group("--gpu: our model alone on one accelerator")
+    gpu.add_argument("--gpu", action="store_true", help="run the GPU suite instead")
+    gpu.add_argument("--device", default="cuda", help="device of the GPU suite (default cuda)")
+    gpu.add_argument("--gpu-models", nargs="+", default=list(GPU_MODELS), help="conf/model names")
+    gpu.add_argument("--attn-impls", nargs="+", default=list(GPU_ATTN_IMPLS))
+    gpu.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    gpu.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
+    gpu.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     args = p.parse_args(argv)
+    if args.gpu:
+        if args.shape or args.model:
+            p.error("--gpu takes --gpu-models, not --shape or --model")
+        if args.steps < 1 or args.warmup < 0 or (args.batch is not None and args.batch < 1):
+            p.error("--steps and --batch must be positive, --warmup >= 0")
+        return args
     if args.model and args.shape:
         p.error("use either --shape or --model, not both")
     if args.model and not args.seq_len:
@@ -290,8 +316,91 @@ def run_config(
     return result
 
 
+def gpu_batch(model_cfg: MPTConfig, seq_len: int, device: torch.device) -> int:
+    """The planner's largest microbatch in GPU_MEMORY_SHARE of the device (llmfoundry/planning)."""
+    if device.type != "cuda":
+        raise SystemExit(f"--batch is required on {device.type} (the planner sizes CUDA batches)")
+    memory = torch.cuda.get_device_properties(device).total_memory * GPU_MEMORY_SHARE
+    fits = largest_microbatch(Setup(model_cfg, seq_len, "amp_bf16"), memory)
+    return max(1, min(GPU_MAX_BATCH, fits))
+
+
+def gpu_run(
+    model_cfg: MPTConfig, seq_len: int, batch: int, compiled: bool, args: argparse.Namespace
+) -> tuple[float, float]:
+    """(tokens/s, peak bytes) of our model's bare loop on args.device."""
+    device = torch.device(args.device)
+    model = MPTForCausalLM(dataclasses.replace(model_cfg, init_device="meta"))
+    model.to_empty(device=device)
+    model.init_weights()
+    model.train()
+    if compiled:
+        for block in model.transformer.blocks:
+            block.compile()
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, seq_len), device=device)
+    step = make_bare_step(model, ours_loss, {"input_ids": ids, "labels": ids}, Precision(
+        "amp_bf16", device))  # fmt: skip
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return args.steps * batch * seq_len / seconds, peak
+
+
+def gpu_suite(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    seq_len = args.seq_len or GPU_SEQ_LEN
+    peak, source = device_peak_flops(device, "amp_bf16")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"{name}, torch {torch.__version__}, amp_bf16, seq {seq_len}; peak: "
+          f"{'unknown' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'} ({source})")  # fmt: skip
+    impls = []
+    for impl in args.attn_impls:
+        try:
+            check_attn_impl(impl)
+            impls.append(impl)
+        except ValueError as err:
+            print(f"attention {impl}: skipped ({err})")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    print(f"{'model':10s} {'attn':6s} {'compile':8s} {'batch':>5s} {'tokens/s':>12s} "
+          f"{'MFU':>7s} {'peak mem':>10s}")  # fmt: skip
+    for model_name in args.gpu_models:
+        model_cfg = instantiate(compose_config(CONF, [f"model={model_name}"]).model)
+        model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
+        batch = args.batch or gpu_batch(model_cfg, seq_len, device)
+        flops = MPTForCausalLM(dataclasses.replace(model_cfg, init_device="meta")).flops_per_token(
+            seq_len
+        )
+        for impl in impls:
+            for compiled in modes:
+                label = f"{model_name:10s} {impl:6s} {'on' if compiled else 'off':8s} {batch:5d}"
+                try:
+                    cfg = dataclasses.replace(model_cfg, attn_impl=impl)
+                    tokens_per_sec, peak_mem = gpu_run(cfg, seq_len, batch, compiled, args)
+                except (RuntimeError, ValueError) as err:  # OOM, a kernel this device lacks
+                    print(f"{label} failed: {str(err).splitlines()[0][:100]}")
+                    continue
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                mfu = "n/a" if peak is None else f"{tokens_per_sec * flops / peak:.1%}"
+                print(f"{label} {tokens_per_sec:12,.0f} {mfu:>7s} {peak_mem / 2**30:7.1f} GiB",
+                      flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gpu:
+        return gpu_suite(args)
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     clock_name = "process CPU time" if args.threads == 1 else "wall time"
