@@ -15,7 +15,7 @@ One process; the trainer drives the rounds: a callback ends a trainer round ever
 order), so every side sees the same machine state in turn. The first round of each side is warm-up
 and discarded; evaluation inside the trainer's rounds is subtracted. Medians over rounds are
 printed, with the medians of the per-round ratios c/b (ours over transformers) and a/c (trainer
-over bare loop; 1 - a/c is the trainer's overhead).
+over bare loop; 1 - a/c is the trainer's overhead), and the same ratios of each side's best round.
 
 The clock is this process's CPU time when one thread is used (the default): on a shared machine
 other jobs then distort it much less than wall time. MFU is model flops (`flops_per_token`,
@@ -68,15 +68,17 @@ from llmfoundry.trainer.state import State
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LR, CLIP = 1e-3, 1.0
 
-# The CPU shapes of the benchmark: (conf/model name, model overrides, seq_len, batch).
-SHAPES: dict[str, tuple[str, list[str], int, int]] = {
-    "mpt-tiny": ("mpt-tiny", [], 256, 16),
+# The CPU shapes of the benchmark: (conf/model name, model overrides, seq_len, batch, steps per
+# round). About 4 CPU-minutes for both shapes and precisions on one core.
+SHAPES: dict[str, tuple[str, list[str], int, int, int]] = {
+    "mpt-tiny": ("mpt-tiny", [], 256, 16, 2),
     # ~51M parameters: 25M in the blocks, 26M in the tied 50k-vocabulary embedding.
     "mpt-50m": (
         "mpt-125m",
         ["model.d_model=512", "model.n_heads=8", "model.n_layers=8", "model.max_seq_len=512"],
         512,
         2,
+        1,
     ),
 }
 PRECISIONS = ("fp32", "amp_bf16")
@@ -98,7 +100,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--precision", choices=PRECISIONS, action="append", help="default: fp32 and amp_bf16"
     )
     p.add_argument("--rounds", type=int, default=4, help="timed rounds after warm-up (default 4)")
-    p.add_argument("--steps-per-round", type=int, default=2, help="steps per side per round")
+    p.add_argument(
+        "--steps-per-round", type=int, help="steps per side per round (default: the shape's; 2)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--sides", default="abc", help="which sides to run (default abc)")
     gpu = p.add_argument_group("--gpu: our model alone on one accelerator")
@@ -120,23 +124,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("use either --shape or --model, not both")
     if args.model and not args.seq_len:
         p.error("--model needs --seq-len")
-    if args.rounds < 1 or args.steps_per_round < 1 or args.threads < 1:
+    if args.rounds < 1 or (args.steps_per_round or 1) < 1 or args.threads < 1:
         p.error("--rounds, --steps-per-round and --threads must be positive")
     if not set(args.sides) <= set("abc") or not args.sides:
         p.error("--sides takes letters among a, b, c")
     return args
 
 
-def configs(args: argparse.Namespace) -> list[tuple[str, str, list[str], int, int]]:
-    """(label, conf model name, model overrides, seq_len, batch) of each shape to run."""
+def configs(args: argparse.Namespace) -> list[tuple[str, str, list[str], int, int, int]]:
+    """(label, conf model name, model overrides, seq_len, batch, steps per round) to run."""
     if args.model:
-        batch = args.batch or 1
         label = f"{args.model}{'*' if args.override else ''}"
-        return [(label, args.model, list(args.override), args.seq_len, batch)]
+        steps = args.steps_per_round or 2
+        return [(label, args.model, list(args.override), args.seq_len, args.batch or 1, steps)]
     out = []
     for name in args.shape or list(SHAPES):
-        model, overrides, seq_len, batch = SHAPES[name]
-        out.append((name, model, overrides + list(args.override), seq_len, args.batch or batch))
+        model, overrides, seq_len, batch, steps = SHAPES[name]
+        out.append(
+            (
+                name,
+                model,
+                overrides + list(args.override),
+                seq_len,
+                args.batch or batch,
+                args.steps_per_round or steps,
+            )
+        )
     return out
 
 
@@ -228,13 +241,14 @@ def run_config(
     overrides: list[str],
     seq_len: int,
     batch: int,
+    steps: int,
     precision_name: str,
     args: argparse.Namespace,
     clock: Callable[[], float],
 ) -> dict[str, float]:
     """Time the requested sides on one shape and precision; print and return the medians."""
     model_overrides = [f"model={model_name}", *overrides, f"max_seq_len={seq_len}"]
-    steps, rounds = args.steps_per_round, args.rounds
+    rounds = args.rounds
     n_batches = steps * (rounds + 1)
     root = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     try:
@@ -299,8 +313,9 @@ def run_config(
     flops = ours.flops_per_token(seq_len)
     names = {"a": "trainer (a)", "b": "transformers (b)", "c": "ours bare (c)"}
     print(
-        f"\n== {label} seq {seq_len} batch {batch} {precision_name}: {ours.num_params() / 1e6:.1f}M "
-        f"params, {flops / 1e6:.0f} MFLOP/token, peak {peak / 1e9:.1f} GFLOP/s "
+        f"\n== {label} seq {seq_len} batch {batch} ({steps} steps a round) {precision_name}: "
+        f"{ours.num_params() / 1e6:.1f}M params, {flops / 1e6:.0f} MFLOP/token, peak "
+        f"{peak / 1e9:.1f} GFLOP/s "
         f"({str(dtype)[6:]} matmul, {args.threads} thread(s))"
     )
     result: dict[str, float] = {}
@@ -408,11 +423,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock_name = "process CPU time" if args.threads == 1 else "wall time"
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), clock: {clock_name}, "
-        f"{args.rounds} rounds x {args.steps_per_round} steps per side after 1 warm-up round"
+        f"{args.rounds} timed rounds per side after 1 warm-up round"
     )
-    for label, model_name, overrides, seq_len, batch in configs(args):
+    for label, model_name, overrides, seq_len, batch, steps in configs(args):
         for precision_name in args.precision or PRECISIONS:
-            run_config(label, model_name, overrides, seq_len, batch, precision_name, args, clock)
+            run_config(
+                label, model_name, overrides, seq_len, batch, steps, precision_name, args, clock
+            )
     return 0
 
 
