@@ -55,8 +55,16 @@ class DecoupledAdamW(torch.optim.AdamW):
             if factor == 1.0:
                 continue
             with_grad = [p for p in group["params"] if p.grad is not None]
-            if with_grad:
+            if not with_grad:
+                continue
+            # A GradScaler calls a fused optimizer even on an overflowed step and tells it
+            # through `found_inf` (the fused kernel then skips the update): skip the decay too.
+            found_inf = getattr(self, "found_inf", None)
+            if found_inf is None:
                 torch._foreach_mul_(with_grad, factor)
+            else:
+                keep = (found_inf == 0).to(with_grad[0].dtype)
+                torch._foreach_mul_(with_grad, 1.0 - (1.0 - factor) * keep)
         return super().step(closure)
 
 

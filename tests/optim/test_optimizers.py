@@ -222,3 +222,23 @@ def test_adamw_does_not_fuse_parameters_torch_cannot():
     with torch.device("meta"):
         model = Mixed()
     assert not DecoupledAdamW(build_param_groups(model), lr=1e-3).defaults["fused"]
+
+
+def test_fused_adamw_skips_decay_and_update_on_an_overflowed_scaled_step():
+    model = Mixed()
+    opt = DecoupledAdamW(build_param_groups(model), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(sum(p.sum() for p in model.parameters())).backward()
+    model.proj.weight.grad[0, 0] = float("inf")
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    for got, want in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(got.detach(), want)
+    assert scaler.get_scale() == 2.0  # the overflow was seen
+    opt.zero_grad()
+    scaler.scale(sum(p.sum() for p in model.parameters())).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    assert not torch.equal(model.proj.weight.detach(), before[1])  # a finite step moves
