@@ -228,7 +228,9 @@ class DataConfig:
     # Reads are memcpy-cheap gathers and downloads run on a background thread, so the main
     # process keeps up with a GPU; workers help when batches need heavy decoding.
     num_workers: int = 0
-    pin_memory: bool = False
+    # Page-locked batches, so the trainer's non_blocking copy to the GPU overlaps compute;
+    # null: exactly when CUDA is available.
+    pin_memory: bool | None = None
     prefetch_factor: int | None = None
     drop_last: bool = False
     cache_limit: int | str | None = None
@@ -287,6 +289,8 @@ class DataConfig:
                     f"data.eval_datasets label {self.eval_split!r} is taken by the main data's "
                     "eval split; choose another label"
                 )
+        if self.pin_memory is None:
+            self.pin_memory = torch.cuda.is_available()
         for name in ("shuffle", "pin_memory", "drop_last", "keep_zip", "allow_unsafe"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"data.{name} must be true or false, got {getattr(self, name)!r}")

@@ -234,3 +234,12 @@ def test_reference_written_token_shards(tmp_path: Path, monkeypatch):
     want = [s["tokens"]["ndarray"] for s in expected["splits/train"]["samples"]]
     assert [train[i]["input_ids"].tolist() for i in range(30)] == want
     assert [merged[i]["input_ids"].tolist() for i in range(30)] == want
+
+
+def test_pin_memory_defaults_to_whether_cuda_is_there(root: Path, monkeypatch):
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert DataConfig(remote=str(root)).pin_memory is cuda
+    assert DataConfig(remote=str(root), pin_memory=False).pin_memory is False
+    loader = build_dataloader(DataConfig(remote=str(root), pin_memory=False), "train", 2, None)
+    assert loader.pin_memory is False
