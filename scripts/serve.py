@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="max_tokens limit (default: context - 1)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-concurrent", type=int, default=32, help="prompts in flight (429 above)")
+    p.add_argument(
+        "--max-batch-rows", type=int, help="prompts decoded together (default: --max-concurrent)"
+    )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent=args.max_concurrent,
     )
     # A batch keeps admitting newcomers while its cache stays within two contexts.
-    engine = Engine(model, tokenizer.decode, max_rows=args.max_concurrent, max_len=2 * context)
+    rows = args.max_batch_rows or args.max_concurrent
+    engine = Engine(model, tokenizer.decode, max_rows=rows, max_len=2 * context)
     app = create_app(engine, tokenizer, name, limits, context, os.environ.get(API_KEY) or None)
     config = uvicorn.Config(
         app,
