@@ -20,6 +20,7 @@ from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.serving.engine import stream_safe_length
 from tests.serving.conftest import API_KEY, CONTEXT, running_server
 
+pytestmark = pytest.mark.slow  # each server start loads torch in a subprocess
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
