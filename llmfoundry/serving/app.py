@@ -6,9 +6,9 @@
     GET  /health                200 while the decode thread runs (no auth: probes call it)
     GET  /metrics               the engine's counters (JSON)
 
-Hardening, in the order a request meets it: a body larger than `Limits.max_body_bytes` is a
-413 before it is parsed; with an API key, every route but /health needs
-`Authorization: Bearer <key>` (compared in constant time, never logged); the body must match
+Hardening, in the order a request meets it: with an API key, every route but /health needs
+`Authorization: Bearer <key>` (compared in constant time, never logged), checked before the
+body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; it must match
 the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`, a
 `max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
 `max_concurrent` prompts in flight is a 429. A streaming client that goes away cancels its rows
@@ -25,11 +25,12 @@ import dataclasses
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -99,6 +100,31 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
         message = f"request body larger than the limit of {self.max_bytes} bytes"
         response = JSONResponse(protocol.error_body(message), status_code=413)
+        await response(scope, receive, send)
+
+
+class BearerAuth:
+    """ASGI middleware: every path but the public ones needs `Authorization: Bearer <key>`.
+
+    It runs before the body is read or parsed, so a client without the key learns nothing
+    about the API but that it needs one. The comparison takes the same time whatever matches.
+    """
+
+    PUBLIC = frozenset({"/health"})
+
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in self.PUBLIC:
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "missing or wrong API key: send Authorization: Bearer <key>"
+        body = protocol.error_body(message, "authentication_error")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
@@ -200,14 +226,19 @@ async def _events(
     """The completions' events until each has ended; cancels them all if the client leaves or
     the caller stops reading."""
     remaining = len(completions)
+    checked = time.monotonic()
     try:
         while remaining:
             try:
                 event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     log.info("client disconnected; cancelling %d completion(s)", remaining)
                     return
+            if event is None:
                 continue
             if event.finish_reason is not None or event.error is not None:
                 remaining -= 1
@@ -244,23 +275,11 @@ def create_app(
         finally:
             engine.stop()
 
-    async def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), api_key.encode()
-        ):
-            raise HTTPException(
-                401,
-                "missing or wrong API key: send Authorization: Bearer <key>",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
     app = FastAPI(title="llmfoundry", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)  # outermost: before any body is read
     app.state.server = server
-    auth = [Depends(authorized)]
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -289,11 +308,11 @@ def create_app(
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")
     async def metrics() -> dict[str, Any]:
         return {**dataclasses.asdict(engine.metrics), "in_flight": server.in_flight}
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -303,7 +322,7 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
         server.check(body)
         prompts = [server.encode(p, body.max_tokens) for p in body.prompts]
@@ -339,7 +358,7 @@ def create_app(
         usage = protocol.usage(sum(map(len, prompts)), sum(tokens))
         return protocol.completion_body(id_, model_name, texts, reasons, usage)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
         server.check(body)
         try:

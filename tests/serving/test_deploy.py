@@ -126,6 +126,11 @@ def test_bad_configs_are_refused_naming_the_key(config, overrides, engine, messa
     assert message in str(err.value)
 
 
+def test_server_binds_loopback_unless_told():
+    parse = runpy.run_path(str(ROOT / "scripts" / "serve.py"), run_name="serve")["parse_args"]
+    assert parse(["ckpt"]).host == "127.0.0.1"
+
+
 def test_serve_engine_vllm_refusals(tmp_path):
     with pytest.raises(SystemExit, match="is not one; export the checkpoint first"):
         script("serve")([str(tmp_path), "--engine", "vllm"])

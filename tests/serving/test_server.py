@@ -56,12 +56,14 @@ def reference(served_model):
     return continue_
 
 
-def post(server: str, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
+def post(
+    server: str, path: str, body, key: str | None = API_KEY, timeout: float = 60
+) -> httpx.Response:
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     if not isinstance(body, bytes | str):
         body = json.dumps(body)
     headers["content-type"] = "application/json"
-    return httpx.post(f"{server}{path}", content=body, headers=headers, timeout=60, **kwargs)
+    return httpx.post(f"{server}{path}", content=body, headers=headers, timeout=timeout)
 
 
 def metrics(server: str) -> dict:
@@ -81,6 +83,8 @@ def test_auth_is_required_and_checked(server, served_model):
         assert response.status_code == 401, response.text
         assert "API key" in response.json()["error"]["message"]
     assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    assert post(server, "/v1/completions", "{not json", key=None).status_code == 401
     wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
@@ -209,6 +213,17 @@ def test_busy_server_answers_429_and_a_disconnect_frees_its_slot(server, client)
     assert after["cancelled_total"] - before["cancelled_total"] == MAX_CONCURRENT
     assert after["tokens_total"] - before["tokens_total"] < MAX_CONCURRENT * 1000  # stopped early
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(server):
+    before = metrics(server)
+    body = {"prompt": "hello", "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(server, "/v1/completions", body, timeout=1.0)
+    wait_for(lambda: metrics(server)["in_flight"] == 0)
+    after = metrics(server)
+    assert after["cancelled_total"] == before["cancelled_total"] + 1
+    assert after["tokens_total"] - before["tokens_total"] < 1000
 
 
 def test_concurrent_requests_decode_in_one_batch(server, client, reference):
