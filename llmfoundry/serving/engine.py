@@ -60,13 +60,13 @@ class Completion:
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
     sent: int = 0  # characters of text already reported
-    finished: bool = False
 
     def cancel(self) -> None:
         """Leave the batch at the next step (the client went away); thread-safe."""
         self.cancelled = True
 
-    def _report(self, event: Event) -> None:
+    def report(self, event: Event) -> None:
+        """Hand `event` to the event loop (from the decode thread)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
@@ -175,7 +175,7 @@ class Engine:
         with self._lock:
             pending, self._pending = list(self._pending), deque()
         for completion in pending:
-            completion._report(
+            completion.report(
                 Event(completion.index, error="the server is shutting down", status=503)
             )
 
@@ -191,7 +191,7 @@ class Engine:
                 self._pending.popleft()
                 self.metrics.queued = len(self._pending)
             if completion.cancelled:
-                self._finish(completion, Event(completion.index, finish_reason="cancelled"))
+                completion.report(Event(completion.index, finish_reason="cancelled"))
                 self.metrics.cancelled_total += 1
                 continue
             try:
@@ -204,7 +204,7 @@ class Engine:
                 else:
                     row = self._decoder.add(completion.prompt, completion.config)
             except (ValueError, RuntimeError) as err:  # e.g. a prompt the model cannot take
-                self._finish(completion, Event(completion.index, error=str(err), status=400))
+                completion.report(Event(completion.index, error=str(err), status=400))
                 self.metrics.errors_total += 1
                 continue
             self.metrics.completions_total += 1
@@ -259,18 +259,14 @@ class Engine:
                 del self._rows[row]
                 if reason == "cancelled":
                     self.metrics.cancelled_total += 1
-                self._finish(completion, Event(completion.index, delta, reason, None, tokens))
+                completion.report(Event(completion.index, delta, reason, None, tokens))
             elif delta:
-                completion._report(Event(completion.index, delta, completion_tokens=tokens))
+                completion.report(Event(completion.index, delta, completion_tokens=tokens))
         self.metrics.active = len(self._rows)
-
-    def _finish(self, completion: Completion, event: Event) -> None:
-        completion.finished = True
-        completion._report(event)
 
     def _fail_batch(self, message: str, status: int) -> None:
         for completion in self._rows.values():
-            self._finish(completion, Event(completion.index, error=message, status=status))
+            completion.report(Event(completion.index, error=message, status=status))
             self.metrics.errors_total += 1
         self._rows.clear()
         self._decoder = None

@@ -143,3 +143,19 @@ def test_serve_engine_vllm_refusals(tmp_path):
         pass
     with pytest.raises(SystemExit, match=r"pip install 'llmfoundry\[vllm\]'"):
         script("serve")([str(tmp_path), "--engine", "vllm"])
+
+
+def test_serve_engine_vllm_command_maps_our_flags_and_refuses_the_rest():
+    serve = runpy.run_path(str(ROOT / "scripts" / "serve.py"), run_name="serve")
+    args = serve["parse_args"](
+        ["hf/", "--engine", "vllm", "--dtype", "bf16", "--max-concurrent", "8", "--port", "9000"]
+    )
+    command = serve["vllm_args"](args, "mpt")
+    assert command[:3] == ["vllm", "serve", "hf/"]
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert command[command.index("--max-num-seqs") + 1] == "8"
+    assert command[command.index("--port") + 1] == "9000"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    limited = serve["parse_args"](["hf/", "--engine", "vllm", "--max-tokens", "64"])
+    with pytest.raises(ValueError, match="--max-tokens apply to --engine llmfoundry only"):
+        serve["vllm_args"](limited, "mpt")
