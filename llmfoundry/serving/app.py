@@ -206,7 +206,8 @@ class _Server:
 
     def start(
         self, prompts: list[list[int]], body: protocol.Sampling
-    ) -> tuple[asyncio.Queue, list[Completion]]:
+    ) -> tuple[Lease, asyncio.Queue, list[Completion]]:
+        """Submit the prompts, holding their slots (429 when busy)."""
         config = GenerationConfig(
             max_new_tokens=body.max_tokens,
             temperature=body.temperature,
@@ -215,9 +216,10 @@ class _Server:
             eos_token_id=self.tokenizer.eos_id,
             seed=body.seed,
         )
+        lease = self.lease(len(prompts))
         queue: asyncio.Queue[Event] = asyncio.Queue()
         completions = [self.engine.submit(i, ids, config, queue) for i, ids in enumerate(prompts)]
-        return queue, completions
+        return lease, queue, completions
 
 
 async def _events(
@@ -326,31 +328,17 @@ def create_app(
     async def completions(body: protocol.CompletionRequest, request: Request):
         server.check(body)
         prompts = [server.encode(p, body.max_tokens) for p in body.prompts]
-        lease = server.lease(len(prompts))
-        queue, running = server.start(prompts, body)
+        lease, queue, running = server.start(prompts, body)
         id_ = protocol.new_id("cmpl")
         events = _events(request, queue, running)
         if body.stream:
 
-            async def stream() -> AsyncIterator[str]:
-                try:
-                    async for event in events:
-                        if event.error is not None:
-                            yield _sse(protocol.error_body(event.error, "server_error"))
-                            return
-                        if event.text or event.finish_reason:
-                            chunk = protocol.completion_chunk(
-                                id_, model_name, event.index, event.text, event.finish_reason
-                            )
-                            yield _sse(chunk)
-                    yield "data: [DONE]\n\n"
-                finally:
-                    await events.aclose()
-                    lease.release()
+            def chunk(event: Event) -> dict[str, Any]:
+                text, reason = event.text, event.finish_reason
+                return protocol.completion_chunk(id_, model_name, event.index, text, reason)
 
-            return StreamingResponse(
-                stream(), media_type="text/event-stream", background=BackgroundTask(lease.release)
-            )
+            usage = _usage_chunk(body, id_, model_name, "text_completion", sum(map(len, prompts)))
+            return _streaming(events, lease, [], chunk, usage)
         try:
             texts, reasons, tokens = await _collect(events, len(prompts))
         finally:
@@ -366,32 +354,18 @@ def create_app(
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
         prompt = server.encode(text, body.max_tokens)
-        lease = server.lease(1)
-        queue, running = server.start([prompt], body)
+        lease, queue, running = server.start([prompt], body)
         id_ = protocol.new_id("chatcmpl")
         events = _events(request, queue, running)
         if body.stream:
 
-            async def stream() -> AsyncIterator[str]:
-                try:
-                    yield _sse(protocol.chat_chunk(id_, model_name, {"role": "assistant"}, None))
-                    async for event in events:
-                        if event.error is not None:
-                            yield _sse(protocol.error_body(event.error, "server_error"))
-                            return
-                        if event.text or event.finish_reason:
-                            delta = {"content": event.text} if event.text else {}
-                            yield _sse(
-                                protocol.chat_chunk(id_, model_name, delta, event.finish_reason)
-                            )
-                    yield "data: [DONE]\n\n"
-                finally:
-                    await events.aclose()
-                    lease.release()
+            def chunk(event: Event) -> dict[str, Any]:
+                delta = {"content": event.text} if event.text else {}
+                return protocol.chat_chunk(id_, model_name, delta, event.finish_reason)
 
-            return StreamingResponse(
-                stream(), media_type="text/event-stream", background=BackgroundTask(lease.release)
-            )
+            head = [protocol.chat_chunk(id_, model_name, {"role": "assistant"}, None)]
+            usage = _usage_chunk(body, id_, model_name, "chat.completion.chunk", len(prompt))
+            return _streaming(events, lease, head, chunk, usage)
         try:
             texts, reasons, tokens = await _collect(events, 1)
         finally:
@@ -400,6 +374,51 @@ def create_app(
         return protocol.chat_body(id_, model_name, texts[0], reasons[0], usage)
 
     return app
+
+
+def _usage_chunk(
+    body: protocol.Sampling, id_: str, model: str, kind: str, prompt_tokens: int
+) -> Callable[[int], dict[str, Any]] | None:
+    """The last chunk's maker when the client asked for usage (`stream_options`), else None."""
+    if not body.include_usage:
+        return None
+    return lambda completion_tokens: protocol.usage_chunk(
+        id_, model, kind, protocol.usage(prompt_tokens, completion_tokens)
+    )
+
+
+def _streaming(
+    events: AsyncIterator[Event],
+    lease: Lease,
+    head: list[dict[str, Any]],
+    chunk: Callable[[Event], dict[str, Any]],
+    usage: Callable[[int], dict[str, Any]] | None,
+) -> StreamingResponse:
+    """Server-sent events: `head`, a chunk per event with text or an end, the usage chunk when
+    asked for, then [DONE]. An engine error ends the stream with an error event."""
+
+    async def body() -> AsyncIterator[str]:
+        tokens: dict[int, int] = {}
+        try:
+            for data in head:
+                yield _sse(data)
+            async for event in events:
+                if event.error is not None:
+                    yield _sse(protocol.error_body(event.error, "server_error"))
+                    return
+                tokens[event.index] = event.completion_tokens
+                if event.text or event.finish_reason:
+                    yield _sse(chunk(event))
+            if usage is not None:
+                yield _sse(usage(sum(tokens.values())))
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            lease.release()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", background=BackgroundTask(lease.release)
+    )
 
 
 async def _collect(events: AsyncIterator[Event], n: int) -> tuple[list[str], list[str], list[int]]:

@@ -27,6 +27,12 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the token counts (and no choices)
+
+
 class Sampling(BaseModel):
     """The fields every generating request shares."""
 
@@ -39,8 +45,13 @@ class Sampling(BaseModel):
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per prompt")
     user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -155,4 +166,16 @@ def chat_chunk(id_: str, model: str, delta: dict[str, str], reason: str | None) 
         "created": now(),
         "model": model,
         "choices": [choice],
+    }
+
+
+def usage_chunk(id_: str, model: str, kind: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last streamed chunk when the client asked for usage: counts, no choices."""
+    return {
+        "id": id_,
+        "object": kind,
+        "created": now(),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
     }

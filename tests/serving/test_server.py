@@ -111,6 +111,18 @@ def test_streaming_sends_the_same_text(client):
     assert len(chunks) > 2  # token by token, not one block
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    with_usage = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="import os",
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 30
+    assert "".join(c.choices[0].text for c in with_usage[:-1]) == whole.choices[0].text
 
 
 def test_stop_string_cuts_streamed_and_whole(client):
