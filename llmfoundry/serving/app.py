@@ -8,9 +8,9 @@
 
 Hardening, in the order a request meets it: with an API key, every route but /health needs
 `Authorization: Bearer <key>` (compared in constant time, never logged), checked before the
-body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; it must match
-the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`, a
-`max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
+body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; the body
+must match the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`,
+a `max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
 `max_concurrent` prompts in flight is a 429. A streaming client that goes away cancels its rows
 (they leave the batch at the next step) and frees its slots; so does one waiting for a whole
 answer. Draining on SIGTERM is uvicorn's graceful shutdown: it stops accepting, finishes the
@@ -200,6 +200,7 @@ class _Server:
                 429,
                 f"the server is busy ({self.in_flight} of {self.limits.max_concurrent} requests "
                 "in flight); retry later",
+                headers={"Retry-After": "1"},
             )
         self.in_flight += n
         return Lease(self, n)
@@ -281,7 +282,6 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)  # outermost: before any body is read
-    app.state.server = server
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
