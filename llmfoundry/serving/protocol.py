@@ -43,7 +43,7 @@ class Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63)  # what torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per prompt")
