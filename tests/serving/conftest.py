@@ -73,7 +73,7 @@ def running_server(
         env["LLMFOUNDRY_API_KEY"] = api_key
     command = [sys.executable, str(ROOT / "scripts" / "serve.py"), str(served / "ckpt")]
     command += ["--port", str(port), "--log-level", "warning", *args]
-    log = open(served / f"server-{port}.log", "w")  # noqa: SIM115 (closed below)
+    log = open(served / f"server-{port}.log", "w")  # closed in the finally below
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

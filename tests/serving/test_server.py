@@ -217,8 +217,9 @@ def wait_for(predicate, timeout: float = 20) -> None:
 def test_busy_server_answers_429_and_a_disconnect_frees_its_slot(server, client):
     before = metrics(server)
     streams = [open_stream(server, f"hello {i}") for i in range(MAX_CONCURRENT)]
-    with pytest.raises(openai.RateLimitError, match="busy"):
+    with pytest.raises(openai.RateLimitError, match="busy") as busy:
         client.completions.create(model=MODEL, prompt="one more", max_tokens=1)
+    assert busy.value.response.headers["retry-after"] == "1"
     assert metrics(server)["in_flight"] == MAX_CONCURRENT
     for http, response, _ in streams:  # the clients go away mid-stream
         response.close()
