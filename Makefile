@@ -65,9 +65,9 @@ lint: setup
 	$(PY) -m ruff check llmfoundry scripts data_prep tests bench
 	$(PY) -m ruff format --check llmfoundry scripts data_prep tests bench
 
-# Loss, lr and throughput curves of the latest run, as PNGs in its plots/ folder.
+# Loss, lr and throughput curves of the latest run that logged metrics, as PNGs in its plots/.
 plot: setup
-	$(PY) scripts/plot.py $$(ls -td outputs/*/ | head -1)
+	$(PY) scripts/plot.py $$(dirname "$$(ls -t outputs/*/metrics.jsonl | head -1)")
 
 bench: setup
 	$(PY) bench/data_loader.py

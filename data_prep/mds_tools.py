@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import merge_indexes, verify_mds
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.logs import configure_logging
 
 
@@ -69,13 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         "--subfolders", nargs="*", help="sub-folders to merge, in order (default: all, sorted)"
     )
     merge.set_defaults(func=_merge)
+    for command in (verify, merge):
+        add_script_arguments(command)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
+from llmfoundry.data.prep.interrupt import stop_on_signals
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -41,30 +44,40 @@ def main(argv: list[str] | None = None) -> int:
         "--compression", help="zstd, zstd:LEVEL, gz, bz2, br or snappy (default none)"
     )
     parser.add_argument(
-        "--hashes", nargs="*", default=[], help="shard hashes to record, e.g. xxh64 sha1"
+        "--hashes",
+        nargs="*",
+        default=["xxh64"],
+        help="shard hashes to record (default xxh64; e.g. xxh64 sha1; none: --hashes with no names)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing output made from other inputs"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        meta = tokens_to_mds(
-            args.tokens,
-            args.out,
-            args.seq_len,
-            val_fraction=args.val_fraction,
-            val_rows=args.val_rows,
-            size_limit=parse_size(args.size_limit),
-            compression=args.compression,
-            hashes=args.hashes,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
+        with (
+            script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
+            stop_on_signals(),
+        ):
+            meta = tokens_to_mds(
+                args.tokens,
+                args.out,
+                args.seq_len,
+                val_fraction=args.val_fraction,
+                val_rows=args.val_rows,
+                size_limit=parse_size(args.size_limit),
+                compression=args.compression,
+                hashes=args.hashes,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+            )
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
+        print(
+            f"interrupted ({err or 'SIGINT'}): stopped, temporary output removed", file=sys.stderr
         )
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return 128 + getattr(err, "signum", signal.SIGINT)
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(
         f"{k}: {v['rows']:,} rows in {v['shards']} shards" for k, v in meta["splits"].items()

@@ -13,31 +13,45 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import latest_checkpoint
+from llmfoundry.checkpoint import latest_checkpoint, resolve
+from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
 
 
 def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     settings = validate_config(cfg)
+    # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
+    storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
-    if settings.global_train_batch_size % strategy.world_size:
-        raise ValueError(
-            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by the "
-            f"{strategy.world_size} training processes"
-        )
-    device_batch = settings.global_train_batch_size // strategy.world_size
+    # Before anything is built: the save folder takes writes, no other run uses these folders.
+    locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
+    # autoresume: the run's own newest complete checkpoint wins over load_path (which then
+    # only seeds the first launch, e.g. with pretrained weights). A load_path that does not
+    # open fails here, before the model and data are built.
+    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
+    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
+        load_path, load_ignore_keys = latest, []
+    elif load_path:
+        resolve(load_path)
+    device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
+    # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
+    data_parallel = (strategy.dp_rank, strategy.dp_size)
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len
     # Built without memory; the strategy materializes it and initializes it from `seed`.
     model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
 
     data = instantiate(cfg.data)
-    train_loader = build_dataloader(data, data.train_split, device_batch, seq_len)
+    train_loader = build_dataloader(
+        data, data.train_split, device_batch, seq_len, data_parallel=data_parallel
+    )
     eval_batch = settings.device_eval_batch_size or device_batch
-    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len)
+    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len, data_parallel)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}
@@ -47,14 +61,12 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     if settings.save_folder:
         callbacks.append(
             CheckpointSaver(
-                settings.save_folder, settings.save_interval, settings.num_checkpoints_to_keep
+                settings.save_folder,
+                settings.save_interval,
+                settings.num_checkpoints_to_keep,
+                overwrite=settings.save_overwrite,
             )
         )
-    # autoresume: the run's own last checkpoint wins over load_path (which then only seeds
-    # the first launch, e.g. with pretrained weights).
-    load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
-    if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
-        load_path, load_ignore_keys = latest, []
 
     return Trainer(
         model=model,
@@ -69,7 +81,7 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         eval_first=settings.eval_first,
         eval_subset_num_batches=settings.eval_subset_num_batches,
         algorithms=instantiate_all("algorithms"),
-        callbacks=callbacks,
+        callbacks=[*locks, *callbacks],
         loggers=instantiate_all("loggers"),
         precision=settings.precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,
@@ -77,4 +89,17 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
         config=OmegaConf.to_container(cfg, resolve=True),
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
+    )
+
+
+def per_rank_batch(global_batch: int, dp_size: int) -> int:
+    """Samples per data-parallel rank; a global batch `dp_size` does not divide is refused
+    (before any model is built) with the nearest sizes that work."""
+    if global_batch % dp_size == 0:
+        return global_batch // dp_size
+    below, above = global_batch // dp_size * dp_size, (global_batch // dp_size + 1) * dp_size
+    nearest = " or ".join(str(n) for n in (below, above) if n > 0)
+    raise UserError(
+        f"global_train_batch_size={global_batch} is not divisible by the {dp_size} data-parallel "
+        f"ranks; use {nearest}"
     )

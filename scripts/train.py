@@ -7,10 +7,14 @@
 Every value in conf/ can be overridden as key=value; `--cfg job` prints the composed config.
 Sweeps: `-m optimizer.lr=1e-3,3e-3 model.n_layers=2,4` (a grid), or an Optuna search space from
 conf/sweep/: `-m +sweep=tiny_lr` (README, Sweeps).
+A problem with the config or the inputs (a missing data folder, strategy=ddp without torchrun)
+is one line on stderr and exit status 2; `--debug` (or LLMFOUNDRY_DEBUG=1) shows its traceback.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,23 +23,56 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from llmfoundry.build import build_trainer
+from llmfoundry.checkpoint.lock import LOCK_FILE
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
+from llmfoundry.config.run_files import write_run_config
 from llmfoundry.launch.sweeps import objective
+from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+DEBUG = False
+
+
+def _only_setup_files(run_dir: Path) -> bool:
+    """Whether the run folder holds only what is written before training starts (the saved
+    config, train.log, folder locks): a run that fails with nothing else there leaves no folder
+    behind (`make plot` would pick it as the latest run)."""
+    for path in run_dir.rglob("*"):
+        relative = path.relative_to(run_dir).parts
+        if path.is_file() and relative[0] != ".hydra" and path.name not in ("train.log", LOCK_FILE):
+            return False
+    return True
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Train; return the final validation loss, which sweepers (-m, hydra/sweeper=optuna) minimise."""
-    run_dir = HydraConfig.get().runtime.output_dir
-    configure_logging(Path(run_dir) / "train.log")  # the console's lines, kept in the run folder
-    return objective(build_trainer(cfg, run_dir).fit())
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
+    write_run_config(run_dir, cfg, hydra_cfg, hydra_cfg.overrides.task)
+    # A folder locked before this launch may belong to a running run that refuses this one.
+    locked_before = (run_dir / LOCK_FILE).exists()
+    try:
+        with exit_on_user_error(DEBUG):
+            trainer = build_trainer(cfg, run_dir)
+    except SystemExit:
+        if not locked_before and _only_setup_files(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    with exit_on_user_error(DEBUG):
+        return objective(trainer.fit())
 
 
 if __name__ == "__main__":
+    # `_target_: my_callbacks.MyCallback` finds my_callbacks.py in the folder the run is launched
+    # from, as `python -m` would; installed packages come first.
+    sys.path.append(os.getcwd())
+    sys.argv[1:], DEBUG = split_debug_flag(sys.argv[1:])
+    if DEBUG:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own report keeps the whole traceback
     register_resolvers()
-    preflight(sys.argv[1:], CONF_DIR)
+    preflight(sys.argv[1:], CONF_DIR, debug=DEBUG)
     main()

@@ -17,7 +17,7 @@ from llmfoundry.distributed import unwrap_model
 from llmfoundry.trainer.engine import Algorithm, Logger
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
+from llmfoundry.trainer.time import Time, Timestamp, TimeString, TimeUnit
 
 
 class EMA(Algorithm):
@@ -33,7 +33,9 @@ class EMA(Algorithm):
     bit for bit. `state_dict` holds the average, so checkpoints carry it.
     """
 
-    def __init__(self, half_life: str | None = "1000ba", smoothing: float | None = None) -> None:
+    def __init__(
+        self, half_life: TimeString | None = "1000ba", smoothing: float | None = None
+    ) -> None:
         if (half_life is None) == (smoothing is None):
             raise ValueError(
                 "EMA needs exactly one of half_life (a time such as '1000ba') and smoothing "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from llmfoundry.trainer.engine import Algorithm, Logger
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time
+from llmfoundry.trainer.time import Time, TimeString
 
 
 class SeqLengthWarmup(Algorithm):
@@ -26,7 +26,7 @@ class SeqLengthWarmup(Algorithm):
 
     def __init__(
         self,
-        duration: str = "0.3dur",
+        duration: TimeString = "0.3dur",
         min_seq_len: int = 8,
         max_seq_len: int | None = None,
         step_size: int = 8,

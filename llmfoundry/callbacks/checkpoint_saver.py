@@ -4,6 +4,11 @@ A run stops early when a callback or algorithm sets ``state.stop_training`` (ear
 loss-spike guard) or on SIGTERM/SIGINT (preemption); the checkpoint is then taken at the end of
 the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. Storage, the
 `latest` pointer and pruning: llmfoundry/checkpoint/io.py.
+
+A save folder that already holds checkpoints is never written over silently: unless the run
+continues from a checkpoint (autoresume, load_path), it stops at FIT_START, before its first
+batch, naming the folder and the ways on; ``overwrite=True`` (``save_overwrite=true``) replaces
+the old checkpoints, which are deleted once the run's first checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -11,7 +16,15 @@ from __future__ import annotations
 import copy
 import logging
 
-from llmfoundry.checkpoint import prune, save_checkpoint
+from llmfoundry.checkpoint import (
+    CheckpointError,
+    checkpoint_names,
+    clean,
+    delete_checkpoints,
+    newest_complete,
+    prune,
+    save_checkpoint,
+)
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
@@ -26,6 +39,7 @@ class CheckpointSaver(Callback):
         ``1h``); None saves only when the run stops or ends.
     num_checkpoints_to_keep: newest checkpoints kept (older ones are deleted; the one
         `latest` names never is); -1 keeps all.
+    overwrite: replace the checkpoints a folder holds when the run does not continue from one.
     """
 
     def __init__(
@@ -33,6 +47,7 @@ class CheckpointSaver(Callback):
         save_folder: str,
         save_interval: str | None = None,
         num_checkpoints_to_keep: int = -1,
+        overwrite: bool = False,
     ) -> None:
         if not save_folder:
             raise ValueError("save_folder must name a folder or URL to save checkpoints to")
@@ -44,8 +59,11 @@ class CheckpointSaver(Callback):
         self.save_folder = save_folder
         self.save_interval = Time.parse(save_interval) if save_interval else None
         self.num_checkpoints_to_keep = num_checkpoints_to_keep
+        self.overwrite = overwrite
         self.last_saved: str | None = None
         self._saved_batch: int | None = None
+        self._resumed = False
+        self._replaced: list[str] = []  # old checkpoints `overwrite` deletes after the first save
         self._before = Timestamp()
         self._epoch_start = Timestamp()
 
@@ -53,6 +71,29 @@ class CheckpointSaver(Callback):
         # The checkpoint just loaded is this point of the run: saving it again would only
         # rewrite the checkpoint `latest` names.
         self._saved_batch = state.timestamp.batch
+        # A checkpoint loaded without its timestamp (weights only) starts a new run at batch 0.
+        self._resumed = state.timestamp.batch > 0
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        existing = [] if self._resumed else checkpoint_names(self.save_folder)
+        if existing and not self.overwrite:
+            newest = newest_complete(self.save_folder)
+            holds = f"checkpoints up to {newest}" if newest else "incomplete checkpoints"
+            raise CheckpointError(
+                f"save_folder {self.save_folder} already holds {holds}, and this run would "
+                "write over them; set autoresume=true to continue from them, or a new run_name "
+                "(or save_folder) to keep them, or save_overwrite=true to replace them"
+            )
+        if existing:
+            log.warning(
+                "save_overwrite: the checkpoints in %s (%s) are deleted once this run saves its "
+                "first one",
+                self.save_folder,
+                ", ".join(existing),
+            )
+            self._replaced = existing
+        if state.rank == 0:
+            clean(self.save_folder)
 
     def epoch_start(self, state: State, logger: Logger) -> None:
         self._epoch_start = copy.copy(state.timestamp)
@@ -85,6 +126,9 @@ class CheckpointSaver(Callback):
         self.last_saved = save_checkpoint(self.save_folder, state, logger)
         self._saved_batch = state.timestamp.batch
         if state.rank == 0:
+            name = self.last_saved.rstrip("/").rsplit("/", 1)[-1]
+            delete_checkpoints(self.save_folder, [n for n in self._replaced if n != name])
+            self._replaced = []
             deleted = prune(self.save_folder, self.num_checkpoints_to_keep)
             note = f" (deleted {', '.join(deleted)})" if deleted else ""
             log.info("saved checkpoint %s%s", self.last_saved, note)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp
+from llmfoundry.trainer.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class EarlyStopper(Callback):
         monitor: str = "eval/val/loss",
         comparison: Literal["min", "max"] = "min",
         min_delta: float = 0.0,
-        patience: str = "1ep",
+        patience: TimeString = "1ep",
     ) -> None:
         if monitor != TRAIN_LOSS and not monitor.startswith("eval/"):
             raise ValueError(
@@ -62,7 +62,9 @@ class EarlyStopper(Callback):
                 f"run's eval sets are: {sets}; monitor one of them, or {TRAIN_LOSS!r}"
             )
 
-    def batch_end(self, state: State, logger: Logger) -> None:
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        # After BATCH_END, where the batch's metrics are printed, so the message follows them;
+        # before the checkpoint savers, which then save the stopping run.
         if self.monitor == TRAIN_LOSS:
             self._check(state, state.train_loss)
 

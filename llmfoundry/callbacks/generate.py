@@ -9,6 +9,7 @@ from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.utils.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,17 @@ class Generate(Callback):
         try:
             self.tokenizer = load_tokenizer(tokenizer)
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
                 "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
                 "leave out the samples with "
                 "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
             ) from None
+        except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
+            raise UserError(
+                f"tokenizer={tokenizer!r} is not a readable tokenizer ({err}); point tokenizer= "
+                "at the tokenizer.json data_prep wrote next to the shards"
+            ) from err
         self.prompts = list(prompts)
         self.config = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed

@@ -1,12 +1,26 @@
-"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py), preemption signals.
+"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py) and checked
+(manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
+signals.
 
 Settings (top-level keys of conf/train.yaml): save_folder, save_interval,
-num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume.
+num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume, save_overwrite.
 """
 
-from llmfoundry.checkpoint.io import latest_checkpoint, prune, read_checkpoint, read_latest
+from llmfoundry.checkpoint.io import (
+    checkpoint_names,
+    clean,
+    delete_checkpoints,
+    find_checkpoint,
+    latest_checkpoint,
+    newest_complete,
+    probe_writable,
+    prune,
+    read_checkpoint,
+    read_latest,
+    resolve,
+)
+from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.preemption import Preemption
-from llmfoundry.checkpoint.rng import load_rng_state, rng_state
 from llmfoundry.checkpoint.state_dict import (
     LOADABLE_KEYS,
     WEIGHTS_ONLY,
@@ -16,16 +30,22 @@ from llmfoundry.checkpoint.state_dict import (
 )
 
 __all__ = [
+    "CheckpointError",
     "LOADABLE_KEYS",
     "WEIGHTS_ONLY",
     "Preemption",
     "check_ignore_keys",
-    "load_rng_state",
-    "rng_state",
+    "checkpoint_names",
+    "clean",
+    "delete_checkpoints",
+    "find_checkpoint",
+    "newest_complete",
+    "probe_writable",
     "latest_checkpoint",
     "load_checkpoint",
     "prune",
     "read_checkpoint",
     "read_latest",
+    "resolve",
     "save_checkpoint",
 ]

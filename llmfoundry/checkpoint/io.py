@@ -4,29 +4,42 @@ A save folder holds checkpoints and a pointer to the newest complete one::
 
     <save_folder>/latest            one line: the name of the newest complete checkpoint
     <save_folder>/ep0-ba200/        a checkpoint, named by the epoch and batch it was taken at
-        model.safetensors           model weights (written by rank 0)
+        model.safetensors           model weights (written by rank 0), or
+        sharded/                    model and optimizer shards of every rank (sharded.py)
         state.pt                    the rest of the run (rank 0; contents: state_dict.py)
         rng-rank<r>.pt              each rank's random generator states
+        manifest.json               size and SHA-256 of every file above (manifest.py), last
 
-`latest` is what makes a checkpoint count. It is replaced in one step (a rename on a local disk,
-a single PUT on an object store) and only after every file of the checkpoint is written by every
-rank, so a run killed while saving leaves `latest` naming the previous checkpoint. On a local
-disk the files are first written into a hidden staging folder that is renamed into place; on an
-object store they are uploaded into the checkpoint's folder, which stays unnamed by `latest`
-(and is later overwritten or pruned) if the upload is cut short.
+A checkpoint is complete when its manifest is there and lists files that are all there: the
+manifest is written after every file of every rank, so a save killed half-way never makes a
+checkpoint that counts. On a local disk each rank writes into its own scratch folder, whose files
+move into a hidden staging folder that is renamed into place with its manifest; on an object
+store the files are uploaded into the checkpoint's folder and the manifest goes last. `latest`
+is then replaced in one step (a rename on a local disk, a single PUT on an object store). It is
+a shortcut: when it is missing (deleted, or lost in a partial copy between buckets) or names a
+checkpoint that is not complete, `find_checkpoint` scans the folder for the newest complete
+checkpoint. What killed saves leave (staging and scratch folders, incomplete checkpoints newer
+than the newest complete one, temporary `latest` files) is removed by `clean` before a run's
+first save and after each save.
 
 Files are only ever read back as tensors and plain containers: safetensors for weights and
-``torch.load(weights_only=True)`` for the rest, so a checkpoint cannot run code when loaded.
+``torch.load(weights_only=True)`` for the rest, so a checkpoint cannot run code when loaded; each
+file is checked against the manifest before it is parsed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
+import logging
 import os
 import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +50,31 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
+from llmfoundry.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    Entries,
+    check_bytes,
+    check_file,
+    hash_tree,
+    manifest_bytes,
+    missing_files,
+    read_manifest,
+)
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import FileWriter, atomic_write, fsync_path, join_url
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
+SHARDED_DIR = "sharded"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
-_STAGING = re.compile(r"^\.(ep\d+-ba\d+)\.(staging|old)$")
+# What a killed save leaves: staging and scratch folders, temporary `latest` files, probes.
+_TMP_PREFIX = "llmfoundry-ckpt-"  # local scratch folders of saves to object stores
+_LITTER = re.compile(r"^(\.ep\d+-ba\d+\.(staging|old|rank\d+)|latest\.tmp[.-].*|\.write-probe-.*)$")
 
 
 def rng_file(rank: int) -> str:
@@ -57,8 +86,23 @@ def checkpoint_name(epoch: int, batch: int) -> str:
 
 
 def write_tensors(tensors: Mapping[str, torch.Tensor]) -> FileWriter:
-    """A writer of a safetensors file (tensors must not share memory)."""
-    return lambda path: safetensors.torch.save_file(dict(tensors), str(path))
+    """A writer of a safetensors file (tensors must not share memory).
+
+    Weights holding NaN or infinity are refused before anything is written: a diverged model
+    saved under a new name would become `latest` and push good checkpoints out by pruning.
+    """
+
+    def write(path: Path) -> None:
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(
+                    f"refusing to save a checkpoint: weight {name!r} holds NaN or infinity "
+                    "(training diverged); the earlier checkpoints are kept: resume from the last "
+                    "one with a lower optimizer.lr, and keep the nan_detector callback on"
+                )
+        safetensors.torch.save_file(dict(tensors), str(path))
+
+    return write
 
 
 def write_object(obj: Any) -> FileWriter:
@@ -69,41 +113,103 @@ def write_object(obj: Any) -> FileWriter:
 def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) -> str:
     """Write this rank's `files` as checkpoint `name` in `folder`, then point `latest` at it.
 
-    Every rank calls this with its own files (rank 0 the shared ones, each rank its RNG); ranks
-    synchronize through torch.distributed when it is initialized. Returns the checkpoint's URL.
+    Every rank calls this with its own files (rank 0 the shared ones, each rank its RNG; a
+    writer may write a folder, e.g. shards); ranks synchronize through torch.distributed when it
+    is initialized. Each rank hashes what it wrote, rank 0 writes the manifest of all of it and
+    then `latest`. Returns the checkpoint's URL.
     """
     if not _NAME.match(name):
         raise ValueError(f"checkpoint name {name!r} must look like 'ep<epoch>-ba<batch>'")
     fs, root = storage.url_to_fs(folder)
     target = join_url(root, name)
     rank = dist.get_rank() if _distributed() else 0
-    if isinstance(fs, LocalFileSystem):
-        staging = Path(root) / f".{name}.staging"
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        _barrier()
-        for filename, write in files.items():
-            write(staging / filename)
-        _barrier()
-        if rank == 0:
-            _fsync_tree(staging)  # on disk before any name points at it, even after a power cut
-            _replace_folder(staging, Path(target))
-    else:
-        with tempfile.TemporaryDirectory(prefix="llmfoundry-ckpt-") as tmp:
-            for filename, write in files.items():
-                write(Path(tmp) / filename)
-                fs.put_file(str(Path(tmp) / filename), f"{target}/{filename}")
-        _barrier()
-    if rank == 0:
-        _write_latest(fs, root, name)
+    local = isinstance(fs, LocalFileSystem)
+    staging = Path(root) / f".{name}.staging"
+    with _disk_full_is_one_line(folder):
+        try:
+            if rank == 0:  # a folder of this name left by an earlier attempt must not mix in
+                if local:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    staging.mkdir(parents=True)
+                elif fs.exists(target):
+                    fs.rm(target, recursive=True)
+            _barrier()
+            with _scratch(Path(root) / f".{name}.rank{rank}" if local else None) as scratch:
+                for filename, write in files.items():
+                    write(scratch / filename)
+                entries = hash_tree(scratch)
+                for relative in entries:
+                    if local:
+                        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+                        os.replace(scratch / relative, staging / relative)
+                    else:
+                        fs.put_file(str(scratch / relative), join_url(target, relative))
+            entries = _gather(entries)
+            if rank == 0:
+                if local:
+                    (staging / MANIFEST).write_bytes(manifest_bytes(entries))
+                    _fsync_tree(staging)  # on disk before any name points at it
+                    _replace_folder(staging, Path(target))
+                else:
+                    fs.pipe_file(join_url(target, MANIFEST), manifest_bytes(entries))
+                _write_latest(fs, root, name)
+        except BaseException:
+            if local and rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
     _barrier()
     return join_url(folder, name)
 
 
+@contextlib.contextmanager
+def _scratch(folder: Path | None) -> Iterator[Path]:
+    """This rank's empty folder to write its files in (`folder`, or a temporary one)."""
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX) as tmp:
+            yield Path(tmp)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _disk_full_is_one_line(folder: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = str(err.filename or folder)
+        fix = (  # checkpoints for object stores are written to a local temporary folder first
+            "set TMPDIR to a disk with room"
+            if _TMP_PREFIX in where
+            else "free space there (num_checkpoints_to_keep keeps fewer) or set save_folder to "
+            "a disk with room"
+        )
+        raise CheckpointError(
+            f"no space left on the device writing {where}: the checkpoint was not saved and "
+            f"'{LATEST}' still names the previous one; {fix}, then rerun with autoresume=true"
+        ) from None
+
+
+def _gather(entries: Entries) -> Entries:
+    """Every rank's manifest entries, merged (on every rank)."""
+    if not _distributed():
+        return entries
+    gathered: list[Entries | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entries)
+    return {k: v for part in gathered for k, v in (part or {}).items()}
+
+
 def _fsync_tree(folder: Path) -> None:
-    for path in (*folder.iterdir(), folder):
-        fsync_path(path)
+    for directory, _, files in os.walk(folder):
+        for name in files:
+            fsync_path(Path(directory) / name)
+        fsync_path(directory)
 
 
 def _replace_folder(staging: Path, target: Path) -> None:
@@ -142,33 +248,125 @@ def read_latest(folder: str) -> str | None:
 
 
 def latest_checkpoint(folder: str) -> str | None:
-    """URL of the checkpoint `latest` points to in `folder`, or None if nothing was saved yet."""
-    name = read_latest(folder)
+    """URL of the checkpoint to continue from in `folder` (`find_checkpoint`), or None."""
+    name = find_checkpoint(folder)
     return None if name is None else join_url(folder, name)
+
+
+def checkpoint_names(folder: str) -> list[str]:
+    """Names of the checkpoint folders in `folder`, complete or not, oldest first."""
+    fs, root = storage.url_to_fs(folder)
+    if not fs.isdir(root):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    return sorted((n for n in names if _NAME.match(n)), key=_batch_epoch)
+
+
+def is_complete(folder: str, name: str) -> bool:
+    """Whether checkpoint `name` has a manifest and every file it lists (no file is read)."""
+    fs, root = storage.url_to_fs(join_url(folder, name))
+    try:
+        files = read_manifest(fs, root)
+    except CheckpointError:
+        return False
+    return files is not None and not missing_files(fs, root, files)
+
+
+def find_checkpoint(folder: str) -> str | None:
+    """The checkpoint to continue from: the one `latest` names if it is complete, else the
+    newest complete one found by scanning the folder; None if there is none."""
+    try:
+        pointer = read_latest(folder)
+    except ValueError as err:
+        log.warning("%s; looking for the newest complete checkpoint instead", err)
+        pointer = None
+    if pointer is not None and is_complete(folder, pointer):
+        return pointer
+    name = newest_complete(folder)
+    if name is not None:
+        why = "is missing" if pointer is None else f"names {pointer}, which is incomplete"
+        log.warning(
+            "%s/%s %s; continuing from %s, the newest complete checkpoint found there",
+            folder.rstrip("/"),
+            LATEST,
+            why,
+            name,
+        )
+    return name
+
+
+def newest_complete(folder: str) -> str | None:
+    """The newest complete checkpoint of `folder` by batch, whatever `latest` says."""
+    return next((n for n in reversed(checkpoint_names(folder)) if is_complete(folder, n)), None)
+
+
+def clean(folder: str) -> list[str]:
+    """Remove what killed saves left in `folder`: staging and scratch folders, temporary
+    `latest` files, and incomplete checkpoints newer than the newest complete one (a save cut
+    short; older incomplete ones, e.g. from a partial copy, are left alone). Call it only while
+    no save is running (the run lock). Returns the names removed."""
+    fs, root = storage.url_to_fs(folder)
+    if not fs.isdir(root):
+        return []
+    removed = []
+    for path in fs.ls(root, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if _LITTER.match(name):
+            fs.rm(path, recursive=True)
+            removed.append(name)
+    for name in reversed(checkpoint_names(folder)):  # newest first, down to a complete one
+        if is_complete(folder, name):
+            break
+        fs.rm(join_url(root, name), recursive=True)
+        removed.append(name)
+    return removed
 
 
 def prune(folder: str, keep: int) -> list[str]:
     """Keep the checkpoint `latest` names and the `keep - 1` before it (by batch); delete older.
 
-    Checkpoints after `latest` are left alone: a save killed mid-upload, or the future of a run
-    resumed from an earlier point; the run's own save of that name replaces them. Staging
-    folders of killed local saves are removed. ``keep < 1`` deletes no checkpoint. Returns the
-    names of the deleted checkpoints.
+    Checkpoints after `latest` are left alone: the future of a run resumed from an earlier
+    point; the run's own save of that name replaces them. What killed saves left is removed
+    (`clean`). ``keep < 1`` deletes no checkpoint. Returns the names of the deleted checkpoints.
     """
-    fs, root = storage.url_to_fs(folder)
+    clean(folder)
     latest = read_latest(folder)
-    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    for name in names:
-        if _STAGING.match(name):
-            fs.rm(join_url(root, name), recursive=True)
     if keep < 1 or latest is None:
         return []
-    order = {n: _batch_epoch(n) for n in names if _NAME.match(n)}
-    older = sorted((n for n in order if order[n] < _batch_epoch(latest)), key=order.__getitem__)
+    fs, root = storage.url_to_fs(folder)
+    names = checkpoint_names(folder)
+    older = [n for n in names if _batch_epoch(n) < _batch_epoch(latest)]
     doomed = older[: max(0, len(older) - (keep - 1))]
     for name in doomed:
         fs.rm(join_url(root, name), recursive=True)
     return doomed
+
+
+def delete_checkpoints(folder: str, names: list[str]) -> None:
+    """Delete the checkpoints `names` of `folder` (those that exist)."""
+    fs, root = storage.url_to_fs(folder)
+    for name in names:
+        if _NAME.match(name) and fs.exists(join_url(root, name)):
+            fs.rm(join_url(root, name), recursive=True)
+
+
+def probe_writable(folder: str) -> None:
+    """Write and delete a small object in `folder`, so a save folder that cannot be written
+    fails in the first second of a run instead of at its first save."""
+    fs, root = storage.url_to_fs(folder)
+    probe = join_url(root, f".write-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        if isinstance(fs, LocalFileSystem):  # (on object stores makedirs may create a bucket)
+            fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"llmfoundry write probe\n")
+        fs.rm(probe)
+    except Exception as err:  # noqa: BLE001 - any backend's error means the same to the user
+        first_line = (str(err).splitlines() or [""])[0]
+        raise CheckpointError(
+            f"save_folder {folder} is not writable ({type(err).__name__}: {first_line}); fix "
+            "its permissions or the storage credentials/endpoint, or set save_folder to another "
+            "folder"
+        ) from None
 
 
 def _batch_epoch(name: str) -> tuple[int, int]:
@@ -178,60 +376,105 @@ def _batch_epoch(name: str) -> tuple[int, int]:
 
 @dataclass
 class Checkpoint:
-    """What one rank reads back: the weights, the run state, and its own RNG states if saved."""
+    """What one rank reads back: the weights (None in a sharded checkpoint, whose weights
+    sharded.py loads), the run state, and its own RNG states if saved."""
 
     path: str
-    model: dict[str, torch.Tensor]
+    model: dict[str, torch.Tensor] | None
     state: dict[str, Any]
     rng: dict[str, Any] | None
 
 
 def resolve(path: str) -> str:
-    """A checkpoint folder, or a save folder (its `latest` checkpoint) -> the checkpoint folder."""
+    """A checkpoint folder, or a save folder (its checkpoint to continue from) -> the checkpoint
+    folder."""
     fs, root = storage.url_to_fs(path)
-    if fs.exists(join_url(root, STATE_FILE)):
+    if fs.exists(join_url(root, STATE_FILE)) or fs.exists(join_url(root, MANIFEST)):
         return path
     latest = latest_checkpoint(path) if fs.isdir(root) else None
     if latest is None:
         raise FileNotFoundError(
             f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "
-            f"{STATE_FILE}) nor a save folder with a '{LATEST}' file; point it at a folder like "
-            "<save_folder>/ep0-ba100 or at the save_folder itself"
+            f"{STATE_FILE}) nor a save folder with a complete checkpoint; point it at a folder "
+            "like <save_folder>/ep0-ba100 or at the save_folder itself"
         )
     return latest
 
 
 def read_checkpoint(path: str, rank: int) -> Checkpoint:
-    """Read the checkpoint at `path` (see `resolve`) for `rank`, never unpickling objects."""
+    """Read the checkpoint at `path` (see `resolve`) for `rank`, never unpickling objects.
+
+    Every file is checked against the manifest: those this rank reads as it reads them, the
+    rest (other ranks' files) shared out between the ranks, so a corrupt file is named on load.
+    """
     path = resolve(path)
     fs, root = storage.url_to_fs(path)
-    missing = [f for f in (MODEL_FILE, STATE_FILE) if not fs.exists(join_url(root, f))]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {path!r} is incomplete: {', '.join(missing)} missing")
-    if isinstance(fs, LocalFileSystem):
-        model = safetensors.torch.load_file(join_url(root, MODEL_FILE))
-    else:
-        model = safetensors.torch.load(fs.cat_file(join_url(root, MODEL_FILE)))
-    rng_path = join_url(root, rng_file(rank))
+    files = read_manifest(fs, root)
+    if files is None:
+        raise CheckpointError(
+            f"checkpoint {path} has no {MANIFEST}: its save was cut short, it was copied in "
+            "part, or an llmfoundry older than manifests saved it; load an earlier checkpoint "
+            "(or the save folder, which finds the newest complete one)"
+        )
+    # A sharded checkpoint keeps its weights in SHARDED_DIR (read by the strategy), not MODEL_FILE.
+    sharded = any(name.startswith(f"{SHARDED_DIR}/") for name in files)
+    required = (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE)
+    problems = missing_files(fs, root, files) + [
+        f"{f} (missing)" for f in required if f not in files
+    ]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {', '.join(problems[:4])}; load an earlier "
+            "checkpoint (or the save folder, which finds the newest complete one)"
+        )
+    own = [MODEL_FILE, STATE_FILE, rng_file(rank)]
+    world = dist.get_world_size() if _distributed() else 1
+    others = sorted(set(files) - set(own))
+    for name in others[rank % world :: world]:
+        check_file(fs, join_url(root, name), files[name])
     return Checkpoint(
         path=path,
-        model=model,
-        state=_load_object(fs, join_url(root, STATE_FILE)),
-        rng=_load_object(fs, rng_path) if fs.exists(rng_path) else None,
+        model=_load_tensors(fs, root, files) if MODEL_FILE in files else None,  # None: sharded
+        state=_load_object(fs, root, STATE_FILE, files),
+        rng=_load_object(fs, root, rng_file(rank), files) if rng_file(rank) in files else None,
     )
 
 
-def _load_object(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+def _verified(fs: fsspec.AbstractFileSystem, root: str, name: str, files: Entries) -> Any:
+    """The file `name`, checked against its manifest entry: a local path, or (object stores,
+    read once) a file object over its bytes."""
+    path = join_url(root, name)
+    if isinstance(fs, LocalFileSystem):
+        check_file(fs, path, files[name])
+        return path
+    return io.BytesIO(check_bytes(fs.unstrip_protocol(path), fs.cat_file(path), files[name]))
+
+
+def _load_tensors(fs: fsspec.AbstractFileSystem, root: str, files: Entries) -> dict:
+    source = _verified(fs, root, MODEL_FILE, files)
     try:
-        with fs.open(path, "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+        if isinstance(source, str):
+            return safetensors.torch.load_file(source)
+        return safetensors.torch.load(source.getvalue())
+    except (safetensors.SafetensorError, ValueError, RuntimeError) as err:
+        raise _unreadable(fs, join_url(root, MODEL_FILE), err) from None
+
+
+def _load_object(fs: fsspec.AbstractFileSystem, root: str, name: str, files: Entries) -> Any:
+    source = _verified(fs, root, name, files)
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        first_line = (str(err).splitlines() or [""])[0]
-        raise ValueError(
-            f"cannot read {fs.unstrip_protocol(path)}: {type(err).__name__}: {first_line} "
-            "(checkpoints hold only tensors and plain containers; this file is corrupt or holds "
-            "objects that loading refuses to unpickle)"
-        ) from None
+        raise _unreadable(fs, join_url(root, name), err) from None
+
+
+def _unreadable(fs: fsspec.AbstractFileSystem, path: str, err: Exception) -> CheckpointError:
+    first_line = (str(err).splitlines() or [""])[0]
+    return CheckpointError(
+        f"cannot read {fs.unstrip_protocol(path)}: {type(err).__name__}: {first_line} "
+        "(checkpoints hold only tensors and plain containers; this file is corrupt or holds "
+        "objects that loading refuses to unpickle)"
+    )
 
 
 def _distributed() -> bool:

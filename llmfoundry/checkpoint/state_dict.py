@@ -2,15 +2,19 @@
 
 A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip on load):
 
-- ``model``: the weights (model.safetensors);
-- ``optimizer``, ``scheduler`` (a slot: our schedules are pure functions of time), ``scaler``
+- ``model``: the weights (model.safetensors; in ``sharded/`` with a sharding strategy);
+- ``optimizer`` (keyed by parameter name, so it loads into any strategy; in ``sharded/`` with a
+  sharding strategy), ``scheduler`` (a slot: our schedules are pure functions of time), ``scaler``
   (the amp_fp16 loss scaler);
 - ``timestamp``: epochs, batches, samples, tokens, in total and within the epoch;
 - ``algorithms``, ``callbacks``, ``loggers``: each object's ``state_dict()``, keyed by class name
   (``Name``, ``Name#1`` for a second one), so adding or removing one between runs is harmless;
 - ``data``: the train dataloader's position, ``state_dict(timestamp.sample_in_epoch)``;
 - ``rng``: each rank's python, numpy, torch (and CUDA) generator states, one file per rank;
-- ``config``: the run's config, for provenance only; it is never loaded.
+- ``config``: the run's config; never loaded, but compared with the loading run's (compat.py).
+
+Model and optimizer state come from the strategy (`Strategy.model_state_dict`, ...), so a
+checkpoint saved by one strategy loads into any other, at any world size.
 
 Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scheduler, scaler, timestamp,
 algorithms, callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`).
@@ -25,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
+    SHARDED_DIR,
     STATE_FILE,
     Checkpoint,
     FileWriter,
@@ -37,8 +43,9 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
-from llmfoundry.checkpoint.rng import rng_state
-from llmfoundry.distributed import unwrap_model
+from llmfoundry.checkpoint.sharded import SHARDED_KEYS, write_shards
+from llmfoundry.rng import rng_state
+from llmfoundry.utils.files import join_url
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +53,7 @@ if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
     from llmfoundry.trainer.engine import Logger
     from llmfoundry.trainer.state import State
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 LOADABLE_KEYS = (
     "model",
     "optimizer",
@@ -82,7 +89,7 @@ def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
 def save_checkpoint(folder: str, state: State, logger: Logger) -> str:
     """Save `state` as ``<folder>/ep<epoch>-ba<batch>`` and point `latest` at it; return its URL.
 
-    Called by every rank (each writes its RNG states).
+    Called by every rank (each writes its RNG states, and its shards with a sharding strategy).
     """
     name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
     return write_checkpoint(folder, name, checkpoint_files(state, logger))
@@ -96,22 +103,34 @@ def load_checkpoint(
 
 
 def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
-    """The files this rank writes for a checkpoint of `state` (rank 0 the shared ones)."""
+    """The files this rank writes for a checkpoint of `state` (rank 0 the shared ones).
+
+    Gathering whole weights and optimizer state is a collective under a sharding strategy, so
+    every rank asks the strategy for them even though only rank 0 writes them.
+    """
+    strategy = state.strategy
     files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
+    run = run_state(state, logger)
+    if strategy.sharded_checkpoints:
+        files[SHARDED_DIR] = write_shards(strategy, state.model, state.optimizer)
+    else:
+        weights = model_weights(strategy.model_state_dict(state.model))
+        run["optimizer"] = strategy.optimizer_state_dict(state.model, state.optimizer)
     if state.rank == 0:
-        files[MODEL_FILE] = write_tensors(model_weights(state.model))
-        files[STATE_FILE] = write_object(run_state(state, logger))
+        if not strategy.sharded_checkpoints:
+            files[MODEL_FILE] = write_tensors(weights)
+        files[STATE_FILE] = write_object(run)
     return files
 
 
-def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict as contiguous CPU tensors, with tied (shared) tensors copied.
+def model_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model state dict as contiguous CPU tensors, with tied (shared) tensors copied.
 
     safetensors refuses tensors that share memory; loading fills each name, so a tied pair
     comes back tied (both names point at the same parameter in the model).
     """
     weights, seen = {}, set()
-    for name, tensor in unwrap_model(model).state_dict().items():
+    for name, tensor in state_dict.items():
         tensor = tensor.detach().to("cpu").contiguous()
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         weights[name] = tensor.clone() if key in seen else tensor
@@ -120,10 +139,10 @@ def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_state(state: State, logger: Logger) -> dict[str, Any]:
-    """Everything but the weights and the RNG, as tensors and plain containers."""
+    """Everything but the weights, the optimizer and the RNG, as tensors and plain containers
+    (`checkpoint_files` adds the optimizer to full checkpoints)."""
     return {
         "format_version": FORMAT_VERSION,
-        "optimizer": state.optimizer.state_dict(),
         "scheduler": _state_of(state.scheduler),
         "scaler": _state_of(state.precision),
         "timestamp": state.timestamp.state_dict(),
@@ -150,6 +169,19 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
+    check_resume(saved.get("config") or {}, state.config, ignore, where)
+    strategy = state.strategy
+    if checkpoint.model is None:  # sharded: model and optimizer come from its shards
+        keys = [k for k in SHARDED_KEYS if k not in ignore]
+        try:
+            strategy.load_shards(join_url(where, SHARDED_DIR), state.model, state.optimizer, keys)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise ValueError(
+                f"checkpoint {where!r}: its shards do not fit this model and optimizer "
+                f"({str(err)[:300]}); load it into the same model config and optimizer, or add "
+                "'optimizer' to load_ignore_keys"
+            ) from None
+        ignore |= set(SHARDED_KEYS)
     absent = [k for k in LOADABLE_KEYS if k not in ("model", "rng", *ignore) and k not in saved]
     if absent:
         raise ValueError(
@@ -159,16 +191,17 @@ def restore(
         )
     if "model" not in ignore:
         try:
-            unwrap_model(state.model).load_state_dict(checkpoint.model)
-        except RuntimeError as err:
+            strategy.load_model_state_dict(state.model, checkpoint.model)
+        except (RuntimeError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its weights do not fit this model ({err}); load it "
                 "into the same model config"
             ) from None
     if "optimizer" not in ignore:
         try:
-            state.optimizer.load_state_dict(saved["optimizer"])
-        except (ValueError, KeyError) as err:
+            with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
+                strategy.load_optimizer_state_dict(state.model, state.optimizer, saved["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "
                 "add 'optimizer' to load_ignore_keys to start the optimizer afresh"

@@ -8,7 +8,6 @@ with ``+``, which only moves the error; here it becomes "model.n_layer: unknown 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.config.schema import HYDRA_KEYS, ConfigError, suggest, target_schema
 from llmfoundry.config.train_config import register_resolvers, validate_config
+from llmfoundry.utils.errors import exit_on_user_error
 
 # Hydra command-line flags after which composing the plain overrides is not meaningful.
 _SKIP_FLAGS = {
@@ -62,11 +62,8 @@ def _explain(
     parent_key, _, name = key.rpartition(".")
     rest = [o for o in overrides if not o.lstrip("+~").startswith(f"{key}=")]
     try:
-        parent = (
-            OmegaConf.select(compose_config(config_dir, rest, config_name), parent_key)
-            if parent_key
-            else None
-        )
+        root = compose_config(config_dir, rest, config_name)
+        parent = OmegaConf.select(root, parent_key) if parent_key else root
     except HydraException:
         parent = None
     if not isinstance(parent, DictConfig):
@@ -77,15 +74,17 @@ def _explain(
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 
 
-def preflight(argv: Sequence[str], config_dir: Path, config_name: str = "train") -> None:
-    """Exit with status 2 and one message when the command line's config is invalid."""
+def preflight(
+    argv: Sequence[str], config_dir: Path, config_name: str = "train", debug: bool = False
+) -> None:
+    """Exit with status 2 and one message when the command line's config is invalid.
+
+    ``debug``: raise the ConfigError instead (its traceback shown).
+    """
     if any(arg in _SKIP_FLAGS or arg.startswith("--cfg") or arg == "-c" for arg in argv):
         return
     overrides = [
         a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")
     ]
-    try:
+    with exit_on_user_error(debug, prefix="Config error"):
         check(config_dir, overrides, config_name)
-    except ConfigError as err:
-        print(f"Config error: {err}", file=sys.stderr)
-        sys.exit(2)

@@ -20,11 +20,13 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmfoundry.utils.errors import UserError
+
 # Keys Hydra's instantiate understands in any node that has a _target_.
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config problem, with the dotted key it concerns."""
 
     def __init__(self, key: str, message: str) -> None:
@@ -47,15 +49,50 @@ def check_keys(path: str, given: list[str], allowed: list[str]) -> None:
 
 
 def check_type(key: str, value: Any, annotation: Any) -> None:
+    """The value has the annotated type, and passes the checks an ``Annotated`` type carries
+    (e.g. `llmfoundry.trainer.time.TimeString` parses the time string)."""
     if not _matches(value, annotation):
-        expected = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-        raise ConfigError(key, f"expected {expected}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(
+            key, f"expected {_describe(annotation)}, got {value!r} ({type(value).__name__})"
+        )
+    for validate in _validators(annotation, value):
+        try:
+            validate(value)
+        except ValueError as err:
+            raise ConfigError(key, str(err)) from None
+
+
+def _describe(annotation: Any) -> str:
+    """An annotation in the words of the config: enums list their values, null is null."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return _describe(typing.get_args(annotation)[0])
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _validators(annotation: Any, value: Any) -> list[Callable[[Any], Any]]:
+    """The callables in the ``Annotated`` metadata of the annotation's branch ``value`` takes."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        base, *metadata = typing.get_args(annotation)
+        return [m for m in metadata if callable(m)] if _matches(value, base) else []
+    if origin in (typing.Union, types.UnionType):
+        return [v for arg in typing.get_args(annotation) for v in _validators(arg, value)]
+    return []
 
 
 def _matches(value: Any, annotation: Any) -> bool:
     if annotation in (Any, inspect.Parameter.empty) or isinstance(annotation, str):
         return True
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _matches(value, typing.get_args(annotation)[0])
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in typing.get_args(annotation))
     if origin is typing.Literal:
@@ -82,7 +119,9 @@ def target_schema(target: Callable) -> tuple[dict[str, Any], bool]:
     """Parameter annotations of a target, and whether it takes arbitrary keyword arguments."""
     hints: dict[str, Any] = {}
     try:
-        resolved = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+        resolved = typing.get_type_hints(
+            target.__init__ if inspect.isclass(target) else target, include_extras=True
+        )
     except Exception:  # unresolvable forward references: check names only
         resolved = {}
     signature = inspect.signature(target)

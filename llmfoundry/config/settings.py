@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from llmfoundry.checkpoint import check_ignore_keys
-from llmfoundry.trainer.time import Time
+from llmfoundry.trainer.time import Time, TimeUnit
+from llmfoundry.utils.storage import parse_settings
 
 # Config groups under conf/, each selected in train.yaml's defaults list.
 GROUPS = (
@@ -55,15 +56,23 @@ class TrainSettings:
     load_ignore_keys: list[str] = field(default_factory=list)
     # Continue from <save_folder>/latest when it exists: rerun the same command after a crash.
     autoresume: bool = False
+    # Object-store settings for every remote read and write (llmfoundry/utils/storage.py):
+    # {options: {endpoint_url: ..., profile: ...}, overrides: {"s3://bucket/": {...}}}.
+    storage: dict[str, Any] | None = None
+    # A save_folder that already holds checkpoints is refused unless the run continues from
+    # them (autoresume); true replaces them instead.
+    save_overwrite: bool = False
 
     def __post_init__(self) -> None:
+        parse_settings(self.storage)
         for key in ("max_duration", "eval_interval", "save_interval"):
             value = getattr(self, key)
             if value is not None:
                 try:
-                    Time.parse(value)
+                    time = Time.parse(value)
                 except ValueError as err:
                     raise ValueError(f"{key}: {err}") from None
+                _check_duration(key, time)
         for key in (
             "global_train_batch_size",
             "device_train_microbatch_size",
@@ -92,3 +101,15 @@ class TrainSettings:
                 "autoresume: it continues from <save_folder>/latest, but save_folder is null; "
                 "set save_folder"
             )
+
+
+def _check_duration(key: str, time: Time) -> None:
+    """Durations the loop cannot act on: a run length relative to itself, an empty interval."""
+    if key == "max_duration" and time.unit is TimeUnit.DURATION:
+        raise ValueError(
+            f"max_duration: {time}: 'dur' is a fraction of max_duration itself; give the run's length "
+            "in ep, ba, sp, tok or wall-clock time (e.g. 1000ba, 1ep, 2h)"
+        )
+    if time.value == 0:
+        what = "the run would not train" if key == "max_duration" else f"{key}=null turns it off"
+        raise ValueError(f"{key}: {time} is empty; give a positive amount ({what})")

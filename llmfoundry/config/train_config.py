@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -54,6 +55,7 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
             f"{settings.max_seq_len} exceeds model.max_seq_len={model_len}; lower it or raise model.max_seq_len",
         )
     _check_autoresume(cfg, settings)
+    _check_precision(cfg, settings)
     micro = settings.device_train_microbatch_size
     if isinstance(micro, int) and micro > settings.global_train_batch_size:
         raise ConfigError(
@@ -75,4 +77,18 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
             f"save_folder={settings.save_folder} is named after this launch (run_name defaults "
             "to the start time), so a rerun would not find its checkpoints; set run_name=<name> "
             "or save_folder=<path or URL> to something that stays the same between launches",
+        )
+
+
+def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:
+    """amp_fp16 runs only on CUDA; say so now rather than when the trainer is built."""
+    if settings.precision != "amp_fp16":
+        return
+    device = str(OmegaConf.select(cfg, "strategy.device", default="auto"))
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if not on_cuda:
+        raise ConfigError(
+            "precision",
+            f"amp_fp16 needs a CUDA device, but strategy.device={device} runs on the CPU here "
+            "(fp16 matmul is unusably slow on CPU); use precision=amp_bf16 or fp32",
         )

@@ -247,7 +247,9 @@ class DataConfig:
     # Reads are memcpy-cheap gathers and downloads run on a background thread, so the main
     # process keeps up with a GPU; workers help when batches need heavy decoding.
     num_workers: int = 0
-    pin_memory: bool = False
+    # Page-locked batches, so the trainer's non_blocking copy to the GPU overlaps compute;
+    # null: exactly when CUDA is available.
+    pin_memory: bool | None = None
     prefetch_factor: int | None = None
     drop_last: bool = False
     cache_limit: int | str | None = None
@@ -280,7 +282,11 @@ class DataConfig:
             )
         if self.streams is not None:
             if self.remote is not None:
-                raise ValueError("set data.remote or data.streams, not both")
+                raise ValueError(
+                    "set data.remote or data.streams, not both: with data.streams add "
+                    "data.remote=null (its default is the demo dataset) and set "
+                    "tokenizer=<path or URL of tokenizer.json>"
+                )
             if not isinstance(self.streams, Mapping) or not self.streams:
                 raise ValueError("data.streams must map stream names to {remote, local, ...}")
             for name, spec in self.streams.items():
@@ -302,6 +308,8 @@ class DataConfig:
                     f"data.eval_datasets label {self.eval_split!r} is taken by the main data's "
                     "eval split; choose another label"
                 )
+        if self.pin_memory is None:
+            self.pin_memory = torch.cuda.is_available()
         for name in ("shuffle", "pin_memory", "drop_last", "keep_zip", "allow_unsafe"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"data.{name} must be true or false, got {getattr(self, name)!r}")
@@ -389,6 +397,7 @@ def build_dataloader(
     max_seq_len: int | None,
     *,
     shuffle: bool | None = None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> StreamingDataLoader:
     """This rank's loader of ``split`` (see the module docstring for the trainer contract).
 
@@ -398,6 +407,8 @@ def build_dataloader(
         batch_size: samples per rank per batch.
         max_seq_len: cut longer rows to this many tokens; None keeps them whole.
         shuffle: override; default ``cfg.shuffle`` for the training split, False otherwise.
+        data_parallel: (rank, size) among the data-parallel readers (the strategy's); default
+            torchrun's RANK and WORLD_SIZE.
     """
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
@@ -424,6 +435,7 @@ def build_dataloader(
         allow_unsafe=cfg.allow_unsafe,
         max_seq_len=max_seq_len,
         eos_id=cfg.eos_id(),
+        data_parallel=data_parallel,
     )
     return StreamingDataLoader(
         dataset,
@@ -435,13 +447,22 @@ def build_dataloader(
 
 
 def build_eval_dataloaders(
-    cfg: DataConfig, batch_size: int, max_seq_len: int | None
+    cfg: DataConfig,
+    batch_size: int,
+    max_seq_len: int | None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> dict[str, StreamingDataLoader]:
     """Every evaluation loader by label: the main data's `eval_split`, then `eval_datasets`."""
     if not cfg.eval_split:
         return {}
-    loaders = {cfg.eval_split: build_dataloader(cfg, cfg.eval_split, batch_size, max_seq_len)}
+    loaders = {
+        cfg.eval_split: build_dataloader(
+            cfg, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+        )
+    }
     for label, remote in (cfg.eval_datasets or {}).items():
         other = replace(cfg, remote=remote, local=None, streams=None, eval_datasets=None)
-        loaders[label] = build_dataloader(other, cfg.eval_split, batch_size, max_seq_len)
+        loaders[label] = build_dataloader(
+            other, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+        )
     return loaders

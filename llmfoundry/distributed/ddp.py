@@ -9,20 +9,15 @@ which this averaging turns into the exact large-batch gradient.
 from __future__ import annotations
 
 import inspect
-import os
-import time
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from llmfoundry.distributed.single import Strategy, materialize, resolve_device
+from llmfoundry.distributed.base import materialize
+from llmfoundry.distributed.process_group import ProcessGroupStrategy
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# Seconds given to gloo's worker threads around destroying the process group (see teardown).
-_GLOO_DRAIN_S = 0.1
 # No buffer sync inside forward (see DDP.prepare); newer torch names it forward_sync_buffers.
 _NO_FORWARD_BUFFER_SYNC = (
     {"forward_sync_buffers": False}
@@ -31,27 +26,14 @@ _NO_FORWARD_BUFFER_SYNC = (
 )
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside data-parallel (``.module``) or torch.compile (``._orig_mod``)
-    wrappers, or the model itself.
-
-    Code that names parameters (checkpoints, EMA, parameter groups) or calls the model's own
-    methods (flops_per_token, generate) uses this, so it does not depend on the strategy
-    ("transformer.wte.weight", never "module.transformer.wte.weight").
-    """
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
-class DDP(Strategy):
+class DDP(ProcessGroupStrategy):
     """DistributedDataParallel over the processes `torchrun` started.
 
     `backend` defaults to nccl on CUDA and gloo on CPU. `timeout_s` bounds how long a collective
     waits for a missing rank before failing, instead of hanging a crashed job forever.
     """
+
+    name = "ddp"
 
     def __init__(
         self,
@@ -60,48 +42,8 @@ class DDP(Strategy):
         timeout_s: float = 1800.0,
         find_unused_parameters: bool = False,
     ) -> None:
-        missing = [key for key in _ENV if key not in os.environ]
-        if missing:
-            raise ValueError(
-                f"strategy=ddp needs the torchrun environment, but {', '.join(missing)} "
-                "is not set: launch with `torchrun --nproc_per_node=N scripts/train.py "
-                "strategy=ddp ...`, or use strategy=single for one process"
-            )
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ["LOCAL_RANK"])
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
-        resolved = resolve_device(device)
-        if resolved.type == "cuda" and resolved.index is None:
-            resolved = torch.device("cuda", self.local_rank)
-        self.device = resolved
-        self.backend = backend or ("nccl" if resolved.type == "cuda" else "gloo")
-        if timeout_s <= 0:
-            raise ValueError(f"strategy.timeout_s must be positive, got {timeout_s}")
-        self.timeout = timedelta(seconds=timeout_s)
+        super().__init__(device, backend, timeout_s)
         self.find_unused_parameters = find_unused_parameters
-        self._owns_group = False
-
-    def setup(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if dist.is_initialized():
-            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
-                raise RuntimeError(
-                    f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) is "
-                    f"already initialized, but the environment says rank {self.rank} of "
-                    f"{self.world_size}"
-                )
-            return
-        dist.init_process_group(
-            backend=self.backend,
-            init_method="env://",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.timeout,
-        )
-        self._owns_group = True
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Materialize on this rank's device and wrap; DDP copies rank 0's weights to all ranks.
@@ -136,24 +78,3 @@ class DDP(Strategy):
             handle.wait()
         for param in params:
             param.grad.div_(self.world_size)
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def teardown(self) -> None:
-        """Destroy the process group this strategy created (gloo can abort at exit otherwise).
-
-        Gloo's worker threads release a finished collective's tensors only after the caller has
-        been woken, and that release needs the GIL; a process group destroyed in that window
-        (its destructor holds the GIL and joins those threads) deadlocks (pytorch/pytorch#56297).
-        Sleeping first hands them the GIL.
-        """
-        if self._owns_group and dist.is_initialized():
-            time.sleep(_GLOO_DRAIN_S)
-            dist.destroy_process_group()
-            time.sleep(_GLOO_DRAIN_S)
-        self._owns_group = False

@@ -11,7 +11,7 @@ from typing import Any
 
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp
+from llmfoundry.trainer.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 class ConsoleLogger(LoggerDestination):
-    def __init__(self, log_interval: str = "10ba") -> None:
+    def __init__(self, log_interval: TimeString = "10ba") -> None:
         self.log_interval = Time.parse(log_interval)
         self._pending: dict[str, float] = {}
         self._before: Timestamp = Timestamp()
@@ -42,7 +42,9 @@ class ConsoleLogger(LoggerDestination):
             self._print(state, f"[batch {state.timestamp.batch}] {format_metrics(train)}")
             self._pending = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
 
-    def eval_after_all(self, state: State, logger: Logger) -> None:
+    def eval_end(self, state: State, logger: Logger) -> None:
+        # Each eval set's line as soon as its metrics are in, so it comes before anything that
+        # acts on them at EVAL_AFTER_ALL (an early stopper's message refers to it).
         evals = {k: v for k, v in self._pending.items() if k.startswith("eval/")}
         self._print(state, f"[eval @ batch {state.timestamp.batch}] {format_metrics(evals)}")
         self._pending = {k: v for k, v in self._pending.items() if not k.startswith("eval/")}

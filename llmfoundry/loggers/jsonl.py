@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from llmfoundry.loggers.hyperparameters import redact_secrets
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
+from llmfoundry.utils.secrets import redact_secrets
 
 
 class JSONLLogger(LoggerDestination):

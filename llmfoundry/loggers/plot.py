@@ -4,8 +4,10 @@ Each figure overlays every run given, so runs of a sweep or a baseline and a cha
 a glance. Files written into the output folder:
 
 - ``loss.png``: training loss (solid) and each eval set's loss (dashed, markers)
-- ``lr.png``: the learning rate of each parameter group
-- ``throughput.png``: tokens per second and, when logged, MFU
+- ``lr.png``: the learning rate of each parameter group (groups with identical curves share
+  one line, labelled with all their names)
+- ``throughput.png``: tokens per second and, when logged, MFU, on axes starting at zero (a rate
+  axis that starts at its own minimum turns noise into cliffs)
 
 A figure is skipped when no run logged its metrics (e.g. no LR monitor).
 """
@@ -83,6 +85,7 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
             ("MFU", [("throughput/mfu", "")]),
         ],
     }
+    from_zero = {"tokens/s", "MFU"}
     written = []
     for stem, all_panels in figures.items():
         panels = [(label, metrics) for label, metrics in all_panels if _any_logged(runs, metrics)]
@@ -91,10 +94,7 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
         fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4 * len(panels)), squeeze=False)
         for ax, (label, panel_metrics) in zip(axes[:, 0], panels, strict=True):
             for run_label, series in runs.items():
-                for metric, suffix in panel_metrics:
-                    if metric not in series:
-                        continue
-                    steps, values = series[metric]
+                for metric, suffix, (steps, values) in _distinct_lines(series, panel_metrics):
                     is_eval = metric.startswith("eval/")
                     ax.plot(
                         steps,
@@ -104,6 +104,8 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
                         markersize=3,
                         label=" ".join(part for part in (run_label, suffix) if part),
                     )
+            if label in from_zero:
+                ax.set_ylim(bottom=0)
             ax.set_xlabel("batch")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
@@ -119,6 +121,25 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
             "lr_monitor / speed_monitor callbacks on?"
         )
     return written
+
+
+def _distinct_lines(
+    series: Series, metrics: list[tuple[str, str]]
+) -> list[tuple[str, str, tuple[list[int], list[float]]]]:
+    """(metric, legend suffix, points) of each logged metric; identical curves drawn once, their
+    suffixes joined (``group0, group1``), so equal lr groups do not hide one another."""
+    lines: list[tuple[str, str, tuple[list[int], list[float]]]] = []
+    for metric, suffix in metrics:
+        if metric not in series:
+            continue
+        points = series[metric]
+        same = next((i for i, line in enumerate(lines) if line[2] == points), None)
+        if same is None:
+            lines.append((metric, suffix, points))
+        else:
+            first, first_suffix, _ = lines[same]
+            lines[same] = (first, f"{first_suffix}, {suffix}", points)
+    return lines
 
 
 def _eval_losses(runs: dict[str, Series]) -> list[tuple[str, str]]:

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.loggers.hyperparameters import redact_secrets
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
+from llmfoundry.utils.secrets import redact_secrets
 
 
 class TensorBoardLogger(LoggerDestination):

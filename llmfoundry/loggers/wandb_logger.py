@@ -3,17 +3,18 @@
 The W&B run is named after the training run and its files go to the run folder unless
 ``WANDB_DIR`` or `dir` say otherwise. ``WANDB_MODE=offline`` (or ``mode: offline``) records
 everything locally for ``wandb sync`` later, e.g. on clusters without internet. The config is
-sent with secret-named keys removed (`llmfoundry.loggers.hyperparameters`). Only rank 0 logs.
+sent with secret-named keys removed and the command line redacted (`llmfoundry.utils.secrets`). Only rank 0 logs.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
-from llmfoundry.loggers.hyperparameters import redact_secrets
 from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
+from llmfoundry.utils.secrets import redact_argv, redact_secrets
 
 
 class WandBLogger(LoggerDestination):
@@ -56,7 +57,13 @@ class WandBLogger(LoggerDestination):
         args["name"] = args["name"] or state.config.get("run_name") or state.run_dir.name
         args["dir"] = args["dir"] or os.environ.get("WANDB_DIR") or str(state.run_dir)
         os.makedirs(args["dir"], exist_ok=True)
-        self._run = wandb.init(**{k: v for k, v in args.items() if v is not None})
+        # W&B stores the command line with the run; overrides may carry credentials.
+        argv = sys.argv
+        sys.argv = [argv[0], *redact_argv(argv[1:])]
+        try:
+            self._run = wandb.init(**{k: v for k, v in args.items() if v is not None})
+        finally:
+            sys.argv = argv
         self.log_hyperparameters(state.config)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 
 from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time
+from llmfoundry.trainer.time import Time, TimeString
 
 
 class WarmupSchedule:
     """Linear warmup from 0 to 1 over `t_warmup`, then `after_warmup` of the remaining run."""
 
-    def __init__(self, t_warmup: str = "0ba", alpha_f: float = 0.0) -> None:
+    def __init__(self, t_warmup: TimeString = "0ba", alpha_f: float = 0.0) -> None:
         self.t_warmup = Time.parse(t_warmup)
         if not 0.0 <= alpha_f <= 1.0:
             raise ValueError(f"scheduler.alpha_f must be in [0, 1], got {alpha_f}")
@@ -70,7 +70,7 @@ class CosineWithWarmup(WarmupSchedule):
 class InverseSqrtWithWarmup(WarmupSchedule):
     """1/sqrt(t / t_warmup) after warmup, floored at `alpha_f` (t_warmup must be non-zero)."""
 
-    def __init__(self, t_warmup: str = "100ba", alpha_f: float = 0.0) -> None:
+    def __init__(self, t_warmup: TimeString = "100ba", alpha_f: float = 0.0) -> None:
         super().__init__(t_warmup, alpha_f)
         if self.t_warmup.value == 0:
             raise ValueError("scheduler.t_warmup must be non-zero for the inverse-sqrt schedule")

@@ -10,6 +10,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from llmfoundry.utils.errors import UserError
+
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 
 
@@ -18,7 +20,7 @@ class Precision:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
         if precision == "amp_fp16" and device.type != "cuda":
-            raise ValueError(
+            raise UserError(
                 "precision=amp_fp16 needs a CUDA device (fp16 matmul is unusably slow on CPU); "
                 "use amp_bf16 or fp32"
             )

@@ -55,6 +55,9 @@ class State:
     callbacks: list[Any] = field(default_factory=list)
     # Free-form config (plain containers) saved with checkpoints for provenance.
     config: dict[str, Any] = field(default_factory=dict)
+    # The distributed strategy (llmfoundry.distributed): checkpoints get and set model and
+    # optimizer state through it.
+    strategy: Any = None
 
     def elapsed(self, duration: Time, timestamp: Timestamp | None = None) -> float:
         """How much of `duration` has passed at `timestamp` (default: now), as a fraction.

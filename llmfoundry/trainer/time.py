@@ -2,9 +2,9 @@
 whole run, or wall-clock seconds.
 
 Every duration in the config (`max_duration`, `eval_interval`, `save_interval`, warmups) is a
-string such as ``"100ba"``, ``"1ep"``, ``"2000000tok"``, ``"500sp"``, ``"0.5dur"`` or ``"2h"``, so a
-recipe can be written in the unit that matters to it and still be compared with the loop's
-counters.
+string such as ``"100ba"``, ``"1ep"``, ``"2_000_000tok"``, ``"500sp"``, ``"0.5dur"``, ``"2h"`` or
+``"1h30m"``, so a recipe can be written in the unit that matters to it and still be compared with
+the loop's counters.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Annotated
 
 
 class TimeUnit(str, Enum):
@@ -24,9 +25,32 @@ class TimeUnit(str, Enum):
 
 
 # Wall-clock suffixes and their length in seconds.
-_WALL_CLOCK = {"s": 1, "sec": 1, "min": 60, "h": 3600, "d": 86400}
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)\s*([a-z]+)\s*$", re.IGNORECASE)
-_UNITS_HELP = "ep, ba, sp, tok, dur, or wall-clock s/min/h/d (e.g. '100ba', '1ep', '0.5dur', '2h')"
+_WALL_CLOCK = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+# Digits may be grouped with single underscores, as in Python: 4_000tok.
+_NUMBER = r"(?:\d+(?:_\d+)*(?:\.(?:\d+(?:_\d+)*)?)?(?:e[+-]?\d+)?|\.\d+)"
+_PATTERN = re.compile(rf"^\s*({_NUMBER})\s*([a-z]+)\s*$", re.IGNORECASE)
+# A compound wall-clock duration such as 1h30m or 2d12h: two or more number-unit parts.
+_PART = re.compile(rf"({_NUMBER})([a-z]+)", re.IGNORECASE)
+_COMPOUND = re.compile(rf"^\s*(?:{_NUMBER}[a-z]+){{2,}}\s*$", re.IGNORECASE)
+_UNITS_HELP = (
+    "ep, ba, sp, tok, dur, or wall-clock s/m/h/d (e.g. '100ba', '4_000tok', '0.5dur', '1h30m')"
+)
+
+
+def _wall_clock_seconds(text: str) -> float:
+    """Seconds in a compound wall-clock string, its units from largest to smallest, each once."""
+    total, previous = 0.0, float("inf")
+    for number, suffix in _PART.findall(text):
+        length = _WALL_CLOCK.get(suffix.lower())
+        if length is None:
+            raise ValueError(
+                f"{text!r}: only wall-clock units (s, m, h, d) combine, e.g. '1h30m'; "
+                f"{suffix!r} does not"
+            )
+        if length >= previous:
+            raise ValueError(f"{text!r}: write the largest unit first, each once, e.g. '1h30m'")
+        total, previous = total + float(number) * length, length
+    return total
 
 
 @dataclass(frozen=True)
@@ -55,6 +79,8 @@ class Time:
         if not isinstance(text, str):
             raise ValueError(f"expected a time string with a unit ({_UNITS_HELP}), got {text!r}")
         match = _PATTERN.match(text)
+        if not match and _COMPOUND.match(text):
+            return cls(_wall_clock_seconds(text), TimeUnit.SECOND)
         if not match:
             raise ValueError(f"cannot parse time {text!r}: use a number and a unit ({_UNITS_HELP})")
         number, suffix = float(match.group(1)), match.group(2).lower()
@@ -70,6 +96,11 @@ class Time:
 
     def __str__(self) -> str:
         return f"{self.value:g}{self.unit.value}"
+
+
+# A config value holding a Time string: the config check parses it before the run starts
+# (llmfoundry/config/schema.py), so `t_warmup=abc` fails in the first second, not at step 1.
+TimeString = Annotated[str, Time.parse]
 
 
 @dataclass

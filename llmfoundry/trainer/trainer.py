@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint import Preemption, load_checkpoint, load_rng_state, rng_state
-from llmfoundry.distributed import SingleDevice, Strategy
+from llmfoundry.checkpoint import Preemption, load_checkpoint
+from llmfoundry.distributed import OutOfMemoryElsewhere, SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
+from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
 from llmfoundry.trainer.metrics import LanguageMetrics, loss_token_count
 from llmfoundry.trainer.precision import Precision
-from llmfoundry.trainer.rng import seed_all
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
 
@@ -80,9 +80,12 @@ class Trainer:
         opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
             group.setdefault("initial_lr", group["lr"])
+        prepared, opt = self.strategy.wrap_optimizer(prepared, opt)
         self.schedule = scheduler
         self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
+        if self.auto_microbatching:
+            self.strategy.guard_collectives(prepared)
         self._logged_microbatch_size: int | None = None
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
@@ -106,6 +109,7 @@ class Trainer:
                 None if self.auto_microbatching else device_train_microbatch_size
             ),
             config=config or {},
+            strategy=self.strategy,
         )
         self.logger = Logger(self.state, loggers)
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
@@ -231,7 +235,8 @@ class Trainer:
         discards the partial step on every rank (the ranks agree through an all-reduce of an
         OOM flag after each attempt), halves the microbatch size and retries the same batch.
         Gradients are then averaged across ranks only after that agreement, so no rank is ever
-        left inside a collective that another rank abandoned.
+        left inside a collective that another rank abandoned; a strategy with collectives inside
+        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`).
         """
         state, engine = self.state, self.engine
         started = time.perf_counter()
@@ -250,14 +255,15 @@ class Trainer:
         while True:
             try:
                 loss_sum = self._accumulate_gradients(batch, loss_tokens)
-                out_of_memory = False
+                out_of_memory = agreed = False
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not (self.auto_microbatching and _is_out_of_memory(err)):
                     raise
-                out_of_memory = True
+                # Learned from another rank at a collective: all ranks agreed there already.
+                out_of_memory, agreed = True, isinstance(err, OutOfMemoryElsewhere)
             if not self.auto_microbatching:
                 break
-            if not self._out_of_memory_on_any_rank(out_of_memory):
+            if not agreed and not self._out_of_memory_on_any_rank(out_of_memory):
                 self.strategy.sync_gradients(state.model)
                 self._log_microbatch_size()
                 break
@@ -268,8 +274,8 @@ class Trainer:
         self.precision.unscale(state.optimizer)
         engine.run_event(Event.AFTER_TRAIN_BATCH)
         self._set_lr()
-        self.precision.step(state.optimizer)
-        state.optimizer.zero_grad(set_to_none=True)
+        self.strategy.step(state.optimizer, self.precision)
+        self.strategy.zero_grad(state.optimizer)
         state.timestamp.after_batch(int(samples), int(tokens), time.perf_counter() - started)
         self.logger.log_metrics({"loss/train": state.train_loss})
 
@@ -301,7 +307,7 @@ class Trainer:
                 mb_tokens = loss_token_count(microbatch["labels"])
                 weight = mb_tokens * self.strategy.world_size / loss_tokens
                 engine.run_event(Event.BEFORE_BACKWARD)
-                self.precision.backward(state.loss * weight)
+                self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
             loss_sum += state.loss.detach().double() * mb_tokens
         return loss_sum
@@ -319,7 +325,7 @@ class Trainer:
     def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
         """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
         state = self.state
-        state.optimizer.zero_grad(set_to_none=True)
+        self.strategy.abandon_step(state.model, state.optimizer)
         state.batch, state.outputs, state.loss = batch, None, None
         if state.device.type == "cuda":
             torch.cuda.empty_cache()

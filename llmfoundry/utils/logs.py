@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from llmfoundry.utils.secrets import redact_urls
+
 __all__ = ["RankFilter", "configure_logging"]
 
 _HANDLER_NAME = "llmfoundry"
@@ -32,6 +34,13 @@ class RankFilter(logging.Filter):
         level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
         record.prefix = (f"[rank {self.rank}] " if self.rank else "") + level
         return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+class _RedactingFormatter(logging.Formatter):
+    """Hides the user-info of URLs (``s3://user:password@host``) in every line we log."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_urls(super().format(record))
 
 
 def configure_logging(
@@ -62,7 +71,7 @@ def configure_logging(
     for handler in handlers:
         handler.set_name(_HANDLER_NAME)
         handler.addFilter(RankFilter(rank))
-        handler.setFormatter(logging.Formatter("%(prefix)s%(message)s"))
+        handler.setFormatter(_RedactingFormatter("%(prefix)s%(message)s"))
         root.addHandler(handler)
     root.setLevel(logging.WARNING)  # other libraries: warnings and errors only
     for name in _OURS:

@@ -12,16 +12,34 @@ Options merge in this order, later winning:
 3. ``overrides[prefix]`` for URLs starting with ``prefix`` (longer prefixes win), e.g.
    ``{"s3://other-bucket/": {"profile": "other"}}``;
 4. options the caller passes for this one URL (e.g. ``data.storage_options``).
+
+The training config's ``storage:`` block and the data_prep scripts' ``--storage`` flag hold the
+same settings, ``{options: {...}, overrides: {prefix: {...}}}``, applied with
+:func:`configure_settings`. Credentials belong in the environment, a profile or fsspec's config
+files, never in these settings on a command line (shells and experiment trackers keep it).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
+from omegaconf import OmegaConf
 
-__all__ = ["configure", "is_local", "local_path", "open_url", "options_for", "url_to_fs"]
+__all__ = [
+    "configure",
+    "configure_settings",
+    "is_local",
+    "load_settings",
+    "local_path",
+    "open_url",
+    "options_for",
+    "parse_settings",
+    "url_to_fs",
+]
+SETTINGS_KEYS = ("options", "overrides")
 
 _options: dict[str, Any] = {}
 _overrides: dict[str, dict[str, Any]] = {}
@@ -44,6 +62,66 @@ def configure(
     _options.update(options or {})
     _overrides.clear()
     _overrides.update({p: dict(o) for p, o in (overrides or {}).items()})
+
+
+def parse_settings(
+    settings: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``(options, overrides)`` of a ``storage:`` block; null options are left unset.
+
+    Raises ValueError naming the bad key, so a config check can report it before the run.
+    """
+    settings = settings or {}
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"storage: expected {{options: ..., overrides: ...}}, got {settings!r}")
+    unknown = sorted(set(settings) - set(SETTINGS_KEYS))
+    if unknown:
+        raise ValueError(
+            f"storage.{unknown[0]}: unknown key; allowed: options (fsspec options for every "
+            "remote URL), overrides (options by URL prefix)"
+        )
+    options, overrides = settings.get("options") or {}, settings.get("overrides") or {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"storage.options: expected a mapping of fsspec options, got {options!r}")
+    if not isinstance(overrides, Mapping):
+        raise ValueError(
+            "storage.overrides: expected {'s3://bucket/': {option: value}}, got " + repr(overrides)
+        )
+    for prefix, extra in overrides.items():
+        if "://" not in str(prefix) or not isinstance(extra, Mapping):
+            raise ValueError(
+                f"storage.overrides: {prefix!r} must map a URL prefix like 's3://bucket/' to a "
+                "mapping of fsspec options"
+            )
+
+    def unset_nulls(values: Mapping[str, Any]) -> dict[str, Any]:
+        return {str(k): v for k, v in values.items() if v is not None}
+
+    return unset_nulls(options), {str(p): unset_nulls(o) for p, o in overrides.items()}
+
+
+def configure_settings(settings: Mapping[str, Any] | None) -> None:
+    """Apply a ``storage:`` block (see :func:`parse_settings`) to this process."""
+    configure(*parse_settings(settings))
+
+
+def load_settings(spec: str) -> dict[str, Any]:
+    """Storage settings from a YAML/JSON file, or given inline: ``'{options: {profile: r2}}'``."""
+    text = open(spec, encoding="utf-8").read() if os.path.isfile(spec) else spec
+    try:
+        settings = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except Exception as err:  # YAML syntax errors of any kind
+        message = " ".join(str(err).split())
+        raise ValueError(
+            f"--storage {spec!r}: not a YAML/JSON file or mapping ({message})"
+        ) from None
+    if not isinstance(settings, Mapping):
+        raise ValueError(
+            f"--storage {spec!r}: expected a file or a mapping such as "
+            "'{options: {endpoint_url: http://localhost:9000}}'"
+        )
+    parse_settings(settings)
+    return dict(settings)
 
 
 def is_local(url: str) -> bool:

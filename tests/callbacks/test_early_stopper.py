@@ -4,6 +4,7 @@ import logging
 import pytest
 
 from llmfoundry.callbacks import EarlyStopper
+from llmfoundry.loggers import ConsoleLogger
 from llmfoundry.trainer import Timestamp
 from tests.trainer.conftest import token_batches
 
@@ -110,3 +111,16 @@ def test_bad_configuration_is_reported_clearly(tmp_path):
         ValueError, match=r"not an eval metric of this run \(available: eval/val/accuracy"
     ):
         run(tmp_path, EarlyStopper(monitor="eval/val/bleu"))
+
+
+@pytest.mark.parametrize("monitor", ["eval/val/loss", "loss/train"])
+def test_stop_message_follows_the_metrics_it_refers_to(tmp_path, caplog, monitor):
+    caplog.set_level(logging.INFO, logger="llmfoundry")
+    stopper = EarlyStopper(monitor=monitor, min_delta=100.0, patience="2ba")
+    state = run(tmp_path, stopper, loggers=[ConsoleLogger(log_interval="1ba")])
+    assert state.timestamp.batch == 3
+    lines = caplog.messages
+    stop = next(i for i, line in enumerate(lines) if line.startswith("early stopping"))
+    metrics = "[eval @ batch 3]" if monitor.startswith("eval/") else "[batch 3]"
+    shown = next(i for i, line in enumerate(lines) if line.startswith(metrics))
+    assert shown < stop, lines

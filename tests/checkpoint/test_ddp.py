@@ -1,5 +1,6 @@
 """Checkpoints with two DDP processes (gloo, CPU): each rank saves and restores its own RNG."""
 
+import json
 import socket
 
 import torch
@@ -24,7 +25,16 @@ def test_two_ranks_stop_and_resume_exactly(tmp_path):
     folder = tmp_path / "resumed"
     assert read_latest(str(folder)) == "ep1-ba5"
     files = sorted(p.name for p in (folder / "ep0-ba3").iterdir())
-    assert files == ["model.safetensors", "rng-rank0.pt", "rng-rank1.pt", "state.pt"]
+    assert files == [
+        "manifest.json",
+        "model.safetensors",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+        "state.pt",
+    ]
+    # rank 0's manifest lists every rank's files
+    listed = json.loads((folder / "ep0-ba3" / "manifest.json").read_text())["files"]
+    assert sorted(listed) == files[1:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     for result in results:  # every step's (global) loss and this rank's sample ids
         assert result["resumed"] == result["straight"]

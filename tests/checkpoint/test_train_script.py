@@ -8,6 +8,7 @@ of the same command bit for bit, and reads the same samples.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ def mds(tmp_path_factory):
     return write_mds(tmp_path_factory.mktemp("mds"), {"train": 24, "val": 8})
 
 
-def launch(tmp_path, mds, name, interrupt=None):
+def launch(tmp_path, mds, name, interrupt=None, overrides=("autoresume=true",)):
     """Start the run `name`; its checkpoints and step log live in tmp_path/name."""
     command = [
         sys.executable,
@@ -52,7 +53,7 @@ def launch(tmp_path, mds, name, interrupt=None):
         "eval_subset_num_batches=2",
         f"save_folder={tmp_path / name / 'ckpt'}",
         "save_interval=3ba",
-        "autoresume=true",
+        *overrides,
         "callbacks=[]",
         "loggers=[console]",
         "+callbacks.steps._target_=tests.checkpoint.helpers.StepRecorder",
@@ -111,3 +112,60 @@ def test_preempt_crash_and_autoresume_match_a_straight_run(tmp_path, mds):
     # Batches 7 and 8 ran twice (after the crash they were redone from batch 6): identically.
     assert [s["batch"] for s in steps] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10]
     assert steps == [expected[s["batch"] - 1] for s in steps]
+
+
+def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
+    """Rerunning a run_name without autoresume is refused; so is a launch while it runs."""
+    fresh = ("autoresume=false", "max_duration=3ba")
+    code, _, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
+    assert code == 0, err
+    folder = tmp_path / "mine" / "ckpt"
+    saved = (folder / "ep0-ba3" / "manifest.json").read_bytes()
+
+    code, out, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
+    assert code != 0
+    assert f"save_folder {folder} already holds checkpoints up to ep0-ba3" in err
+    assert "autoresume=true" in err and "save_overwrite=true" in err
+    assert "loaded checkpoint" not in out
+    assert (folder / "ep0-ba3" / "manifest.json").read_bytes() == saved
+    assert read_latest(str(folder)) == "ep0-ba3"
+
+    # While the run continues (held at batch 4), a second launch of it stops at once.
+    running = launch(tmp_path, mds, "mine", interrupt="SIGTERM@4")
+    at, deadline = tmp_path / "mine" / "steps.jsonl.at", time.monotonic() + TIMEOUT
+    while not at.exists() and running.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert at.exists(), running.communicate()[1]
+    code, _, err = finish(launch(tmp_path, mds, "mine"))
+    assert code != 0
+    assert f"is in use by another run (host {socket.gethostname()}, pid {running.pid}" in err
+    running.send_signal(signal.SIGTERM)
+    (tmp_path / "mine" / "steps.jsonl.sent").touch()
+    code, _, err = finish(running)
+    assert code == 0, err
+    assert read_latest(str(folder)) == "ep0-ba4"
+
+
+def test_an_s3_save_folder_is_probed_at_start_and_locked_while_the_run_lives(tmp_path, mds, s3_env):
+    """On a real S3 API (moto): a bucket that is not there fails before training; a good one
+    gets the checkpoints, and the run's lease is gone when it ends."""
+    pytest.importorskip("s3fs")
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"runs-{time.monotonic_ns()}"
+    started = time.monotonic()
+    missing = f"save_folder=s3://{bucket}-missing/ckpt"
+    code, out, err = finish(launch(tmp_path, mds, "s3", overrides=(missing,)))
+    assert code != 0
+    assert f"save_folder s3://{bucket}-missing/ckpt is not writable" in err
+    assert "step" not in out and not (tmp_path / "s3" / "steps.jsonl").exists()
+    assert time.monotonic() - started < TIMEOUT
+
+    fs.mkdir(bucket)
+    url = f"s3://{bucket}/ckpt"
+    code, _, err = finish(launch(tmp_path, mds, "s3", overrides=(f"save_folder={url}",)))
+    assert code == 0, err
+    fs.invalidate_cache()
+    assert read_latest(url) == "ep1-ba10"
+    assert not fs.exists(f"{url}/.lock")

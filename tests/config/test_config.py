@@ -120,3 +120,46 @@ def test_config_error_from_omegaconf_interpolation():
     cfg = OmegaConf.merge(cfg, {"tokenizer": "${missing_key}"})
     with pytest.raises(ConfigError):
         validate_config(cfg)
+
+
+def test_max_duration_in_dur_is_refused():
+    message = error_for("max_duration=0.5dur")
+    assert message.startswith("max_duration: ") and "'dur'" in message and "ba" in message
+
+
+@pytest.mark.parametrize("key", ["eval_interval", "save_interval"])
+def test_zero_interval_is_refused(key):
+    message = error_for(f"{key}=0ba")
+    assert message.startswith(f"{key}: ") and "null" in message
+
+
+def test_time_strings_with_underscores_and_compound_wall_clock_are_valid():
+    check(CONF, ["max_duration=1h30m", "eval_interval=4_000tok", "scheduler.t_warmup=1_000tok"])
+
+
+def test_time_string_of_a_target_is_checked():
+    message = error_for("scheduler.t_warmup=abc")
+    assert message.startswith("scheduler.t_warmup: cannot parse time 'abc'")
+
+
+def test_amp_fp16_on_cpu_is_a_config_error(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    message = error_for("precision=amp_fp16")
+    assert message.startswith("precision: amp_fp16 needs a CUDA device")
+    assert "fp32" in message and "amp_bf16" in message
+    assert error_for("precision=amp_fp16", "strategy.device=cpu").startswith("precision:")
+
+
+def test_enum_lists_allowed_values():
+    message = error_for("precision=bf16")
+    assert message == "precision: expected one of 'fp32', 'amp_bf16', 'amp_fp16', got 'bf16' (str)"
+
+
+def test_misspelt_top_level_override_gets_a_suggestion():
+    message = error_for("max_duraton=10ba")
+    assert message.startswith("max_duraton: unknown key; did you mean 'max_duration'?")
+
+
+def test_streams_with_default_remote_says_which_key_to_null():
+    message = error_for("+data.streams={a: {remote: /x}}")
+    assert "data.remote=null" in message

@@ -333,8 +333,12 @@ def test_clis_end_to_end(corpus, tmp_path, capsys):
     assert tools(["merge", str(mds)]) == 0
     assert [s.raw_basename.split("/")[0] for s in load_index(mds)][-1] == "val"
     assert tools(["verify", str(mds)]) == 0
-    assert to_mds([str(out), "--out", str(mds), "--seq-len", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        to_mds([str(out), "--out", str(mds), "--seq-len", "0"])
+    assert exit_info.value.code == 2
     assert "--seq-len must be positive" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--seq-len must be positive"):  # --debug: the exception
+        to_mds([str(out), "--out", str(mds), "--seq-len", "0", "--debug"])
 
 
 # -- object store ----------------------------------------------------------------------------

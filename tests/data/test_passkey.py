@@ -105,7 +105,7 @@ def test_eval_script_scores_a_checkpoint(tmp_path, capsys):
     torch.manual_seed(0)
     model = MPTForCausalLM(MPTConfig(**{k: v for k, v in model_cfg.items() if k[0] != "_"}))
     files = {
-        MODEL_FILE: write_tensors(model_weights(model)),
+        MODEL_FILE: write_tensors(model_weights(model.state_dict())),
         STATE_FILE: write_object({"config": {"model": model_cfg}}),
     }
     write_checkpoint(str(tmp_path / "ckpt"), "ep0-ba1", files)

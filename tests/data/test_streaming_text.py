@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -209,14 +210,15 @@ def test_dataloader_workers_match_the_main_process(root: Path):
 
 
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared MDS fixtures not present")
-def test_reference_written_token_shards(tmp_path: Path):
+def test_reference_written_token_shards(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default cache's parent
     expected = json.loads((FIXTURES / "expected.json").read_text())
     fixed = StreamingTextDataset(str(FIXTURES / "tokens_fixed"), batch_size=50)
     want = [s["tokens"]["ndarray"] for s in expected["tokens_fixed"]["samples"]]
     assert fixed.get_batch(np.arange(50))["input_ids"].tolist() == want
     # compressed, variable-length int32 rows: decompressed into a cache, padded per batch
-    with pytest.raises(FileNotFoundError, match="compressed"):
-        StreamingTextDataset(str(FIXTURES / "tokens_var_zstd"))
+    default = StreamingTextDataset(str(FIXTURES / "tokens_var_zstd"))  # default cache folder
+    assert default.caches[0].local.is_relative_to(tmp_path)
     var = StreamingTextDataset(
         str(FIXTURES / "tokens_var_zstd"), str(tmp_path / "cache"), validate_hash="sha1"
     )
@@ -232,3 +234,12 @@ def test_reference_written_token_shards(tmp_path: Path):
     want = [s["tokens"]["ndarray"] for s in expected["splits/train"]["samples"]]
     assert [train[i]["input_ids"].tolist() for i in range(30)] == want
     assert [merged[i]["input_ids"].tolist() for i in range(30)] == want
+
+
+def test_pin_memory_defaults_to_whether_cuda_is_there(root: Path, monkeypatch):
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert DataConfig(remote=str(root)).pin_memory is cuda
+    assert DataConfig(remote=str(root), pin_memory=False).pin_memory is False
+    loader = build_dataloader(DataConfig(remote=str(root), pin_memory=False), "train", 2, None)
+    assert loader.pin_memory is False

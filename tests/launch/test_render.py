@@ -1,7 +1,6 @@
 """Rendered sbatch scripts and Kubernetes manifests, checked structurally."""
 
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -15,6 +14,7 @@ import yaml
 from llmfoundry.config import ConfigError
 from llmfoundry.launch import load_job
 from llmfoundry.launch.backends import kubernetes_objects, render_kubernetes, render_slurm
+from tests.k8s import validated
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "conf/job" / "tiny.yaml"
@@ -108,18 +108,6 @@ def test_slurm_script_requeues_an_unfinished_run(tmp_path, srun_exit, requeued, 
     log = calls.read_text()
     assert log.startswith("srun --nodes=3 --ntasks-per-node=1")
     assert ("scontrol requeue 42" in log) == requeued
-
-
-def validated(obj: dict, kind: str) -> dict:
-    """The object as the official client's model reads it, serialized back: keys the API does
-    not know are dropped, and required fields are enforced."""
-    from kubernetes.client import ApiClient
-
-    class Response:
-        data = json.dumps(obj)
-
-    api = ApiClient()
-    return api.sanitize_for_serialization(api.deserialize(Response(), kind))
 
 
 def test_kubernetes_indexed_job_and_headless_service(monkeypatch):

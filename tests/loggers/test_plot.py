@@ -94,3 +94,28 @@ def test_nothing_to_plot_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 0, "metrics": {"other": 1.0}}\n')
     with pytest.raises(SystemExit):
         plot_script.main([str(tmp_path)])
+
+
+def test_throughput_from_zero_and_identical_lr_groups_drawn_once(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    lines = [
+        {"step": 1, "metrics": {"lr/group0": 0.1, "lr/group1": 0.1, "lr/group2": 0.05}},
+        {"step": 2, "metrics": {"lr/group0": 0.2, "lr/group1": 0.2, "lr/group2": 0.1}},
+        {"step": 1, "metrics": {"throughput/tokens_per_sec": 1000.0}},
+        {"step": 2, "metrics": {"throughput/tokens_per_sec": 1010.0}},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    drawn = {}
+    save = Figure.savefig
+
+    def record(fig, path, **kwargs):
+        ax = fig.axes[0]
+        drawn[Path(path).stem] = (ax.get_ylim(), [line.get_label() for line in ax.get_lines()])
+        return save(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    plot_script.main([str(metrics), "--labels", "run", "--out", str(tmp_path / "plots")])
+    assert drawn["throughput"][0][0] == 0
+    assert drawn["lr"][1] == ["run group0, group1", "run group2"]

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import sys
 
 import pytest
 
@@ -78,3 +79,26 @@ def test_offline_run_records_metrics_and_redacted_config(tmp_path, monkeypatch):
     assert "wandb_api_key" not in sent and "abc123" not in run_files[0].read_bytes().decode(
         "latin-1"
     )
+
+
+def test_command_line_recorded_by_wandb_is_redacted(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    argv = [
+        "scripts/train.py",
+        "+data.storage_options.secret=hunter3",
+        "data.remote=s3://bob:hunter2@minio:9000/bucket/mds",
+        "max_duration=3ba",
+    ]
+    monkeypatch.setattr("sys.argv", list(argv))
+    trainer = make_trainer(
+        tmp_path / "run", n_batches=1, loggers=[WandBLogger(project="tests")], config={}
+    )
+    trainer.fit()
+    wandb.teardown()
+    assert sys.argv == argv  # only what W&B records is redacted
+    files = [p for p in (tmp_path / "wandb_dir").rglob("*") if p.is_file()]
+    recorded = b"".join(p.read_bytes() for p in files)
+    assert b"max_duration=3ba" in recorded  # the command line is recorded ...
+    assert b"hunter2" not in recorded and b"hunter3" not in recorded  # ... without credentials

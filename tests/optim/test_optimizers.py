@@ -199,3 +199,46 @@ def test_plain_torch_optimizers_accept_the_groups(tmp_path):
     state = trainer.fit()
     assert [g[NORM_BIAS_EMBEDDING] for g in state.optimizer.param_groups] == [False, True]
     assert all("initial_lr" in g for g in state.optimizer.param_groups)
+
+
+def test_adamw_fuses_on_cpu_by_default_and_matches_the_unfused_update():
+    torch.manual_seed(0)
+    fused_model, plain_model = Mixed(), Mixed()
+    plain_model.load_state_dict(fused_model.state_dict())
+    fused = DecoupledAdamW(build_param_groups(fused_model), lr=1e-2, weight_decay=0.1)
+    plain = DecoupledAdamW(build_param_groups(plain_model), lr=1e-2, weight_decay=0.1, fused=False)
+    assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in fused_model.parameters()]
+        for model, opt in ((fused_model, fused), (plain_model, plain)):
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for got, want in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_adamw_does_not_fuse_parameters_torch_cannot():
+    with torch.device("meta"):
+        model = Mixed()
+    assert not DecoupledAdamW(build_param_groups(model), lr=1e-3).defaults["fused"]
+
+
+def test_fused_adamw_skips_decay_and_update_on_an_overflowed_scaled_step():
+    model = Mixed()
+    opt = DecoupledAdamW(build_param_groups(model), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(sum(p.sum() for p in model.parameters())).backward()
+    model.proj.weight.grad[0, 0] = float("inf")
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    for got, want in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(got.detach(), want)
+    assert scaler.get_scale() == 2.0  # the overflow was seen
+    opt.zero_grad()
+    scaler.scale(sum(p.sum() for p in model.parameters())).backward()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    assert not torch.equal(model.proj.weight.detach(), before[1])  # a finite step moves

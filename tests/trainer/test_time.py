@@ -51,3 +51,36 @@ def test_timestamp_counts_total_and_in_epoch():
     restored = Timestamp()
     restored.load_state_dict(ts.state_dict())
     assert restored == ts
+
+
+@pytest.mark.parametrize(
+    "text,value,unit",
+    [
+        ("4_000tok", 4000, TimeUnit.TOKEN),
+        ("1_000_000sp", 1_000_000, TimeUnit.SAMPLE),
+        ("1h30m", 5400, TimeUnit.SECOND),
+        ("1h30min", 5400, TimeUnit.SECOND),
+        ("2d12h", 216_000, TimeUnit.SECOND),
+        ("1m30s", 90, TimeUnit.SECOND),
+        ("45m", 2700, TimeUnit.SECOND),
+        ("1.5h15m", 6300, TimeUnit.SECOND),
+    ],
+)
+def test_parse_underscores_and_compound_wall_clock(text, value, unit):
+    time = Time.parse(text)
+    assert (time.value, time.unit) == (value, unit)
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("1h30ba", "wall-clock"),
+        ("30m1h", "largest unit first"),
+        ("1h1h", "largest unit first"),
+        ("4__000tok", "use a number and a unit"),
+        ("_4tok", "use a number and a unit"),
+    ],
+)
+def test_parse_compound_errors(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Time.parse(text)

@@ -74,3 +74,22 @@ def test_bad_configuration_is_refused() -> None:
         storage.configure({}, overrides={"bucket": {"anon": True}})
     with pytest.raises(ValueError, match="mapping of fsspec options"):
         storage.configure(["endpoint_url"])  # type: ignore[arg-type]
+
+
+def test_storage_settings_from_text_or_file(tmp_path) -> None:
+    inline = "{options: {endpoint_url: 'http://127.0.0.1:9000', profile: null}}"
+    assert storage.load_settings(inline) == {
+        "options": {"endpoint_url": "http://127.0.0.1:9000", "profile": None}
+    }
+    path = tmp_path / "storage.yaml"
+    path.write_text("overrides:\n  's3://other/':\n    profile: other\n")
+    storage.configure_settings(storage.load_settings(str(path)))
+    assert storage.options_for("s3://other/x") == {"profile": "other"}
+    assert storage.options_for("s3://mine/x") == {}
+    storage.configure_settings({"options": {"endpoint_url": "http://e", "profile": None}})
+    assert storage.options_for("s3://mine/x") == {"endpoint_url": "http://e"}  # null = unset
+    assert storage.options_for("/local/path") == {}
+    with pytest.raises(ValueError, match="storage.option: unknown key"):
+        storage.load_settings("{option: {profile: x}}")
+    with pytest.raises(ValueError, match="not a YAML/JSON"):
+        storage.load_settings("{options: [")

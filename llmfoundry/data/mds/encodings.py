@@ -302,7 +302,9 @@ class NDArray(Encoding):
             parts.append(np.asarray(obj.shape, self.SHAPE_DTYPES[code]).tobytes())
         elif obj.shape != self.shape:
             raise ValueError(f"encoding {self.name!r} expects shape {self.shape}, got {obj.shape}")
-        parts.append(np.ascontiguousarray(obj).tobytes())
+        # The format is little-endian: a big-endian array ('>i4') is byte-swapped, not stored
+        # as is (its raw bytes would decode to other values).
+        parts.append(np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("<")).tobytes())
         return b"".join(parts)
 
     def decode(self, data: Buffer) -> np.ndarray:
@@ -372,16 +374,27 @@ class _SavedImage(Encoding):
 
     def encode(self, obj: Any) -> bytes:
         self._check_type(obj, _pil().Image)
+        original = self._original_bytes(obj)
+        if original is not None:
+            return original
         out = io.BytesIO()
         obj.save(out, format=self.format, **self._save_args())
         return out.getvalue()
+
+    def _original_bytes(self, obj: Any) -> bytes | None:
+        """The bytes of the file ``obj`` was opened from, when storing them loses nothing."""
+        return None
 
     def decode(self, data: Buffer) -> Any:
         return _pil().open(io.BytesIO(bytes(data)))
 
 
 class JPEG(_SavedImage):
-    """JPEG image; ``jpeg:Q`` sets the quality (default 75)."""
+    """JPEG image; ``jpeg:Q`` sets the quality (default 75).
+
+    An image opened from a JPEG file is stored as that file's bytes, as the reference library
+    does: re-encoding would lose quality a second time. Other images are encoded at ``Q``.
+    """
 
     format = "JPEG"
 
@@ -393,6 +406,14 @@ class JPEG(_SavedImage):
 
     def _save_args(self) -> dict[str, Any]:
         return {"quality": self.quality}
+
+    def _original_bytes(self, obj: Any) -> bytes | None:
+        from PIL.JpegImagePlugin import JpegImageFile
+
+        if isinstance(obj, JpegImageFile) and getattr(obj, "filename", ""):
+            with open(obj.filename, "rb") as f:
+                return f.read()
+        return None
 
 
 class PNG(_SavedImage):

@@ -17,6 +17,7 @@ from typing import Any
 from llmfoundry.data.mds.compression import extension, is_compression
 from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import is_hash
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
@@ -290,7 +291,10 @@ def parse_index(text: str | bytes, source: str = INDEX_NAME) -> list[ShardInfo]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{source}: not valid JSON ({err})") from None
+        raise UserError(
+            f"{source}: not valid JSON ({err}); the index is damaged: rewrite the dataset "
+            "(data_prep/tokens_to_mds.py --overwrite) or restore the file"
+        ) from None
     _require(
         isinstance(obj, dict) and set(obj) == {"shards", "version"},
         source,

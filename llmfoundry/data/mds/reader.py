@@ -47,7 +47,9 @@ class ShardReader:
         except FileNotFoundError:
             raise FileNotFoundError(f"shard file {self.path} does not exist") from None
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
+            self.inode = stat.st_ino  # lets a cache tell the mapped file from a newer copy
             self._check(size >= 4, f"file is {size} bytes, too short for an MDS header")
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:

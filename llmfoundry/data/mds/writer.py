@@ -1,4 +1,7 @@
-"""Write MDS shards and index.json, byte-identical to mosaicml-streaming's MDSWriter.
+"""Write MDS shards and index.json as mosaicml-streaming's MDSWriter does.
+
+index.json, raw and zstd shards are byte-identical to the reference writer's; gz shards differ
+in the gzip header's mtime and OS byte (see FORMAT.md).
 
 Samples are buffered until the next one would push the shard past ``size_limit`` (the exact
 rule of FORMAT.md beside this file), then the shard is encoded, hashed, optionally compressed
@@ -41,7 +44,8 @@ class MDSWriter:
         columns: column name -> encoding (``{"tokens": "ndarray:uint16:2048"}``).
         compression: None, or ``"zstd"``, ``"zstd:7"``, ``"gz"``, ``"bz2"``, ``"br"``, ``"snappy"``.
         hashes: hash names to record per shard (``("sha1", "xxh64")``); stored sorted.
-        size_limit: shard size limit in bytes (or text like ``"64mb"``); None for one shard.
+        size_limit: shard size limit in bytes (or text like ``"64mb"``), below 4 GiB (offsets
+            are 32-bit); None for one shard.
         exist_ok: replace an existing dataset in ``out`` (only its index.json and shard files
             are removed). Otherwise an existing dataset is an error, never silently mixed.
         upload_workers: threads uploading shards when ``out`` is remote.
@@ -77,6 +81,11 @@ class MDSWriter:
             raise ValueError(f"unknown hash(es) {unknown}; see llmfoundry.data.mds.HASH_NAMES")
         self.hashes = sorted(set(hashes))
         self.size_limit = parse_size(size_limit, "size_limit")
+        if self.size_limit is not None and self.size_limit > _MAX_SHARD:
+            raise ValueError(
+                f"size_limit={size_limit!r} is 4 GiB or more, but MDS shard offsets are 32-bit; "
+                "use a size_limit below 4gb (the default is 64mb)"
+            )
 
         self._config = {
             "column_encodings": self.column_encodings,

@@ -15,6 +15,7 @@ import fnmatch
 import hashlib
 import importlib
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ __all__ = ["Task", "fingerprint", "iter_documents", "plan_tasks", "read_task"]
 TASK_BYTES = 4 << 20  # target text per task: large enough to amortise IPC, small for memory
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 HF_PREFIX = "hf:"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,15 @@ def _parquet_tasks(path: Path, text_field: str) -> list[Task]:
             f"{path} has no column {text_field!r} (columns: {meta.schema_arrow.names}); "
             "choose one with --text-field"
         )
+    kind = meta.schema_arrow.field(text_field).type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        text_columns = [
+            f.name for f in meta.schema_arrow if str(f.type) in ("string", "large_string")
+        ]
+        raise ValueError(
+            f"{path}: column {text_field!r} holds {kind}, not text; choose a text column with "
+            f"--text-field (text columns: {text_columns})"
+        )
     return [
         Task("parquet", str(path), (i,), text_field) for i in range(meta.metadata.num_row_groups)
     ]
@@ -210,26 +222,36 @@ def plan_tasks(
     return tasks
 
 
-def _text_of(obj: Any, field: str, where: str) -> str:
+def _text_of(obj: Any, field: str, where: str) -> str | None:
+    """The text field of a row; None (a null) is skipped by the caller, as in parquet."""
     if not isinstance(obj, dict) or field not in obj:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(
             f"{where}: no field {field!r} (found {keys}); choose one with --text-field"
         )
     text = obj[field]
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(
+            f"{where}: field {field!r} is {type(text).__name__}, not text; choose a text field "
+            "with --text-field"
+        )
     return text
 
 
 def read_task(task: Task) -> tuple[list[str], int]:
-    """The documents of one task, and how many were skipped (files that are not UTF-8)."""
+    """The documents of one task, and how many were skipped.
+
+    Skipped: text files that are not UTF-8 (each named in the log), and null texts of any row
+    source (parquet, JSONL, datasets) alike. A JSONL line that is not UTF-8 or not JSON is an
+    error naming the file and the line's byte offset.
+    """
     if task.kind == "files":
         docs, skipped = [], 0
         for name in task.part:
             try:
                 docs.append(Path(name).read_bytes().decode("utf-8"))
-            except UnicodeDecodeError:
+            except UnicodeDecodeError as err:
+                log.warning("skipping %s: not UTF-8 text (%s)", name, err.reason)
                 skipped += 1
         return docs, skipped
     if task.kind == "jsonl":
@@ -237,18 +259,27 @@ def read_task(task: Task) -> tuple[list[str], int]:
         with open(task.location, "rb") as f:
             f.seek(start)
             block = f.read(end - start)
-        docs, pos = [], start
+        docs, pos, skipped = [], start, 0
         for line in block.split(b"\n"):
             where = f"{task.location} (line at byte {pos})"
             pos += len(line) + 1
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{where}: not UTF-8 ({err.reason} at byte {pos - len(line) - 1 + err.start}); "
+                    "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
+                ) from None
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON: {err}") from None
-            docs.append(_text_of(obj, task.text_field, where))
-        return docs, 0
+                raise ValueError(f"{where}: invalid JSON: {err}; fix or remove the line") from None
+            text = _text_of(obj, task.text_field, where)
+            if text is None:
+                skipped += 1
+            else:
+                docs.append(text)
+        return docs, skipped
     if task.kind == "parquet":
         table = (
             _import("pyarrow.parquet", "pyarrow")

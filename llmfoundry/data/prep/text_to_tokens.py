@@ -13,11 +13,14 @@ the output is byte-identical whatever the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +32,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from llmfoundry.data.prep.chunking import chunking_is_exact, split_document
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
 from llmfoundry.data.prep.tokenizer import prepare, prepare_tokenizer, train_bpe
@@ -37,6 +41,10 @@ from llmfoundry.utils.files import atomic_path, atomic_write
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
 
 TOKENS_FORMAT = "llmfoundry.tokens"
+# Characters per tokenizer call: bounds a worker's memory (a few hundred MB) for any document.
+CHUNK_CHARS = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def sidecar_path(tokens_path: str | os.PathLike) -> Path:
@@ -60,10 +68,23 @@ class _Encoded:
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: str) -> None:
+def _init_worker(
+    tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: str, chunk_chars: int | None
+) -> None:
     tok = Tokenizer.from_str(tokenizer_json)
     tok.encode_special_tokens = True
-    _STATE.update(tokenizer=tok, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype))
+    _STATE.update(
+        tokenizer=tok, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype), chunk_chars=chunk_chars
+    )
+
+
+def _init_pool_worker(*init_args: Any) -> None:
+    # Ctrl-C reaches the whole process group; the parent stops the workers itself (below), so
+    # they ignore it instead of each printing a KeyboardInterrupt traceback. SIGTERM (the
+    # parent's terminate()) must kill a worker, whatever handler it inherited through fork.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _init_worker(*init_args)
 
 
 def _encode_task(task: Task) -> _Encoded:
@@ -71,27 +92,61 @@ def _encode_task(task: Task) -> _Encoded:
     nonempty = [d for d in docs if d]
     skipped += len(docs) - len(nonempty)
     tok: Tokenizer = _STATE["tokenizer"]
-    eos, bos = _STATE["eos"], _STATE["bos"]
-    encodings = tok.encode_batch(nonempty, add_special_tokens=False) if nonempty else []
-    head, tail = ([bos] if bos is not None else []), [eos]
-    doc_tokens = np.fromiter(
-        (len(e.ids) + len(head) + 1 for e in encodings), np.int64, count=len(encodings)
+    dtype, chunk = _STATE["dtype"], _STATE["chunk_chars"]
+    head = np.array([] if _STATE["bos"] is None else [_STATE["bos"]], dtype)
+    tail = np.array([_STATE["eos"]], dtype)
+    # Long documents are encoded in pieces (chunking.py), and each tokenizer call gets at most
+    # about chunk_chars characters, so a worker's memory does not grow with document size.
+    pieces = (
+        (d, piece)
+        for d, text in enumerate(nonempty)
+        for piece in (split_document(text, chunk) if chunk else (text,))
     )
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain(head, e.ids, tail) for e in encodings),
-        _STATE["dtype"],
-        count=int(doc_tokens.sum()),
-    )
+    doc_tokens = np.full(len(nonempty), len(head) + 1, np.int64)
+    parts: list[np.ndarray] = []
+    previous = -1
+    for group in _batches(pieces, chunk):
+        encodings = tok.encode_batch([piece for _, piece in group], add_special_tokens=False)
+        for (d, _), enc in zip(group, encodings, strict=True):
+            if d != previous:
+                parts += [tail, head] if previous >= 0 else [head]
+                previous = d
+            parts.append(np.asarray(enc.ids, dtype))
+            doc_tokens[d] += len(enc.ids)
+    if previous >= 0:
+        parts.append(tail)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
     doc_bytes = np.fromiter(
         (len(d.encode("utf-8")) for d in nonempty), np.int64, count=len(nonempty)
     )
     return _Encoded(tokens, doc_tokens, doc_bytes, skipped)
 
 
+def _batches(
+    pieces: Iterable[tuple[int, str]], max_chars: int | None
+) -> Iterator[list[tuple[int, str]]]:
+    """Consecutive groups of pieces of at most ``max_chars`` characters (one piece at least)."""
+    group: list[tuple[int, str]] = []
+    size = 0
+    for item in pieces:
+        if group and max_chars is not None and size + len(item[1]) > max_chars:
+            yield group
+            group, size = [], 0
+        group.append(item)
+        size += len(item[1])
+    if group:
+        yield group
+
+
 def _ordered_map(
     fn: Callable[[Task], _Encoded], tasks: Sequence[Task], workers: int, init_args: tuple
 ) -> Iterator[_Encoded]:
-    """``map(fn, tasks)`` over ``workers`` processes, in order, at most 2*workers in flight."""
+    """``map(fn, tasks)`` over ``workers`` processes, in order, at most 2*workers in flight.
+
+    If the consumer stops early (an error, SIGTERM/SIGINT as raised by ``stop_on_signals``, or
+    closing the generator), the workers are terminated at once rather than left to finish (or
+    orphaned, still holding their memory).
+    """
     if workers <= 1:
         _init_worker(*init_args)
         yield from map(fn, tasks)
@@ -103,22 +158,30 @@ def _ordered_map(
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    others = set(multiprocessing.active_children())  # children that are not our workers
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_pool_worker, initargs=init_args
+    )
     try:
-        with ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_init_worker, initargs=init_args
-        ) as pool:
-            todo = iter(tasks)
-            pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
-            try:
-                while pending:
-                    result = pending.popleft().result()
-                    nxt = next(todo, None)
-                    if nxt is not None:
-                        pending.append(pool.submit(fn, nxt))
-                    yield result
-            finally:
-                for future in pending:
-                    future.cancel()
+        todo = iter(tasks)
+        pending = deque(pool.submit(fn, t) for t in itertools.islice(todo, 2 * workers))
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(pool.submit(fn, nxt))
+            yield result
+        pool.shutdown(wait=True)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        workers_left = set(multiprocessing.active_children()) - others
+        for process in workers_left:
+            process.terminate()
+        for process in workers_left:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        raise
     finally:
         if saved is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -153,8 +216,9 @@ def _write_stream(
     """Tokenize ``tasks`` in order, appending tokens and document starts; return the counts."""
     counts = {"tokens": 0, "documents": 0, "skipped": 0, "bytes": 0}
     bar = tqdm(total=len(tasks), desc="tokenizing", unit="task", disable=not progress)
-    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs:
-        for enc in _ordered_map(_encode_task, tasks, workers, init):
+    encoded = contextlib.closing(_ordered_map(_encode_task, tasks, workers, init))
+    with open(tmp_tokens, "wb") as f_tok, open(tmp_docs, "wb") as f_docs, encoded as results:
+        for enc in results:
             n_docs = len(enc.doc_tokens)
             if max_bytes is not None:  # keep documents until the one that reaches the cap
                 before = counts["bytes"] + np.concatenate([[0], np.cumsum(enc.doc_bytes)[:-1]])
@@ -221,6 +285,7 @@ def text_to_tokens(
     workers: int = 1,
     overwrite: bool = False,
     progress: bool = True,
+    chunk_chars: int | None = CHUNK_CHARS,
 ) -> dict[str, Any]:
     """Tokenize ``sources`` into ``out`` (a ``.bin`` path); return the sidecar metadata.
 
@@ -228,7 +293,9 @@ def text_to_tokens(
     ``train_tokenizer`` (train a byte-level BPE of ``vocab_size`` on the first
     ``train_bytes`` of text) must be given. The tokenizer is saved as ``tokenizer.json`` next
     to ``out``. A rerun with the same inputs and settings returns at once with
-    ``meta["reused"] = True``.
+    ``meta["reused"] = True``. ``chunk_chars`` caps the characters per tokenizer call (long
+    documents are cut at word starts, giving the same tokens; see chunking.py); None encodes
+    every document whole.
     """
     out = Path(out)
     if out.suffix != ".bin":
@@ -275,7 +342,13 @@ def text_to_tokens(
     dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
 
     sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
-    init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name)
+    if chunk_chars is not None and not chunking_is_exact(loaded.tokenizer):
+        log.warning(
+            "this tokenizer does not encode a document cut at spaces to the same tokens as the "
+            "whole, so documents are encoded whole: memory grows with the longest document"
+        )
+        chunk_chars = None
+    init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name, chunk_chars)
     with atomic_path(out) as tmp_tokens, atomic_path(_docs_path(out)) as tmp_docs:
         counts = _write_stream(tasks, workers, init, max_bytes, tmp_tokens, tmp_docs, progress)
         if counts["tokens"] == 0:

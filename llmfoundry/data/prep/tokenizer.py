@@ -17,6 +17,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
@@ -97,14 +98,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not storage.is_local(url):
         try:
             with storage.open_url(url, "r", encoding="utf-8") as f:
-                return Tokenizer.from_str(f.read())
+                return _parse(f.read(), url)
         except FileNotFoundError:
             raise FileNotFoundError(f"tokenizer {url} not found") from None
     path = Path(storage.local_path(url))
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
     if path.is_file():
-        return Tokenizer.from_file(str(path))
-    if (path / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            text = ""  # not JSON either: _parse says so
+        return _parse(text, str(path))
     if path.is_dir():
         from transformers import AutoTokenizer
 
@@ -118,6 +123,18 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     raise FileNotFoundError(
         f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
     )
+
+
+def _parse(text: str, source: str) -> Tokenizer:
+    """A tokenizer from tokenizer.json text; a file that is not one is a one-line ValueError."""
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as err:  # the Rust library raises plain Exception
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(
+            f"{source} is not a valid tokenizer.json ({reason}); give a file saved by "
+            "tokenizers' Tokenizer.save or a transformers fast tokenizer folder"
+        ) from None
 
 
 def prepare_tokenizer(

@@ -64,13 +64,15 @@ def tokens_to_mds(
     val_rows: int | None = None,
     size_limit: int | str | None = 1 << 26,
     compression: str | None = None,
-    hashes: tuple[str, ...] | list[str] = (),
+    hashes: tuple[str, ...] | list[str] = ("xxh64",),
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write the token stream at ``tokens`` as MDS under ``out``; return meta.json's content.
 
-    Tokens after the last full row are dropped (reported as ``dropped_tokens``).
+    Tokens after the last full row are dropped (reported as ``dropped_tokens``). ``hashes``
+    default to xxh64 (fast): readers check downloads with it, and a cache can tell a rewritten
+    dataset's shards from the ones it holds.
     """
     if seq_len < 1:
         raise ValueError(f"--seq-len must be positive, got {seq_len}")

@@ -8,6 +8,7 @@ workers, a second run), with no shared memory and no coordinator:
     <local>/<zip basename>              compressed shards, only with keep_zip
     <local>/<name>.tmp.<pid>.<random>   files being written (unique per writer)
     <local>/.locks/<raw basename>.lock  one flock per shard, taken to download or evict it
+    <local>/.sources/<raw basename>.json  which remote object a cached shard came from
     <local>/.remote                     the remote this folder caches (refuses reuse for another)
 
 A shard file appears only by ``os.replace`` of a finished, size- and hash-checked temp file,
@@ -16,26 +17,43 @@ its lock; a crashed holder's lock is released by the kernel and its temp files a
 the next downloader of that shard (which holds the lock, so no live writer can own them).
 Deleting a shard that another process has mapped is safe on POSIX: its mapping stays valid.
 File modification times record use (:meth:`ShardCache.touch`), which makes least-recently-used
-eviction work across processes. A cached shard is reused while its size matches the index, so
-after rewriting a remote dataset in place, give it a fresh local folder.
+eviction work across processes.
+
+A remote dataset may be rewritten in place while a cache still holds shards of the old one. So
+every cached shard has a source record: its index entry (sizes and hashes) and the version the
+store gave the object when the cache was opened (S3/GCS/Azure ETag or generation, a local
+file's mtime), listed in one call per stream. On open, a cached shard whose record differs from
+the current index entry and listing (or that has no record) is deleted and fetched again; an
+index with hashes (data_prep records xxh64 by default) catches a rewrite even where the store
+cannot be listed.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
+import posixpath
 from pathlib import Path
 from typing import Any
 
 from llmfoundry.data.mds import ShardInfo, unpack_shard
 from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
+from llmfoundry.utils import storage
 from llmfoundry.utils.files import atomic_write, join_url, temp_name
 
 __all__ = ["ShardCache"]
 
 _LOCKS = ".locks"
+_SOURCES = ".sources"
 _MARKER = ".remote"
+# Keys of fsspec's file info that change when an object is rewritten, most specific first.
+_VERSION_KEYS = ("ETag", "etag", "generation", "version_id", "mtime", "LastModified",
+                 "last_modified", "updated")  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 class ShardCache:
@@ -80,22 +98,19 @@ class ShardCache:
                     f"{remote or self.local} record only hashes "
                     f"{list(shards[lacking[0]].hashes)}; pick one of those or validate_hash=None"
                 )
+        self._versions: dict[str, str] = {}
         if remote is not None:
             self._claim()
+            self._versions = _list_versions(remote, storage_options)
+            self._drop_stale()
         else:
             self._check_complete()
 
     def _check_complete(self) -> None:
         """Fail now, not mid-epoch, when an in-place folder lacks a raw shard."""
-        for j, info in enumerate(self.shards):
+        for j in range(len(self.shards)):
             if self.path(j).is_file():
                 continue
-            if info.zip_basename and (self.local / info.zip_basename).is_file():
-                raise FileNotFoundError(
-                    f"shard {self.local / info.zip_basename} is compressed and {self.local} is "
-                    "read in place; give a local cache folder to decompress the shards into "
-                    "(remote=<this folder>, local=<cache folder>)"
-                )
             raise FileNotFoundError(
                 f"shard {self.path(j)} listed in {self.local / 'index.json'} is missing; the "
                 "dataset folder is incomplete (rewrite it, or copy the missing shards)"
@@ -118,6 +133,48 @@ class ShardCache:
             files.append(self.local / info.zip_basename)
         return files
 
+    def _source_file(self, j: int) -> Path:
+        return self.local / _SOURCES / f"{self.shards[j].raw_basename}.json"
+
+    def _source(self, j: int) -> str:
+        """Shard ``j``'s current source record: its index entry and the remote's version."""
+        info = self.shards[j]
+        record = {
+            "raw": info.raw_data.to_json(),
+            "stored": info.stored.to_json(),
+            "version": self._versions.get(info.stored.basename),
+        }
+        return json.dumps(record, sort_keys=True)
+
+    def _is_current(self, j: int) -> bool:
+        try:
+            return self._source_file(j).read_text() == self._source(j)
+        except FileNotFoundError:
+            return False
+
+    def _drop_stale(self) -> None:
+        """Delete cached shards that came from another version of the remote (see above)."""
+        stale = 0
+        for j in range(len(self.shards)):
+            if not any(f.exists() for f in self._files(j)) or self._is_current(j):
+                continue
+            with file_lock(self._lock(j)):
+                if self._is_current(j):  # another process fetched the current one meanwhile
+                    continue
+                self._remove_leftovers(j)
+                for f in self._files(j):
+                    f.unlink(missing_ok=True)
+                self._source_file(j).unlink(missing_ok=True)
+                stale += 1
+        if stale:
+            log.info(
+                "%s: %d cached shard(s) do not match %s as it is now (rewritten since, or "
+                "cached without a source record); fetching them again",
+                self.local,
+                stale,
+                self.remote,
+            )
+
     def _lock(self, j: int) -> Path:
         return self.local / _LOCKS / f"{self.shards[j].raw_basename}.lock"
 
@@ -138,7 +195,8 @@ class ShardCache:
         if owner != self.remote:
             raise ValueError(
                 f"cache folder {self.local} already caches {owner!r}, not {self.remote!r}; "
-                "give each dataset its own local folder (or delete the old cache)"
+                "give each dataset its own local folder (data.local in a training config), or delete "
+                "the old cache"
             )
 
     def present(self, j: int) -> bool:
@@ -186,18 +244,26 @@ class ShardCache:
             data = unpack_shard(stored_tmp, info, hashes, url)
             if data is None:
                 os.replace(stored_tmp, raw_path)
-                return
-            atomic_write(raw_path, data)
-            if self.keep_zip:
-                os.replace(stored_tmp, self.local / stored.basename)
+            else:
+                atomic_write(raw_path, data)
+                if self.keep_zip:
+                    os.replace(stored_tmp, self.local / stored.basename)
         finally:
             stored_tmp.unlink(missing_ok=True)
+        atomic_write(self._source_file(j), self._source(j))  # after the shard: never ahead
 
     def touch(self, j: int) -> bool:
         """Mark shard ``j`` as just used (for LRU); False if it is gone (evicted)."""
         try:
             os.utime(self.path(j))
             return True
+        except FileNotFoundError:
+            return False
+
+    def is_file(self, j: int, inode: int) -> bool:
+        """Whether shard ``j``'s raw file is still the file with ``inode`` (not deleted/replaced)."""
+        try:
+            return os.stat(self.path(j)).st_ino == inode
         except FileNotFoundError:
             return False
 
@@ -233,6 +299,7 @@ class ShardCache:
                     freed += size
                 except FileNotFoundError:
                     pass
+            self._source_file(j).unlink(missing_ok=True)
         return freed
 
     def max_shard_bytes(self) -> int:
@@ -244,3 +311,29 @@ class ShardCache:
             ),
             default=0,
         )
+
+
+def _list_versions(remote: str, storage_options: dict[str, Any] | None) -> dict[str, str]:
+    """Path (relative to ``remote``) -> the store's version of every object under ``remote``.
+
+    One listing (paginated by the store), not a request per shard. A store that cannot be listed
+    gives {} with a warning: the index's sizes and hashes are then the only check.
+    """
+    try:
+        fs, root = storage.url_to_fs(remote, **(storage_options or {}))
+        fs.invalidate_cache(root)  # a listing cached earlier in this process may be stale
+        found = fs.find(root, detail=True)
+    except Exception as err:  # permissions, network: staleness falls back to the index
+        log.warning(
+            "cannot list %s (%s); a cached shard is reused while it matches the index's size "
+            "and hashes (write datasets with hashes, e.g. --hashes xxh64)",
+            remote,
+            err,
+        )
+        return {}
+    versions = {}
+    for path, info in found.items():
+        version = next((info[k] for k in _VERSION_KEYS if info.get(k) is not None), None)
+        if version is not None:
+            versions[posixpath.relpath(path, root)] = f"{info.get('size')}:{version}"
+    return versions

@@ -68,6 +68,8 @@ class StreamingDataset(IterableDataset):
         download_retry: download attempts after a failed one (exponential backoff).
         storage_options: fsspec options for the remote (``{"client_kwargs": {...}}``, ...).
         allow_unsafe: allow reading ``pkl`` columns (pickle runs code from the file).
+        data_parallel: (rank, size) of this process among the data-parallel readers, from the
+            trainer's strategy; default torchrun's RANK and WORLD_SIZE (world.py).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class StreamingDataset(IterableDataset):
         download_retry: int = 2,
         storage_options: Mapping[str, Any] | None = None,
         allow_unsafe: bool = False,
+        data_parallel: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if streams is not None:
@@ -122,6 +125,8 @@ class StreamingDataset(IterableDataset):
             predownload if predownload is not None else max(8 * (batch_size or 1), 64)
         )
         self.allow_unsafe = allow_unsafe
+        self.data_parallel = data_parallel
+        World.detect(data_parallel)  # a bad (rank, size) fails here, not at the first batch
         self.caches: list[ShardCache] = [
             s.open(
                 split,
@@ -257,14 +262,14 @@ class StreamingDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank reads in a full epoch: ``ceil(epoch_size / world_size)``."""
-        world = World.detect()
+        world = World.detect(self.data_parallel)
         return RankPlan(self.epoch_size, 0, world.world_size, world.rank, 1).num_samples
 
     def num_batches(self) -> int:
         """Batches this rank reads in a full epoch (needs ``batch_size``)."""
         if self.batch_size is None:
             raise ValueError("num_batches() needs the dataset's batch_size")
-        world = World.detect()
+        world = World.detect(self.data_parallel)
         return RankPlan(
             self.epoch_size, 0, world.world_size, world.rank, self.batch_size
         ).num_batches
@@ -274,7 +279,7 @@ class StreamingDataset(IterableDataset):
 
         Shards of the next ``predownload`` samples are downloaded in the background meanwhile.
         """
-        world = World.detect()
+        world = World.detect(self.data_parallel)
         order = EpochOrder(
             self._shard_sizes,
             self.stream_counts,

@@ -1,9 +1,11 @@
 """A pool of this process's open shard readers (LRU-bounded), over every stream's shards.
 
 A reader maps its shard once; keeping a bounded number open makes random access cheap without
-exhausting memory maps. When a cache limit is set, a shard in use is re-touched at most once a
-second (its mtime is the cross-process LRU clock), and a shard evicted by this process, or found
-evicted by another one at that check, is unmapped and fetched again when next needed.
+exhausting memory maps. A cached shard in use is checked at most once a second: still the file
+we mapped (not deleted, by another process's eviction or by hand, nor replaced)? If not, it is
+unmapped and fetched again, so a deleted file's space is freed and a fresh copy is read. With a
+cache limit the same check re-touches the file (its mtime is the cross-process LRU clock), and a
+shard evicted by this process is unmapped at once.
 """
 
 from __future__ import annotations
@@ -77,10 +79,10 @@ class ShardReaderPool:
             self._close(shard)  # this process evicted it: read the next copy, free the space
             entry = None
         if entry is not None:
-            if tracks_lru and time.monotonic() - entry.touched >= _TOUCH_EVERY_S:
-                if cache.touch(j):
+            if cache.evictable and time.monotonic() - entry.touched >= _TOUCH_EVERY_S:
+                if (not tracks_lru or cache.touch(j)) and cache.is_file(j, entry.reader.inode):
                     entry.touched = time.monotonic()
-                else:  # evicted by another process: map the fresh copy instead
+                else:  # deleted or replaced by another process: map the current copy instead
                     self._close(shard)
                     entry = None
             if entry is not None:
@@ -109,11 +111,18 @@ class ShardReaderPool:
 
     def array(self, shard: int, column: str) -> np.ndarray:
         """``shard``'s fixed-size ``column`` as one ``[samples, ...]`` view (see ShardReader)."""
-        if self.limiter is None:  # hot path: nothing to touch or re-check for eviction
-            entry = self._open.get(shard)
-            if entry is not None and column in entry.arrays:
-                self._open.move_to_end(shard)
-                return entry.arrays[column]
+        entry = self._open.get(shard)
+        if (  # hot path: nothing to touch or re-check yet
+            self.limiter is None
+            and entry is not None
+            and column in entry.arrays
+            and (
+                not self._where[shard][0].evictable
+                or time.monotonic() - entry.touched < _TOUCH_EVERY_S
+            )
+        ):
+            self._open.move_to_end(shard)
+            return entry.arrays[column]
         entry = self._lookup(shard)
         view = entry.arrays.get(column)
         if view is None:

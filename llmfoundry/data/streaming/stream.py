@@ -10,29 +10,35 @@ Where the shards are read from:
   for a slow network filesystem and a fast local disk).
 - ``remote`` is None: ``local`` is read in place.
 
-In-place data is the only copy: it is never written to and never evicted.
+In-place data is the only copy: it is never written to and never evicted. Compressed shards
+cannot be read in place, so a folder that holds them is cached like a remote (decompressed into
+the default cache folder, or ``local`` when it names another folder).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.data.mds import INDEX_NAME, load_index, parse_index
+from llmfoundry.data.mds import INDEX_NAME, ShardInfo, load_index, parse_index
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.download import list_dirs, read_bytes
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import atomic_write, join_url
 from llmfoundry.utils.storage import is_local, local_path
 
 __all__ = ["Stream", "default_cache_dir"]
 
+log = logging.getLogger(__name__)
+
 _HOW_TO_MAKE = (
     "write MDS shards there first with the data_prep/ scripts (text -> tokens -> MDS), "
-    "or point remote/local at an existing MDS folder"
+    "or point remote (data.remote in a training config) at an existing MDS folder"
 )
 
 
@@ -102,19 +108,51 @@ class Stream:
         if remote is None:
             folder = Path(local) / split if split else Path(local)  # type: ignore[arg-type]
             if not (folder / INDEX_NAME).is_file():
-                raise FileNotFoundError(_missing(str(folder), local, split, None))
-            return ShardCache(load_index(folder), folder, None, **options)
+                raise MissingInput(_missing_local(folder, local, split))
+            shards = load_index(folder)
+            if not _compressed(folder, shards):
+                return ShardCache(shards, folder, None, **options)
+            # Compressed shards cannot be read in place, and in-place data is never written:
+            # cache the folder like a remote, decompressed into the default cache folder.
+            remote, local = os.path.abspath(local), None  # type: ignore[arg-type]
+            log.info(
+                "%s holds compressed shards: decompressing them into %s (set local, i.e. "
+                "data.local, to choose the folder)",
+                folder,
+                default_cache_dir(remote),
+            )
         root_local = Path(local) if local is not None else default_cache_dir(remote)
         folder = root_local / split if split else root_local
         url = join_url(remote, split or "")
         try:
             text = read_bytes(join_url(url, INDEX_NAME), storage_options, retries)
         except FileNotFoundError:
-            raise FileNotFoundError(_missing(url, remote, split, storage_options)) from None
+            raise MissingInput(_missing(url, remote, split, storage_options)) from None
         shards = parse_index(text, join_url(url, INDEX_NAME))
         cache = ShardCache(shards, folder, url, storage_options=storage_options, **options)
         atomic_write(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
         return cache
+
+
+def _compressed(folder: Path, shards: list[ShardInfo]) -> bool:
+    """Whether some shard of ``folder`` is stored only compressed (its raw file is absent)."""
+    return any(s.zip_basename and not (folder / s.raw_basename).is_file() for s in shards)
+
+
+def _missing_local(folder: Path, root: str, split: str | None) -> str:
+    """Why a local folder is not an MDS dataset, in one line with the fix."""
+    if not folder.exists():
+        missing = next(p for p in (folder, *folder.parents) if p.parent.exists())
+        problem = f"data folder {missing} does not exist"
+    elif not folder.is_dir():
+        problem = f"{folder} is a file, not an MDS dataset folder"
+    else:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        problem = f"{folder} is not an MDS dataset (no {INDEX_NAME}; it holds {shown or 'nothing'})"
+    if split and Path(root).is_dir():
+        problem += f"; available splits under {root}: {list_dirs(root)}"
+    return f"{problem}. To fix: {_HOW_TO_MAKE}"
 
 
 def _missing(

@@ -1,4 +1,8 @@
-"""Where this process sits: rank among ranks (torchrun's env) and worker among DataLoader workers.
+"""Where this process sits: rank among data-parallel ranks and worker among DataLoader workers.
+
+The trainer passes the data-parallel rank and size its strategy computed (its device mesh), so
+processes that share a batch (a tensor- or pipeline-parallel group) read the same partition;
+without them, torchrun's RANK and WORLD_SIZE are used.
 
 Read at iteration time, never at construction, because a DataLoader builds the dataset once in
 the main process and iterates copies of it in worker processes.
@@ -56,16 +60,22 @@ class World:
             raise ValueError(f"worker {self.worker} is outside {self.num_workers} workers")
 
     @classmethod
-    def detect(cls) -> World:
-        """From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and the worker info."""
-        world_size = _env_int("WORLD_SIZE", 1)
-        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    def detect(cls, data_parallel: tuple[int, int] | None = None) -> World:
+        """From `data_parallel` (rank, size), else torchrun's RANK, WORLD_SIZE, LOCAL_RANK and
+        LOCAL_WORLD_SIZE, and the DataLoader worker info."""
         info = get_worker_info()
+        workers = {
+            "worker": info.id if info is not None else 0,
+            "num_workers": info.num_workers if info is not None else 1,
+        }
+        if data_parallel is not None:
+            rank, size = data_parallel
+            return cls(rank=rank, world_size=size, **workers)
+        world_size = _env_int("WORLD_SIZE", 1)
         return cls(
             rank=_env_int("RANK", 0),
             world_size=world_size,
             local_rank=_env_int("LOCAL_RANK", 0),
-            local_world_size=local_world_size,
-            worker=info.id if info is not None else 0,
-            num_workers=info.num_workers if info is not None else 1,
+            local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size),
+            **workers,
         )

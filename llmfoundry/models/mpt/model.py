@@ -20,6 +20,7 @@ from llmfoundry.models.mpt.cache import InfiniState, KVCache, LayerKV
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.mpt.kernels import ATTN_IMPLS
+from llmfoundry.models.mpt.loss import next_token_loss_sum
 
 LAYER_NORM_EPS = 1e-5
 
@@ -327,10 +328,8 @@ class MPTForCausalLM(nn.Module):
                 f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
                 f"dimension, {tuple(logits.shape[:-1])}"
             )
-        logits = logits[:, :-1].flatten(0, 1).float()
-        targets = labels[:, 1:].flatten()
-        total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
-        return total / (targets != -100).sum().clamp(min=1)
+        total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy (loss.py)
+        return total / (labels[:, 1:] != -100).sum().clamp(min=1)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (the tied output head counted once).

@@ -114,7 +114,7 @@ def save_weights(
     config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
     state = {"format_version": FORMAT_VERSION, "config": {"model": config}}
     files = {
-        MODEL_FILE: write_tensors(model_weights(model)),
+        MODEL_FILE: write_tensors(model_weights(model.state_dict())),
         STATE_FILE: write_object(state),
     }
     if tokenizer_file is not None:

@@ -1,7 +1,8 @@
-"""Capturing and restoring this process's random generators (python, numpy, torch, CUDA).
+"""This process's random generators (python, numpy, torch, CUDA): seeding, capturing, restoring.
 
-States are tensors and plain lists, with no numpy arrays or numpy scalars, so a checkpoint
-holding them loads with ``torch.load(weights_only=True)``.
+One module for all three, imported by the trainer and by checkpoints alike, so neither package
+reaches into the other for them. States are tensors and plain lists, with no numpy arrays or
+numpy scalars, so a checkpoint holding them loads with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) so a run is repeatable."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""Resuming with a changed recipe: what cannot work is refused, what changes the run is said.
+
+A checkpoint keeps the config of the run that saved it (``config`` in state.pt). On load it is
+compared with the config of the run that loads it:
+
+- refused, with each key and both values: a different model architecture (`ARCHITECTURE`: the
+  weights would not fit, or would fit and mean something else) and a different optimizer class
+  (AdamW moments loaded into Lion). `load_ignore_keys` opts out: with ``model`` (or
+  ``optimizer``) ignored, that part starts afresh and may differ;
+- warned about, in one line: keys that are legal to change but make the run differ from an
+  uninterrupted one (`RUN_CHANGING`: global batch size, lr and the rest of the optimizer and
+  schedule, data, precision, ...). A changed optimizer setting takes effect: the loaded
+  optimizer state keeps the new config's hyperparameters (`keep_hyperparameters`);
+- not mentioned: where the run writes and how long it runs (save_folder, loggers, callbacks,
+  max_duration, eval settings, the strategy and the device batch sizes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from llmfoundry.checkpoint.manifest import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# model.* keys that define the parameters and what they compute.
+ARCHITECTURE = (
+    "_target_",
+    "d_model",
+    "n_heads",
+    "kv_n_heads",
+    "n_layers",
+    "expansion_ratio",
+    "vocab_size",
+    "alibi",
+    "learned_pos_emb",
+    "no_bias",
+    "qk_ln",
+)
+# Top-level keys (and config groups) whose change makes the run differ.
+RUN_CHANGING = (
+    "global_train_batch_size",
+    "max_seq_len",
+    "seed",
+    "precision",
+    "model",
+    "optimizer",
+    "scheduler",
+    "data",
+    "algorithms",
+)
+_ABSENT = "<absent>"
+
+
+def check_resume(
+    saved: Mapping[str, Any], new: Mapping[str, Any], ignore: Collection[str], where: str
+) -> None:
+    """Refuse or warn about the differences between a checkpoint's config and this run's.
+
+    Either config may be empty (a run built without one): nothing is compared then.
+    """
+    if not saved or not new:
+        return
+    before, after = _flatten(saved), _flatten(new)
+    changed = sorted(
+        key
+        for key in before.keys() | after.keys()
+        if before.get(key, _ABSENT) != after.get(key, _ABSENT)
+    )
+
+    def describe(key: str) -> str:
+        return f"{key}: {_show(before.get(key, _ABSENT))} -> {_show(after.get(key, _ABSENT))}"
+
+    def cannot_change(key: str) -> bool:
+        if key.startswith("model.") and key.removeprefix("model.") in ARCHITECTURE:
+            return "model" not in ignore
+        return key == "optimizer._target_" and "optimizer" not in ignore
+
+    refused = [key for key in changed if cannot_change(key)]
+    if refused:
+        parts = " and ".join(sorted({key.split(".")[0] for key in refused}))
+        raise CheckpointError(
+            f"checkpoint {where} cannot continue with this config (checkpoint -> now: "
+            f"{'; '.join(describe(k) for k in refused)}); set these back, or add {parts} to "
+            "load_ignore_keys to start afresh what they configure"
+        )
+    warned = [k for k in changed if k.split(".")[0] in RUN_CHANGING]
+    if warned:
+        log.warning(
+            "resuming %s with a changed recipe (checkpoint -> now): %s; the new values apply "
+            "from here, so the run differs from an uninterrupted one",
+            where,
+            "; ".join(describe(k) for k in warned),
+        )
+
+
+@contextlib.contextmanager
+def keep_hyperparameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Load optimizer state inside this block and keep this run's hyperparameters (lr, betas,
+    weight decay, ...): ``load_state_dict`` would bring back the saved ones, silently undoing
+    a changed optimizer config.
+
+    The current ``lr`` is the schedule's multiplier times ``initial_lr``: the loaded multiplier
+    is kept and applied to this run's ``initial_lr``.
+    """
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    yield
+    for group, values in zip(optimizer.param_groups, fresh, strict=True):
+        lr, initial = group["lr"], group.get("initial_lr")
+        group.update(values)
+        if initial and group.get("initial_lr", initial) == initial:
+            group["lr"] = lr  # the same recipe: exactly the saved value
+        elif initial:
+            group["lr"] = lr * group["initial_lr"] / initial
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _show(value: Any) -> str:
+    text = value if value is _ABSENT else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

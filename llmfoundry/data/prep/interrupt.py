@@ -1,0 +1,46 @@
+"""SIGTERM and SIGINT stop a data_prep step cleanly: workers stopped, temporary output removed.
+
+By default SIGTERM kills a Python process on the spot: no ``finally`` block runs, so temporary
+files stay behind and a process pool's workers are orphaned (still running, holding gigabytes).
+Inside :func:`stop_on_signals` SIGTERM instead raises :class:`Terminated` in the main thread, as
+Ctrl-C raises ``KeyboardInterrupt``, so the usual cleanup paths run: ``atomic_path`` removes its
+temporary file, ``MDSWriter`` aborts (removing its shards), and the tokenizer pool terminates its
+workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+__all__ = ["Terminated", "stop_on_signals"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived. A KeyboardInterrupt, so ``except Exception`` never swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}")
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    del frame
+    signal.signal(signum, signal.SIG_IGN)  # a repeated SIGTERM must not cut the cleanup short
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` (main thread only; elsewhere no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

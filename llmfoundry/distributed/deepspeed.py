@@ -1,0 +1,189 @@
+"""DeepSpeed ZeRO stages 1-3 over torchrun's processes (optional: ``pip install
+'llmfoundry[deepspeed]'``).
+
+ZeRO-1 partitions the optimizer state over the ranks, ZeRO-2 also the gradients, ZeRO-3 also the
+parameters (gathered per layer for forward and backward). DeepSpeed owns backward, the optimizer
+step and gradient accumulation boundaries, so those steps of `Strategy` are routed to its
+engine; the optimizer is ours (its parameter groups, hyperparameters and our schedule, which
+sets each group's lr before every step), and DeepSpeed's config is built from this strategy's
+options rather than written by hand:
+
+- micro batches and accumulation: the trainer splits each batch itself, weights each
+  microbatch's loss by its share of the global batch's loss tokens, and marks the last
+  microbatch as the accumulation boundary, so DeepSpeed neither rescales the loss nor counts
+  micro steps (``gradient_accumulation_steps`` is 1 for it);
+- precision: DeepSpeed keeps fp32 weights; ``precision=amp_bf16`` runs the trainer's autocast
+  over them, as with the other strategies;
+- clipping: `gradient_clipping` (DeepSpeed clips its partitioned gradients; the
+  gradient_clipping algorithm cannot see them, so do not combine the two);
+- offload: `offload_optimizer` (stages 1-3) and `offload_params` (stage 3) to CPU memory.
+
+Checkpoints: DeepSpeed's own (each rank's partitions in the checkpoint's ``sharded/`` folder)
+plus our trainer state; they resume with the same stage on the same number of ranks. Full
+(safetensors) checkpoints load model weights into any stage. Auto-microbatching is refused:
+ZeRO reduces gradients inside backward, and DeepSpeed offers no way to abandon that mid-step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmfoundry.distributed.base import materialize
+from llmfoundry.distributed.process_group import ProcessGroupStrategy
+from llmfoundry.utils.errors import UserError
+
+INSTALL = "pip install 'llmfoundry[deepspeed]'"
+
+
+def _import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError(f"the deepspeed strategies need DeepSpeed: {INSTALL}") from None
+    return deepspeed
+
+
+class DeepSpeed(ProcessGroupStrategy):
+    """ZeRO `stage` 1, 2 or 3 through DeepSpeed's engine (see the module docstring)."""
+
+    sharded_checkpoints = True
+
+    def __init__(
+        self,
+        stage: int,
+        device: str = "auto",
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        gradient_clipping: float | None = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+    ) -> None:
+        if stage not in (1, 2, 3):
+            raise UserError(f"strategy.stage={stage!r}: DeepSpeed ZeRO stages are 1, 2 and 3")
+        self.name = f"deepspeed_zero{stage}"
+        super().__init__(device, backend, timeout_s)
+        if offload_params and stage != 3:
+            raise UserError(
+                f"strategy.offload_params needs ZeRO stage 3 (parameters are only partitioned "
+                f"there), got stage {stage}; use strategy=deepspeed_zero3 or offload_optimizer"
+            )
+        if gradient_clipping is not None and gradient_clipping <= 0:
+            raise UserError(f"strategy.gradient_clipping must be positive, got {gradient_clipping}")
+        self.deepspeed = _import_deepspeed()
+        self.stage = stage
+        self.gradient_clipping = gradient_clipping
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.engine: Any = None
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """DeepSpeed's config, from this strategy's options (see the module docstring)."""
+        zero: dict[str, Any] = {"stage": self.stage}
+        if self.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if self.offload_params:
+            zero["offload_param"] = {"device": "cpu"}
+        config: dict[str, Any] = {
+            # DeepSpeed checks micro x accumulation x ranks == batch; the trainer batches itself.
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": self.world_size,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**62,
+            "wall_clock_breakdown": False,
+            # DeepSpeed clips at norm 1.0 unless told otherwise; 0 turns its clipping off.
+            "gradient_clipping": self.gradient_clipping or 0.0,
+        }
+        return config
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Materialize with rank 0's generator on every rank (DeepSpeed partitions each rank's
+        copy), so the weights equal one process's for the same seed."""
+        with self.rank0_generator():
+            return materialize(model, self.device)
+
+    def wrap_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.deepspeed_config()
+        )
+        return self.engine, ds_optimizer
+
+    # ------------------------------------------------------------------ the training step
+    def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+        self.engine.set_gradient_accumulation_boundary(sync)
+        return nullcontext()
+
+    def guard_collectives(self, model: torch.nn.Module) -> None:
+        raise UserError(
+            f"device_train_microbatch_size=auto is not supported with strategy={self.name}: "
+            "ZeRO reduces gradients inside backward and cannot abandon a step; set an integer "
+            "device_train_microbatch_size, or use strategy=fsdp"
+        )
+
+    def backward(self, loss: torch.Tensor, precision: Any) -> None:
+        # The trainer already weighted the loss by the microbatch's share of the batch.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, optimizer: torch.optim.Optimizer, precision: Any) -> None:
+        self.engine.step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        self.engine.zero_grad()
+
+    # ------------------------------------------------------------------ state for checkpoints
+    def save_shards(
+        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+
+    def load_shards(
+        self,
+        path: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        keys: Collection[str] = ("model", "optimizer"),
+    ) -> None:
+        if "model" not in keys:
+            raise UserError(
+                f"strategy={self.name} loads a DeepSpeed checkpoint's model and optimizer "
+                "together; to start the optimizer afresh, convert the checkpoint to weights "
+                "first (scripts/convert_checkpoint.py does not read DeepSpeed's format; use "
+                "DeepSpeed's zero_to_fp32.py)"
+            )
+        folder = Path(path)
+        loaded, _ = self.engine.load_checkpoint(
+            str(folder.parent),
+            tag=folder.name,
+            load_optimizer_states="optimizer" in keys,
+            load_lr_scheduler_states=False,
+            load_module_only="optimizer" not in keys,
+        )
+        if loaded is None:
+            raise UserError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        """Whole weights into the engine: gathered for ZeRO-3, then copied to the optimizer's
+        fp32 partitions, which are what the next step updates."""
+        module = self.engine.module
+        params = list(module.parameters())
+        with self.deepspeed.zero.GatheredParameters(
+            params, modifier_rank=0, enabled=self.stage == 3
+        ):
+            module.load_state_dict(state)
+        self.engine.optimizer.refresh_fp32_params()
+
+    def load_optimizer_state_dict(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        raise UserError(
+            f"strategy={self.name} cannot load a full checkpoint's optimizer state into ZeRO's "
+            "partitions; add 'optimizer' to load_ignore_keys to start it afresh"
+        )

@@ -1,0 +1,231 @@
+"""Fully sharded data parallelism (FSDP2, torch's `fully_shard`) over torchrun's processes.
+
+Each rank holds 1/N of every parameter, gradient and optimizer state instead of a whole copy:
+a block's weights are all-gathered just before its forward (and again before its backward
+when `reshard_after_forward`) and freed after; gradients are reduce-scattered so each rank
+keeps the averaged gradient of its own shard, and its optimizer steps only that shard. The
+blocks come from the model's parallelization plan (llmfoundry/models/plan.py); the root module
+(embeddings, final norm) is sharded last.
+
+Hybrid sharding (`replicate=R`): a 2-D device mesh of R replicas of world_size/R ranks each;
+parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
+stay within a replica (a node, typically) and only gradient averaging crosses replicas.
+
+Initialization: the model is sharded on the meta device, each rank allocates only its shards,
+and the model's own `init_weights` fills them. Random initializers get the whole tensor drawn
+from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
+initialization equals the one-process initialization for the same seed, parameter by
+parameter; only one parameter is ever whole at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from llmfoundry.distributed.base import OutOfMemoryElsewhere
+from llmfoundry.distributed.process_group import ProcessGroupStrategy
+from llmfoundry.models import parallel_plan
+from llmfoundry.utils.errors import UserError
+
+_MIXED_PRECISION = {
+    None: MixedPrecisionPolicy(),
+    # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+}
+# In-place random initializers (what torch.nn.init calls) that must see the whole tensor.
+_RANDOM_INPLACE = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.geometric_,
+}
+
+
+class FSDP(ProcessGroupStrategy):
+    """FSDP2 over the processes `torchrun` started.
+
+    Args:
+        device, backend, timeout_s: as for DDP.
+        replicate: replicas of the hybrid-sharding mesh (1: shard over all ranks).
+        reshard_after_forward: free gathered block weights after forward (and gather them again
+            for backward): less memory, one more all-gather per block.
+        mixed_precision: None (parameters and gradients in their own dtype) or "bf16"
+            (compute in bf16, reduce gradients in fp32, keep fp32 shards for the optimizer).
+        cpu_offload: keep parameter, gradient and optimizer shards in CPU memory; the device
+            holds only the gathered blocks in use.
+        activation_checkpointing: "none", "full" (recompute every block's activations in
+            backward), or an integer k (every k-th block: 0, k, 2k, ...).
+    """
+
+    name = "fsdp"
+    sharded_checkpoints = True
+
+    def __init__(
+        self,
+        device: str = "auto",
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        replicate: int = 1,
+        reshard_after_forward: bool = True,
+        mixed_precision: str | None = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: str | int = "none",
+    ) -> None:
+        super().__init__(device, backend, timeout_s)
+        if replicate < 1 or self.world_size % replicate:
+            raise UserError(
+                f"strategy.replicate={replicate} must be a positive divisor of the "
+                f"{self.world_size} processes (replicas x shards = world size)"
+            )
+        if mixed_precision not in _MIXED_PRECISION:
+            raise UserError(
+                f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
+            )
+        self.checkpoint_every = _checkpoint_every(activation_checkpointing)
+        self.replicate = replicate
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload
+        self.mesh: DeviceMesh | None = None
+        # The sharded modules (the plan's blocks, then the root), set by `prepare`.
+        self._units: list[torch.nn.Module] = []
+        self._guard_collectives = False
+
+    def setup(self) -> None:
+        super().setup()
+        shard = self.world_size // self.replicate
+        if self.replicate > 1:
+            self.mesh = init_device_mesh(
+                self.device.type, (self.replicate, shard), mesh_dim_names=("replicate", "shard")
+            )
+        else:
+            self.mesh = init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        plan = parallel_plan(model)
+        if self.checkpoint_every:
+            for index, block in enumerate(plan.blocks):
+                if index % self.checkpoint_every == 0:
+                    block.forward = functools.partial(
+                        checkpoint, block.forward, use_reentrant=False
+                    )
+        options: dict[str, Any] = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": _MIXED_PRECISION[self.mixed_precision],
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            if self.cpu_offload
+            else OffloadPolicy(),
+        }
+        for block in plan.blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        self._units = [*plan.blocks, model]
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device="cpu" if self.cpu_offload else self.device)
+            with self.rank0_generator(), _WholeTensorInit():
+                model.init_weights()
+        return model
+
+    # ------------------------------------------------------------------ the training step
+    def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
+        """Reduce-scatter gradients only on the last microbatch (`sync`); with auto-
+        microbatching every microbatch reduces its own, so an abandoned attempt leaves no
+        unreduced gradient behind."""
+        return _gradient_sync(model, sync or self._guard_collectives)
+
+    def guard_collectives(self, model: torch.nn.Module) -> None:
+        """Auto-microbatching: before each block's forward and backward (where FSDP gathers
+        and reduces), all ranks agree on whether one ran out of memory. A rank that did joins
+        the agreement from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the
+        next collective, so every rank leaves the step together and none waits in an
+        all-gather or reduce-scatter another abandoned."""
+        self._guard_collectives = True
+        for unit in self._units:
+            unit.register_forward_pre_hook(self._agree_before_forward, prepend=True)
+            unit.register_full_backward_pre_hook(self._agree, prepend=True)
+            unit.register_full_backward_hook(self._agree)
+
+    def abandon_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Also reset FSDP's per-step state (gathered blocks, half-run hooks) after a forward
+        or backward that an out-of-memory error cut short, and drop the gradients a cut-short
+        backward left on gathered (unsharded) parameters: FSDP would otherwise add them into
+        the next reduce-scatter. torch has no public call for the latter (2.13)."""
+        model.reset_iter_state()
+        for unit in self._units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    if getattr(param, "_unsharded_param", None) is not None:
+                        param._unsharded_param.grad = None
+        super().abandon_step(model, optimizer)
+
+    def _agree_before_forward(self, *_: Any) -> None:
+        if torch.is_grad_enabled():  # evaluation runs without grad, and never retries
+            self._agree()
+
+    def _agree(self, *_: Any) -> None:
+        flag = torch.zeros(1, device=self.device)
+        if self.all_reduce_sum(flag).item() > 0:
+            raise OutOfMemoryElsewhere("out of memory on another rank (agreed at a collective)")
+
+
+def _checkpoint_every(value: str | int) -> int:
+    if value == "none":
+        return 0
+    if value == "full":
+        return 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise UserError(
+        f"strategy.activation_checkpointing={value!r}: use 'none', 'full' or a positive "
+        "integer k (every k-th block)"
+    )
+
+
+@contextmanager
+def _gradient_sync(model: torch.nn.Module, sync: bool):
+    if not isinstance(model, FSDPModule) or sync:
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+class _WholeTensorInit(TorchFunctionMode):
+    """Random in-place initializers on a sharded parameter draw the whole tensor (same numbers
+    as one process would draw, with the same generator state) and keep this rank's slice."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
+            return func(*args, **kwargs)
+        local = target.to_local()
+        whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        func(whole, *args[1:], **kwargs)
+        shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        local.copy_(shard.to_local())
+        return target

@@ -1,0 +1,15 @@
+"""MPT's parallelization plan (see llmfoundry/models/plan.py): its transformer blocks.
+
+Each block holds 12 d_model^2 weights of a layer's 12 n_layers d_model^2, so sharding per block
+keeps one layer's weights gathered at a time. The token embedding, which is also the output
+head, stays with the root: it is used at both ends of the forward.
+"""
+
+from __future__ import annotations
+
+from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.models.plan import ParallelPlan
+
+
+def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
+    return ParallelPlan(blocks=list(model.transformer.blocks))

@@ -1,0 +1,437 @@
+"""The HTTP server: an OpenAI-compatible API over the batching `Engine`.
+
+    POST /v1/completions        prompt (or a list of prompts) -> text; `stream: true` for SSE
+    POST /v1/chat/completions   messages -> the assistant's answer (needs a chat template)
+    GET  /v1/models             the one model served
+    GET  /health                200 while the decode thread runs (no auth: probes call it)
+    GET  /metrics               the engine's counters (JSON)
+
+Hardening, in the order a request meets it: with an API key, every route but /health needs
+`Authorization: Bearer <key>` (compared in constant time, never logged), checked before the
+body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; the body
+must match the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`,
+a `max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
+`max_concurrent` prompts in flight is a 429. A streaming client that goes away cancels its rows
+(they leave the batch at the next step) and frees its slots; so does one waiting for a whole
+answer. Draining on SIGTERM is uvicorn's graceful shutdown: it stops accepting, finishes the
+requests in flight, then the lifespan stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmfoundry.models.mpt.generation import GenerationConfig
+from llmfoundry.serving import protocol
+from llmfoundry.serving.engine import Completion, Engine, Event
+from llmfoundry.serving.tokenizer import ServedTokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Limits", "create_app"]
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request (and all of them together) may ask of the server."""
+
+    max_prompt_tokens: int = 1024
+    max_tokens: int = 512
+    max_body_bytes: int = 1 << 20
+    max_concurrent: int = 32
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body above `max_bytes` is answered 413 before any route
+    reads it (declared Content-Length or counted while reading a chunked body)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
+        message = f"request body larger than the limit of {self.max_bytes} bytes"
+        response = JSONResponse(protocol.error_body(message), status_code=413)
+        await response(scope, receive, send)
+
+
+class BearerAuth:
+    """ASGI middleware: every path but the public ones needs `Authorization: Bearer <key>`.
+
+    It runs before the body is read or parsed, so a client without the key learns nothing
+    about the API but that it needs one. The comparison takes the same time whatever matches.
+    """
+
+    PUBLIC = frozenset({"/health"})
+
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope["path"] in self.PUBLIC:
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = "missing or wrong API key: send Authorization: Bearer <key>"
+        body = protocol.error_body(message, "authentication_error")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class Lease:
+    """Slots held by one request among `max_concurrent`; released once, however it ends."""
+
+    def __init__(self, server: _Server, n: int) -> None:
+        self.server, self.n, self.held = server, n, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.server.in_flight -= self.n
+
+
+class _Server:
+    """State behind the routes: the engine, the tokenizer and the slots in use."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: ServedTokenizer,
+        model_name: str,
+        limits: Limits,
+        context: int,
+    ) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.limits, self.context = limits, context
+        self.vocab_size = engine.model.config.vocab_size
+        self.in_flight = 0
+
+    def check(self, body: protocol.Sampling) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise HTTPException(
+                404, f"model {body.model!r} is not served here; use {self.model_name!r}"
+            )
+        if body.max_tokens > self.limits.max_tokens:
+            raise HTTPException(
+                400,
+                f"max_tokens {body.max_tokens} is above this server's limit of {self.limits.max_tokens}",
+            )
+
+    def encode(self, text: str, max_tokens: int) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise HTTPException(400, "a prompt encodes to no tokens; give it some text")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise HTTPException(
+                400,
+                f"prompt is {len(ids)} tokens, above this server's limit of "
+                f"{self.limits.max_prompt_tokens}; shorten it",
+            )
+        if len(ids) + max_tokens > self.context:
+            raise HTTPException(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) is more than the model's "
+                f"context of {self.context} tokens; shorten one",
+            )
+        if max(ids) >= self.vocab_size:
+            raise HTTPException(
+                400, f"the prompt has token id {max(ids)}, outside the model's vocabulary"
+            )
+        return ids
+
+    def lease(self, n: int) -> Lease:
+        if n > self.limits.max_concurrent:
+            raise HTTPException(
+                400,
+                f"{n} prompts in one request; this server takes at most {self.limits.max_concurrent}",
+            )
+        if self.in_flight + n > self.limits.max_concurrent:
+            raise HTTPException(
+                429,
+                f"the server is busy ({self.in_flight} of {self.limits.max_concurrent} requests "
+                "in flight); retry later",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += n
+        return Lease(self, n)
+
+    def start(
+        self, prompts: list[list[int]], body: protocol.Sampling
+    ) -> tuple[Lease, asyncio.Queue, list[Completion]]:
+        """Submit the prompts, holding their slots (429 when busy)."""
+        config = GenerationConfig(
+            max_new_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=None if body.top_p == 1 else body.top_p,
+            stop=body.stops,
+            eos_token_id=self.tokenizer.eos_id,
+            seed=body.seed,
+        )
+        lease = self.lease(len(prompts))
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        completions = [self.engine.submit(i, ids, config, queue) for i, ids in enumerate(prompts)]
+        return lease, queue, completions
+
+
+async def _events(
+    request: Request, queue: asyncio.Queue, completions: list[Completion]
+) -> AsyncIterator[Event]:
+    """The completions' events until each has ended; cancels them all if the client leaves or
+    the caller stops reading."""
+    remaining = len(completions)
+    checked = time.monotonic()
+    try:
+        while remaining:
+            try:
+                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    log.info("client disconnected; cancelling %d completion(s)", remaining)
+                    return
+            if event is None:
+                continue
+            if event.finish_reason is not None or event.error is not None:
+                remaining -= 1
+            yield event
+    finally:
+        for completion in completions:
+            completion.cancel()
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def create_app(
+    engine: Engine,
+    tokenizer: ServedTokenizer,
+    model_name: str,
+    limits: Limits,
+    context: int,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`; it starts the engine and stops it at shutdown.
+
+    `context` is the most positions (prompt + max_tokens) one request may use.
+    """
+    server = _Server(engine, tokenizer, model_name, limits, context)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        log.info("serving %s (auth %s)", model_name, "on" if api_key else "off")
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="llmfoundry", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)  # outermost: before any body is read
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+        body = protocol.error_body(
+            str(err.detail), kind.get(err.status_code, "invalid_request_error")
+        )
+        return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        for e in err.errors():
+            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            if e.get("type") == "json_invalid":
+                problems.append(
+                    f"the body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+                )
+            else:
+                problems.append(f"{where or 'body'}: {e['msg']}")
+        return JSONResponse(protocol.error_body("; ".join(problems)), status_code=400)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> dict[str, Any]:
+        return {**dataclasses.asdict(engine.metrics), "in_flight": server.in_flight}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": protocol.now(),
+            "owned_by": "llmfoundry",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request):
+        server.check(body)
+        prompts = [server.encode(p, body.max_tokens) for p in body.prompts]
+        lease, queue, running = server.start(prompts, body)
+        id_ = protocol.new_id("cmpl")
+        events = _events(request, queue, running)
+        if body.stream:
+
+            def chunk(event: Event) -> dict[str, Any]:
+                text, reason = event.text, event.finish_reason
+                return protocol.completion_chunk(id_, model_name, event.index, text, reason)
+
+            usage = _usage_chunk(body, id_, model_name, "text_completion", sum(map(len, prompts)))
+            return _streaming(events, lease, [], chunk, usage)
+        try:
+            texts, reasons, tokens = await _collect(events, len(prompts))
+        finally:
+            lease.release()
+        usage = protocol.usage(sum(map(len, prompts)), sum(tokens))
+        return protocol.completion_body(id_, model_name, texts, reasons, usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatRequest, request: Request):
+        server.check(body)
+        try:
+            text = tokenizer.render_chat([m.model_dump(exclude_none=True) for m in body.messages])
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        prompt = server.encode(text, body.max_tokens)
+        lease, queue, running = server.start([prompt], body)
+        id_ = protocol.new_id("chatcmpl")
+        events = _events(request, queue, running)
+        if body.stream:
+
+            def chunk(event: Event) -> dict[str, Any]:
+                delta = {"content": event.text} if event.text else {}
+                return protocol.chat_chunk(id_, model_name, delta, event.finish_reason)
+
+            head = [protocol.chat_chunk(id_, model_name, {"role": "assistant"}, None)]
+            usage = _usage_chunk(body, id_, model_name, "chat.completion.chunk", len(prompt))
+            return _streaming(events, lease, head, chunk, usage)
+        try:
+            texts, reasons, tokens = await _collect(events, 1)
+        finally:
+            lease.release()
+        usage = protocol.usage(len(prompt), tokens[0])
+        return protocol.chat_body(id_, model_name, texts[0], reasons[0], usage)
+
+    return app
+
+
+def _usage_chunk(
+    body: protocol.Sampling, id_: str, model: str, kind: str, prompt_tokens: int
+) -> Callable[[int], dict[str, Any]] | None:
+    """The last chunk's maker when the client asked for usage (`stream_options`), else None."""
+    if not body.include_usage:
+        return None
+    return lambda completion_tokens: protocol.usage_chunk(
+        id_, model, kind, protocol.usage(prompt_tokens, completion_tokens)
+    )
+
+
+def _streaming(
+    events: AsyncIterator[Event],
+    lease: Lease,
+    head: list[dict[str, Any]],
+    chunk: Callable[[Event], dict[str, Any]],
+    usage: Callable[[int], dict[str, Any]] | None,
+) -> StreamingResponse:
+    """Server-sent events: `head`, a chunk per event with text or an end, the usage chunk when
+    asked for, then [DONE]. An engine error ends the stream with an error event."""
+
+    async def body() -> AsyncIterator[str]:
+        tokens: dict[int, int] = {}
+        try:
+            for data in head:
+                yield _sse(data)
+            async for event in events:
+                if event.error is not None:
+                    yield _sse(protocol.error_body(event.error, "server_error"))
+                    return
+                tokens[event.index] = event.completion_tokens
+                if event.text or event.finish_reason:
+                    yield _sse(chunk(event))
+            if usage is not None:
+                yield _sse(usage(sum(tokens.values())))
+            yield "data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            lease.release()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", background=BackgroundTask(lease.release)
+    )
+
+
+async def _collect(events: AsyncIterator[Event], n: int) -> tuple[list[str], list[str], list[int]]:
+    """Whole answers of `n` completions; an engine error becomes the HTTP error it names."""
+    texts, reasons, tokens = [""] * n, ["cancelled"] * n, [0] * n
+    try:
+        async for event in events:
+            if event.error is not None:
+                raise HTTPException(event.status, event.error)
+            texts[event.index] += event.text
+            tokens[event.index] = event.completion_tokens
+            if event.finish_reason is not None:
+                reasons[event.index] = event.finish_reason
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    return texts, reasons, tokens

@@ -1,0 +1,185 @@
+"""A served model on Kubernetes: a Deployment of server pods and a Service in front of them.
+
+`conf/deploy/*.yaml` says where the model is, which image runs it, how many replicas with what
+resources, the port, and the name of the Secret that holds the API key; `render` turns it into
+the two objects as plain dicts (the API's JSON shape) and `to_yaml` into a file for
+`kubectl apply -f`. The key itself is never in the config or the manifest: pods read it from the
+Secret (`LLMFOUNDRY_API_KEY`, or `VLLM_API_KEY` for vLLM), so a config without one is refused.
+
+Both probes call `/health`: readiness takes a pod out of the Service while it loads or drains,
+liveness restarts one whose decode loop died. `terminationGracePeriodSeconds` leaves the server
+its drain time after SIGTERM.
+
+With `engine: vllm` the pods run `vllm serve` on the exported transformers folder (one GPU or
+more) instead of `scripts/serve.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmfoundry.serving.vllm import API_KEY_ENV, vllm_command
+
+__all__ = ["DeploySpec", "load_spec", "render", "to_yaml"]
+
+API_KEY_ENV_LLMFOUNDRY = "LLMFOUNDRY_API_KEY"
+ENGINES = ("llmfoundry", "vllm")
+
+
+@dataclass
+class SecretRef:
+    """A key of a Kubernetes Secret (kubectl create secret generic NAME --from-literal=KEY=...)."""
+
+    name: str = MISSING
+    key: str = "api-key"
+
+
+@dataclass
+class DeploySpec:
+    """What conf/deploy/*.yaml holds (unknown keys are refused)."""
+
+    name: str = MISSING
+    image: str = MISSING
+    model: str = MISSING  # as the pod sees it: a URL or a path on a mounted volume
+    api_key_secret: SecretRef = field(default_factory=SecretRef)
+    engine: str = "llmfoundry"
+    model_name: str | None = None
+    namespace: str | None = None
+    replicas: int = 1
+    port: int = 8000
+    gpus: int = 0
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)  # cpu: 2, memory: 8Gi
+    workdir: str = "/workspace/llmfoundry"  # the repository's checkout in the image
+    serve_args: list[str] = field(default_factory=list)  # more flags for scripts/serve.py
+    vllm_args: list[str] = field(default_factory=list)  # more flags for `vllm serve`
+    drain_timeout: int = 60
+
+
+def load_spec(path: str, overrides: list[str] = (), engine: str | None = None) -> DeploySpec:
+    """The spec of `path` with `key=value` overrides; the error names a bad or missing key."""
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(DeploySpec),
+            OmegaConf.load(path),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
+        if engine is not None:
+            merged.engine = engine
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ValueError(f"{path}: set {', '.join(missing)} (in the file or as key=value)")
+        spec = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        where = f"{path}: {key}" if key else path
+        raise ValueError(f"{where}: {str(err).splitlines()[0]}") from None
+    assert isinstance(spec, DeploySpec)
+    _check(spec)
+    return spec
+
+
+def _check(spec: DeploySpec) -> None:
+    if spec.engine not in ENGINES:
+        raise ValueError(f"engine {spec.engine!r} is not one of {', '.join(ENGINES)}")
+    if spec.replicas < 1 or not 0 < spec.port < 65536 or spec.gpus < 0:
+        raise ValueError(
+            f"replicas ({spec.replicas}) must be >= 1, port ({spec.port}) in 1..65535 and gpus "
+            f"({spec.gpus}) >= 0"
+        )
+    if spec.engine == "vllm" and spec.gpus < 1:
+        raise ValueError("engine vllm runs on GPUs: set gpus=1 (or more)")
+    unknown = set(spec.resources) - {"requests", "limits"}
+    if unknown:
+        raise ValueError(f"resources takes requests and limits, not {', '.join(sorted(unknown))}")
+
+
+def _container(spec: DeploySpec, name: str) -> dict[str, Any]:
+    secret = {"secretKeyRef": {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}
+    if spec.engine == "vllm":
+        command = vllm_command(spec.model, "0.0.0.0", spec.port, name) + list(spec.vllm_args)
+        env = [{"name": API_KEY_ENV, "valueFrom": secret}]
+    else:
+        command = ["python", "scripts/serve.py", spec.model, "--host", "0.0.0.0"]
+        command += ["--port", str(spec.port), "--model-name", name]
+        command += ["--drain-timeout", str(spec.drain_timeout), *spec.serve_args]
+        env = [{"name": API_KEY_ENV_LLMFOUNDRY, "valueFrom": secret}]
+    # Quantities are strings in the API; `cpu: 2` (an int in YAML) means "2".
+    resources = {
+        kind: {k: str(v) for k, v in values.items()} for kind, values in spec.resources.items()
+    }
+    if spec.gpus:
+        for kind in ("requests", "limits"):
+            resources.setdefault(kind, {})["nvidia.com/gpu"] = str(spec.gpus)
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    container = {
+        "name": "server",
+        "image": spec.image,
+        "command": command,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "initialDelaySeconds": 5, "periodSeconds": 5},
+        # Loading a large model takes minutes: liveness starts late, and only restarts a pod
+        # after it has failed for a minute.
+        "livenessProbe": {
+            **probe,
+            "initialDelaySeconds": 120,
+            "periodSeconds": 20,
+            "failureThreshold": 3,
+        },
+    }
+    if spec.engine == "llmfoundry":
+        container["workingDir"] = spec.workdir
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def render(spec: DeploySpec) -> list[dict[str, Any]]:
+    """The Deployment and the Service for `spec`, as the Kubernetes API's JSON."""
+    name = spec.model_name or spec.name
+    labels = {"app.kubernetes.io/name": "llmfoundry-serve", "app.kubernetes.io/instance": spec.name}
+    metadata: dict[str, Any] = {"name": spec.name, "labels": labels}
+    if spec.namespace:
+        metadata["namespace"] = spec.namespace
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [_container(spec, name)],
+                    "terminationGracePeriodSeconds": spec.drain_timeout + 10,
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels,
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    return [deployment, service]
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    """A multi-document YAML file for `kubectl apply -f`."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:  # the shared labels written out, no &anchors
+            return True
+
+    return yaml.dump_all(objects, Dumper=Dumper, sort_keys=False)

@@ -1,0 +1,181 @@
+"""The OpenAI API's request and response bodies, as far as this server implements them.
+
+Requests are pydantic models that forbid unknown fields, so a misspelt `max_token` is a 400
+naming it rather than a silently ignored setting. Responses are plain dicts in OpenAI's shape
+(`text_completion`, `chat.completion` and their streamed `.chunk` forms), which the `openai`
+client parses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "FINISH_REASONS",
+    "error_body",
+    "new_id",
+]
+
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+# Our Decoder's reasons, as OpenAI names them (an EOS token is a natural stop).
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the token counts (and no choices)
+
+
+class Sampling(BaseModel):
+    """The fields every generating request shares."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63)  # what torch.Generator takes
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per prompt")
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(Sampling):
+    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: NonEmpty
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    """OpenAI's error shape: the client raises it with `message`."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    id_: str, model: str, texts: list[str], reasons: list[str], usage_: dict[str, int]
+) -> dict[str, Any]:
+    choices = [
+        {"index": i, "text": text, "logprobs": None, "finish_reason": FINISH_REASONS[reason]}
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
+    ]
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def completion_chunk(
+    id_: str, model: str, index: int, text: str, reason: str | None
+) -> dict[str, Any]:
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": None if reason is None else FINISH_REASONS[reason],
+    }
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_body(
+    id_: str, model: str, text: str, reason: str, usage_: dict[str, int]
+) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": FINISH_REASONS[reason],
+    }
+    return {
+        "id": id_,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(id_: str, model: str, delta: dict[str, str], reason: str | None) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "finish_reason": None if reason is None else FINISH_REASONS[reason],
+    }
+    return {
+        "id": id_,
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(id_: str, model: str, kind: str, usage_: dict[str, int]) -> dict[str, Any]:
+    """The last streamed chunk when the client asked for usage: counts, no choices."""
+    return {
+        "id": id_,
+        "object": kind,
+        "created": now(),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }

@@ -1,0 +1,97 @@
+"""Problems a user caused and can fix, reported by the command-line scripts as one line.
+
+A wrong config value, a missing data folder, ``strategy=ddp`` without torchrun: a traceback
+through the trainer's internals only hides the one sentence that matters. Library code raises
+:class:`UserError` (or :class:`MissingInput` for a path that is not there) with a message that
+names the problem, the path or key, and the fix; ``scripts/train.py`` and the ``data_prep``
+scripts run under :func:`exit_on_user_error`, which prints that message on one line and exits
+with status 2, as config errors do. ``--debug`` on the command line, or ``LLMFOUNDRY_DEBUG=1``
+in the environment, lets the exception through with its traceback. Bugs (any other exception)
+always keep their traceback. A full disk, a quota, a read-only or forbidden path (`OSError` with
+one of `_ENVIRONMENT_FIXES`' error numbers) is the machine's state, not a bug, and is reported
+the same way with the path it concerns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+from llmfoundry.utils.secrets import redact_urls
+
+__all__ = [
+    "DEBUG_ENV",
+    "DEBUG_FLAG",
+    "MissingInput",
+    "UserError",
+    "exit_on_user_error",
+    "find_user_error",
+    "split_debug_flag",
+]
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "LLMFOUNDRY_DEBUG"
+EXIT_USAGE = 2  # as argparse and the config check use
+# OSErrors that say what to fix on the machine, and the fix.
+_ENVIRONMENT_FIXES = {
+    errno.ENOSPC: "free space there or point the run at another folder",
+    errno.EDQUOT: "free space within the quota or point the run at another folder",
+    errno.EROFS: "the filesystem is read-only; point the run at a writable folder",
+    errno.EACCES: "give this user access or point the run at another folder",
+}
+
+
+class UserError(ValueError):
+    """A problem with what the user gave (a value, a file, a launch), with its fix in the text."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """An input path or URL that does not exist (still a FileNotFoundError for callers)."""
+
+
+def split_debug_flag(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without ``--debug``, and whether tracebacks were asked for (flag or env)."""
+    rest = [arg for arg in argv if arg != DEBUG_FLAG]
+    debug = len(rest) != len(argv) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return rest, debug
+
+
+def find_user_error(
+    err: BaseException, also: tuple[type[BaseException], ...] = ()
+) -> BaseException | None:
+    """The user error ``err`` is or wraps (Hydra's instantiate re-raises with ``from``), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (UserError, *also)):
+            return current
+        if isinstance(current, OSError) and current.errno in _ENVIRONMENT_FIXES:
+            where = f": {current.filename}" if current.filename else ""
+            return UserError(f"{current.strerror}{where}; {_ENVIRONMENT_FIXES[current.errno]}")
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+@contextlib.contextmanager
+def exit_on_user_error(
+    debug: bool, prefix: str = "error", also: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
+    """Turn a :class:`UserError` (and the ``also`` types) into one stderr line and exit 2.
+
+    ``prefix`` starts the line (the script's name, say). With ``debug`` the exception propagates
+    unchanged, traceback included.
+    """
+    try:
+        yield
+    except Exception as err:
+        found = find_user_error(err, also)
+        if debug or found is None:
+            raise
+        message = redact_urls(" ".join(str(found).split())) or type(found).__name__
+        sys.stderr.write(f"{prefix}: {message}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_USAGE) from None

@@ -1,0 +1,161 @@
+"""Serve a trained model over HTTP with an OpenAI-compatible API (FastAPI + uvicorn).
+
+    python scripts/serve.py outputs/run/checkpoints                  # 127.0.0.1:8000
+    LLMFOUNDRY_API_KEY=secret python scripts/serve.py hf_out/ --host 0.0.0.0 --port 8080
+    python scripts/serve.py hf_out/ --engine vllm                    # vLLM on a GPU instead
+
+    curl localhost:8000/v1/completions -H 'content-type: application/json' \\
+        -d '{"prompt": "def add(", "max_tokens": 32, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: the
+tokenizer folder's or --chat-template FILE), GET /v1/models, GET /health, GET /metrics.
+Concurrent requests decode together (continuous batching). With LLMFOUNDRY_API_KEY set every
+route but /health needs `Authorization: Bearer <key>`. SIGTERM (or Ctrl-C) stops accepting,
+finishes the requests in flight (up to --drain-timeout seconds), then exits.
+Needs the `serve` extra: pip install 'llmfoundry[serve]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, load_pretrained
+from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
+
+API_KEY = "LLMFOUNDRY_API_KEY"
+MAX_BODY_BYTES = 1 << 20
+MAX_CONCURRENT = 32
+# Our flags vLLM has under another name; the limits vLLM lacks are refused with --engine vllm.
+VLLM_FLAGS = {
+    "tokenizer": "--tokenizer",
+    "chat_template": "--chat-template",
+    "max_concurrent": "--max-num-seqs",
+    "dtype": "--dtype",
+}
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+NOT_FOR_VLLM = ("max_prompt_tokens", "max_tokens", "max_body_bytes", "max_batch_rows", "eos_token")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("model", help="checkpoint, save folder, or transformers MPT folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", help="the model's id in the API (default: the folder name)")
+    p.add_argument("--engine", choices=["llmfoundry", "vllm"], default="llmfoundry")
+    p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
+    p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
+    p.add_argument("--chat-template", type=Path, help="Jinja chat template for chat requests")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights' dtype (default fp32)")
+    p.add_argument("--max-prompt-tokens", type=int, help="default: the model's context - 1")
+    p.add_argument("--max-tokens", type=int, help="max_tokens limit (default: context - 1)")
+    p.add_argument("--max-body-bytes", type=int, help=f"default {MAX_BODY_BYTES}")
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        help=f"prompts in flight, 429 above (default {MAX_CONCURRENT})",
+    )
+    p.add_argument(
+        "--max-batch-rows", type=int, help="prompts decoded together (default: --max-concurrent)"
+    )
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def _given(value: int | None, default: int) -> int:
+    """A flag's value, or its default when absent (0 is a value, which Limits refuses)."""
+    return default if value is None else value
+
+
+def vllm_args(args: argparse.Namespace, name: str) -> list[str]:
+    """The `vllm serve` command for these arguments; flags vLLM cannot honour are refused."""
+    unsupported = [f"--{k.replace('_', '-')}" for k in NOT_FOR_VLLM if getattr(args, k)]
+    if unsupported:
+        raise ValueError(
+            f"{', '.join(unsupported)} apply to --engine llmfoundry only; vLLM has its own "
+            "limits (vllm serve --help)"
+        )
+    command = vllm_command(args.model, args.host, args.port, name)
+    for key, flag in VLLM_FLAGS.items():
+        value = getattr(args, key)
+        if value is not None:
+            command += [flag, VLLM_DTYPES.get(value, str(value)) if key == "dtype" else str(value)]
+    return command
+
+
+def serve_vllm(args: argparse.Namespace, name: str) -> None:
+    """Replace this process with vLLM serving the transformers folder."""
+    if not is_hf_folder(args.model):
+        sys.exit(
+            f"error: --engine vllm serves a transformers folder and {args.model} is not one; "
+            "export the checkpoint first with scripts/export_hf.py"
+        )
+    command = vllm_args(args, name)
+    try:
+        require_vllm()
+    except ImportError as err:
+        sys.exit(f"error: {err}")
+    env = dict(os.environ)
+    if API_KEY in env:  # through the environment: the command line is visible to `ps`
+        env[API_KEY_ENV] = env[API_KEY]
+    os.execvpe(command[0], command, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    name = args.model_name or Path(args.model.rstrip("/")).name
+    if args.engine == "vllm":
+        serve_vllm(args, name)
+    try:
+        import uvicorn
+
+        from llmfoundry.serving.app import Limits, create_app
+    except ImportError as err:
+        sys.exit(
+            f"error: serving needs FastAPI and uvicorn ({err}): pip install 'llmfoundry[serve]'"
+        )
+    from llmfoundry.serving.engine import Engine
+    from llmfoundry.serving.tokenizer import load_served_tokenizer
+
+    model, found = load_pretrained(args.model)
+    tokenizer_path = args.tokenizer or found
+    if tokenizer_path is None:
+        sys.exit(f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json")
+    tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)
+    model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
+    context = model.config.max_seq_len
+    limits = Limits(
+        max_prompt_tokens=_given(args.max_prompt_tokens, context - 1),
+        max_tokens=_given(args.max_tokens, context - 1),
+        max_body_bytes=_given(args.max_body_bytes, MAX_BODY_BYTES),
+        max_concurrent=_given(args.max_concurrent, MAX_CONCURRENT),
+    )
+    # A batch keeps admitting newcomers while its cache stays within two contexts.
+    rows = _given(args.max_batch_rows, limits.max_concurrent)
+    engine = Engine(model, tokenizer.decode, max_rows=rows, max_len=2 * context)
+    app = create_app(engine, tokenizer, name, limits, context, os.environ.get(API_KEY) or None)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
+        sys.exit(f"error: {err}")

@@ -1,0 +1,243 @@
+"""Bodies of the two-process FSDP tests (spawned children import them by module path).
+
+One spawn runs several trainings in a row (a fresh process group each), since starting two
+processes costs more than training the tiny model.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.data import DataConfig, build_dataloader
+from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy
+from llmfoundry.optim import DecoupledAdamW
+from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
+from tests.checkpoint.helpers import SEQ_LEN, VOCAB, sample_ids
+from tests.trainer.conftest import tiny_model
+
+from .workers import global_batches, rank_slice
+
+# The parity runs: name -> FSDP options (None: DDP).
+PARITY = {
+    "ddp": None,
+    "fsdp": {},
+    "fsdp_hybrid": {"replicate": 2},
+    "fsdp_activation_checkpointing": {"activation_checkpointing": "full"},
+    "fsdp_every_2nd_block_no_reshard": {
+        "activation_checkpointing": 2,
+        "reshard_after_forward": False,
+    },
+    "fsdp_cpu_offload": {"cpu_offload": True},
+}
+RESUME_BATCHES, STOP_AT, GLOBAL_BATCH = 4, 2, 4
+
+
+def join(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+class Recorder(Callback):
+    """Each step's loss and this rank's sample ids; the whole initial weights (rank 0)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.ids: list[list[int]] = []
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def fit_start(self, state, logger) -> None:
+        if state.timestamp.batch == 0:  # a collective under FSDP: every rank asks
+            weights = state.strategy.model_state_dict(state.model)  # live tensors unsharded
+            self.initial = {name: tensor.clone() for name, tensor in weights.items()}
+
+    def after_dataloader(self, state, logger) -> None:
+        self.ids.append(sample_ids(state.batch))
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(state.train_loss)
+
+
+class SigtermAt(Callback):
+    """Rank 1 gets SIGTERM (as from a scheduler preempting the job) at the end of a batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def batch_end(self, state, logger) -> None:
+        if state.rank == 1 and state.timestamp.batch == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StopAt(Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def batch_end(self, state, logger) -> None:
+        state.stop_training = state.stop_training or state.timestamp.batch == self.batch
+
+
+class OutOfMemoryInBlock(Algorithm):
+    """On one rank, a block runs out of memory for microbatches larger than `limit`:
+    ``"forward"`` in the second block's forward (after the first blocks' all-gathers, while the
+    other rank goes on gathering), ``"backward"`` as the first block's backward starts (after
+    the second block's reduce-scatter, while the other rank heads for the first block's)."""
+
+    def __init__(self, rank: int, limit: int, where: str) -> None:
+        self.rank, self.limit, self.where, self.raised = rank, limit, where, 0
+        self._size = 0
+
+    def match(self, event, state):
+        return event in (Event.FIT_START, Event.BEFORE_FORWARD) and state.rank == self.rank
+
+    def apply(self, event, state, logger):
+        if event is Event.BEFORE_FORWARD:
+            self._size = state.batch["input_ids"].shape[0]
+        elif self.where == "forward":
+            state.model.transformer.blocks[1].register_forward_hook(self._raise)
+        else:
+            state.model.transformer.blocks[0].register_full_backward_pre_hook(self._raise)
+
+    def _raise(self, *_):
+        if self._size > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+
+def parity_run(strategy: Strategy, rank: int, world: int, **kwargs) -> Recorder:
+    """Three AdamW steps on the shared global batches (this rank's slice of each)."""
+    batches = global_batches()
+    recorder = Recorder()
+    Trainer(
+        model=tiny_model(),
+        strategy=strategy,
+        train_dataloader=rank_slice(batches, rank, world),
+        max_duration=f"{len(batches)}ba",
+        optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
+        callbacks=[recorder],
+        run_dir=os.environ.get("TMPDIR", "/tmp"),
+        **kwargs,
+    ).fit()
+    return recorder
+
+
+def resume_run(
+    strategy: Strategy,
+    mds: str,
+    folder: str,
+    stop_at: int | None = None,
+    load: str | None = None,
+    sigterm_at: int | None = None,
+    load_ignore_keys: tuple[str, ...] = (),
+) -> Recorder:
+    """Training on the real data pipeline, its partition taken from the strategy; stopped
+    after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption)."""
+    data = DataConfig(remote=mds, shuffle_seed=5, shuffle_block_size=8, eval_split=None)
+    recorder = Recorder()
+    loader = build_dataloader(
+        data, "train", GLOBAL_BATCH // strategy.dp_size, SEQ_LEN,
+        data_parallel=(strategy.dp_rank, strategy.dp_size),
+    )  # fmt: skip
+    Trainer(
+        model=tiny_model(VOCAB, SEQ_LEN),
+        strategy=strategy,
+        train_dataloader=loader,
+        max_duration=f"{RESUME_BATCHES}ba",
+        optimizer=functools.partial(DecoupledAdamW, lr=3e-3, weight_decay=1e-2),
+        callbacks=[
+            recorder,
+            *([StopAt(stop_at)] if stop_at else []),
+            *([SigtermAt(sigterm_at)] if sigterm_at else []),
+            CheckpointSaver(folder),
+        ],
+        run_dir=folder,
+        load_path=load,
+        load_ignore_keys=load_ignore_keys,
+    ).fit()
+    return recorder
+
+
+def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    torch.set_num_threads(1)
+    ports = iter(ports)
+    result: dict[str, dict] = {}
+
+    def record(name: str, recorder: Recorder, **extra) -> None:
+        result[name] = {"losses": recorder.losses, "ids": recorder.ids, **extra}
+
+    for name, options in PARITY.items():
+        join(rank, world, next(ports))
+        strategy = (
+            DDP("cpu", timeout_s=60) if options is None else FSDP("cpu", timeout_s=60, **options)
+        )
+        recorder = parity_run(strategy, rank, world)
+        record(name, recorder, initial=recorder.initial)
+
+    for where in ("forward", "backward"):
+        join(rank, world, next(ports))
+        oom = OutOfMemoryInBlock(rank=1, limit=1, where=where)
+        recorder = parity_run(
+            FSDP("cpu", timeout_s=60), rank, world, device_train_microbatch_size="auto",
+            algorithms=[oom],
+        )  # fmt: skip
+        record(f"fsdp_auto_oom_in_{where}", recorder, raised=oom.raised)
+
+    join(rank, world, next(ports))
+    record("fsdp_bf16", parity_run(FSDP("cpu", timeout_s=60, mixed_precision="bf16"), rank, world))
+
+    for name, make, kwargs in (
+        ("fsdp_straight", FSDP, {}),
+        ("fsdp_saved", FSDP, {"stop_at": STOP_AT}),
+        ("ddp_from_fsdp", DDP, {"load": f"{out}/fsdp_saved"}),
+        ("ddp_saved", DDP, {"stop_at": STOP_AT}),
+        ("fsdp_from_ddp", FSDP, {"load": f"{out}/ddp_saved"}),
+        ("fsdp_from_single", FSDP, {"load": f"{out}/single_saved"}),
+        ("fsdp_preempted", FSDP, {"sigterm_at": STOP_AT}),
+        ("fsdp_after_preemption", FSDP, {"load": f"{out}/fsdp_preempted"}),
+    ):
+        join(rank, world, next(ports))
+        folder = f"{out}/{name}"
+        record(name, resume_run(make("cpu", timeout_s=60), mds, folder, **kwargs))
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:
+    return resume_run(SingleDevice("cpu"), mds, folder, **kwargs)
+
+
+def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
+    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, and one
+    started from a one-process checkpoint's weights."""
+    from llmfoundry.distributed import DeepSpeed
+
+    torch.set_num_threads(1)
+    # DeepSpeed caches its process groups for the life of the process, so all runs share one
+    # (each strategy finds it initialized and leaves it); `owner` creates and destroys it.
+    join(rank, world, ports[0])
+    owner = DDP("cpu", timeout_s=60)
+    owner.setup()
+    result: dict[str, dict] = {}
+    for stage in (1, 2, 3):
+        recorder = parity_run(
+            DeepSpeed(stage, "cpu", timeout_s=60), rank, world, device_train_microbatch_size=1
+        )
+        result[f"zero{stage}"] = {"losses": recorder.losses}
+    for name, kwargs in (
+        ("zero3_straight", {}),
+        ("zero3_saved", {"stop_at": STOP_AT}),
+        ("zero3_resumed", {"load": f"{out}/zero3_saved"}),
+        # A full (safetensors) checkpoint's weights into ZeRO-3's partitioned parameters.
+        ("zero3_from_single", {"load": f"{out}/single_saved", "load_ignore_keys": ("optimizer",)}),
+    ):
+        recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    owner.teardown()
+    torch.save(result, Path(out) / f"rank{rank}.pt")

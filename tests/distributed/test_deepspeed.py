@@ -1,0 +1,73 @@
+"""DeepSpeed ZeRO 1-3 with two processes (gloo, CPU, fp32): the same global batch gives the same
+losses as one process (tolerance and why: test_fsdp.py); a ZeRO-3 checkpoint (DeepSpeed's own
+plus our trainer state) resumes exactly."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from llmfoundry.distributed import DeepSpeed, SingleDevice
+from tests.checkpoint.helpers import write_mds
+
+from .sharded_worker import STOP_AT, deepspeed_rank_main, resume_run
+from .test_fsdp import RTOL, single_reference, spawn
+
+# find_spec, not importorskip: importing DeepSpeed here would cost seconds for nothing.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="the deepspeed strategies need pip install 'llmfoundry[deepspeed]'",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    reference = single_reference(out)
+    straight = resume_run(SingleDevice("cpu"), mds, str(out / "single_straight"))
+    resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT)
+    ranks = spawn(deepspeed_rank_main, out, mds, n_ports=1)
+    return reference, ranks, straight
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_gives_the_losses_of_one_process(runs, stage):
+    reference, ranks, _ = runs
+    for rank in ranks:
+        assert rank[f"zero{stage}"]["losses"] == pytest.approx(reference.losses, rel=RTOL)
+
+
+def test_zero3_checkpoint_resumes_the_same_run(runs):
+    _, ranks, _ = runs
+    for rank in ranks:
+        assert len(rank["zero3_resumed"]["losses"]) == len(rank["zero3_straight"]["losses"]) - 2
+        assert rank["zero3_resumed"]["losses"] == pytest.approx(
+            rank["zero3_straight"]["losses"][STOP_AT:], rel=RTOL
+        )
+        assert rank["zero3_resumed"]["ids"] == rank["zero3_straight"]["ids"][STOP_AT:]
+
+
+def test_full_checkpoint_weights_load_into_zero3(runs):
+    _, ranks, straight = runs
+    # The first step after loading runs on the loaded weights alone (the optimizer starts
+    # afresh), so its loss is the one-process run's at that step.
+    first = ranks[0]["zero3_from_single"]["losses"][0]
+    assert first == pytest.approx(straight.losses[STOP_AT], rel=RTOL)
+
+
+def test_deepspeed_config_is_built_from_ours(monkeypatch):
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
+        monkeypatch.setenv(key, value)
+    config = DeepSpeed(3, "cpu", gradient_clipping=1.0, offload_params=True).deepspeed_config()
+    assert config["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert config["gradient_clipping"] == 1.0
+    assert config["train_batch_size"] == 4 and config["gradient_accumulation_steps"] == 1
+    with pytest.raises(ValueError, match="offload_params needs ZeRO stage 3"):
+        DeepSpeed(2, "cpu", offload_params=True)
+    with pytest.raises(ValueError, match="stages are 1, 2 and 3"):
+        DeepSpeed(4, "cpu")
+    with pytest.raises(ValueError, match="auto is not supported with strategy=deepspeed_zero2"):
+        DeepSpeed(2, "cpu").guard_collectives(torch.nn.Linear(1, 1))

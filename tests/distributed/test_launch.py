@@ -1,0 +1,103 @@
+"""`scripts/train.py` under torchrun: two "nodes" on loopback through the c10d rendezvous, and a
+rank that raises mid-step bringing the whole job down promptly."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmfoundry.checkpoint import read_latest
+from llmfoundry.trainer import Callback
+from tests.checkpoint.helpers import write_mds
+
+from .test_fsdp import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT_S = 150
+
+
+class RaiseOnRank(Callback):
+    """Raises on one rank at the end of a batch (writing the time to `stamp` first); the other
+    goes on into the next step's collectives."""
+
+    def __init__(self, rank: int, batch: int, stamp: str) -> None:
+        self.rank, self.batch, self.stamp = rank, batch, stamp
+
+    def batch_end(self, state, logger) -> None:
+        if state.rank == self.rank and state.timestamp.batch == self.batch:
+            Path(self.stamp).write_text(repr(time.time()))
+            raise RuntimeError(f"injected failure on rank {self.rank}")
+
+
+@pytest.fixture(scope="module")
+def mds(tmp_path_factory):
+    return write_mds(tmp_path_factory.mktemp("mds"), {"train": 32, "val": 8})
+
+
+def train_command(mds, tmp_path, *torchrun_args, overrides=()):
+    return [
+        sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--max-restarts=0",
+        str(ROOT / "scripts" / "train.py"),
+        f"data.remote={mds}", "data.shuffle_block_size=8",
+        "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.max_seq_len=16",
+        "model.vocab_size=64", "global_train_batch_size=4", "max_duration=3ba",
+        "scheduler.t_warmup=1ba", "eval_interval=3ba", "eval_first=false",
+        "eval_subset_num_batches=1", "callbacks=[]", "loggers=[console]",
+        "strategy=fsdp", "strategy.device=cpu", f"save_folder={tmp_path / 'ckpt'}",
+        *overrides,
+    ]  # fmt: skip
+
+
+def launch(command, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    torchrun = ("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={endpoint}", "--rdzv_id=loopback")  # fmt: skip
+    nodes = [launch(train_command(mds, tmp_path, *torchrun), tmp_path) for _ in range(2)]
+    outputs = []
+    for node in nodes:
+        try:
+            outputs.append(node.communicate(timeout=LIMIT_S)[0])
+        except subprocess.TimeoutExpired:
+            for other in nodes:
+                other.kill()
+            pytest.fail(f"two-node run did not finish within {LIMIT_S} s")
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    # Rank 0 (on whichever node the rendezvous made first) logs; the other node stays quiet.
+    logging = ["loss/train" in out for out in outputs]
+    assert sorted(logging) == [False, True], "\n".join(outputs)
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run-loopback"]
+    assert read_latest(str(tmp_path / "ckpt")) == "ep0-ba3"
+    assert (tmp_path / "ckpt" / "ep0-ba3" / "sharded" / ".metadata").exists()
+
+
+def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path):
+    crash = (
+        "+callbacks.crash._target_=tests.distributed.test_launch.RaiseOnRank",
+        "+callbacks.crash.rank=1",
+        "+callbacks.crash.batch=1",
+        f"+callbacks.crash.stamp={tmp_path / 'raised'}",
+    )
+    command = train_command(mds, tmp_path, "--standalone", "--nproc_per_node=2", overrides=crash)
+    job = launch(command, tmp_path)
+    try:
+        out = job.communicate(timeout=LIMIT_S)[0]
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail(f"the job outlived its failed rank by {LIMIT_S} s")
+    ended = time.time()
+    assert job.returncode != 0
+    assert "injected failure on rank 1" in out
+    # Far below the collective timeout (strategy.timeout_s, 1800 s): the surviving rank fails
+    # as soon as its peer's connection is gone, and torchrun ends the job.
+    took = ended - float((tmp_path / "raised").read_text())
+    assert took < 20, f"the job ended {took:.1f} s after the failure\n{out}"

@@ -1,0 +1,65 @@
+"""Strategy checks that need no second process: bad settings fail early with a clear message."""
+
+import pytest
+import torch
+
+from llmfoundry.build import per_rank_batch
+from llmfoundry.data.streaming import World
+from llmfoundry.distributed import FSDP
+from llmfoundry.models import parallel_plan
+from tests.trainer.conftest import tiny_model
+
+
+def test_a_batch_the_data_parallel_size_does_not_divide_names_the_nearest_sizes():
+    assert per_rank_batch(12, 4) == 3
+    with pytest.raises(
+        ValueError, match=r"global_train_batch_size=10 .* 4 data-parallel .*8 or 12"
+    ):
+        per_rank_batch(10, 4)
+    with pytest.raises(ValueError, match=r"use 8$"):
+        per_rank_batch(3, 8)
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    ).items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replicate": 3}, "replicate=3 must be a positive divisor of the 4 processes"),
+        ({"activation_checkpointing": "some"}, "'none', 'full' or a positive integer"),
+        ({"activation_checkpointing": 0}, "'none', 'full' or a positive integer"),
+        ({"mixed_precision": "fp16"}, "use null"),
+    ],
+)
+def test_fsdp_refuses_bad_options(torchrun_env, options, message):
+    with pytest.raises(ValueError, match=message):
+        FSDP("cpu", **options)
+
+
+def test_fsdp_needs_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="strategy=fsdp needs the torchrun environment"):
+        FSDP("cpu")
+
+
+def test_the_mpt_plan_names_its_blocks_and_other_models_have_none():
+    model = tiny_model()
+    assert parallel_plan(model).blocks == list(model.transformer.blocks)
+    with pytest.raises(ValueError, match="no parallelization plan for Linear"):
+        parallel_plan(torch.nn.Linear(2, 2))
+
+
+def test_the_data_partition_comes_from_the_strategy_not_the_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    world = World.detect((1, 2))
+    assert (world.rank, world.world_size) == (1, 2)
+    assert (World.detect().rank, World.detect().world_size) == (0, 4)
+    with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
+        World.detect((2, 2))

@@ -1,0 +1,131 @@
+"""The memory planner: measured peaks on CPU, published MPT setups, and the script."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmfoundry.models.mpt import MPTConfig
+from llmfoundry.planning import (
+    Setup,
+    largest_microbatch,
+    optimizer_state_bytes,
+    parse_bytes,
+    plan_memory,
+    step_seconds,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MPT_7B = MPTConfig(d_model=4096, n_heads=32, n_layers=32)
+MPT_30B = MPTConfig(d_model=7168, n_heads=56, n_layers=48)
+
+
+def measured_peak(spec: dict) -> int:
+    """Peak resident bytes of two training steps (tests/planning/peak_worker.py)."""
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.planning.peak_worker", json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs"
+)
+@pytest.mark.parametrize(
+    ("shape", "precision"),
+    [
+        ({"d_model": 256, "n_heads": 4, "n_layers": 4, "vocab_size": 8192, "seq": 256}, "fp32"),
+        (
+            {"d_model": 128, "n_heads": 4, "n_layers": 8, "vocab_size": 32000, "seq": 128},
+            "amp_bf16",
+        ),
+    ],
+)
+def test_plan_is_within_20_percent_of_the_measured_cpu_peak(shape, precision):
+    seq = shape["seq"]
+    model = {k: v for k, v in shape.items() if k != "seq"}
+    batch = 8
+    measured = measured_peak({**model, "max_seq_len": seq, "batch": batch, "seq": seq,
+                              "precision": precision})  # fmt: skip
+    planned = plan_memory(Setup(MPTConfig(**model, max_seq_len=seq), seq, precision), batch).total
+    assert 0.8 <= planned / measured <= 1.2, (planned, measured)
+
+
+def test_parameter_count_is_the_published_mpt_7b_count():
+    recipe = MPTConfig(d_model=4096, n_heads=32, n_layers=32, alibi=False, no_bias=False)
+    assert plan_memory(Setup(recipe, 2048), 1).n_params == 6_658_859_008
+
+
+def test_published_mpt_setups_are_plausible():
+    gb80, gb40 = 80e9, 40e9
+    # MPT-7B: FSDP full shard over 8 GPUs with activation checkpointing, microbatch 8 (MosaicML's
+    # recipe); Adam's 16 bytes per parameter alone (107 GB) rule out DDP on an 80 GB GPU.
+    fsdp_7b = Setup(MPT_7B, 2048, strategy="fsdp", world_size=8, activation_checkpointing=True)
+    assert largest_microbatch(fsdp_7b, gb80) >= 8
+    assert largest_microbatch(Setup(MPT_7B, 2048, strategy="ddp", world_size=8), gb80) == 0
+    # Without checkpointing, activations (about 10 GB per 2048-token sequence) bound it.
+    no_ckpt = Setup(MPT_7B, 2048, strategy="fsdp", world_size=8)
+    assert 1 <= largest_microbatch(no_ckpt, gb80) < 8
+    # MPT-30B: trained on A100-40GB with FSDP and activation checkpointing over hundreds of GPUs.
+    fsdp_30b = Setup(MPT_30B, 2048, strategy="fsdp", world_size=512, activation_checkpointing=True)
+    assert largest_microbatch(fsdp_30b, gb40) >= 1
+    assert largest_microbatch(Setup(MPT_30B, 2048, strategy="zero1", world_size=8), gb80) == 0
+
+
+def test_sharding_and_offload_divide_the_right_parts():
+    single = plan_memory(Setup(MPT_7B, 2048), 1)
+    zero1 = plan_memory(Setup(MPT_7B, 2048, strategy="zero1", world_size=8), 1)
+    zero2 = plan_memory(Setup(MPT_7B, 2048, strategy="zero2", world_size=8), 1)
+    fsdp = plan_memory(Setup(MPT_7B, 2048, strategy="fsdp", world_size=8), 1)
+    hybrid = plan_memory(
+        Setup(MPT_7B, 2048, strategy="fsdp-hybrid", world_size=64, gpus_per_node=8), 1
+    )
+    offload = plan_memory(Setup(MPT_7B, 2048, strategy="fsdp", world_size=8, cpu_offload=True), 1)
+    assert zero1.optimizer == single.optimizer / 8 and zero1.grads == single.grads
+    assert zero2.grads == single.grads / 8 and zero2.params == single.params
+    assert fsdp.params == single.params / 8 and fsdp.working > 0 == single.working
+    assert hybrid.params == fsdp.params  # sharded within a node of 8, replicated across nodes
+    assert offload.params == offload.grads == offload.optimizer == 0
+    ckpt = plan_memory(Setup(MPT_7B, 2048, activation_checkpointing=True), 1)
+    assert ckpt.activations < single.activations / 5
+    assert optimizer_state_bytes("llmfoundry.optim.DecoupledLionW") == 4
+
+
+def test_step_time_and_inputs():
+    assert step_seconds(6e9, 512, 2048, 8, 1e15, 0.5) == pytest.approx(6e9 * 512 * 2048 / 8 / 5e14)
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("1GiB") == 2**30
+    with pytest.raises(ValueError, match="80GB or 141GiB"):
+        parse_bytes("80 gigs")
+    with pytest.raises(ValueError, match="sharded strategy"):
+        Setup(MPT_7B, 2048, strategy="ddp", world_size=2, cpu_offload=True)
+    with pytest.raises(ValueError, match="optimizer-state size"):
+        optimizer_state_bytes("torch.optim.Adagrad")
+
+
+def test_plan_script_reads_hydra_overrides(capsys):
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    argv = ["model=mpt-7b", "precision=amp_bf16", "global_train_batch_size=64", "--strategy",
+            "fsdp", "--world-size", "8", "--activation-checkpointing", "--device-memory", "80GB",
+            "--device-name", "H100"]  # fmt: skip
+    assert plan_script["main"](argv) == 0
+    out = capsys.readouterr().out
+    assert "parameters  : 6,649,024,512" in out
+    assert "largest microbatch fitting 80 GB: " in out
+    assert "at 40% MFU of 989.4 TFLOP/s" in out

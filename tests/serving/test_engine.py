@@ -1,0 +1,114 @@
+"""The batching engine in-process: rows join and leave, bounded batches, failures end requests
+(not the thread)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt.generation import GenerationConfig, generate
+from llmfoundry.serving.engine import Engine, Event
+
+VOCAB = 50
+
+
+@pytest.fixture(scope="module")
+def model() -> MPTForCausalLM:
+    torch.manual_seed(0)
+    config = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=VOCAB)
+    return MPTForCausalLM(config).eval()
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(map(str, ids)) + (" " if ids else "")
+
+
+async def answer(engine: Engine, prompt: list[int], config: GenerationConfig) -> list[Event]:
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    engine.submit(0, prompt, config, queue)
+    events = []
+    while not events or (events[-1].finish_reason is None and events[-1].error is None):
+        events.append(await asyncio.wait_for(queue.get(), 30))
+    return events
+
+
+def alone(model, prompt: list[int], config: GenerationConfig) -> str:
+    return generate(model, torch.tensor([prompt]), None, config, decode=decode).texts[0]
+
+
+def run(engine: Engine, coroutine):
+    engine.start()
+    try:
+        return asyncio.run(coroutine)
+    finally:
+        engine.stop()
+        assert not engine.alive
+
+
+def test_a_request_that_does_not_fit_waits_for_the_next_batch(model):
+    engine = Engine(model, decode, max_rows=4, max_len=40)
+    config = GenerationConfig(30, temperature=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+
+    async def late_second():
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        engine.submit(0, prompts[0], config, queue)
+        first = [await asyncio.wait_for(queue.get(), 30)]
+        while first[-1].completion_tokens < 15:  # the batch's cache holds 18+ positions now
+            first.append(await asyncio.wait_for(queue.get(), 30))
+        second = asyncio.create_task(answer(engine, prompts[1], config))
+        while first[-1].finish_reason is None:
+            first.append(await asyncio.wait_for(queue.get(), 30))
+        return first, await second
+
+    results = run(engine, late_second())
+    texts = ["".join(e.text for e in events) for events in results]
+    assert texts == [alone(model, p, config) for p in prompts]
+    assert engine.metrics.batches_total == 2  # 18 + 30 positions > max_len: it waited
+    assert engine.metrics.max_rows_in_step == 1
+
+
+def test_rows_join_a_running_batch(model):
+    engine = Engine(model, decode, max_rows=4, max_len=128)
+    config = GenerationConfig(30, temperature=0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+    async def all_():
+        return await asyncio.gather(*(answer(engine, p, config) for p in prompts))
+
+    results = run(engine, all_())
+    assert ["".join(e.text for e in r) for r in results] == [
+        alone(model, p, config) for p in prompts
+    ]
+    assert engine.metrics.batches_total == 1 and engine.metrics.max_rows_in_step == 3
+    assert [r[-1].completion_tokens for r in results] == [30, 30, 30]
+
+
+def test_a_refused_prompt_and_a_failed_step_end_only_their_requests(model, monkeypatch):
+    engine = Engine(model, decode, max_rows=4, max_len=128)
+    config = GenerationConfig(5, temperature=0)
+
+    async def scenario():
+        refused = await answer(engine, [VOCAB + 3], config)  # outside the vocabulary
+        real_step = engine._step
+        calls = []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("device lost")
+            real_step()
+
+        monkeypatch.setattr(engine, "_step", failing_step)
+        failed = await answer(engine, [1, 2], config)
+        ok = await answer(engine, [1, 2], config)
+        return refused, failed, ok
+
+    refused, failed, ok = run(engine, scenario())
+    assert refused[-1].status == 400 and "vocab_size" in refused[-1].error
+    assert failed[-1].status == 500 and "device lost" in failed[-1].error
+    assert ok[-1].finish_reason == "length"
+    assert "".join(e.text for e in ok) == alone(model, [1, 2], config)

@@ -1,0 +1,294 @@
+"""scripts/serve.py as a client sees it: the real server on a loopback port, the openai client.
+
+One server (API key, chat template, small limits) serves most tests; a second one without a key
+or template checks the chat refusal and draining on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
+from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.serving.engine import stream_safe_length
+from tests.serving.conftest import API_KEY, CONTEXT, running_server
+
+pytestmark = pytest.mark.slow  # each server start loads torch in a subprocess
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+MODEL = "ckpt"  # the served model's id: the checkpoint folder's name
+MAX_CONCURRENT = 3
+LIMITS = ["--max-concurrent", "3", "--max-prompt-tokens", "64", "--max-tokens", "1000"]
+LIMITS += ["--max-body-bytes", "4096"]
+
+
+@pytest.fixture(scope="module")
+def server(served_model):
+    chat = ["--chat-template", str(served_model / "chat.jinja")]
+    with running_server(served_model, *LIMITS, *chat, api_key=API_KEY) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(served_model):
+    """Greedy continuations computed in-process with the library's `generate`."""
+    model, tokenizer_path = load_pretrained(str(served_model / "ckpt"))
+    tokenizer = prepare_tokenizer(tokenizer_path)
+
+    def continue_(prompts: list[str], max_tokens: int) -> list[str]:
+        ids, mask = left_pad([tokenizer.tokenizer.encode(p).ids for p in prompts])
+        config = GenerationConfig(max_tokens, temperature=0, eos_token_id=tokenizer.eos_id)
+        return generate(model, ids, mask, config, decode=tokenizer.tokenizer.decode).texts
+
+    return continue_
+
+
+def post(
+    server: str, path: str, body, key: str | None = API_KEY, timeout: float = 60
+) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    if not isinstance(body, bytes | str):
+        body = json.dumps(body)
+    headers["content-type"] = "application/json"
+    return httpx.post(f"{server}{path}", content=body, headers=headers, timeout=timeout)
+
+
+def metrics(server: str) -> dict:
+    response = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    response.raise_for_status()
+    return response.json()
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # no key needed: probes
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_auth_is_required_and_checked(server, served_model):
+    for key in (None, "wrong-key"):
+        response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, key=key)
+        assert response.status_code == 401, response.text
+        assert "API key" in response.json()["error"]["message"]
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    assert post(server, "/v1/completions", "{not json", key=None).status_code == 401
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    logs = "".join(p.read_text() for p in served_model.glob("server-*.log"))
+    assert API_KEY not in logs
+
+
+def test_completions_equal_library_generation(client, reference):
+    prompts = ["def add(a, b):", "hello world"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == reference(prompts, 24)
+    assert {c.finish_reason for c in out.choices} == {"length"}
+    assert out.usage.completion_tokens == 48 and out.usage.prompt_tokens > 2
+
+
+def test_streaming_sends_the_same_text(client):
+    whole = client.completions.create(model=MODEL, prompt="import os", max_tokens=30, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="import os", max_tokens=30, temperature=0, stream=True
+        )
+    )
+    assert len(chunks) > 2  # token by token, not one block
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with_usage = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="import os",
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 30
+    assert "".join(c.choices[0].text for c in with_usage[:-1]) == whole.choices[0].text
+
+
+def test_stop_string_cuts_streamed_and_whole(client):
+    text = client.completions.create(model=MODEL, prompt="the", max_tokens=40, temperature=0)
+    text = text.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a string the greedy answer reaches
+    expected = text[: text.find(stop)]
+    cut = client.completions.create(
+        model=MODEL, prompt="the", max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    chunks = client.completions.create(
+        model=MODEL, prompt="the", max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int) -> str:
+        out = client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=20, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return out.choices[0].text
+
+    assert sample(7) == sample(7)
+
+
+def test_chat_uses_the_template(client, reference):
+    messages = [{"role": "user", "content": "hello batch"}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    expected = reference(["<user>hello batch\n<assistant>"], 16)[0]
+    assert out.choices[0].message.content == expected
+    assert out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"prompt": "hello " * 80, "max_tokens": 2}, 400, "above this server's limit of 64"),
+        ({"prompt": "hi", "max_tokens": 1001}, 400, "max_tokens 1001 is above"),
+        ({"prompt": "hello " * 30, "max_tokens": 1000}, 400, f"context of {CONTEXT} tokens"),
+        ({"prompt": "hi", "max_token": 2}, 400, "max_token: Extra inputs are not permitted"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature: Input should be greater"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "seed": 1 << 70}, 400, "seed: Input should be less than"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "hi", "n": 2}, 400, "n: Input should be less than or equal to 1"),
+        ({"max_tokens": 2}, 400, "prompt: Field required"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+        ('{"prompt": "hi",', 400, "not valid JSON"),
+        ({"prompt": "x" * 5000}, 413, "larger than the limit of 4096 bytes"),
+    ],
+)
+def test_bad_requests_get_a_4xx_naming_the_problem(server, body, status, message):
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_limit_on_prompts_per_request(client):
+    with pytest.raises(openai.BadRequestError, match="at most 3"):
+        client.completions.create(model=MODEL, prompt=["a"] * 4, max_tokens=1)
+
+
+def open_stream(server: str, prompt: str) -> tuple[httpx.Client, httpx.Response, Iterator[str]]:
+    """A streaming request of 1000 greedy tokens, after its first chunk has arrived (with its
+    line iterator, kept: dropping it would close the stream)."""
+    http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
+    body = {"prompt": prompt, "max_tokens": 1000, "temperature": 0, "stream": True}
+    response = http.send(
+        http.build_request("POST", f"{server}/v1/completions", json=body), stream=True
+    )
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    next(lines)
+    return http, response, lines
+
+
+def wait_for(predicate, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_busy_server_answers_429_and_a_disconnect_frees_its_slot(server, client):
+    before = metrics(server)
+    streams = [open_stream(server, f"hello {i}") for i in range(MAX_CONCURRENT)]
+    with pytest.raises(openai.RateLimitError, match="busy") as busy:
+        client.completions.create(model=MODEL, prompt="one more", max_tokens=1)
+    assert busy.value.response.headers["retry-after"] == "1"
+    assert metrics(server)["in_flight"] == MAX_CONCURRENT
+    for http, response, _ in streams:  # the clients go away mid-stream
+        response.close()
+        http.close()
+    wait_for(lambda: metrics(server)["in_flight"] == 0 and metrics(server)["active"] == 0)
+    after = metrics(server)
+    assert after["cancelled_total"] - before["cancelled_total"] == MAX_CONCURRENT
+    assert after["tokens_total"] - before["tokens_total"] < MAX_CONCURRENT * 1000  # stopped early
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(server):
+    before = metrics(server)
+    body = {"prompt": "hello", "max_tokens": 1000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(server, "/v1/completions", body, timeout=1.0)
+    wait_for(lambda: metrics(server)["in_flight"] == 0)
+    after = metrics(server)
+    assert after["cancelled_total"] == before["cancelled_total"] + 1
+    assert after["tokens_total"] - before["tokens_total"] < 1000
+
+
+def test_concurrent_requests_decode_in_one_batch(server, client, reference):
+    prompts = ["def add(a, b):", "import sys", "the lazy dog"]
+    before = metrics(server)
+    texts: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        out = client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=200, temperature=0
+        )
+        texts[i] = out.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    after = metrics(server)
+    assert after["batched_steps_total"] > before["batched_steps_total"]
+    assert after["max_rows_in_step"] >= 2
+    # Joining a running batch changes nothing in the answers.
+    assert [texts[i] for i in range(len(prompts))] == reference(prompts, 200)
+
+
+def test_stream_safe_length_holds_back_what_may_still_change():
+    assert stream_safe_length("abc\n", ["\n\n"]) == 3  # "\n" may start the stop string
+    assert stream_safe_length("abc\nd", ["\n\n"]) == 5
+    assert stream_safe_length("a\ufffdb\ufffd", []) == 3  # half a UTF-8 character at the end
+    assert stream_safe_length("abcST", ["STOP", "x"]) == 3
+
+
+def test_chat_without_template_is_refused_and_sigterm_drains(served_model):
+    with running_server(served_model) as (url, proc):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = post(url, "/v1/chat/completions", body, key=None)
+        assert response.status_code == 400
+        assert "no chat template" in response.json()["error"]["message"]
+
+        body = {"prompt": "hello", "max_tokens": 600, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)  # mid-stream
+            rest = [line for line in lines if line]
+        events = [json.loads(line[6:]) for line in [first, *rest][:-1] if line]
+        assert rest[-1] == "data: [DONE]"
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        # Clean exit; recent uvicorn re-raises the signal it caught once it has shut down.
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=2)
