@@ -18,6 +18,7 @@ compared with the config of the run that loads it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -55,6 +56,7 @@ RUN_CHANGING = (
     "algorithms",
 )
 _ABSENT = "<absent>"
+_MPT_TARGET = "llmfoundry.models.mpt.MPTConfig"
 
 
 def check_resume(
@@ -66,7 +68,7 @@ def check_resume(
     """
     if not saved or not new:
         return
-    before, after = _flatten(saved), _flatten(new)
+    before, after = _flatten(_resolved(saved)), _flatten(_resolved(new))
     changed = sorted(
         key
         for key in before.keys() | after.keys()
@@ -117,6 +119,23 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["lr"] = lr  # the same recipe: exactly the saved value
         elif initial:
             group["lr"] = lr * group["initial_lr"] / initial
+
+
+def _resolved(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`config` with its MPT model's architecture fields as the model resolves them (null
+    kv_n_heads is n_heads, ...): a checkpoint written by scripts/import_hf.py records them
+    resolved, a training config usually leaves them null, and both mean the same model."""
+    from llmfoundry.models.mpt.config import MPTConfig
+
+    model = config.get("model")
+    if not isinstance(model, Mapping) or model.get("_target_") != _MPT_TARGET:
+        return config
+    try:
+        fields = {k: v for k, v in model.items() if k != "_target_"}
+        resolved = dataclasses.asdict(MPTConfig(**{**fields, "init_device": "meta"}))
+    except (TypeError, ValueError):
+        return config  # an invalid model config is reported by the model itself
+    return {**config, "model": {**model, **{k: resolved[k] for k in ARCHITECTURE if k in resolved}}}
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
