@@ -11,7 +11,8 @@ compared with the config of the run that loads it:
   uninterrupted one (`RUN_CHANGING`: global batch size, lr and the rest of the optimizer and
   schedule, data, precision, ...). A changed optimizer setting takes effect: the loaded
   optimizer state keeps the new config's hyperparameters (`keep_hyperparameters`);
-- not mentioned: where the run writes and how long it runs (save_folder, loggers, callbacks,
+- not mentioned: the recipe of a new run from a checkpoint's weights (``timestamp`` ignored,
+  e.g. finetuning), and where the run writes and how long it runs (save_folder, loggers, callbacks,
   max_duration, eval settings, the strategy and the device batch sizes).
 """
 
@@ -92,7 +93,7 @@ def check_resume(
             "load_ignore_keys to start afresh what they configure"
         )
     warned = [k for k in changed if k.split(".")[0] in RUN_CHANGING]
-    if warned:
+    if warned and "timestamp" not in ignore:  # with the timestamp ignored it is a new run
         log.warning(
             "resuming %s with a changed recipe (checkpoint -> now): %s; the new values apply "
             "from here, so the run differs from an uninterrupted one",

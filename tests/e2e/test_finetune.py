@@ -88,7 +88,7 @@ def _instruction_data(root: Path) -> tuple[Path, str]:
     return root / "sft", str(tokenizer)
 
 
-def test_finetune_recipe_starts_from_pretrained_weights(tmp_path):
+def test_finetune_recipe_starts_from_pretrained_weights(tmp_path, caplog):
     data, tokenizer = _instruction_data(tmp_path)
     pretrained = tiny(seed=3)
     save_weights(pretrained, str(tmp_path / "base"), tokenizer)
@@ -106,6 +106,7 @@ def test_finetune_recipe_starts_from_pretrained_weights(tmp_path):
     assert cfg.scheduler._target_.endswith("LinearWithWarmup")
     assert "optimizer" in cfg.load_ignore_keys and "model" not in cfg.load_ignore_keys
     trainer = build_trainer(cfg, tmp_path / "run")
+    assert "changed recipe" not in caplog.text  # a new run from the weights, not a resumption
     # Before any step, the model is the pretrained one: its response-only val loss by hand.
     loader = build_dataloader(DataConfig(remote=str(data)), "val", 4, None)
     loader.set_epoch(0)
