@@ -17,6 +17,7 @@ from llmfoundry.checkpoint import latest_checkpoint, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_dataloader, build_eval_dataloaders
+from llmfoundry.data.text import check_vocab
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
 from llmfoundry.utils import storage
@@ -47,6 +48,7 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
 
     data = instantiate(cfg.data)
+    check_vocab(data.meta(), model_config.vocab_size, data.meta_url)
     train_loader = build_dataloader(
         data, data.train_split, device_batch, seq_len, data_parallel=data_parallel
     )

@@ -10,6 +10,7 @@ from llmfoundry.callbacks.nan_detector import NaNDetector
 from llmfoundry.callbacks.run_status import RunStatus
 from llmfoundry.callbacks.runtime_estimator import RuntimeEstimator
 from llmfoundry.callbacks.speed_monitor import SpeedMonitor
+from llmfoundry.callbacks.token_id_check import TokenIdCheck
 
 __all__ = [
     "CheckpointSaver",
@@ -22,4 +23,5 @@ __all__ = [
     "RunStatus",
     "RuntimeEstimator",
     "SpeedMonitor",
+    "TokenIdCheck",
 ]

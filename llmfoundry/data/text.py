@@ -27,7 +27,9 @@ same number of samples, a few repeated when the epoch does not divide by the wor
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -39,10 +41,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from llmfoundry.data.mds import NDArray, get_encoding, is_hash
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url, parse_size
 from llmfoundry.utils.storage import open_url
 
 __all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
+
+log = logging.getLogger(__name__)
 
 TOKENS, SEQUENCE_ID, LABELS = "tokens", "sequence_id", "labels"
 _TOKEN_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64")
@@ -58,7 +63,8 @@ class StreamingTextDataset(StreamingDataset):
     the mapped shards; variable-length rows are supported and padded per batch.
 
     Args:
-        max_seq_len: longest row to return (longer rows are truncated); None keeps rows whole.
+        max_seq_len: longest row to return (longer rows are truncated, with a warning naming the
+            numbers and the fix); None keeps rows whole.
         All other arguments: :class:`StreamingDataset`.
     """
 
@@ -118,6 +124,8 @@ class StreamingTextDataset(StreamingDataset):
             if len(set(shapes.values())) > 1:
                 raise ValueError(f"{where}: column rows differ in shape {shapes}")
             fixed = all(size is not None for size in shard.column_sizes)
+            if shapes[TOKENS] and max_seq_len is not None and shapes[TOKENS][0] > max_seq_len:
+                _warn_cut(shapes[TOKENS][0], max_seq_len, cache.remote or cache.local)
             if fixed and shapes[TOKENS]:
                 width = min(shapes[TOKENS][0], max_seq_len or shapes[TOKENS][0])
                 dtypes = tuple(np.dtype(coders[c].dtype) for c in self.columns)
@@ -204,6 +212,52 @@ class StreamingTextDataset(StreamingDataset):
             if padding is not None:
                 batch[SEQUENCE_ID][padding] = _PAD_SEQUENCE_ID
         return batch
+
+
+@functools.cache
+def _warn_cut(width: int, max_seq_len: int, where: str) -> None:
+    """Say once per dataset that rows longer than max_seq_len lose their tail."""
+    log.warning(
+        "rows of %s hold %d tokens but max_seq_len=%d: the last %d tokens of every row are cut "
+        "and never trained on; set max_seq_len=%d (and model.max_seq_len), or write the data "
+        "with data_prep/tokens_to_mds.py --seq-len %d",
+        where,
+        width,
+        max_seq_len,
+        width - max_seq_len,
+        width,
+        max_seq_len,
+    )
+
+
+def check_vocab(meta: Mapping[str, Any] | None, model_vocab_size: int, where: str) -> None:
+    """Token ids of the data (``meta.json``'s ``vocab_size``) must fit the model's embedding.
+
+    Checked once at startup: a token id past the embedding is otherwise an IndexError deep in
+    the model (a device-side assert on GPU) after the first batch. A model vocabulary larger
+    than the tokenizer's is legal (rows padded to a round size for speed) but worth a line.
+    Per-batch checking of the ids themselves: the `token_id_check` callback.
+    """
+    data_vocab = (meta or {}).get("vocab_size")
+    if not isinstance(data_vocab, int):
+        return
+    if data_vocab > model_vocab_size:
+        raise UserError(
+            f"model.vocab_size={model_vocab_size} is smaller than the data's vocabulary "
+            f"({data_vocab} in {where}): token ids up to {data_vocab - 1} would index past the "
+            f"embedding; set model.vocab_size={data_vocab} or more (a multiple of 64 is fastest)"
+        )
+    if model_vocab_size > data_vocab:
+        log.warning(
+            "model.vocab_size=%d is larger than the data's vocabulary (%d in %s): %d embedding "
+            "rows are never trained; fine when padded to a round size, else set "
+            "model.vocab_size=%d",
+            model_vocab_size,
+            data_vocab,
+            where,
+            model_vocab_size - data_vocab,
+            data_vocab,
+        )
 
 
 def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -361,6 +415,21 @@ class DataConfig:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
 
+    @property
+    def meta_url(self) -> str | None:
+        """Where data_prep describes the dataset (vocab_size, eos_id, ...): <remote>/meta.json."""
+        return None if self.remote is None else join_url(self.remote, "meta.json")
+
+    def meta(self) -> dict[str, Any] | None:
+        """The content of `meta_url`, or None when there is none (data not from data_prep)."""
+        if self.meta_url is None:
+            return None
+        try:
+            with open_url(self.meta_url, "r", **(self.storage_options or {})) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+
     def eos_id(self) -> int | None:
         """The token id that ends documents, if `sequence_id_from_eos` asks for document ids."""
         if self.sequence_id_from_eos != "auto":
@@ -370,17 +439,15 @@ class DataConfig:
                 "data.sequence_id_from_eos=auto reads <remote>/meta.json, but data.remote is not "
                 "set; give the eos token id instead"
             )
-        url = join_url(self.remote, "meta.json")
-        try:
-            with open_url(url, "r", **(self.storage_options or {})) as f:
-                eos_id = json.load(f).get("eos_id")
-        except FileNotFoundError:
+        meta = self.meta()
+        if meta is None:
             raise ValueError(
-                f"data.sequence_id_from_eos=auto: {url} not found (data_prep writes it); give the "
-                "eos token id instead"
-            ) from None
+                f"data.sequence_id_from_eos=auto: {self.meta_url} not found (data_prep writes "
+                "it); give the eos token id instead"
+            )
+        eos_id = meta.get("eos_id")
         if not isinstance(eos_id, int):
-            raise ValueError(f"data.sequence_id_from_eos=auto: {url} records no eos_id")
+            raise ValueError(f"data.sequence_id_from_eos=auto: {self.meta_url} records no eos_id")
         return eos_id
 
     def stream_list(self, training: bool) -> list[Stream] | None:

@@ -9,9 +9,11 @@ from llmfoundry.config.preflight import compose_config
 from llmfoundry.trainer import Callback, LoggerDestination
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-# generate loads its tokenizer file when built; conf/callbacks/generate.yaml is covered by the
-# default-config test.
-CALLBACKS = sorted(p.stem for p in (CONF / "callbacks").glob("*.yaml") if p.stem != "generate")
+# generate and icl_eval load a tokenizer file (icl_eval also its task files) when built; they are
+# covered by the default-config test and tests/eval/test_icl_eval.py.
+CALLBACKS = sorted(
+    p.stem for p in (CONF / "callbacks").glob("*.yaml") if p.stem not in ("generate", "icl_eval")
+)
 LOGGERS = sorted(p.stem for p in (CONF / "loggers").glob("*.yaml"))
 
 
