@@ -1,6 +1,6 @@
 """Loader throughput: MDS through the trainer's DataLoader vs a raw numpy memmap.
 
-The loader is the one the trainer gets from ``build_dataloader``: a StreamingDataLoader over a
+The loader is the one the trainer gets from ``build_loaders`` (data=mds): a StreamingDataLoader over a
 shuffled StreamingTextDataset, rows cut to ``max_seq_len`` (here the row length). Both sides
 read the same 2048-token uint16 rows in the same shuffled order, with the same batch size, and
 build the same batch the same way (the rows widened to int64 twice: ``input_ids`` and a
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmfoundry.data import DataConfig, build_dataloader
+from llmfoundry.data import StreamingTextDataset
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.streaming import StreamingDataLoader
 
@@ -99,16 +99,19 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         tokens = make_data(root, args.rows, args.seq_len, args.shard_size)
-        cfg = DataConfig(
-            remote=str(root / "mds"),
+        dataset = StreamingTextDataset(
+            str(root / "mds"),
+            split="train",
             shuffle=True,
             shuffle_seed=0,
             shuffle_block_size=args.block_size,
-            num_workers=args.num_workers,
+            batch_size=args.batch_size,
+            max_seq_len=args.seq_len,
         )
-        loader = build_dataloader(cfg, cfg.train_split, args.batch_size, args.seq_len)
-        dataset = loader.streaming_dataset
-        batches = list(dataset.batches())  # the loader's exact order, for the memmap side
+        loader = StreamingDataLoader(dataset, num_workers=args.num_workers)
+        batches = [
+            ids for ids, _ in dataset.batches()
+        ]  # the loader's exact order, for the memmap side
         for ours, ids in zip(loader, batches, strict=True):  # also warms both sides' pages
             want = memmap_batch(tokens, ids)
             if ours.keys() != want.keys() or not all(torch.equal(ours[k], want[k]) for k in want):

@@ -16,7 +16,7 @@ from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import latest_checkpoint, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
-from llmfoundry.data import build_dataloader, build_eval_dataloaders
+from llmfoundry.data import build_loaders
 from llmfoundry.data.text import check_vocab
 from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Trainer
@@ -47,13 +47,14 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     # Built without memory; the strategy materializes it and initializes it from `seed`.
     model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
 
-    data = instantiate(cfg.data)
-    check_vocab(data.meta(), model_config.vocab_size, data.meta_url)
-    train_loader = build_dataloader(
-        data, data.train_split, device_batch, seq_len, data_parallel=data_parallel
+    data = build_loaders(
+        cfg.data,
+        batch_size=device_batch,
+        eval_batch_size=settings.device_eval_batch_size or device_batch,
+        max_seq_len=seq_len,
+        data_parallel=data_parallel,
     )
-    eval_batch = settings.device_eval_batch_size or device_batch
-    eval_loaders = build_eval_dataloaders(data, eval_batch, seq_len, data_parallel)
+    check_vocab(data.train_dataset.meta, model_config.vocab_size, data.train_dataset.meta_url)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}
@@ -73,8 +74,8 @@ def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
     return Trainer(
         model=model,
         strategy=strategy,
-        train_dataloader=train_loader,
-        eval_dataloaders=eval_loaders,
+        train_dataloader=data.train,
+        eval_dataloaders=data.evals,
         max_duration=settings.max_duration,
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from llmfoundry.data.passkey import read_task, score_passkey
-from llmfoundry.data.text import DataConfig, build_dataloader
+from llmfoundry.data.streaming import StreamingDataLoader
+from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.mpt.pretrained import load_pretrained
 
 
@@ -43,12 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     task = read_task(args.data)
-    loader = build_dataloader(
-        DataConfig(remote=args.data, eval_split=None),
-        args.split,
-        args.batch_size,
-        None,
-        shuffle=False,
+    loader = StreamingDataLoader(
+        StreamingTextDataset(args.data, split=args.split, batch_size=args.batch_size)
     )
     loader.set_epoch(0)
     rows = torch.cat([batch["input_ids"] for batch in loader])[: args.rows]

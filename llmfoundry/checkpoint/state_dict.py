@@ -283,6 +283,6 @@ def _load_data_state(state: State, saved: dict[str, Any] | None, where: str) -> 
         f"checkpoint {where!r} was taken {state.timestamp.batch_in_epoch} batches into epoch "
         f"{state.timestamp.epoch}, but {why}, so resuming would repeat or skip samples. Use a "
         "dataloader whose dataset has state_dict(num_samples)/load_state_dict (like "
-        "llmfoundry.data.build_dataloader), or add 'data' to load_ignore_keys to restart the "
+        "llmfoundry.data.build_loaders), or add 'data' to load_ignore_keys to restart the "
         "epoch's data from its beginning"
     )

@@ -115,37 +115,64 @@ def _matches(value: Any, annotation: Any) -> bool:
     return True  # anything richer is checked by the target itself
 
 
+def _parameters(target: Callable) -> tuple[list[tuple[inspect.Parameter, Any]], bool]:
+    """(parameter, annotation) of every keyword a target takes, and whether it takes any.
+
+    A class whose ``__init__`` passes ``**kwargs`` on to its base (a dataset subclass adding a
+    few arguments) takes the base's keywords too: they are followed up the MRO until an
+    ``__init__`` without ``**kwargs``, so its config stays checked key by key.
+    """
+    is_class = inspect.isclass(target)
+    levels: list[tuple[Callable, list[inspect.Parameter]]] = [
+        (
+            target.__init__ if is_class else target,
+            list(inspect.signature(target).parameters.values()),
+        )
+    ]
+    for base in target.__mro__[1:] if is_class else ():
+        if base is not object and "__init__" in vars(base):
+            levels.append(
+                (base.__init__, list(inspect.signature(base.__init__).parameters.values())[1:])
+            )
+    found: dict[str, tuple[inspect.Parameter, Any]] = {}
+    var_kwargs = False
+    for function, parameters in levels:
+        try:
+            resolved = typing.get_type_hints(function, include_extras=True)
+        except Exception:  # unresolvable forward references: check names only
+            resolved = {}
+        var_kwargs = False
+        for param in parameters:
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                var_kwargs = True
+            elif param.kind is not inspect.Parameter.VAR_POSITIONAL and param.name not in found:
+                found[param.name] = (param, resolved.get(param.name, param.annotation))
+        if not var_kwargs:
+            break
+    return list(found.values()), var_kwargs
+
+
 def target_schema(target: Callable) -> tuple[dict[str, Any], bool]:
     """Parameter annotations of a target, and whether it takes arbitrary keyword arguments."""
-    hints: dict[str, Any] = {}
-    try:
-        resolved = typing.get_type_hints(
-            target.__init__ if inspect.isclass(target) else target, include_extras=True
-        )
-    except Exception:  # unresolvable forward references: check names only
-        resolved = {}
-    signature = inspect.signature(target)
-    var_kwargs = False
-    for name, param in signature.parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            var_kwargs = True
-        elif param.kind is not inspect.Parameter.VAR_POSITIONAL:
-            hints[name] = resolved.get(name, param.annotation)
-    return hints, var_kwargs
+    params, var_kwargs = _parameters(target)
+    return {param.name: annotation for param, annotation in params}, var_kwargs
 
 
-def validate_node(path: str, node: DictConfig) -> None:
+def validate_node(path: str, node: DictConfig, extra: dict[str, Any] | None = None) -> None:
     """Check one `_target_` node: the target exists, its keys and value types are allowed.
 
-    Dataclass targets are cheap and check their own combinations in ``__post_init__``, so they
-    are built here too; other targets are only checked by signature.
+    ``extra``: annotations of keys the node may hold besides its target's (those a builder
+    reads, e.g. the data group's splits). Dataclass targets are cheap and check their own
+    combinations in ``__post_init__``, so they are built here too; other targets are only
+    checked by signature.
     """
     target_name = node["_target_"]
     try:
         target = get_object(target_name)
     except Exception:
         raise ConfigError(f"{path}._target_", f"cannot import {target_name!r}") from None
-    hints, var_kwargs = target_schema(target)
+    params, var_kwargs = _parameters(target)
+    hints = {param.name: annotation for param, annotation in params} | (extra or {})
     keys = [k for k in node.keys() if k not in HYDRA_KEYS]
     if not var_kwargs:
         check_keys(path, keys, list(hints))
@@ -155,19 +182,21 @@ def validate_node(path: str, node: DictConfig) -> None:
         child = f"{path}.{key}"
         if isinstance(value, DictConfig) and "_target_" in value:
             validate_node(child, value)
-        elif key in hints:
+            continue
+        if key in hints:
             plain = (
                 OmegaConf.to_container(value)
                 if isinstance(value, (DictConfig, ListConfig))
                 else value
             )
             check_type(child, plain, hints[key])
+        validate_targets(child, value)  # nodes nested in mappings, e.g. {label: dataset node}
     missing = [
-        name
-        for name, param in inspect.signature(target).parameters.items()
+        param.name
+        for param, _ in params
         if param.default is inspect.Parameter.empty
         and param.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-        and name not in keys
+        and param.name not in keys
     ]
     if missing and not partial:
         raise ConfigError(path, f"missing required key(s) {', '.join(missing)} for {target_name}")
@@ -179,11 +208,11 @@ def validate_node(path: str, node: DictConfig) -> None:
             raise ConfigError(path, str(err)) from None
 
 
-def validate_targets(path: str, node: Any) -> None:
-    """Validate every `_target_` node below `node`."""
+def validate_targets(path: str, node: Any, extra: dict[str, Any] | None = None) -> None:
+    """Validate every `_target_` node below `node` (``extra``: see `validate_node`)."""
     if isinstance(node, DictConfig):
         if "_target_" in node:
-            validate_node(path, node)
+            validate_node(path, node, extra)
             return
         for key in node.keys():
             validate_targets(f"{path}.{key}" if path else str(key), node[key])

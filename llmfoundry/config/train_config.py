@@ -12,6 +12,8 @@ from omegaconf.errors import OmegaConfBaseException
 from llmfoundry.config.run_name import default_run_name
 from llmfoundry.config.schema import ConfigError, check_keys, check_type, validate_targets
 from llmfoundry.config.settings import GROUPS, TrainSettings
+from llmfoundry.data.builder import group_hints, splits_of
+from llmfoundry.utils.errors import UserError
 
 
 def register_resolvers() -> None:
@@ -47,7 +49,13 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
         raise ConfigError(key if message else "", message or str(err)) from None
     for group in GROUPS:
         if group in cfg and cfg[group] is not None:
-            validate_targets(group, cfg[group])
+            # The data group's node also holds the keys its builder reads (splits, loader).
+            validate_targets(group, cfg[group], group_hints() if group == "data" else None)
+    if isinstance(cfg.get("data"), DictConfig):
+        try:
+            splits_of(cfg.data)
+        except UserError as err:
+            raise ConfigError("", str(err)) from None
     model_len = OmegaConf.select(cfg, "model.max_seq_len")
     if settings.max_seq_len and model_len and settings.max_seq_len > model_len:
         raise ConfigError(

@@ -1,11 +1,8 @@
 """Data: the MDS format (mds), streaming datasets (streaming), data_prep library code (prep),
-and what the trainer uses: :class:`DataConfig` and :func:`build_dataloader` (text.py)."""
+the trainer's datasets (text.py: MDS token rows; memmap.py: a token file) and the one builder
+that turns the ``data`` config group into loaders (builder.py)."""
 
-from llmfoundry.data.text import (
-    DataConfig,
-    StreamingTextDataset,
-    build_dataloader,
-    build_eval_dataloaders,
-)
+from llmfoundry.data.builder import DataLoaders, DataSplits, build_loaders
+from llmfoundry.data.text import StreamingTextDataset
 
-__all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader", "build_eval_dataloaders"]
+__all__ = ["DataLoaders", "DataSplits", "StreamingTextDataset", "build_loaders"]

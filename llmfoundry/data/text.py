@@ -1,16 +1,17 @@
-"""Token rows from MDS shards for language-model training: the dataset, its config, its loader.
+"""Token rows from MDS shards for language-model training: the dataset the ``data=mds`` config
+builds (conf/data/mds.yaml, through data/builder.py).
 
-The contract with the trainer:
+The contract with the trainer (shared by every dataset the builder makes, e.g. memmap.py's):
 
-``build_dataloader(cfg, split, batch_size, max_seq_len, shuffle=None)`` returns a
-:class:`~llmfoundry.data.streaming.StreamingDataLoader` for this rank whose batches are
-``{"input_ids": LongTensor[B, L], "labels": LongTensor[B, L]}`` (plus ``"sequence_id"`` when
-the shards have that column, or when ``cfg.sequence_id_from_eos`` derives it from the eos token
-ending each document). ``labels`` is a copy of ``input_ids``, -100 on padding (only
+The builder returns, per split, a :class:`~llmfoundry.data.streaming.StreamingDataLoader` for
+this rank whose batches are ``{"input_ids": LongTensor[B, L], "labels": LongTensor[B, L]}``
+(plus ``"sequence_id"`` when the shards have that column, or when ``sequence_id_from_eos``
+derives it from the eos token ending each document; plus ``"sample_mask"`` on evaluation
+batches, epochs.py). ``labels`` is a copy of ``input_ids``, -100 on padding (only
 rows of unequal length are padded; fixed-length rows never are), or the shards' own ``labels``
 column when they have one (instruction data: -100 on prompts, see data/prep/instructions.py).
 ``B`` is the per-rank batch size; the final batch of an epoch may be shorter unless
-``cfg.drop_last``. The trainer calls, on the loader:
+``drop_last``. The trainer calls, on the loader:
 
 - ``loader.set_epoch(epoch)`` before iterating each epoch (the shuffle is seeded by
   ``(shuffle_seed, epoch)``; without the call every iteration repeats epoch 0's order);
@@ -31,21 +32,19 @@ import functools
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from llmfoundry.data.mds import NDArray, get_encoding, is_hash
-from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
+from llmfoundry.data.mds import NDArray, get_encoding
+from llmfoundry.data.streaming import StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url, parse_size
+from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import open_url
 
-__all__ = ["DataConfig", "StreamingTextDataset", "build_dataloader"]
+__all__ = ["StreamingTextDataset", "check_vocab", "resolve_eos", "sequence_ids_from_eos"]
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,16 @@ class StreamingTextDataset(StreamingDataset):
     (``ndarray:uint16:L`` / ``ndarray:uint32:L``) are read a batch at a time as numpy views of
     the mapped shards; variable-length rows are supported and padded per batch.
 
+    ``meta`` is what data_prep wrote beside the splits (``<remote>/meta.json``: vocab_size,
+    eos_id, ...), or None (streams, or data not from data_prep).
+
     Args:
         max_seq_len: longest row to return (longer rows are truncated, with a warning naming the
             numbers and the fix); None keeps rows whole.
+        sequence_id_from_eos: document masking: mark each token's document (batches get
+            ``sequence_id``) from the eos token data_prep ends every document with; a token
+            id, or ``"auto"`` for meta.json's eos_id. Shards with their own sequence_id column
+            keep it.
         All other arguments: :class:`StreamingDataset`.
     """
 
@@ -72,14 +78,15 @@ class StreamingTextDataset(StreamingDataset):
         self,
         *args: Any,
         max_seq_len: int | None = None,
-        eos_id: int | None = None,
+        sequence_id_from_eos: int | Literal["auto"] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         check_int("max_seq_len", max_seq_len, minimum=1, optional=True)
-        check_int("eos_id", eos_id, minimum=0, optional=True)
         self.max_seq_len = max_seq_len
-        self.eos_id = eos_id
+        self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
+        self.meta = _read_meta(self.meta_url, self.storage_options)
+        self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
         with_labels = [LABELS in s.column_names for _, s in shards]
@@ -270,266 +277,36 @@ def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return is_eos.cumsum(dim=1) - is_eos
 
 
-_STREAM_KEYS = ("remote", "local", "proportion", "repeat", "choose")
+def _read_meta(url: str | None, storage_options: Mapping[str, Any] | None) -> dict | None:
+    """The JSON at ``url``, or None when there is none (data not from data_prep)."""
+    if url is None:
+        return None
+    try:
+        with open_url(url, "r", **(storage_options or {})) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
-@dataclass
-class DataConfig:
-    """The ``data`` config group: where the MDS shards are and how to load them.
-
-    ``remote`` is a local MDS folder or an fsspec URL (``s3://bucket/mds``) with one sub-folder
-    per split (``train/``, ``val/``). ``local`` caches a remote (default: a per-remote folder in
-    the temp dir); with a local ``remote`` the shards are read in place. ``streams`` mixes
-    several datasets instead: ``{name: {remote, local, proportion | repeat | choose}}``, cached
-    under ``local/<name>`` when ``local`` is set. ``epoch_size`` and the streams' shares shape
-    the training split only; evaluation reads every sample of each eval split once.
-    See :class:`~llmfoundry.data.streaming.StreamingDataset` for the other fields.
-    """
-
-    remote: str | None = None
-    local: str | None = None
-    train_split: str = "train"
-    eval_split: str | None = "val"
-    streams: dict[str, dict[str, Any]] | None = None
-    # More evaluation sets by label, {label: remote}; each is read from its `eval_split` folder
-    # and reported as eval/<label>/<metric> (the main data's as eval/<eval_split>/...).
-    eval_datasets: dict[str, str] | None = None
-    shuffle: bool = True
-    shuffle_seed: int = 17
-    shuffle_block_size: int | None = None
-    epoch_size: int | None = None
-    # Reads are memcpy-cheap gathers and downloads run on a background thread, so the main
-    # process keeps up with a GPU; workers help when batches need heavy decoding.
-    num_workers: int = 0
-    # Page-locked batches, so the trainer's non_blocking copy to the GPU overlaps compute;
-    # null: exactly when CUDA is available.
-    pin_memory: bool | None = None
-    prefetch_factor: int | None = None
-    drop_last: bool = False
-    cache_limit: int | str | None = None
-    predownload: int | None = None
-    validate_hash: str | None = None
-    keep_zip: bool = False
-    download_retry: int = 2
-    storage_options: dict[str, Any] | None = None
-    allow_unsafe: bool = False
-    # Document masking: mark each token's document (batches get "sequence_id") from the eos
-    # token data_prep ends every document with. An id, or "auto" for meta.json's eos_id. Shards
-    # with their own sequence_id column keep it.
-    sequence_id_from_eos: int | str | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (DictConfig, ListConfig)):
-                setattr(self, f.name, OmegaConf.to_container(value, resolve=True))
-        for name in ("remote", "local", "train_split", "eval_split", "validate_hash"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"data.{name} must be a string, got {value!r}")
-        if not self.train_split:
-            raise ValueError("data.train_split must name the training split folder (e.g. train)")
-        if self.streams is None and self.remote is None and self.local is None:
-            raise ValueError(
-                "data.remote is required: a local MDS folder (e.g. data/demo/mds) or a URL "
-                "(s3://bucket/mds), with train/ and val/ sub-folders; or set data.streams"
-            )
-        if self.streams is not None:
-            if self.remote is not None:
-                raise ValueError(
-                    "set data.remote or data.streams, not both: with data.streams add "
-                    "data.remote=null (its default is the demo dataset) and set "
-                    "tokenizer=<path or URL of tokenizer.json>"
-                )
-            if not isinstance(self.streams, Mapping) or not self.streams:
-                raise ValueError("data.streams must map stream names to {remote, local, ...}")
-            for name, spec in self.streams.items():
-                self._stream(name, spec)  # validates
-        if self.eval_datasets is not None:
-            if not self.eval_split:
-                raise ValueError(
-                    "data.eval_datasets needs data.eval_split, the split folder to read"
-                )
-            if not isinstance(self.eval_datasets, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.eval_datasets.items()
-            ):
-                raise ValueError(
-                    "data.eval_datasets must map labels to MDS folders or URLs, "
-                    f"e.g. {{code: s3://bucket/code/mds}}; got {self.eval_datasets!r}"
-                )
-            if self.eval_split in self.eval_datasets:
-                raise ValueError(
-                    f"data.eval_datasets label {self.eval_split!r} is taken by the main data's "
-                    "eval split; choose another label"
-                )
-        if self.pin_memory is None:
-            self.pin_memory = torch.cuda.is_available()
-        for name in ("shuffle", "pin_memory", "drop_last", "keep_zip", "allow_unsafe"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"data.{name} must be true or false, got {getattr(self, name)!r}")
-        check_int("data.shuffle_seed", self.shuffle_seed, minimum=0)
-        check_int("data.num_workers", self.num_workers, minimum=0)
-        check_int("data.download_retry", self.download_retry, minimum=0)
-        for name in ("shuffle_block_size", "epoch_size", "prefetch_factor"):
-            check_int(f"data.{name}", getattr(self, name), minimum=1, optional=True)
-        check_int("data.predownload", self.predownload, minimum=0, optional=True)
-        if self.prefetch_factor is not None and self.num_workers == 0:
-            raise ValueError("data.prefetch_factor needs data.num_workers > 0 (or set it to null)")
-        if self.validate_hash is not None and not is_hash(self.validate_hash):
-            raise ValueError(
-                f"data.validate_hash={self.validate_hash!r} is not a hash name; use one listed "
-                "in the index (e.g. xxh64, sha1) or null"
-            )
-        if self.cache_limit is not None:
-            parse_size(self.cache_limit, "data.cache_limit")
-        eos = self.sequence_id_from_eos
-        if (
-            eos is not None
-            and eos != "auto"
-            and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0)
-        ):
-            raise ValueError(
-                f"data.sequence_id_from_eos must be null, a token id or 'auto' (meta.json's "
-                f"eos_id), got {eos!r}"
-            )
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise ValueError("data.storage_options must be a mapping of fsspec options")
-
-    def _stream(self, name: str, spec: Any, shares: bool = True) -> Stream:
-        where = f"data.streams.{name}"
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"{where} must be a mapping with keys {_STREAM_KEYS}")
-        unknown = sorted(set(spec) - set(_STREAM_KEYS))
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {unknown}; allowed: {list(_STREAM_KEYS)} (the split "
-                "comes from data.train_split / data.eval_split)"
-            )
-        args = dict(spec)
-        if args.get("local") is None and self.local is not None:
-            args["local"] = join_url(self.local, name)
-        if not shares:
-            args = {k: v for k, v in args.items() if k in ("remote", "local")}
-        try:
-            return Stream(**args)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{where}: {err}") from None
-
-    @property
-    def meta_url(self) -> str | None:
-        """Where data_prep describes the dataset (vocab_size, eos_id, ...): <remote>/meta.json."""
-        return None if self.remote is None else join_url(self.remote, "meta.json")
-
-    def meta(self) -> dict[str, Any] | None:
-        """The content of `meta_url`, or None when there is none (data not from data_prep)."""
-        if self.meta_url is None:
-            return None
-        try:
-            with open_url(self.meta_url, "r", **(self.storage_options or {})) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
-
-    def eos_id(self) -> int | None:
-        """The token id that ends documents, if `sequence_id_from_eos` asks for document ids."""
-        if self.sequence_id_from_eos != "auto":
-            return self.sequence_id_from_eos
-        if self.remote is None:
-            raise ValueError(
-                "data.sequence_id_from_eos=auto reads <remote>/meta.json, but data.remote is not "
-                "set; give the eos token id instead"
-            )
-        meta = self.meta()
-        if meta is None:
-            raise ValueError(
-                f"data.sequence_id_from_eos=auto: {self.meta_url} not found (data_prep writes "
-                "it); give the eos token id instead"
-            )
-        eos_id = meta.get("eos_id")
-        if not isinstance(eos_id, int):
-            raise ValueError(f"data.sequence_id_from_eos=auto: {self.meta_url} records no eos_id")
-        return eos_id
-
-    def stream_list(self, training: bool) -> list[Stream] | None:
-        """The configured streams (without their epoch shares unless ``training``), or None."""
-        if self.streams is None:
-            return None
-        return [self._stream(name, spec, shares=training) for name, spec in self.streams.items()]
-
-
-def build_dataloader(
-    cfg: DataConfig,
-    split: str,
-    batch_size: int,
-    max_seq_len: int | None,
-    *,
-    shuffle: bool | None = None,
-    data_parallel: tuple[int, int] | None = None,
-) -> StreamingDataLoader:
-    """This rank's loader of ``split`` (see the module docstring for the trainer contract).
-
-    Args:
-        cfg: the data config.
-        split: split folder to read (``cfg.train_split`` or ``cfg.eval_split``).
-        batch_size: samples per rank per batch.
-        max_seq_len: cut longer rows to this many tokens; None keeps them whole.
-        shuffle: override; default ``cfg.shuffle`` for the training split, False otherwise.
-        data_parallel: (rank, size) among the data-parallel readers (the strategy's); default
-            torchrun's RANK and WORLD_SIZE.
-    """
-    if not isinstance(cfg, DataConfig):
-        raise TypeError(f"cfg must be a DataConfig, got {type(cfg).__name__}")
-    if not isinstance(split, str) or not split:
-        raise ValueError(f"split must name a split folder, got {split!r}")
-    check_int("batch_size", batch_size, minimum=1)
-    training = split == cfg.train_split
-    dataset = StreamingTextDataset(
-        remote=cfg.remote if cfg.streams is None else None,
-        local=cfg.local if cfg.streams is None else None,
-        split=split,
-        streams=cfg.stream_list(training),
-        shuffle=(cfg.shuffle and training) if shuffle is None else shuffle,
-        shuffle_seed=cfg.shuffle_seed,
-        shuffle_block_size=cfg.shuffle_block_size,
-        batch_size=batch_size,
-        epoch_size=cfg.epoch_size if training else None,
-        cache_limit=cfg.cache_limit,
-        predownload=cfg.predownload,
-        validate_hash=cfg.validate_hash,
-        keep_zip=cfg.keep_zip,
-        download_retry=cfg.download_retry,
-        storage_options=cfg.storage_options,
-        allow_unsafe=cfg.allow_unsafe,
-        max_seq_len=max_seq_len,
-        eos_id=cfg.eos_id(),
-        data_parallel=data_parallel,
-    )
-    return StreamingDataLoader(
-        dataset,
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory,
-        prefetch_factor=cfg.prefetch_factor,
-        drop_last=cfg.drop_last,
-    )
-
-
-def build_eval_dataloaders(
-    cfg: DataConfig,
-    batch_size: int,
-    max_seq_len: int | None,
-    data_parallel: tuple[int, int] | None = None,
-) -> dict[str, StreamingDataLoader]:
-    """Every evaluation loader by label: the main data's `eval_split`, then `eval_datasets`."""
-    if not cfg.eval_split:
-        return {}
-    loaders = {
-        cfg.eval_split: build_dataloader(
-            cfg, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) -> int | None:
+    """The token id ``sequence_id_from_eos`` names: an id, ``"auto"`` (``meta``'s eos_id, as
+    data_prep recorded it in ``where``), or None (no document ids)."""
+    if option is None:
+        return None
+    if option != "auto" and (isinstance(option, bool) or not isinstance(option, int) or option < 0):
+        raise UserError(
+            f"sequence_id_from_eos must be null, a token id or 'auto' (meta.json's eos_id), got "
+            f"{option!r}"
         )
-    }
-    for label, remote in (cfg.eval_datasets or {}).items():
-        other = replace(cfg, remote=remote, local=None, streams=None, eval_datasets=None)
-        loaders[label] = build_dataloader(
-            other, cfg.eval_split, batch_size, max_seq_len, data_parallel=data_parallel
+    if option != "auto":
+        return option
+    if meta is None:
+        raise UserError(
+            f"sequence_id_from_eos=auto reads the eos_id data_prep records, but "
+            f"{where or 'the data (streams have no single meta.json)'} was not found; give the "
+            "eos token id instead"
         )
-    return loaders
+    eos_id = meta.get("eos_id")
+    if isinstance(eos_id, bool) or not isinstance(eos_id, int):
+        raise UserError(f"sequence_id_from_eos=auto: {where} records no eos_id; give the id")
+    return eos_id

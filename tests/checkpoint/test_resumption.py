@@ -14,7 +14,8 @@ import torch
 
 from llmfoundry.algorithms import RandomTokenReplacement
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.data import DataConfig, build_dataloader
+from llmfoundry.data import StreamingTextDataset
+from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.optim import CosineWithWarmup, DecoupledAdamW
 from llmfoundry.trainer import Callback, Trainer
 
@@ -38,12 +39,18 @@ class StopAt(Callback):
 
 
 def run(tmp_path, mds, folder, *, callbacks=(), save_interval=None, **kwargs):
-    data = DataConfig(remote=str(mds), shuffle_seed=5, shuffle_block_size=8)
+    def loader(split: str, **kwargs) -> StreamingDataLoader:
+        return StreamingDataLoader(
+            StreamingTextDataset(
+                str(mds), split=split, batch_size=BATCH_SIZE, max_seq_len=SEQ_LEN, **kwargs
+            )
+        )
+
     recorder = StepRecorder()
     trainer = Trainer(
         model=helpers.model(dropout=0.1),
-        train_dataloader=build_dataloader(data, "train", BATCH_SIZE, SEQ_LEN),
-        eval_dataloaders={"val": build_dataloader(data, "val", BATCH_SIZE, SEQ_LEN)},
+        train_dataloader=loader("train", shuffle=True, shuffle_seed=5, shuffle_block_size=8),
+        eval_dataloaders={"val": loader("val", evaluation=True)},
         eval_interval="4ba",
         max_duration=f"{BATCHES}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=3e-3, weight_decay=1e-2),

@@ -158,8 +158,3 @@ def test_enum_lists_allowed_values():
 def test_misspelt_top_level_override_gets_a_suggestion():
     message = error_for("max_duraton=10ba")
     assert message.startswith("max_duraton: unknown key; did you mean 'max_duration'?")
-
-
-def test_streams_with_default_remote_says_which_key_to_null():
-    message = error_for("+data.streams={a: {remote: /x}}")
-    assert "data.remote=null" in message

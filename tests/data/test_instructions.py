@@ -15,7 +15,8 @@ from llmfoundry.data.prep.instructions import (
     instructions_to_mds,
     read_conversations,
 )
-from llmfoundry.data.text import DataConfig, build_dataloader
+from llmfoundry.data.streaming import StreamingDataLoader
+from llmfoundry.data.text import StreamingTextDataset
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "Return the sum of a and b.", "### User:\n"] * 20
 
@@ -86,8 +87,8 @@ def test_prep_writes_labels_the_loader_returns(tmp_path, tokenizer):
     meta = instructions_to_mds([src], str(tmp_path / "mds"), tokenizer, 64, too_long="drop")
     assert meta["examples"] == 32 and meta["dropped_too_long"] == 1
     assert meta["packed"] and 0.5 < meta["packing_efficiency"] <= 1
-    loader = build_dataloader(
-        DataConfig(remote=str(tmp_path / "mds"), eval_split=None), "train", 4, None, shuffle=False
+    loader = StreamingDataLoader(
+        StreamingTextDataset(str(tmp_path / "mds"), split="train", batch_size=4)
     )
     loader.set_epoch(0)
     fmt = Formatter(tokenizer)

@@ -18,7 +18,8 @@ from llmfoundry.checkpoint.io import (
 )
 from llmfoundry.checkpoint.state_dict import model_weights
 from llmfoundry.data.passkey import PasskeyTask, read_task, score_passkey, write_passkey_dataset
-from llmfoundry.data.text import DataConfig, build_dataloader
+from llmfoundry.data.streaming import StreamingDataLoader
+from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.pretrained import load_pretrained
 
@@ -55,7 +56,7 @@ def test_dataset_reads_back_through_the_loader(tmp_path):
     task = PasskeyTask(seq_len=24)
     write_passkey_dataset(tmp_path, task, train_rows=30, val_rows=10, seed=5)
     assert read_task(tmp_path) == task
-    loader = build_dataloader(DataConfig(remote=str(tmp_path)), "val", 4, None, shuffle=False)
+    loader = StreamingDataLoader(StreamingTextDataset(str(tmp_path), split="val", batch_size=4))
     loader.set_epoch(0)
     rows = torch.cat([b["input_ids"] for b in loader])
     assert torch.equal(rows, torch.from_numpy(task.rows(10, seed=6)[0].astype(np.int64)))

@@ -6,11 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.data.text import DataConfig, build_dataloader, sequence_ids_from_eos
+from llmfoundry.data.streaming import StreamingDataLoader
+from llmfoundry.data.text import StreamingTextDataset, sequence_ids_from_eos
 
 EOS = 3
 REPO = Path(__file__).resolve().parents[2]
@@ -22,6 +22,12 @@ def test_eos_ends_its_own_document():
         [0, 0, 0, 1, 1, 2, 3],
         [0, 1, 1, 1, 1, 1, 1],
     ]
+
+
+def loader_of(root, batch_size, **kwargs) -> StreamingDataLoader:
+    """The train split in storage order, as the trainer's loader."""
+    dataset = StreamingTextDataset(str(root), split="train", batch_size=batch_size, **kwargs)
+    return StreamingDataLoader(dataset)
 
 
 def _dataset(root, rows, width=None):
@@ -36,8 +42,7 @@ def _dataset(root, rows, width=None):
 def test_loader_adds_sequence_ids(tmp_path, option):
     rows = [[1, 2, EOS, 4, 5, EOS], [EOS, 1, 1, 1, EOS, 2]]
     _dataset(tmp_path, rows, width=6)
-    cfg = DataConfig(remote=str(tmp_path), eval_split=None, sequence_id_from_eos=option)
-    loader = build_dataloader(cfg, "train", 2, None, shuffle=False)
+    loader = loader_of(tmp_path, 2, sequence_id_from_eos=option)
     loader.set_epoch(0)
     (batch,) = list(loader)
     assert batch["sequence_id"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]]
@@ -46,8 +51,7 @@ def test_loader_adds_sequence_ids(tmp_path, option):
 
 def test_padding_gets_its_own_id(tmp_path):
     _dataset(tmp_path, [[1, EOS, 2, 2], [1, 1]])  # variable length: the second row is padded
-    cfg = DataConfig(remote=str(tmp_path), eval_split=None, sequence_id_from_eos=EOS)
-    loader = build_dataloader(cfg, "train", 2, None, shuffle=False)
+    loader = loader_of(tmp_path, 2, sequence_id_from_eos=EOS)
     loader.set_epoch(0)
     (batch,) = list(loader)
     assert batch["sequence_id"].tolist() == [[0, 0, 1, 1], [0, 0, -1, -1]]
@@ -55,19 +59,22 @@ def test_padding_gets_its_own_id(tmp_path):
 
 def test_without_the_option_there_are_no_sequence_ids(tmp_path):
     _dataset(tmp_path, [[1, EOS, 2, 2]], width=4)
-    loader = build_dataloader(DataConfig(remote=str(tmp_path), eval_split=None), "train", 1, None)
+    loader = loader_of(tmp_path, 1)
     loader.set_epoch(0)
     assert "sequence_id" not in next(iter(loader))
 
 
 def test_bad_values_are_named(tmp_path):
+    _dataset(tmp_path, [[1, EOS, 2, 2]], width=4)
     with pytest.raises(ValueError, match="sequence_id_from_eos must be null, a token id or 'auto'"):
-        DataConfig(remote=str(tmp_path), sequence_id_from_eos="yes")
-    cfg = DataConfig(remote=str(tmp_path), sequence_id_from_eos="auto")
-    with pytest.raises(ValueError, match=r"meta.json not found"):
-        cfg.eos_id()
+        loader_of(tmp_path, 1, sequence_id_from_eos="yes")
+    (tmp_path / "meta.json").unlink()
+    with pytest.raises(ValueError, match=r"meta.json was not found; give the eos token id"):
+        loader_of(tmp_path, 1, sequence_id_from_eos="auto")
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"records no eos_id"):
+        loader_of(tmp_path, 1, sequence_id_from_eos="auto")
 
 
 def test_data_group_default_is_off():
-    cfg = instantiate(OmegaConf.load(REPO / "conf" / "data" / "mds.yaml"))
-    assert cfg.sequence_id_from_eos is None
+    assert OmegaConf.load(REPO / "conf" / "data" / "mds.yaml").sequence_id_from_eos is None

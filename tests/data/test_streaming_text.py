@@ -1,4 +1,4 @@
-"""StreamingTextDataset, DataConfig and build_dataloader: the trainer's side of the data."""
+"""StreamingTextDataset: MDS token rows as the trainer's batches (the builder: test_data_builder.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from llmfoundry.data import DataConfig, StreamingTextDataset, build_dataloader
+from llmfoundry.data import StreamingTextDataset
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.streaming import Stream
 
@@ -116,99 +114,6 @@ def test_text_columns_are_required(tmp_path: Path):
         StreamingTextDataset(str(tmp_path / "float"))
 
 
-def config(**overrides) -> DataConfig:
-    """DataConfig made the way the trainer makes it: Hydra instantiate of conf/data/mds.yaml."""
-    node = OmegaConf.load(REPO / "conf" / "data" / "mds.yaml")
-    node = OmegaConf.merge(node, OmegaConf.create(overrides))
-    return instantiate(node)
-
-
-def test_build_dataloader_for_train_and_eval(root: Path):
-    cfg = config(remote=str(root))
-    assert isinstance(cfg, DataConfig) and cfg.shuffle and cfg.eval_split == "val"
-    train = build_dataloader(cfg, cfg.train_split, 8, 16)
-    assert len(train) == 13
-    train.set_epoch(0)
-    batches = list(train)
-    assert len(batches) == 13 and batches[0]["input_ids"].shape == (8, 16)
-    assert batches[-1]["input_ids"].shape == (4, 16)
-    seen = torch.cat([b["input_ids"][:, 0] for b in batches]).tolist()
-    first_tokens = token_rows(100)[:, 0].tolist()
-    assert sorted(seen) == sorted(first_tokens) and seen != first_tokens  # all, shuffled
-    train.set_epoch(1)
-    assert torch.cat([b["input_ids"][:, 0] for b in train]).tolist() != seen
-    evaluation = build_dataloader(cfg, cfg.eval_split, 4, None)
-    rows = torch.cat([b["input_ids"] for b in evaluation])
-    assert torch.equal(rows, torch.from_numpy(token_rows(10, start=500)))  # in order, whole
-
-
-def test_trainer_resumption_contract(root: Path):
-    cfg = config(remote=str(root))
-    loader = build_dataloader(cfg, "train", 8, None)
-    loader.set_epoch(5)
-    full = [b["input_ids"] for b in loader]
-    state = loader.state_dict(num_samples=3 * 8)  # three steps of a global batch of 8
-    assert json.loads(json.dumps(state)) == state  # plain data, fits any checkpoint
-    fresh = build_dataloader(cfg, "train", 8, None)
-    fresh.load_state_dict(state)
-    fresh.set_epoch(5)
-    rest = [b["input_ids"] for b in fresh]
-    assert len(rest) == len(full) - 3 and all(
-        torch.equal(a, b) for a, b in zip(rest, full[3:], strict=True)
-    )
-    fresh.set_epoch(6)
-    assert len(list(fresh)) == len(full)
-
-
-def test_streams_config(tmp_path: Path):
-    write_tokens(tmp_path / "a" / "train", token_rows(40))
-    write_tokens(tmp_path / "a" / "val", token_rows(4, start=900))
-    write_tokens(tmp_path / "b" / "train", token_rows(10, start=1000))
-    write_tokens(tmp_path / "b" / "val", token_rows(4, start=950))
-    cfg = config(
-        remote=None,
-        epoch_size=60,
-        streams={"a": {"remote": str(tmp_path / "a"), "proportion": 0.5},
-                 "b": {"remote": str(tmp_path / "b"), "proportion": 0.5}},
-    )  # fmt: skip
-    train = build_dataloader(cfg, "train", 10, None)
-    firsts = torch.cat([b["input_ids"][:, 0] for b in train])
-    from_b = set(token_rows(10, start=1000)[:, 0].tolist())
-    assert len(firsts) == 60 and sum(int(t) in from_b for t in firsts) == 30  # b up-sampled 3x
-    val = build_dataloader(cfg, "val", 10, None)  # eval: each stream's split once
-    assert sum(len(b["input_ids"]) for b in val) == 8
-
-
-def test_config_errors_name_the_field(root: Path):
-    with pytest.raises(ValueError, match="data.remote is required"):
-        DataConfig()
-    with pytest.raises(ValueError, match=r"data.streams.a: unknown key\(s\) \['split'\]"):
-        DataConfig(streams={"a": {"remote": str(root), "split": "x"}})
-    with pytest.raises(ValueError, match="prefetch_factor needs data.num_workers > 0"):
-        DataConfig(remote=str(root), prefetch_factor=2)
-    with pytest.raises(ValueError, match="data.validate_hash='sha'"):
-        DataConfig(remote=str(root), validate_hash="sha")
-    with pytest.raises(ValueError, match="data.cache_limit"):
-        DataConfig(remote=str(root), cache_limit="lots")
-    with pytest.raises(ValueError, match="data.num_workers must be an integer >= 0"):
-        DataConfig(remote=str(root), num_workers=-1)
-    with pytest.raises(ValueError, match="set data.remote or data.streams"):
-        DataConfig(remote=str(root), streams={"a": {"remote": str(root)}})
-    cfg = DataConfig(remote=str(root / "nope"))
-    with pytest.raises(FileNotFoundError, match="data_prep"):
-        build_dataloader(cfg, "train", 2, None)
-    with pytest.raises(FileNotFoundError, match=r"available splits .*\['train', 'val'\]"):
-        build_dataloader(DataConfig(remote=str(root)), "test", 2, None)
-
-
-def test_dataloader_workers_match_the_main_process(root: Path):
-    cfg0 = config(remote=str(root))
-    cfg2 = config(remote=str(root), num_workers=2, prefetch_factor=2)
-    a = [b["input_ids"] for b in build_dataloader(cfg0, "train", 6, None)]
-    b = [b["input_ids"] for b in build_dataloader(cfg2, "train", 6, None)]
-    assert len(a) == len(b) == 17 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared MDS fixtures not present")
 def test_reference_written_token_shards(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default cache's parent
@@ -234,12 +139,3 @@ def test_reference_written_token_shards(tmp_path: Path, monkeypatch):
     want = [s["tokens"]["ndarray"] for s in expected["splits/train"]["samples"]]
     assert [train[i]["input_ids"].tolist() for i in range(30)] == want
     assert [merged[i]["input_ids"].tolist() for i in range(30)] == want
-
-
-def test_pin_memory_defaults_to_whether_cuda_is_there(root: Path, monkeypatch):
-    for cuda in (False, True):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        assert DataConfig(remote=str(root)).pin_memory is cuda
-    assert DataConfig(remote=str(root), pin_memory=False).pin_memory is False
-    loader = build_dataloader(DataConfig(remote=str(root), pin_memory=False), "train", 2, None)
-    assert loader.pin_memory is False

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.data import DataConfig, build_dataloader
+from llmfoundry.data import StreamingTextDataset
+from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
@@ -139,12 +140,13 @@ def resume_run(
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption)."""
-    data = DataConfig(remote=mds, shuffle_seed=5, shuffle_block_size=8, eval_split=None)
     recorder = Recorder()
-    loader = build_dataloader(
-        data, "train", GLOBAL_BATCH // strategy.dp_size, SEQ_LEN,
+    dataset = StreamingTextDataset(
+        mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
+        batch_size=GLOBAL_BATCH // strategy.dp_size, max_seq_len=SEQ_LEN,
         data_parallel=(strategy.dp_rank, strategy.dp_size),
     )  # fmt: skip
+    loader = StreamingDataLoader(dataset)
     Trainer(
         model=tiny_model(VOCAB, SEQ_LEN),
         strategy=strategy,

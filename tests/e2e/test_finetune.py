@@ -12,7 +12,8 @@ from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import IGNORE, Packer, instructions_to_mds
-from llmfoundry.data.text import DataConfig, build_dataloader
+from llmfoundry.data.streaming import StreamingDataLoader
+from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.pretrained import load_pretrained, save_weights
 
@@ -108,7 +109,7 @@ def test_finetune_recipe_starts_from_pretrained_weights(tmp_path, caplog):
     trainer = build_trainer(cfg, tmp_path / "run")
     assert "changed recipe" not in caplog.text  # a new run from the weights, not a resumption
     # Before any step, the model is the pretrained one: its response-only val loss by hand.
-    loader = build_dataloader(DataConfig(remote=str(data)), "val", 4, None)
+    loader = StreamingDataLoader(StreamingTextDataset(str(data), split="val", batch_size=4))
     loader.set_epoch(0)
     total, count = 0.0, 0
     with torch.no_grad():

@@ -18,37 +18,41 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import default_collate
 
 from llmfoundry.data.mds import is_hash
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.checks import check_int
+from llmfoundry.data.streaming.epochs import EpochDataset
 from llmfoundry.data.streaming.eviction import CacheLimiter
 from llmfoundry.data.streaming.predownload import Predownloader
 from llmfoundry.data.streaming.reader_pool import ShardReaderPool
-from llmfoundry.data.streaming.sampling import EpochOrder, RankPlan, stream_counts
+from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
 from llmfoundry.data.streaming.stream import Stream
-from llmfoundry.data.streaming.world import World
+from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.files import join_url
 
 __all__ = ["StreamingDataset"]
 
 DEFAULT_BLOCK_SIZE = 1 << 18
-_STATE_CHECKED = ("shuffle", "shuffle_seed", "shuffle_block_size", "epoch_size", "num_samples")
+_STREAM_KEYS = ("remote", "local", "proportion", "repeat", "choose")
 
 
-class StreamingDataset(IterableDataset):
+class StreamingDataset(EpochDataset):
     """Samples of one or more MDS datasets, streamed from a remote or read locally.
 
     Args:
         remote: URL (``s3://b/ds``, ``gs://``, ``az://``, ...) or local path of the dataset.
         local: cache folder for ``remote`` (default: a per-remote folder in the temp dir), or
-            the dataset folder when ``remote`` is None. See stream.py for the cases.
+            the dataset folder when ``remote`` is None; with ``streams`` given as a mapping,
+            the folder their caches go under (``local/<name>``). See stream.py for the cases.
         split: sub-folder to read (``"train"``); None reads ``remote``/``local`` itself.
-        streams: several sources mixed in one epoch (instead of remote/local).
+        streams: several sources mixed in one epoch instead of ``remote``: Stream objects, or
+            the config's ``{name: {remote, local, proportion | repeat | choose}}``.
         shuffle: shuffle shards and samples within blocks (sampling.py); else storage order.
         shuffle_seed: the shuffle's seed (non-negative); epoch ``e`` uses (seed, e).
         shuffle_block_size: samples per shuffle block (default 262144): larger mixes more but
@@ -70,7 +74,12 @@ class StreamingDataset(IterableDataset):
         allow_unsafe: allow reading ``pkl`` columns (pickle runs code from the file).
         data_parallel: (rank, size) of this process among the data-parallel readers, from the
             trainer's strategy; default torchrun's RANK and WORLD_SIZE (world.py).
+        evaluation: read every sample of the split once in storage order (``shuffle``,
+            ``epoch_size`` and the streams' shares shape training only); batches carry
+            ``sample_mask`` (epochs.py).
     """
+
+    state_checked = ("shuffle", "shuffle_seed", "shuffle_block_size", "epoch_size", "num_samples")
 
     def __init__(
         self,
@@ -78,9 +87,9 @@ class StreamingDataset(IterableDataset):
         local: str | None = None,
         split: str | None = None,
         *,
-        streams: Sequence[Stream] | None = None,
+        streams: Sequence[Stream] | Mapping[str, Mapping[str, Any]] | None = None,
         shuffle: bool = False,
-        shuffle_seed: int = 9176,
+        shuffle_seed: int = 17,
         shuffle_block_size: int | None = None,
         batch_size: int | None = None,
         epoch_size: int | None = None,
@@ -92,47 +101,72 @@ class StreamingDataset(IterableDataset):
         storage_options: Mapping[str, Any] | None = None,
         allow_unsafe: bool = False,
         data_parallel: tuple[int, int] | None = None,
+        evaluation: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, data_parallel=data_parallel, evaluation=evaluation)
+        for name, value in (("remote", remote), ("local", local), ("split", split)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise UserError(f"{name} must be a path or URL string, got {value!r}")
+        for name, value in (("shuffle", shuffle), ("keep_zip", keep_zip)):
+            if not isinstance(value, bool):
+                raise UserError(f"{name} must be true or false, got {value!r}")
+        if not isinstance(allow_unsafe, bool):
+            raise UserError(f"allow_unsafe must be true or false, got {allow_unsafe!r}")
+        if isinstance(streams, Mapping):
+            if remote is not None:
+                raise UserError(
+                    "set remote or streams, not both: with streams in the data config add "
+                    "data.remote=null (its default is the demo dataset) and set "
+                    "tokenizer=<path or URL of tokenizer.json>"
+                )
+            streams, local = _config_streams(streams, local, shares=not evaluation), None
         if streams is not None:
             if remote is not None or local is not None:
-                raise ValueError("pass either remote/local or streams, not both")
+                raise UserError("pass either remote/local or streams, not both")
             streams = list(streams)
             if not streams or not all(isinstance(s, Stream) for s in streams):
-                raise ValueError("streams must be a non-empty list of Stream objects")
+                raise UserError("streams must be a non-empty list of Stream objects")
+            if evaluation:  # every sample of each stream's split once
+                streams = [Stream(remote=s.remote, local=s.local, split=s.split) for s in streams]
         else:
             if remote is None and local is None:
-                raise ValueError(
-                    "give remote (a URL like s3://bucket/mds or a local MDS folder) or local"
+                raise UserError(
+                    "remote is required: a local MDS folder (e.g. data/demo/mds) or a URL "
+                    "(s3://bucket/mds) with train/ and val/ sub-folders; or set streams"
                 )
             streams = [Stream(remote=remote, local=local)]
+        if evaluation:
+            shuffle, epoch_size = False, None
         check_int("shuffle_seed", shuffle_seed, minimum=0)
         check_int("shuffle_block_size", shuffle_block_size, minimum=1, optional=True)
-        check_int("batch_size", batch_size, minimum=1, optional=True)
         check_int("epoch_size", epoch_size, minimum=1, optional=True)
         check_int("predownload", predownload, minimum=0, optional=True)
         check_int("download_retry", download_retry, minimum=0)
         if validate_hash is not None and not is_hash(validate_hash):
-            raise ValueError(f"validate_hash={validate_hash!r} is not a known hash name")
+            raise UserError(
+                f"validate_hash={validate_hash!r} is not a hash name; use one listed in the "
+                "index (e.g. xxh64, sha1) or null"
+            )
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise UserError("storage_options must be a mapping of fsspec options")
 
+        self.remote = None if remote is None else os.fspath(remote)
+        self.storage_options = dict(storage_options) if storage_options else None
         self.streams = streams
         self.split = split
-        self.shuffle = bool(shuffle)
+        self.shuffle = shuffle
         self.shuffle_seed = shuffle_seed
         self.shuffle_block_size = shuffle_block_size or DEFAULT_BLOCK_SIZE
-        self.batch_size = batch_size
         self.predownload = (
             predownload if predownload is not None else max(8 * (batch_size or 1), 64)
         )
         self.allow_unsafe = allow_unsafe
-        self.data_parallel = data_parallel
-        World.detect(data_parallel)  # a bad (rank, size) fails here, not at the first batch
         self.caches: list[ShardCache] = [
             s.open(
                 split,
                 validate_hash=validate_hash,
                 keep_zip=keep_zip,
-                storage_options=dict(storage_options) if storage_options else None,
+                storage_options=self.storage_options,
                 retries=download_retry,
             )
             for s in streams
@@ -153,8 +187,6 @@ class StreamingDataset(IterableDataset):
             epoch_size,
         )
         self.epoch_size = int(self.stream_counts.sum())
-        self._epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, samples consumed)
         self._runtime: tuple[int, ShardReaderPool] | None = None
 
     # -- per-process state ------------------------------------------------------------------
@@ -197,118 +229,45 @@ class StreamingDataset(IterableDataset):
         """The samples ``ids`` collated into one batch (subclasses read whole batches faster)."""
         return default_collate([self[int(i)] for i in ids])
 
-    # -- epochs and resumption ------------------------------------------------------------
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration reads (its shuffle is seeded by (seed, epoch))."""
-        check_int("epoch", epoch, minimum=0)
-        self._epoch = epoch
-        if self._resume is not None and self._resume[0] != epoch:
-            self._resume = None
-
-    def _start(self) -> int:
-        if self._resume is not None and self._resume[0] == self._epoch:
-            return self._resume[1]
-        return 0
-
-    def state_dict(self, num_samples: int, from_beginning: bool = True) -> dict[str, Any]:
-        """Position after ``num_samples`` global samples of the current epoch.
-
-        ``from_beginning=False`` counts from where this epoch was resumed instead of its start.
-        """
-        check_int("num_samples", num_samples, minimum=0)
-        consumed = num_samples if from_beginning else self._start() + num_samples
-        return {
-            "epoch": self._epoch,
-            "sample_in_epoch": consumed,
-            "shuffle": self.shuffle,
-            "shuffle_seed": self.shuffle_seed,
-            "shuffle_block_size": self.shuffle_block_size,
-            "epoch_size": self.epoch_size,
-            "num_samples": self.num_samples,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``: the next iteration of its epoch yields the remaining order."""
-        missing = [k for k in ("epoch", "sample_in_epoch", *_STATE_CHECKED) if k not in state]
-        if missing:
-            raise ValueError(f"dataset state is missing {missing}; was it made by state_dict()?")
-        changed = {
-            k: (state[k], getattr(self, k)) for k in _STATE_CHECKED if state[k] != getattr(self, k)
-        }
-        if changed:
-            detail = ", ".join(
-                f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items()
-            )
-            raise ValueError(
-                f"cannot resume: the data order changed since the checkpoint ({detail}); "
-                "resume with the same data and shuffle settings, or start a fresh run"
-            )
-        check_int("epoch", state["epoch"], minimum=0)
-        check_int("sample_in_epoch", state["sample_in_epoch"], minimum=0)
-        self._epoch = int(state["epoch"])
-        self._resume = (self._epoch, int(state["sample_in_epoch"]))
-
     # -- iteration ------------------------------------------------------------------------
 
-    def _plan(self, world: World) -> RankPlan:
-        return RankPlan(
-            self.epoch_size, self._start(), world.world_size, world.rank, self.batch_size or 1
-        )
-
-    def __len__(self) -> int:
-        """Samples this rank reads in a full epoch: ``ceil(epoch_size / world_size)``."""
-        world = World.detect(self.data_parallel)
-        return RankPlan(self.epoch_size, 0, world.world_size, world.rank, 1).num_samples
-
-    def num_batches(self) -> int:
-        """Batches this rank reads in a full epoch (needs ``batch_size``)."""
-        if self.batch_size is None:
-            raise ValueError("num_batches() needs the dataset's batch_size")
-        world = World.detect(self.data_parallel)
-        return RankPlan(
-            self.epoch_size, 0, world.world_size, world.rank, self.batch_size
-        ).num_batches
-
-    def batches(self) -> Iterator[np.ndarray]:
-        """Sample ids of this process's batches of the current epoch, in order.
-
-        Shards of the next ``predownload`` samples are downloaded in the background meanwhile.
-        """
-        world = World.detect(self.data_parallel)
-        order = EpochOrder(
+    def order(self) -> Callable[[np.ndarray], np.ndarray]:
+        return EpochOrder(
             self._shard_sizes,
             self.stream_counts,
             self.shuffle_seed,
             self._epoch,
             self.shuffle,
             self.shuffle_block_size,
-        )
-        plan = self._plan(world)
-        ids = _batch_ids(order, plan, world)
-        if not any(c.evictable for c in self.caches) or self.predownload == 0:
-            yield from ids
-            return
-        yield from self._predownloading(ids)
+        ).ids
 
-    def _predownloading(self, ids: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    def batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(sample ids, global positions) of this process's batches of the current epoch.
+
+        Shards of the next ``predownload`` samples are downloaded in the background meanwhile.
+        """
+        pairs = super().batches()
+        if not any(c.evictable for c in self.caches) or self.predownload == 0:
+            yield from pairs
+            return
+        yield from self._predownloading(pairs)
+
+    def _predownloading(
+        self, pairs: Iterator[tuple[np.ndarray, np.ndarray]]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         readers = self._readers()
         worker = Predownloader(readers.fetch)
-        ahead: deque[np.ndarray] = deque()
+        ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()
         ahead_samples = 0
         try:
-            for batch in ids:
-                shards, _ = self.locate(batch)
+            for pair in pairs:
+                shards, _ = self.locate(pair[0])
                 for shard in dict.fromkeys(shards.tolist()):  # unique, in order of first use
                     worker.request(shard)
-                ahead.append(batch)
-                ahead_samples += len(batch)
-                while ahead and ahead_samples - len(ahead[0]) >= self.predownload:
-                    ahead_samples -= len(ahead[0])
+                ahead.append(pair)
+                ahead_samples += len(pair[0])
+                while ahead and ahead_samples - len(ahead[0][0]) >= self.predownload:
+                    ahead_samples -= len(ahead[0][0])
                     yield ahead.popleft()
             while ahead:
                 yield ahead.popleft()
@@ -316,21 +275,34 @@ class StreamingDataset(IterableDataset):
             worker.close()
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.batches():
-            for i in batch:
+        for ids, _ in self.batches():
+            for i in ids:
                 yield self[int(i)]
 
 
-def _batch_ids(order: EpochOrder, plan: RankPlan, world: World) -> Iterator[np.ndarray]:
-    """Ids of the rank batches of ``plan`` that ``world``'s worker makes, a chunk at a time."""
-    ks = plan.worker_batches(world.worker, world.num_workers)
-    per_chunk = max(1, 4096 // plan.batch_size)  # amortise the lookup over many small batches
-    for first in range(0, len(ks), per_chunk):
-        starts, lengths = np.array([plan.span(k) for k in ks[first : first + per_chunk]]).T
-        ends = np.cumsum(lengths)
-        # Each batch's positions are consecutive: start, start + 1, ..., start + length - 1.
-        ids = order.ids(np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths))
-        lo = 0
-        for hi in ends.tolist():
-            yield ids[lo:hi]
-            lo = hi
+def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool) -> list[Stream]:
+    """The config's ``{name: {remote, local, proportion | repeat | choose}}`` as Streams, cached
+    under ``local/<name>`` when ``local`` is set; without their epoch shares unless ``shares``."""
+    if not streams:
+        raise UserError("streams must map stream names to {remote, local, ...}")
+    out = []
+    for name, spec in streams.items():
+        where = f"streams.{name}"
+        if not isinstance(spec, Mapping):
+            raise UserError(f"{where} must be a mapping with keys {_STREAM_KEYS}")
+        unknown = sorted(set(spec) - set(_STREAM_KEYS))
+        if unknown:
+            raise UserError(
+                f"{where}: unknown key(s) {unknown}; allowed: {list(_STREAM_KEYS)} (the split "
+                "comes from the data config's train_split / eval_split)"
+            )
+        args = dict(spec)
+        if args.get("local") is None and local is not None:
+            args["local"] = join_url(local, name)
+        if not shares:
+            args = {k: v for k, v in args.items() if k in ("remote", "local")}
+        try:
+            out.append(Stream(**args))
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{where}: {err}") from None
+    return out

@@ -1,6 +1,7 @@
 """A DataLoader whose batches the dataset makes whole, plus the trainer's resumption contract.
 
-Batches are made by ``dataset.get_batch(ids)`` inside the loader's workers (or the main
+It serves any :class:`~llmfoundry.data.streaming.epochs.EpochDataset` (MDS shards, a token
+file). Batches are made by ``dataset.make_batch(ids, positions)`` inside the loader's workers (or the main
 process): a text dataset copies a batch of token rows straight out of the mapped shards, with
 no per-sample decoding. Workers produce their rank's batches ``w, w+K, ...`` and PyTorch yields
 them round-robin, so the batch order is the same for any ``num_workers`` (sampling.py).
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from llmfoundry.data.streaming.dataset import StreamingDataset
+from llmfoundry.data.streaming.checks import check_int
+from llmfoundry.data.streaming.epochs import EpochDataset
+from llmfoundry.utils.errors import UserError
 
 __all__ = ["StreamingDataLoader"]
 
@@ -30,15 +33,15 @@ def _passthrough(batch: Any) -> Any:
 class _Batches(IterableDataset):
     """The dataset's batches as an iterable the DataLoader passes through unbatched."""
 
-    def __init__(self, dataset: StreamingDataset, drop_last: bool) -> None:
+    def __init__(self, dataset: EpochDataset, drop_last: bool) -> None:
         self.dataset = dataset
         self.drop_last = drop_last
 
     def __iter__(self) -> Iterator[Any]:
-        for ids in self.dataset.batches():
+        for ids, positions in self.dataset.batches():
             if self.drop_last and len(ids) < (self.dataset.batch_size or 1):
                 return
-            yield self.dataset.get_batch(ids)
+            yield self.dataset.make_batch(ids, positions)
 
     def __len__(self) -> int:
         n = self.dataset.num_batches()
@@ -47,28 +50,42 @@ class _Batches(IterableDataset):
 
 
 class StreamingDataLoader(DataLoader):
-    """DataLoader over a :class:`StreamingDataset` (whose ``batch_size`` sets the batch size).
+    """DataLoader over an :class:`EpochDataset` (whose ``batch_size`` sets the batch size).
 
     Args:
         dataset: the dataset; its ``batch_size`` must be set.
-        num_workers, pin_memory, prefetch_factor, timeout: as for ``torch.utils.data.DataLoader``.
+        num_workers: worker processes making batches. Reads are memcpy-cheap gathers and
+            downloads run on a background thread, so the main process keeps up with a GPU;
+            workers help when batches need heavy decoding.
+        pin_memory: page-locked batches, so the trainer's non_blocking copy to the GPU
+            overlaps compute; None: exactly when CUDA is available.
+        prefetch_factor, timeout: as for ``torch.utils.data.DataLoader`` (need workers).
         drop_last: skip a rank's final short batch (the epoch's last few samples).
     """
 
     def __init__(
         self,
-        dataset: StreamingDataset,
+        dataset: EpochDataset,
         *,
         num_workers: int = 0,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         drop_last: bool = False,
         timeout: float = 0,
     ) -> None:
         if dataset.batch_size is None:
             raise ValueError("StreamingDataLoader needs a dataset built with batch_size")
+        check_int("num_workers", num_workers, minimum=0)
+        check_int("prefetch_factor", prefetch_factor, minimum=1, optional=True)
+        if prefetch_factor is not None and num_workers == 0:
+            raise UserError("prefetch_factor needs num_workers > 0 (or set it to null)")
         if timeout and not num_workers:
-            raise ValueError("timeout limits the wait for worker batches; set num_workers > 0")
+            raise UserError("timeout limits the wait for worker batches; set num_workers > 0")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        for name, value in (("pin_memory", pin_memory), ("drop_last", drop_last)):
+            if not isinstance(value, bool):
+                raise UserError(f"{name} must be true or false, got {value!r}")
         super().__init__(
             _Batches(dataset, drop_last),
             batch_size=None,
