@@ -3,6 +3,7 @@ the trainer's datasets (text.py: MDS token rows; memmap.py: a token file) and th
 that turns the ``data`` config group into loaders (builder.py)."""
 
 from llmfoundry.data.builder import DataLoaders, DataSplits, build_loaders
+from llmfoundry.data.memmap import MemmapTokens
 from llmfoundry.data.text import StreamingTextDataset
 
-__all__ = ["DataLoaders", "DataSplits", "StreamingTextDataset", "build_loaders"]
+__all__ = ["DataLoaders", "DataSplits", "MemmapTokens", "StreamingTextDataset", "build_loaders"]

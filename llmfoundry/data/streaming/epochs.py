@@ -159,6 +159,13 @@ class EpochDataset(IterableDataset):
         world = World.detect(self.data_parallel)
         yield from batch_ids(self.order(), self._plan(world), world)
 
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This process's samples of the current epoch, one at a time (rows of its batches)."""
+        for ids, positions in self.batches():
+            batch = self.make_batch(ids, positions)
+            for row in range(len(ids)):
+                yield {key: value[row] for key, value in batch.items()}
+
 
 def batch_ids(
     order: Callable[[np.ndarray], np.ndarray], plan: RankPlan, world: World
