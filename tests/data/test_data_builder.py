@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check
-from llmfoundry.data import DataSplits, StreamingTextDataset, build_loaders
+from llmfoundry.data import DataSplits, MemmapTokens, StreamingTextDataset, build_loaders
 from llmfoundry.data.builder import group_hints
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.utils.errors import UserError
@@ -163,22 +163,21 @@ def test_pin_memory_defaults_to_whether_cuda_is_there(root: Path, monkeypatch):
     assert loaders(remote=str(root), pin_memory=False).train.pin_memory is False
 
 
-def test_config_values_are_the_signatures_defaults():
+@pytest.mark.parametrize(
+    ("name", "dataset", "chosen"),
+    [("mds", StreamingTextDataset, {"remote", "shuffle"}), ("memmap", MemmapTokens, {"remote"})],
+)
+def test_config_values_are_the_signatures_defaults(name, dataset, chosen):
     """One definition of each setting's default: the signature that takes it. The yaml lists
     every key (so `data.key=value` overrides work) with that default, apart from the recipe's
     own choices."""
-    chosen = {"remote", "shuffle"}
-    node = OmegaConf.to_container(group())
+    node = OmegaConf.to_container(group(name))
+    assert node["_target_"] == f"llmfoundry.data.{dataset.__name__}" and node["_partial_"]
     defaults = {
         name: p.default
-        for cls in StreamingTextDataset.__mro__
+        for cls in [*dataset.__mro__, StreamingDataLoader]
         if "__init__" in vars(cls)
         for name, p in inspect.signature(cls.__init__).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-    defaults |= {
-        name: p.default
-        for name, p in inspect.signature(StreamingDataLoader.__init__).parameters.items()
         if p.default is not inspect.Parameter.empty
     }
     defaults |= vars(DataSplits())
@@ -203,4 +202,12 @@ def test_misspelt_data_keys_get_suggestions():
         check(CONF, ["data.shuffle_seed=abc"])
     with pytest.raises(ConfigError, match="data.eval_split: expected str or null"):
         check(CONF, ["data.eval_split=[1]"])
+    with pytest.raises(ConfigError, match="data.window: unknown key; did you mean 'windows'"):
+        check(CONF, ["data=memmap", "+data.window=random"])
+    with pytest.raises(ConfigError, match="data.windows: expected one of 'random', 'sequential'"):
+        check(CONF, ["data=memmap", "data.windows=shuffled"])
     check(CONF, ["data=finetune", "data.sequence_id_from_eos=auto"])
+    check(
+        CONF,
+        ["data=memmap", "data.split_files={train: a.bin, val: b.bin}", "data.val_fraction=null"],
+    )
