@@ -21,7 +21,7 @@ from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import LanguageMetrics, loss_token_count
+from llmfoundry.trainer.metrics import SAMPLE_MASK, LanguageMetrics, loss_token_count
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
@@ -379,7 +379,7 @@ class Trainer:
                     and index >= self.eval_subset_num_batches
                 ):
                     break
-                state.batch = {k: v.to(state.device) for k, v in batch.items()}
+                state.batch, sample_mask = _split_sample_mask(batch, state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with self.precision.autocast():
@@ -387,7 +387,7 @@ class Trainer:
                         state.batch["input_ids"], sequence_id=state.batch.get("sequence_id")
                     )
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                metrics.update(state.outputs, state.batch["labels"])
+                metrics.update(state.outputs, state.batch, sample_mask)
                 engine.run_event(Event.EVAL_BATCH_END)
             self.strategy.all_reduce_sum(metrics.totals)
             results = {f"eval/{name}/{key}": value for key, value in metrics.compute().items()}
@@ -406,6 +406,26 @@ class Trainer:
     def close(self) -> None:
         self.engine.close()
         self.strategy.teardown()
+
+
+def _split_sample_mask(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The eval batch on `device` without its ``sample_mask``, and the mask (all True if absent).
+
+    The mask is the metrics' business only: the model never sees it.
+    """
+    batch = {k: v.to(device) for k, v in batch.items()}
+    mask = batch.pop(SAMPLE_MASK, None)
+    rows = next(iter(batch.values())).shape[0]
+    if mask is None:
+        return batch, torch.ones(rows, dtype=torch.bool, device=device)
+    if mask.dtype != torch.bool or mask.shape != (rows,):
+        raise ValueError(
+            f"an eval batch's {SAMPLE_MASK!r} must be a bool tensor of shape [{rows}] (one flag "
+            f"per sample), got {mask.dtype} of shape {tuple(mask.shape)}"
+        )
+    return batch, mask
 
 
 def _is_auto(microbatch_size: int | str | None) -> bool:

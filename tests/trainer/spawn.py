@@ -1,0 +1,38 @@
+"""Run a function in `world` gloo processes, bounded by a deadline (a hang fails the test)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.distributed.test_ddp import free_port
+
+
+def join_env(rank: int, world: int, port: int) -> None:
+    """What `torch.distributed` reads to join the group (called first in each child)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+
+
+def run_ranks(fn: Callable, world: int, *args, limit_s: float = 180) -> None:
+    """`fn(rank, world, port, *args)` in `world` spawned processes; they write their results."""
+    context = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + limit_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{world}-process run did not finish within {limit_s} s")
