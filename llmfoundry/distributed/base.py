@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from llmfoundry.checkpoint.sharded import shard_reader
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
@@ -196,10 +197,11 @@ class Strategy:
         keys: Collection[str] = ("model", "optimizer"),
     ) -> None:
         """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
-        strategy whose state DCP can reshard), onto this rank's current layout."""
+        strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
+        local folder or an fsspec URL (`shard_reader`)."""
         state = {k: v for k, v in self.sharded_state(model, optimizer).items() if k in keys}
         if state:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=shard_reader(path))
             self.load_sharded_state(model, optimizer, state)
 
     def sharded_state(
