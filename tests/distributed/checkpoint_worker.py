@@ -1,5 +1,5 @@
 """Bodies of the two-process FSDP checkpoint tests (test_fsdp_checkpoints.py): a run whose
-sharded checkpoint the HF export reads.
+sharded checkpoint the HF export reads; EMA saved and resumed across world sizes.
 
 One spawn runs every training in a row (a fresh process group each), since starting two
 processes costs more than training the tiny model.
@@ -13,14 +13,16 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from torch.distributed.tensor import DTensor
 
+from llmfoundry.algorithms import EMA
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.distributed import FSDP
+from llmfoundry.distributed import FSDP, Strategy
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Callback, Trainer
 from tests.trainer.conftest import tiny_model
 
-from .sharded_worker import join
+from .sharded_worker import STOP_AT, Recorder, join, resume_run
 from .workers import global_batches, rank_slice
 
 # tiny_model()'s config as a training config records it (what load_pretrained rebuilds).
@@ -65,11 +67,50 @@ def export_run(rank: int, world: int, out: str) -> None:
     ).fit()
 
 
+class EMARecorder(Callback):
+    """The whole EMA averages after loading and after each batch (gathering shards is a
+    collective: every rank asks)."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.after_batch: dict[int, dict[str, torch.Tensor]] = {}
+
+    def after_load(self, state, logger) -> None:
+        self.loaded = whole_averages(state)
+
+    def batch_end(self, state, logger) -> None:  # after EMA's update (algorithms run first)
+        self.after_batch[int(state.timestamp.batch)] = whole_averages(state)
+
+
+def whole_averages(state) -> dict[str, torch.Tensor]:
+    (ema,) = (a for a in state.algorithms if isinstance(a, EMA))
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in ema.averages.items()
+    }
+
+
+def ema_run(strategy: Strategy, mds: str, folder: str, **kwargs) -> tuple[Recorder, EMARecorder]:
+    """`resume_run` with EMA (its averages well apart from the weights) recorded."""
+    ema = EMARecorder()
+    recorder = resume_run(
+        strategy, mds, folder, algorithms=(EMA(half_life=None, smoothing=0.5),), callbacks=(ema,),
+        **kwargs,
+    )  # fmt: skip
+    return recorder, ema
+
+
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
-    del mds
     torch.set_num_threads(1)
     ports = iter(ports)
     result: dict[str, dict] = {}
     join(rank, world, next(ports))
     export_run(rank, world, out)
+    for name, kwargs in (
+        ("ema_saved", {"stop_at": STOP_AT}),
+        ("ema_from_single", {"load": f"{out}/ema_single_saved"}),
+    ):
+        join(rank, world, next(ports))
+        recorder, ema = ema_run(FSDP("cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "loaded": ema.loaded, "ema": ema.after_batch}
     torch.save(result, Path(out) / f"rank{rank}.pt")

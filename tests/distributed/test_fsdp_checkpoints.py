@@ -1,5 +1,9 @@
 """Sharded (FSDP, two gloo ranks on CPU) checkpoints beyond resumption: the Hugging Face export
-and convert_checkpoint.py read them directly, from a local folder or from S3 (a moto server).
+and convert_checkpoint.py read them directly, from a local folder or from S3 (a moto server);
+EMA's averages go through the shards, so they resume at another world size.
+
+Tolerance: as in test_fsdp.py (relative 1e-5 where two strategies sum in another order; state
+that is only saved and loaded must come back bit for bit).
 """
 
 import runpy
@@ -12,13 +16,17 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from llmfoundry.checkpoint.io import MODEL_FILE
+from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE
+from llmfoundry.checkpoint.sharded import IN_SHARDS
+from llmfoundry.distributed import SingleDevice
 from llmfoundry.models.mpt import pretrained
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
+from tests.checkpoint.helpers import write_mds
 
-from .checkpoint_worker import EXPORT_RUN, GATHERED, MODEL, TOKENIZER, rank_main
-from .test_fsdp import spawn
+from .checkpoint_worker import EXPORT_RUN, GATHERED, MODEL, TOKENIZER, ema_run, rank_main
+from .sharded_worker import RESUME_BATCHES, STOP_AT
+from .test_fsdp import RTOL, spawn
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 INPUT = torch.tensor([[1, 5, 9, 63, 2, 40, 7, 7]])
@@ -36,19 +44,32 @@ def hf_logits(folder: Path) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One spawn of two ranks running every case (checkpoint_worker.rank_main): its output
-    folder and what each rank recorded."""
+def spawned(tmp_path_factory) -> tuple[Path, list[dict], dict]:
+    """One-process EMA runs, then one spawn of two ranks running every case
+    (checkpoint_worker.rank_main), then a one-process resumption of a two-rank checkpoint:
+    the output folder, what each rank recorded, and the one-process runs' (losses, EMA)."""
     out = tmp_path_factory.mktemp("fsdp_ckpt")
     vocab = {f"w{i}": i for i in range(63)} | {"<|endoftext|>": 63}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(out / TOKENIZER))
-    return out, spawn(rank_main, out, "", n_ports=1)
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    single = {
+        "ema_single_straight": ema_run(SingleDevice("cpu"), mds, str(out / "ema_straight")),
+        "ema_single_saved": ema_run(
+            SingleDevice("cpu"), mds, str(out / "ema_single_saved"), stop_at=STOP_AT
+        ),
+    }
+    ranks = spawn(rank_main, out, mds, n_ports=3)
+    single["ema_single_from_fsdp"] = ema_run(
+        SingleDevice("cpu"), mds, str(out / "ema_single_from_fsdp"), load=str(out / "ema_saved")
+    )
+    return out, ranks, single
 
 
 @pytest.fixture(scope="module")
 def out(spawned) -> Path:
+    """The spawn's output folder."""
     return spawned[0]
 
 
@@ -103,3 +124,39 @@ def test_export_and_convert_a_sharded_checkpoint_on_s3(
     assert merged.keys() == gathered.keys()
     for name, value in gathered.items():
         assert torch.equal(merged[name], value), name
+
+
+def assert_equal(got: dict, expected: dict, **tolerance) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if tolerance:
+            torch.testing.assert_close(got[name], value, **tolerance, msg=name)
+        else:
+            assert torch.equal(got[name], value), name
+
+
+def test_ema_of_a_two_rank_fsdp_run_resumes_on_one_rank(spawned):
+    out, ranks, single = spawned
+    saved = torch.load(out / "ema_saved" / f"ep0-ba{STOP_AT}" / STATE_FILE, weights_only=True)
+    averages = saved["algorithms"]["EMA"]["averages"]
+    assert averages and set(averages.values()) == {IN_SHARDS}  # the averages are in the shards
+    at_save = ranks[0]["ema_saved"]["ema"][STOP_AT]
+    recorder, ema = single["ema_single_from_fsdp"]
+    assert_equal(ema.loaded, at_save)
+    # It goes on as one process would have: the averages equal the one-process run's.
+    straight_recorder, straight = single["ema_single_straight"]
+    assert recorder.losses == pytest.approx(straight_recorder.losses[STOP_AT:], rel=RTOL)
+    final = ema.after_batch[RESUME_BATCHES]
+    assert_equal(final, straight.after_batch[RESUME_BATCHES], rtol=RTOL, atol=1e-6)
+    # ... which the FSDP run's averages at the save equal too (no shard was lost or swapped).
+    assert_equal(at_save, straight.after_batch[STOP_AT], rtol=RTOL, atol=1e-6)
+
+
+def test_ema_of_a_full_checkpoint_loads_into_fsdp(spawned):
+    _, ranks, single = spawned
+    _, saved = single["ema_single_saved"]
+    for rank in ranks:
+        assert_equal(rank["ema_from_single"]["loaded"], saved.after_batch[STOP_AT])
+    _, straight = single["ema_single_straight"]
+    final = ranks[0]["ema_from_single"]["ema"][RESUME_BATCHES]
+    assert_equal(final, straight.after_batch[RESUME_BATCHES], rtol=RTOL, atol=1e-6)
