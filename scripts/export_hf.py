@@ -2,6 +2,12 @@
 
     python scripts/export_hf.py outputs/run/checkpoints OUT_DIR            # the latest checkpoint
     python scripts/export_hf.py outputs/run/checkpoints/ep0-ba300 OUT_DIR --dtype bf16
+    python scripts/export_hf.py s3://bucket/run/checkpoints OUT_DIR \
+        --storage '{options: {endpoint_url: http://localhost:9000}}'
+
+The checkpoint may be full (model.safetensors) or sharded (strategy=fsdp: its shards are merged
+in this process, no GPU or process group needed), in a local folder or on an object store
+(--storage: the training config's storage: block).
 
 OUT_DIR then loads without trust_remote_code:
     transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)   # an MptForCausalLM
@@ -22,6 +28,7 @@ import sys
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.mpt.hf import export_to_hf, logits_relative_error, to_hf_config
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 TOLERANCE = 1e-5
 
@@ -35,11 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
+    add_script_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with script_errors(args):
+        return export(args)
+
+
+def export(args: argparse.Namespace) -> int:
     model, found = load_pretrained(args.checkpoint)
     to_hf_config(model.config)  # refuses what transformers cannot represent, before any work
     tokenizer_path = args.tokenizer or found

@@ -7,37 +7,118 @@ gathering whole tensors into ``model.safetensors``; the rest of the checkpoint (
 RNG files) and the atomic `latest` pointer are io.py's, as for full checkpoints. DCP records
 each tensor's global shape and which slice each file holds, so a DCP checkpoint loads into any
 layout: FSDP on another number of ranks, DDP, or one process (each rank reads the slices it now
-holds). `scripts/convert_checkpoint.py` merges one into a single safetensors file.
+holds). `scripts/convert_checkpoint.py` merges one into a single safetensors file, and
+`scripts/export_hf.py` exports one directly. Shards are read in place wherever the checkpoint is
+(`shard_reader`): a local folder, or an object store through fsspec with the process's storage
+settings (llmfoundry/utils/storage.py), so an endpoint configured there applies.
+
+State of algorithms, callbacks and loggers that is laid out like the parameters (EMA's averages:
+DTensor shards under FSDP) goes into the shards too, under ``objects``, with `IN_SHARDS` in its
+place in state.pt (`split_shards`); on load DCP fills the loading objects' own tensors at those
+places (`shard_targets`), so it reshards like the model. Whole tensors in a full checkpoint are
+sliced into the loading objects' DTensors (`fit_layout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
+from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 
-# What a sharded checkpoint's shards hold (the rest is in state.pt).
+# What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
 SHARDED_KEYS = ("model", "optimizer")
+# What state.pt holds where an object's state had a DTensor (saved in the shards instead).
+IN_SHARDS = "<in sharded/>"
 
 
 def write_shards(
-    strategy: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    strategy: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any],
 ) -> FileWriter:
     """A writer of this rank's shards (`Strategy.save_shards`); every rank writes the same path."""
-    return lambda path: strategy.save_shards(path, model, optimizer)
+    return lambda path: strategy.save_shards(path, model, optimizer, objects)
+
+
+def split_shards(tree: Any) -> tuple[Any, dict[str, Any]]:
+    """`tree` (nested dicts) with each DTensor replaced by `IN_SHARDS`, and those DTensors alone,
+    nested alike (empty when there are none): state.pt cannot hold a rank's shard of a tensor."""
+    if not isinstance(tree, Mapping):
+        return tree, {}
+    rest, shards = {}, {}
+    for key, value in tree.items():
+        if isinstance(value, DTensor):
+            rest[key], shards[key] = IN_SHARDS, value
+        else:
+            rest[key], inner = split_shards(value)
+            if inner:
+                shards[key] = inner
+    return rest, shards
+
+
+def shard_targets(saved: Any, current: Any) -> dict[str, Any]:
+    """The tensors of `current` (the loading objects' state) where `saved` holds `IN_SHARDS`,
+    nested alike: what DCP fills in place, in the loading run's layout (DTensor shards or whole
+    tensors). Places the loading objects lack are left out."""
+    if not (isinstance(saved, Mapping) and isinstance(current, Mapping)):
+        return {}
+    targets = {}
+    for key, value in saved.items():
+        if key not in current:
+            continue
+        if isinstance(value, str) and value == IN_SHARDS:
+            if isinstance(current[key], torch.Tensor):
+                targets[key] = current[key]
+        elif inner := shard_targets(value, current[key]):
+            targets[key] = inner
+    return targets
+
+
+def fit_layout(saved: Any, current: Any, loaded: Mapping[str, Any]) -> Any:
+    """`saved` (an object's state from state.pt) ready for its `load_state_dict`: each
+    `IN_SHARDS` replaced by what DCP loaded there (`loaded`, nested alike), and each whole
+    tensor where `current` holds a DTensor sliced into that DTensor's layout (a full checkpoint
+    loading into FSDP; every rank holds the whole tensor, so no communication)."""
+    if isinstance(saved, str) and saved == IN_SHARDS:
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError("a tensor saved in the shards has no place in this run's objects")
+        return loaded
+    if isinstance(current, DTensor) and isinstance(saved, torch.Tensor):
+        whole = saved.to(device=current.device, dtype=current.dtype)
+        return distribute_tensor(whole, current.device_mesh, current.placements, src_data_rank=None)
+    if not (isinstance(saved, Mapping) and isinstance(current, Mapping)):
+        return saved
+    return {
+        key: fit_layout(value, current.get(key), loaded.get(key, {}))
+        for key, value in saved.items()
+    }
+
+
+def shard_reader(folder: str) -> dcp.StorageReader:
+    """A DCP reader of the shards in `folder` (a local path or an fsspec URL); remote ones open
+    their filesystem with the storage settings (`storage.options_for`), as every remote read."""
+    if storage.is_local(folder):
+        return dcp.FileSystemReader(storage.local_path(folder))
+    return FsspecReader(folder, **storage.options_for(folder))
 
 
 def full_model_state(folder: str) -> dict[str, torch.Tensor]:
-    """The whole model weights of a sharded checkpoint, in one process (no process group).
+    """The whole model weights of a sharded checkpoint's `folder` of shards (local or remote),
+    in one process (no process group).
 
     Tensors are allocated from the shapes DCP recorded, then filled from every shard."""
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    metadata = shard_reader(folder).read_metadata()
     model = {
         key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
@@ -45,7 +126,7 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     }
     if not model:
         raise ValueError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
-    dcp.load({"model": model}, checkpoint_id=folder)
+    dcp.load({"model": model}, storage_reader=shard_reader(folder), no_dist=True)
     return model
 
 

@@ -43,7 +43,13 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
-from llmfoundry.checkpoint.sharded import SHARDED_KEYS, write_shards
+from llmfoundry.checkpoint.sharded import (
+    SHARDED_KEYS,
+    fit_layout,
+    shard_targets,
+    split_shards,
+    write_shards,
+)
 from llmfoundry.rng import rng_state
 from llmfoundry.utils.files import join_url
 
@@ -67,6 +73,9 @@ LOADABLE_KEYS = (
     "rng",
 )
 WEIGHTS_ONLY = tuple(k for k in LOADABLE_KEYS if k != "model")
+# Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors
+# (state laid out like the parameters, e.g. EMA's averages) are in the shards (split_shards).
+OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
 
 
 def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
@@ -112,7 +121,12 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
     files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
     run = run_state(state, logger)
     if strategy.sharded_checkpoints:
-        files[SHARDED_DIR] = write_shards(strategy, state.model, state.optimizer)
+        objects = {}
+        for key in OBJECT_KEYS:
+            run[key], shards = split_shards(run[key])
+            if shards:
+                objects[key] = shards
+        files[SHARDED_DIR] = write_shards(strategy, state.model, state.optimizer, objects)
     else:
         weights = model_weights(strategy.model_state_dict(state.model))
         run["optimizer"] = strategy.optimizer_state_dict(state.model, state.optimizer)
@@ -146,9 +160,7 @@ def run_state(state: State, logger: Logger) -> dict[str, Any]:
         "scheduler": _state_of(state.scheduler),
         "scaler": _state_of(state.precision),
         "timestamp": state.timestamp.state_dict(),
-        "algorithms": _by_name(state.algorithms),
-        "callbacks": _by_name(state.callbacks),
-        "loggers": _by_name(logger.destinations),
+        **{key: _by_name(objects) for key, objects in _objects(state, logger).items()},
         "data": _data_state(state),
         "config": state.config,
     }
@@ -171,10 +183,17 @@ def restore(
         )
     check_resume(saved.get("config") or {}, state.config, ignore, where)
     strategy = state.strategy
+    current = {key: _by_name(objects) for key, objects in _objects(state, logger).items()}
+    in_shards = {}  # the objects' tensors that DCP fills in place (`shard_targets`)
     if checkpoint.model is None:  # sharded: model and optimizer come from its shards
         keys = [k for k in SHARDED_KEYS if k not in ignore]
+        for key in OBJECT_KEYS:
+            if key not in ignore and (targets := shard_targets(saved.get(key), current[key])):
+                in_shards[key] = targets
         try:
-            strategy.load_shards(join_url(where, SHARDED_DIR), state.model, state.optimizer, keys)
+            strategy.load_shards(
+                join_url(where, SHARDED_DIR), state.model, state.optimizer, keys, in_shards
+            )
         except (RuntimeError, ValueError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its shards do not fit this model and optimizer "
@@ -211,13 +230,9 @@ def restore(
             obj.load_state_dict(saved[key])
     if "timestamp" not in ignore:
         state.timestamp.load_state_dict(saved["timestamp"])
-    for key, objects in (
-        ("algorithms", state.algorithms),
-        ("callbacks", state.callbacks),
-        ("loggers", logger.destinations),
-    ):
+    for key, objects in _objects(state, logger).items():
         if key not in ignore:
-            _load_by_name(objects, saved[key])
+            _load_by_name(objects, fit_layout(saved[key], current[key], in_shards.get(key, {})))
     if "data" not in ignore:
         _load_data_state(state, saved["data"], where)
     if "rng" in ignore:
@@ -225,6 +240,15 @@ def restore(
     if checkpoint.rng is None:
         log.warning("checkpoint %r has no RNG state for this rank; keeping the seeded one", where)
     return checkpoint.rng
+
+
+def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
+    """The objects whose state checkpoints keep by name, under their OBJECT_KEYS."""
+    return {
+        "algorithms": state.algorithms,
+        "callbacks": state.callbacks,
+        "loggers": logger.destinations,
+    }
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ implement the same interface, so neither the trainer nor checkpoints branch on w
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from llmfoundry.checkpoint.sharded import shard_reader
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
@@ -182,11 +183,17 @@ class Strategy:
         )
 
     def save_shards(
-        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objects: Mapping[str, Any] | None = None,
     ) -> None:
         """Write this rank's shards of model and optimizer into the folder `path` (a collective:
-        every rank calls it with the same path); torch.distributed.checkpoint by default."""
-        dcp.save(self.sharded_state(model, optimizer), checkpoint_id=str(path))
+        every rank calls it with the same path); torch.distributed.checkpoint by default.
+        `objects`: other state laid out like the parameters (nested dicts of DTensors, e.g.
+        EMA's averages), saved with them under the key ``objects``."""
+        dcp.save(self._dcp_state(model, optimizer, objects), checkpoint_id=str(path))
 
     def load_shards(
         self,
@@ -194,13 +201,26 @@ class Strategy:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         keys: Collection[str] = ("model", "optimizer"),
+        objects: Mapping[str, Any] | None = None,
     ) -> None:
         """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
-        strategy whose state DCP can reshard), onto this rank's current layout."""
-        state = {k: v for k, v in self.sharded_state(model, optimizer).items() if k in keys}
+        strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
+        local folder or an fsspec URL (`shard_reader`). `objects` (as for `save_shards`, this
+        run's tensors in its own layout) are filled in place."""
+        state = self._dcp_state(model, optimizer, objects, keys)
         if state:
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, storage_reader=shard_reader(path))
             self.load_sharded_state(model, optimizer, state)
+
+    def _dcp_state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objects: Mapping[str, Any] | None,
+        keys: Collection[str] = ("model", "optimizer"),
+    ) -> dict[str, Any]:
+        state = {k: v for k, v in self.sharded_state(model, optimizer).items() if k in keys}
+        return {**state, "objects": objects} if objects else state
 
     def sharded_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer

@@ -26,7 +26,7 @@ ZeRO reduces gradients inside backward, and DeepSpeed offers no way to abandon t
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -140,8 +140,13 @@ class DeepSpeed(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ state for checkpoints
     def save_shards(
-        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objects: Mapping[str, Any] | None = None,
     ) -> None:
+        del objects  # always empty: DeepSpeed's parameters are not DTensors (state.pt has all)
         self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
 
     def load_shards(
@@ -150,7 +155,9 @@ class DeepSpeed(ProcessGroupStrategy):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         keys: Collection[str] = ("model", "optimizer"),
+        objects: Mapping[str, Any] | None = None,
     ) -> None:
+        del objects  # always empty, as for save_shards
         if "model" not in keys:
             raise UserError(
                 f"strategy={self.name} loads a DeepSpeed checkpoint's model and optimizer "

@@ -137,9 +137,12 @@ def resume_run(
     load: str | None = None,
     sigterm_at: int | None = None,
     load_ignore_keys: tuple[str, ...] = (),
+    algorithms: tuple[Algorithm, ...] = (),
+    callbacks: tuple[Callback, ...] = (),
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
-    after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption)."""
+    after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
+    `algorithms` and `callbacks` are added."""
     recorder = Recorder()
     dataset = StreamingTextDataset(
         mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
@@ -158,7 +161,9 @@ def resume_run(
             *([StopAt(stop_at)] if stop_at else []),
             *([SigtermAt(sigterm_at)] if sigterm_at else []),
             CheckpointSaver(folder),
+            *callbacks,
         ],
+        algorithms=list(algorithms),
         run_dir=folder,
         load_path=load,
         load_ignore_keys=load_ignore_keys,

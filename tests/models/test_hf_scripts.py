@@ -1,4 +1,5 @@
-"""scripts/export_hf.py, import_hf.py and generate.py on a checkpoint a real (tiny) run saved."""
+"""scripts/export_hf.py, import_hf.py and generate.py on a checkpoint a real (tiny) run saved
+(exports of sharded checkpoints: tests/distributed/test_fsdp_checkpoints.py)."""
 
 import functools
 import runpy
@@ -14,7 +15,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import WEIGHTS_ONLY
-from llmfoundry.checkpoint.io import Checkpoint
 from llmfoundry.models.mpt import pretrained
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt.hf import from_hf_config, logits_relative_error
@@ -121,13 +121,6 @@ def test_import_refuses_what_we_cannot_represent(fields, message):
     hf = transformers.MptConfig(d_model=32, n_heads=2, n_layers=1, **fields)
     with pytest.raises(ValueError, match=f"cannot import.*{message}"):
         from_hf_config(hf)
-
-
-def test_sharded_checkpoint_names_the_conversion(monkeypatch, tmp_path):
-    sharded = Checkpoint(path=str(tmp_path), model=None, state={}, rng=None)
-    monkeypatch.setattr(pretrained, "read_checkpoint", lambda path, rank: sharded)
-    with pytest.raises(ValueError, match="sharded checkpoint.*scripts/convert_checkpoint.py"):
-        pretrained.load_pretrained(str(tmp_path))
 
 
 def test_generate_script_from_checkpoint_and_hf_folder(run, tmp_path, capsys):

@@ -2,8 +2,9 @@
 
 `load_pretrained(path)` takes either
 - a checkpoint written by training or by scripts/import_hf.py (a checkpoint folder, or a save
-  folder whose `latest` one is read, on any filesystem fsspec reaches): its weights and the model
-  config its run recorded (`config.model` in state.pt);
+  folder whose `latest` one is read, on any filesystem fsspec reaches), full or sharded (its
+  shards merged in this process): its weights and the model config its run recorded
+  (`config.model` in state.pt);
 - a transformers MPT folder (config.json + weights), converted by `hf.from_hf`;
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
 `tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
@@ -25,6 +26,7 @@ import torch
 
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
+    SHARDED_DIR,
     STATE_FILE,
     checkpoint_name,
     read_checkpoint,
@@ -32,6 +34,7 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
+from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.hf import from_hf
@@ -58,16 +61,13 @@ def load_pretrained(path: str) -> tuple[MPTForCausalLM, str | None]:
         )
         return from_hf(path), str(path) if has_tokenizer else None
     checkpoint = read_checkpoint(path, rank=0)
-    if checkpoint.model is None:
-        raise ValueError(
-            f"{checkpoint.path} is a sharded checkpoint; merge its shards into one "
-            f"{MODEL_FILE} with scripts/convert_checkpoint.py first, then pass the merged "
-            "checkpoint"
-        )
     config = model_config(checkpoint.state, checkpoint.path)
+    weights = checkpoint.model
+    if weights is None:  # sharded: every rank's shards, merged here
+        weights = full_model_state(join_url(checkpoint.path, SHARDED_DIR))
     model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
     try:
-        model.load_state_dict(checkpoint.model, strict=True, assign=True)
+        model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as err:
         raise ValueError(
             f"checkpoint {checkpoint.path!r}: its weights do not fit the model config it "

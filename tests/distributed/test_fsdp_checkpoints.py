@@ -1,0 +1,162 @@
+"""Sharded (FSDP, two gloo ranks on CPU) checkpoints beyond resumption: the Hugging Face export
+and convert_checkpoint.py read them directly, from a local folder or from S3 (a moto server);
+EMA's averages go through the shards, so they resume at another world size.
+
+Tolerance: as in test_fsdp.py (relative 1e-5 where two strategies sum in another order; state
+that is only saved and loaded must come back bit for bit).
+"""
+
+import runpy
+from pathlib import Path
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE
+from llmfoundry.checkpoint.sharded import IN_SHARDS
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.models.mpt import pretrained
+from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.model import MPTForCausalLM
+from tests.checkpoint.helpers import write_mds
+
+from .checkpoint_worker import EXPORT_RUN, GATHERED, MODEL, TOKENIZER, ema_run, rank_main
+from .sharded_worker import RESUME_BATCHES, STOP_AT
+from .test_fsdp import RTOL, spawn
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+INPUT = torch.tensor([[1, 5, 9, 63, 2, 40, 7, 7]])
+
+
+def script(name: str):
+    """The `main` of scripts/<name>.py, called in this process."""
+    return runpy.run_path(str(SCRIPTS / f"{name}.py"), run_name=name)["main"]
+
+
+def hf_logits(folder: Path) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        return hf(INPUT).logits
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> tuple[Path, list[dict], dict]:
+    """One-process EMA runs, then one spawn of two ranks running every case
+    (checkpoint_worker.rank_main), then a one-process resumption of a two-rank checkpoint:
+    the output folder, what each rank recorded, and the one-process runs' (losses, EMA)."""
+    out = tmp_path_factory.mktemp("fsdp_ckpt")
+    vocab = {f"w{i}": i for i in range(63)} | {"<|endoftext|>": 63}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(out / TOKENIZER))
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    single = {
+        "ema_single_straight": ema_run(SingleDevice("cpu"), mds, str(out / "ema_straight")),
+        "ema_single_saved": ema_run(
+            SingleDevice("cpu"), mds, str(out / "ema_single_saved"), stop_at=STOP_AT
+        ),
+    }
+    ranks = spawn(rank_main, out, mds, n_ports=3)
+    single["ema_single_from_fsdp"] = ema_run(
+        SingleDevice("cpu"), mds, str(out / "ema_single_from_fsdp"), load=str(out / "ema_saved")
+    )
+    return out, ranks, single
+
+
+@pytest.fixture(scope="module")
+def out(spawned) -> Path:
+    """The spawn's output folder."""
+    return spawned[0]
+
+
+@pytest.fixture(scope="module")
+def full_export(out, tmp_path_factory) -> Path:
+    """The reference: the run's final weights gathered from the live model, saved as a full
+    (model.safetensors) checkpoint and exported."""
+    tmp = tmp_path_factory.mktemp("full")
+    fields = {k: v for k, v in MODEL.items() if k != "_target_"}
+    model = MPTForCausalLM(MPTConfig(**fields, init_device="cpu"))
+    model.load_state_dict(safetensors.torch.load_file(out / GATHERED), strict=True)
+    full = pretrained.save_weights(model, str(tmp / "ckpt"), out / TOKENIZER)
+    assert (Path(full) / MODEL_FILE).is_file()
+    assert script("export_hf")([full, str(tmp / "hf")]) == 0
+    return tmp / "hf"
+
+
+def test_export_from_a_sharded_checkpoint_equals_the_full_export(out, full_export, tmp_path):
+    save_folder = out / EXPORT_RUN
+    checkpoint = save_folder / "ep1-ba3"  # three batches: the whole (list) dataloader
+    assert (checkpoint / "sharded" / ".metadata").is_file()
+    assert not (checkpoint / MODEL_FILE).exists()
+    model, tokenizer = pretrained.load_pretrained(str(save_folder))
+    assert tokenizer == str(out / TOKENIZER)  # the one its run recorded
+    gathered = safetensors.torch.load_file(out / GATHERED)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, gathered[name]), name
+    assert script("export_hf")([str(save_folder), str(tmp_path / "hf")]) == 0
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(full_export))
+
+
+def test_export_and_convert_a_sharded_checkpoint_on_s3(
+    out, full_export, s3_env, monkeypatch, tmp_path
+):
+    # The endpoint reaches DCP's reader only through --storage (llmfoundry/utils/storage.py).
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    fs = fsspec.filesystem("s3", endpoint_url=s3_env, skip_instance_cache=True)
+    fs.mkdir("sharded-bucket")
+    fs.put(str(out / EXPORT_RUN), "sharded-bucket/run/checkpoints", recursive=True)
+    url = "s3://sharded-bucket/run/checkpoints"
+    storage = f"{{options: {{endpoint_url: '{s3_env}'}}}}"
+
+    argv = [url, str(tmp_path / "hf"), "--tokenizer", str(out / TOKENIZER), "--storage", storage]
+    assert script("export_hf")(argv) == 0
+    assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(full_export))
+
+    written = script("convert_checkpoint")(
+        [url, str(tmp_path / "merged.safetensors"), "--storage", storage]
+    )
+    merged = safetensors.torch.load_file(written)
+    gathered = safetensors.torch.load_file(out / GATHERED)
+    assert merged.keys() == gathered.keys()
+    for name, value in gathered.items():
+        assert torch.equal(merged[name], value), name
+
+
+def assert_equal(got: dict, expected: dict, **tolerance) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if tolerance:
+            torch.testing.assert_close(got[name], value, **tolerance, msg=name)
+        else:
+            assert torch.equal(got[name], value), name
+
+
+def test_ema_of_a_two_rank_fsdp_run_resumes_on_one_rank(spawned):
+    out, ranks, single = spawned
+    saved = torch.load(out / "ema_saved" / f"ep0-ba{STOP_AT}" / STATE_FILE, weights_only=True)
+    averages = saved["algorithms"]["EMA"]["averages"]
+    assert averages and set(averages.values()) == {IN_SHARDS}  # the averages are in the shards
+    at_save = ranks[0]["ema_saved"]["ema"][STOP_AT]
+    recorder, ema = single["ema_single_from_fsdp"]
+    assert_equal(ema.loaded, at_save)
+    # It goes on as one process would have: the averages equal the one-process run's.
+    straight_recorder, straight = single["ema_single_straight"]
+    assert recorder.losses == pytest.approx(straight_recorder.losses[STOP_AT:], rel=RTOL)
+    final = ema.after_batch[RESUME_BATCHES]
+    assert_equal(final, straight.after_batch[RESUME_BATCHES], rtol=RTOL, atol=1e-6)
+    # ... which the FSDP run's averages at the save equal too (no shard was lost or swapped).
+    assert_equal(at_save, straight.after_batch[STOP_AT], rtol=RTOL, atol=1e-6)
+
+
+def test_ema_of_a_full_checkpoint_loads_into_fsdp(spawned):
+    _, ranks, single = spawned
+    _, saved = single["ema_single_saved"]
+    for rank in ranks:
+        assert_equal(rank["ema_from_single"]["loaded"], saved.after_batch[STOP_AT])
+    _, straight = single["ema_single_straight"]
+    final = ranks[0]["ema_from_single"]["ema"][RESUME_BATCHES]
+    assert_equal(final, straight.after_batch[RESUME_BATCHES], rtol=RTOL, atol=1e-6)
