@@ -23,7 +23,9 @@ from pathlib import Path
 
 from llmfoundry.data.prep.docstrings import write_docstring_examples
 from llmfoundry.data.prep.instructions import TOO_LONG, instructions_to_mds
+from llmfoundry.data.prep.interrupt import exit_on_interrupt
 from llmfoundry.utils import storage
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import join_url, parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -60,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace output made from other inputs"
     )
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
+    with (
+        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
+        exit_on_interrupt(),
+    ):
         inputs = list(args.inputs)
         if args.from_python_sources:
             if inputs:
@@ -86,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
             compression=args.compression,
             overwrite=args.overwrite,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(f"{k}: {v['rows']:,} rows" for k, v in meta["splits"].items())
     print(

@@ -15,11 +15,10 @@ Then convert to MDS with data_prep/tokens_to_mds.py.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from llmfoundry.data.prep import text_to_tokens
-from llmfoundry.data.prep.interrupt import stop_on_signals
+from llmfoundry.data.prep.interrupt import exit_on_interrupt
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
@@ -99,36 +98,30 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
-        with (
-            script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
-            stop_on_signals(),
-        ):
-            meta = text_to_tokens(
-                args.sources,
-                args.out,
-                tokenizer=args.tokenizer,
-                train_tokenizer=args.train_tokenizer,
-                vocab_size=args.vocab_size,
-                train_bytes=parse_size(args.train_bytes),
-                globs=args.glob or ["*.txt"],
-                excludes=args.exclude,
-                text_field=args.text_field,
-                hf_split=args.hf_split,
-                hf_config=args.hf_config,
-                max_bytes=parse_size(args.max_bytes),
-                eos_token=args.eos_token,
-                bos_token=args.bos_token,
-                doc_boundaries=args.doc_boundaries,
-                workers=args.workers,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-            )
-    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
-        print(
-            f"interrupted ({err or 'SIGINT'}): stopped, temporary output removed", file=sys.stderr
+    with (
+        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
+        exit_on_interrupt(),
+    ):
+        meta = text_to_tokens(
+            args.sources,
+            args.out,
+            tokenizer=args.tokenizer,
+            train_tokenizer=args.train_tokenizer,
+            vocab_size=args.vocab_size,
+            train_bytes=parse_size(args.train_bytes),
+            globs=args.glob or ["*.txt"],
+            excludes=args.exclude,
+            text_field=args.text_field,
+            hf_split=args.hf_split,
+            hf_config=args.hf_config,
+            max_bytes=parse_size(args.max_bytes),
+            eos_token=args.eos_token,
+            bos_token=args.bos_token,
+            doc_boundaries=args.doc_boundaries,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
         )
-        return 128 + getattr(err, "signum", signal.SIGINT)
     state = "up to date, reused" if meta["reused"] else "written"
     print(
         f"{args.out}: {state}: {meta['num_tokens']:,} tokens ({meta['dtype']}), "

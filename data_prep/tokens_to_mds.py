@@ -12,11 +12,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
-from llmfoundry.data.prep.interrupt import stop_on_signals
+from llmfoundry.data.prep.interrupt import exit_on_interrupt
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
@@ -56,28 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    try:
-        with (
-            script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
-            stop_on_signals(),
-        ):
-            meta = tokens_to_mds(
-                args.tokens,
-                args.out,
-                args.seq_len,
-                val_fraction=args.val_fraction,
-                val_rows=args.val_rows,
-                size_limit=parse_size(args.size_limit),
-                compression=args.compression,
-                hashes=args.hashes,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-            )
-    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
-        print(
-            f"interrupted ({err or 'SIGINT'}): stopped, temporary output removed", file=sys.stderr
+    with (
+        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
+        exit_on_interrupt(),
+    ):
+        meta = tokens_to_mds(
+            args.tokens,
+            args.out,
+            args.seq_len,
+            val_fraction=args.val_fraction,
+            val_rows=args.val_rows,
+            size_limit=parse_size(args.size_limit),
+            compression=args.compression,
+            hashes=args.hashes,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
         )
-        return 128 + getattr(err, "signum", signal.SIGINT)
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(
         f"{k}: {v['rows']:,} rows in {v['shards']} shards" for k, v in meta["splits"].items()

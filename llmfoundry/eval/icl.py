@@ -23,7 +23,6 @@ our model and transformers' (tests compare the two on an exported model).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ from tokenizers import Tokenizer
 
 from llmfoundry.models.mpt.generation import GenerationConfig, generate
 from llmfoundry.models.mpt.model import MPTForCausalLM
-from llmfoundry.utils import storage
+from llmfoundry.utils.jsonl import read_jsonl
 
 __all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]
 
@@ -72,30 +71,20 @@ def _kind(example: dict[str, Any], where: str) -> str:
 def load_task(url: str, name: str | None = None) -> Task:
     """The task in the .jsonl file ``url`` (local or fsspec), named after the file by default."""
     examples, kind = [], None
-    with storage.open_url(url, "r", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{url} line {number}"
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
-            if not isinstance(example, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            this = _kind(example, where)
-            if kind is not None and this != kind:
-                raise ValueError(f"{where}: a {this} example in a {kind} task; one kind per file")
-            kind = this
-            if kind == "multiple_choice":
-                choices, gold = example["choices"], example["gold"]
-                if not (isinstance(choices, list) and len(choices) >= 2):
-                    raise ValueError(f"{where}: 'choices' must list at least two strings")
-                if not (isinstance(gold, int) and 0 <= gold < len(choices)):
-                    raise ValueError(f"{where}: 'gold' must index 'choices', got {gold!r}")
-            if kind == "qa" and isinstance(example["answer"], str):
-                example["answer"] = [example["answer"]]
-            examples.append(example)
+    for where, example in read_jsonl(url):
+        this = _kind(example, where)
+        if kind is not None and this != kind:
+            raise ValueError(f"{where}: a {this} example in a {kind} task; one kind per file")
+        kind = this
+        if kind == "multiple_choice":
+            choices, gold = example["choices"], example["gold"]
+            if not (isinstance(choices, list) and len(choices) >= 2):
+                raise ValueError(f"{where}: 'choices' must list at least two strings")
+            if not (isinstance(gold, int) and 0 <= gold < len(choices)):
+                raise ValueError(f"{where}: 'gold' must index 'choices', got {gold!r}")
+        if kind == "qa" and isinstance(example["answer"], str):
+            example["answer"] = [example["answer"]]
+        examples.append(example)
     if kind is None:
         raise ValueError(f"{url} holds no examples")
     return Task(name or PurePosixPath(url).stem, kind, examples)

@@ -51,6 +51,7 @@ from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.trainer.metrics import IGNORE_INDEX
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
+from llmfoundry.utils.jsonl import read_jsonl
 
 __all__ = [
     "INSTRUCTIONS_META_FORMAT",
@@ -68,10 +69,8 @@ ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "drop")
 
 
-def _conversation(obj: Any, where: str) -> list[dict[str, str]]:
+def _conversation(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
     """One input line's example as a list of messages, validated."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
@@ -105,16 +104,8 @@ def _conversation(obj: Any, where: str) -> list[dict[str, str]]:
 def read_conversations(urls: Sequence[str]) -> Iterator[list[dict[str, str]]]:
     """Every example of the .jsonl files (local paths or fsspec URLs) as a list of messages."""
     for url in urls:
-        with storage.open_url(url, "r", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{url} line {number}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
-                yield _conversation(obj, where)
+        for where, obj in read_jsonl(url):
+            yield _conversation(obj, where)
 
 
 def _chat_template_tokenizer(path: str) -> Any | None:

@@ -5,18 +5,20 @@ files stay behind and a process pool's workers are orphaned (still running, hold
 Inside :func:`stop_on_signals` SIGTERM instead raises :class:`Terminated` in the main thread, as
 Ctrl-C raises ``KeyboardInterrupt``, so the usual cleanup paths run: ``atomic_path`` removes its
 temporary file, ``MDSWriter`` aborts (removing its shards), and the tokenizer pool terminates its
-workers.
+workers. :func:`exit_on_interrupt` is what every data_prep script wraps its work in: after that
+cleanup, one line on stderr and exit status 128 + the signal number, as a shell reports it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["Terminated", "stop_on_signals"]
+__all__ = ["Terminated", "exit_on_interrupt", "stop_on_signals"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -44,3 +46,14 @@ def stop_on_signals() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def exit_on_interrupt() -> Iterator[None]:
+    """Run the block under :func:`stop_on_signals`; SIGTERM or Ctrl-C then exits 128 + signum."""
+    try:
+        with stop_on_signals():
+            yield
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
+        sys.stderr.write(f"interrupted ({str(err) or 'SIGINT'}): stopped, temporary output removed\n")
+        raise SystemExit(128 + getattr(err, "signum", signal.SIGINT)) from None
