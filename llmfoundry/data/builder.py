@@ -151,7 +151,7 @@ def build_loaders(
             batch_size=eval_batch_size if evaluation else batch_size,
             max_seq_len=max_seq_len,
             data_parallel=data_parallel,
-            **({"evaluation": True} if evaluation else {}),
+            evaluation=evaluation,
         )
         return StreamingDataLoader(built, **loader_args)
 
