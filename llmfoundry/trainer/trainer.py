@@ -21,7 +21,8 @@ from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import SAMPLE_MASK, LanguageMetrics, loss_token_count
+from llmfoundry.trainer.metrics import SAMPLE_MASK, loss_token_count
+from llmfoundry.trainer.model import EvalSet, eval_set, loss_fn, metrics_factory
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
@@ -33,7 +34,11 @@ Schedule = Callable[[State], float]
 
 
 class Trainer:
-    """Trains `model` on batches of ``{"input_ids", "labels"}``.
+    """Trains `model` on batches of ``{"input_ids", "labels"}``: ``outputs = model(batch)``,
+    then ``model.loss(outputs, batch)`` (the contract: `llmfoundry.trainer.model`).
+
+    Each value of `eval_dataloaders` is a loader, scored by the model's metrics (default
+    `LanguageMetrics`), or an `EvalSet` carrying its own.
 
     The model is handed over unprepared (typically built on the meta device); the strategy
     materializes and wraps it, and only then is the optimizer built from `optimizer`, a factory
@@ -58,7 +63,7 @@ class Trainer:
         run_dir: str | Path,
         scheduler: Schedule | None = None,
         strategy: Strategy | None = None,
-        eval_dataloaders: Mapping[str, Iterable[dict[str, torch.Tensor]]] | None = None,
+        eval_dataloaders: Mapping[str, Iterable[dict[str, torch.Tensor]] | EvalSet] | None = None,
         eval_interval: str | Time | None = None,
         eval_first: bool = False,
         eval_subset_num_batches: int | None = None,
@@ -75,7 +80,8 @@ class Trainer:
         self.strategy = strategy or SingleDevice()
         self.strategy.setup()
         seed_all(seed + self.strategy.rank)
-        self.loss_fn = model.loss
+        self.loss_fn = loss_fn(model)
+        self.default_metrics = metrics_factory(model)
         prepared = self.strategy.prepare(model)
         opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
@@ -296,13 +302,11 @@ class Trainer:
                 state.batch = microbatch
                 engine.run_event(Event.BEFORE_FORWARD)
                 with self.precision.autocast():
-                    state.outputs = state.model(
-                        microbatch["input_ids"], sequence_id=microbatch.get("sequence_id")
-                    )
+                    state.outputs = state.model(microbatch)
                 engine.run_event(Event.AFTER_FORWARD)
                 engine.run_event(Event.BEFORE_LOSS)
                 with self.precision.autocast():
-                    state.loss = self.loss_fn(state.outputs, microbatch["labels"])
+                    state.loss = self.loss_fn(state.outputs, microbatch)
                 engine.run_event(Event.AFTER_LOSS)
                 mb_tokens = loss_token_count(microbatch["labels"])
                 weight = mb_tokens * self.strategy.world_size / loss_tokens
@@ -313,8 +317,8 @@ class Trainer:
         return loss_sum
 
     def _microbatches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        size = self.state.device_train_microbatch_size or batch["input_ids"].shape[0]
-        n = batch["input_ids"].shape[0]
+        n = batch["labels"].shape[0]
+        size = self.state.device_train_microbatch_size or n
         for start in range(0, n, size):
             yield {k: v[start : start + size] for k, v in batch.items()}
 
@@ -369,11 +373,12 @@ class Trainer:
         rng = rng_state()  # evaluating (more or less often) must not change training's randomness
         state.model.eval()
         engine.run_event(Event.EVAL_BEFORE_ALL)
-        for name, dataloader in state.eval_dataloaders.items():
+        for name, value in state.eval_dataloaders.items():
             state.eval_name = name
-            metrics = LanguageMetrics(state.device)
+            evalset = eval_set(value, self.default_metrics)
+            metrics = evalset.metrics(state.device)
             engine.run_event(Event.EVAL_START)
-            for index, batch in enumerate(dataloader):
+            for index, batch in enumerate(evalset.dataloader):
                 if (
                     self.eval_subset_num_batches is not None
                     and index >= self.eval_subset_num_batches
@@ -383,9 +388,7 @@ class Trainer:
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with self.precision.autocast():
-                    state.outputs = state.model(
-                        state.batch["input_ids"], sequence_id=state.batch.get("sequence_id")
-                    )
+                    state.outputs = state.model(state.batch)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
                 metrics.update(state.outputs, state.batch, sample_mask)
                 engine.run_event(Event.EVAL_BATCH_END)

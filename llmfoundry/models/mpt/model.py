@@ -10,6 +10,7 @@ so exporting is a state dict copy. The model knows nothing of parallelism or of 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -288,7 +289,7 @@ class MPTForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | Mapping[str, torch.Tensor],
         sequence_id: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
@@ -298,7 +299,14 @@ class MPTForCausalLM(nn.Module):
         only to earlier tokens of their own document. With a `cache` (see `cache.py`),
         `input_ids` are the tokens after the cached ones: they attend to those too, and the cache
         is extended with them (decoding; `llmfoundry.models.mpt.generation`).
+
+        `input_ids` may instead be a whole batch, the trainer's ``model(batch)``
+        (`llmfoundry.trainer.model`): its ``input_ids`` and ``sequence_id`` (if any) are used.
         """
+        if isinstance(input_ids, Mapping):
+            if sequence_id is not None or cache is not None:
+                raise ValueError("pass sequence_id inside the batch; a batch takes no cache")
+            input_ids, sequence_id = input_ids["input_ids"], input_ids.get("sequence_id")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if sequence_id is not None and sequence_id.shape != input_ids.shape:
@@ -316,13 +324,18 @@ class MPTForCausalLM(nn.Module):
         return F.linear(h, self.transformer.wte.weight)
 
     @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(
+        logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Mean next-token cross-entropy over positions whose label is not -100.
 
         Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
         computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
-        microbatch adds nothing to an accumulated gradient.
+        microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
+        them (the trainer's ``model.loss(outputs, batch)``).
         """
+        if isinstance(labels, Mapping):
+            labels = labels["labels"]
         if labels.shape != logits.shape[:-1]:
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "

@@ -1,0 +1,159 @@
+"""Host synchronisations per training step, and what they cost when each one is slow.
+
+On an accelerator, reading a device value on the host (``.item()``, ``.tolist()``, ``float(t)``,
+``if t:``) waits for every kernel queued before it: the host stops queueing work and the device
+idles while it catches up. CPU has no such stall (and ``torch.cuda.set_sync_debug_mode`` is
+CUDA-only), so this counts the reads by instrumenting them, and models their cost as a fixed
+``--sync-ms`` per read (the device draining its queue) on top of the step's own time.
+
+The trainer trains a tiny MPT on in-memory batches with the callbacks and loggers a run
+usually has: console (every 10 batches), progress bar, JSONL, NaN detector, speed monitor,
+lr monitor, run status; evaluation off. Reported, over the steps after ``--warmup``: host reads
+per step (outside torch itself), the strategy's all-reduces per step (what a multi-process run
+would issue; a single process runs them as no-ops), the step's CPU time (this process's CPU
+seconds, which other jobs on a shared machine distort much less than wall time; best of
+``--repeats``), and steps/s with the modelled cost of the reads added.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py
+    PYTHONPATH=/path/to/other/checkout python bench/host_sync.py   # the same on other code
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from llmfoundry.callbacks import LRMonitor, NaNDetector, RunStatus, SpeedMonitor
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.loggers import ConsoleLogger, JSONLLogger, ProgressBarLogger
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.trainer import Callback, Trainer
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.all_reduces = 0
+        self.active = False
+
+
+def _from_torch(frame) -> bool:
+    """Reads inside torch itself are left out: its optimizers read their step counters, which
+    stay on the host even on an accelerator (``state["step"]`` is a CPU tensor)."""
+    return frame.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+@contextmanager
+def instrumented(counter: Counter) -> Iterator[None]:
+    """Count every host read of a tensor while `counter` is active."""
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def wrap(original):
+        @functools.wraps(original)
+        def read(self, *args, **kwargs):
+            if counter.active and not _from_torch(sys._getframe(1)):
+                counter.reads += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class Window(Callback):
+    """Counts from the batch after `warmup` on, and times those batches."""
+
+    def __init__(self, counter: Counter, warmup: int) -> None:
+        self.counter, self.warmup = counter, warmup
+        self.started = 0.0
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch == self.warmup:
+            self.counter.active = True
+            self.started = time.process_time()
+
+
+class CountingSingleDevice(SingleDevice):
+    def __init__(self, counter: Counter) -> None:
+        super().__init__("cpu")
+        self.counter = counter
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.counter.active:
+            self.counter.all_reduces += 1
+        return super().all_reduce_sum(tensor)
+
+
+def run(steps: int, warmup: int) -> dict[str, float]:
+    counter = Counter()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (steps, 8, 64), generator=generator)
+    batches = [{"input_ids": x, "labels": x.clone()} for x in ids]
+    config = MPTConfig(
+        d_model=64, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=256, init_device="meta"
+    )
+    window = Window(counter, warmup)
+    with tempfile.TemporaryDirectory() as run_dir, instrumented(counter):
+        trainer = Trainer(
+            model=MPTForCausalLM(config),
+            strategy=CountingSingleDevice(counter),
+            train_dataloader=batches,
+            max_duration=f"{steps}ba",
+            optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+            run_dir=run_dir,
+            callbacks=[
+                window,
+                NaNDetector(),
+                LRMonitor(),
+                SpeedMonitor(peak_flops=1e12),
+                RunStatus(),
+            ],
+            loggers=[ConsoleLogger("10ba"), ProgressBarLogger(), JSONLLogger()],
+        )
+        trainer.fit()
+        elapsed = time.process_time() - window.started
+    timed = steps - warmup
+    return {
+        "reads_per_step": counter.reads / timed,
+        "all_reduces_per_step": counter.all_reduces / timed,
+        "cpu_ms_per_step": 1000 * elapsed / timed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--sync-ms", type=float, default=2.0, help="modelled cost of one read")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = [run(args.steps, args.warmup) for _ in range(args.repeats)]
+    best = min(results, key=lambda r: r["cpu_ms_per_step"])
+    step_ms, reads = best["cpu_ms_per_step"], best["reads_per_step"]
+    print(
+        f"{reads:.2f} host reads/step, {best['all_reduces_per_step']:.2f} all-reduces/step, "
+        f"{step_ms:.2f} CPU ms/step (best of {args.repeats}): {1000 / step_ms:.1f} steps/s; "
+        f"with {args.sync_ms:g} ms per read: {1000 / (step_ms + reads * args.sync_ms):.1f} steps/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
