@@ -14,12 +14,16 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.mds import ShardReader, decompress, load_index, parse_index
 from llmfoundry.data.prep import (
+    EOS_TOKEN,
+    bytes_per_token,
     merge_indexes,
     open_doc_index,
     open_tokens,
     sources,
     text_to_tokens,
+    token_byte_lengths,
     tokens_to_mds,
+    train_bpe,
     verify_mds,
 )
 
@@ -270,6 +274,57 @@ def test_tokens_to_mds_to_fsspec_url(prepared, tmp_path):
     reports = verify_mds(url)
     assert [r.errors for r in reports] == [[], []] and reports[1].samples == 2
     fs.rm("/prep-test", recursive=True)
+
+
+def test_meta_records_tokens_and_text_bytes_per_split(prepared, corpus, tmp_path):
+    # seq_len 1 drops no token, so the splits' bytes add up to the source text's (multi-byte
+    # characters included, wherever the train/val cut falls)
+    meta = tokens_to_mds(prepared, str(tmp_path / "m"), 1, val_fraction=0.3, progress=False)
+    assert meta["dropped_tokens"] == 0
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    assert train["tokens"] + val["tokens"] == open_tokens(prepared)[1]["num_tokens"]
+    source_bytes = sum(len((corpus / rel).read_bytes()) for rel in KEPT)
+    assert train["text_bytes"] + val["text_bytes"] == source_bytes
+    assert bytes_per_token(meta, "val") == val["text_bytes"] / val["tokens"]
+    saved = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert saved["splits"]["train"]["text_bytes"] == train["text_bytes"]
+    # the same as decoding the split with the tokenizer, skipping EOS
+    rows = tokens_to_mds(prepared, str(tmp_path / "r"), 16, val_rows=3, progress=False)
+    tok = Tokenizer.from_file(str(prepared.parent / "tokenizer.json"))
+    stream = open_tokens(prepared)[0]
+    ids = [int(t) for t in stream[: rows["splits"]["train"]["tokens"]]]
+    decoded = tok.decode(ids, skip_special_tokens=True).encode("utf-8")
+    assert rows["splits"]["train"]["text_bytes"] == len(decoded)
+
+
+def test_token_byte_lengths_exact_for_byte_level_only():
+    tok = train_bpe(["naïve café ☕ " * 20, "def f(x):\n    return x"], 300)
+    lengths = token_byte_lengths(tok)
+    text = "naïve ☕ café, return x"
+    ids = tok.encode(text).ids + [tok.token_to_id(EOS_TOKEN)]
+    assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+    assert lengths[tok.token_to_id(EOS_TOKEN)] == 0
+    word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert token_byte_lengths(word_level) is None
+
+
+def test_bytes_per_token_none_where_not_recorded():
+    assert bytes_per_token({}, "val") is None
+    old = {"splits": {"val": {"rows": 2, "shards": 1, "folder": "val"}}}  # written before
+    assert bytes_per_token(old, "val") is None and bytes_per_token(old, "train") is None
+    assert bytes_per_token({"splits": {"val": {"tokens": 4, "text_bytes": None}}}, "val") is None
+    assert bytes_per_token({"splits": {"val": {"tokens": 4, "text_bytes": 10}}}, "val") == 2.5
+
+
+def test_token_ids_outside_the_tokenizer_are_refused(prepared, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tokens, meta = open_tokens(prepared)
+    np.full(64, 299 + 1000, np.uint16).tofile(bad / "tokens.bin")
+    shutil.copy(prepared.parent / "tokenizer.json", bad / "tokenizer.json")
+    (bad / "tokens.json").write_text(json.dumps({**meta, "num_tokens": 64}))
+    with pytest.raises(ValueError, match="token id 1299 is not in .*tokenizer.json"):
+        tokens_to_mds(bad / "tokens.bin", str(tmp_path / "m"), 8, progress=False)
 
 
 def test_split_errors(prepared, tmp_path):

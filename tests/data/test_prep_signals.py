@@ -114,11 +114,11 @@ def test_text_to_tokens_stops_its_workers_and_cleans_up(big_corpus, tmp_path, si
 def test_tokens_to_mds_never_leaves_shards_without_an_index(tmp_path):
     # a token stream made directly: 3M tokens -> ~375k rows of 8 tokens, many small shards
     tokens = tmp_path / "tokens.bin"
-    np.arange(3_000_000, dtype=np.uint16).tofile(tokens)
-    (tmp_path / "tokenizer.json").write_text("{}")
+    (np.arange(3_000_000) % 257).astype(np.uint16).tofile(tokens)  # ids of a 257-token BPE
+    train_bpe(["a b"], 257).save(str(tmp_path / "tokenizer.json"))
     sidecar = {
         "format": TOKENS_FORMAT, "version": 1, "tokens_file": "tokens.bin", "dtype": "uint16",
-        "num_tokens": 3_000_000, "tokenizer": "tokenizer.json", "vocab_size": 65536,
+        "num_tokens": 3_000_000, "tokenizer": "tokenizer.json", "vocab_size": 257,
         "eos_id": 0, "bos_id": None, "fingerprint": "x",
     }  # fmt: skip
     (tmp_path / "tokens.json").write_text(json.dumps(sidecar))

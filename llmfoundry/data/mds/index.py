@@ -88,11 +88,7 @@ class FileInfo:
             f"unknown {sorted(keys - _FILE_KEYS)}, missing {sorted(_FILE_KEYS - keys)}",
         )
         size, hashes = obj["bytes"], obj["hashes"]
-        _require(
-            isinstance(size, int) and not isinstance(size, bool) and size >= 0,
-            where,
-            f"'bytes' must be a non-negative integer, got {size!r}",
-        )
+        _require(_is_count(size), where, f"'bytes' must be a non-negative integer, got {size!r}")
         _require(
             isinstance(hashes, dict)
             and all(is_hash(k) and isinstance(v, str) for k, v in hashes.items()),
@@ -149,53 +145,9 @@ class ShardInfo:
     @classmethod
     def from_json(cls, obj: Any, where: str = "shard") -> ShardInfo:
         """Validate and convert one index.json shard entry; errors name ``where``."""
-        _require(isinstance(obj, dict), where, f"expected an object, got {obj!r:.80}")
-        keys = set(obj)
-        unknown, missing = sorted(keys - SHARD_KEYS), sorted(SHARD_KEYS - keys)
-        _require(
-            not unknown and not missing,
-            where,
-            (f"unknown key(s) {unknown}" if unknown else "")
-            + ("; " if unknown and missing else "")
-            + (f"missing key(s) {missing}" if missing else "")
-            + f" (an MDS shard entry has exactly {sorted(SHARD_KEYS)})",
-        )
-        _require(
-            obj["format"] == "mds",
-            where,
-            f"format {obj['format']!r} is not supported; only 'mds' shards can be read",
-        )
-        _require(obj["version"] == 2, where, f"version must be 2, got {obj['version']!r}")
-        names, encs, sizes = obj["column_names"], obj["column_encodings"], obj["column_sizes"]
-        _require(
-            all(isinstance(x, list) for x in (names, encs, sizes))
-            and len(names) == len(encs) == len(sizes)
-            and len(names) > 0,
-            where,
-            "column_names, column_encodings and column_sizes must be non-empty lists of "
-            "equal length",
-        )
-        _require(
-            all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names),
-            where,
-            f"column_names must be distinct non-empty strings, got {names}",
-        )
-        for name, enc, size in zip(names, encs, sizes, strict=True):
-            try:
-                coder = get_encoding(enc)
-            except (ValueError, TypeError) as err:
-                raise ValueError(f"{where}: column {name!r}: {err}") from None
-            _require(
-                coder.size == size,
-                where,
-                f"column {name!r} ({enc}) has size {size!r} but its encoding gives {coder.size}",
-            )
-        compression = obj["compression"]
-        _require(
-            compression is None or (isinstance(compression, str) and is_compression(compression)),
-            where,
-            f"unknown compression {compression!r}",
-        )
+        _check_shard_keys(obj, where)
+        names, encs, sizes = _check_columns(obj, where)
+        compression, raw, zipped = _check_files(obj, where)
         hashes = obj["hashes"]
         _require(
             isinstance(hashes, list) and all(isinstance(h, str) and is_hash(h) for h in hashes),
@@ -204,31 +156,13 @@ class ShardInfo:
         )
         samples, size_limit = obj["samples"], obj["size_limit"]
         _require(
-            isinstance(samples, int) and not isinstance(samples, bool) and samples >= 0,
-            where,
-            f"samples must be a non-negative integer, got {samples!r}",
+            _is_count(samples), where, f"samples must be a non-negative integer, got {samples!r}"
         )
         _require(
             size_limit is None or (isinstance(size_limit, int) and size_limit > 0),
             where,
             f"size_limit must be a positive integer or null, got {size_limit!r}",
         )
-        raw = FileInfo.from_json(obj["raw_data"], f"{where} raw_data")
-        zipped = None
-        if obj["zip_data"] is not None:
-            zipped = FileInfo.from_json(obj["zip_data"], f"{where} zip_data")
-        _require(
-            (compression is None) == (zipped is None),
-            where,
-            "zip_data must be given exactly when compression is set",
-        )
-        if zipped is not None:
-            _require(
-                zipped.basename.endswith("." + extension(compression)),
-                where,
-                f"zip_data basename {zipped.basename!r} does not end in "
-                f"'.{extension(compression)}'",
-            )
         return cls(
             column_encodings=tuple(encs),
             column_names=tuple(names),
@@ -284,6 +218,86 @@ class ShardInfo:
             size_limit=self.size_limit,
             zip_data=moved(self.zip_data) if self.zip_data else None,
         )
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative JSON integer (``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_shard_keys(obj: Any, where: str) -> None:
+    """An object with exactly the MDS shard keys, of format 'mds' version 2."""
+    _require(isinstance(obj, dict), where, f"expected an object, got {obj!r:.80}")
+    keys = set(obj)
+    unknown, missing = sorted(keys - SHARD_KEYS), sorted(SHARD_KEYS - keys)
+    _require(
+        not unknown and not missing,
+        where,
+        (f"unknown key(s) {unknown}" if unknown else "")
+        + ("; " if unknown and missing else "")
+        + (f"missing key(s) {missing}" if missing else "")
+        + f" (an MDS shard entry has exactly {sorted(SHARD_KEYS)})",
+    )
+    _require(
+        obj["format"] == "mds",
+        where,
+        f"format {obj['format']!r} is not supported; only 'mds' shards can be read",
+    )
+    _require(obj["version"] == 2, where, f"version must be 2, got {obj['version']!r}")
+
+
+def _check_columns(obj: dict[str, Any], where: str) -> tuple[list, list, list]:
+    """The entry's column names, encodings and sizes: aligned, distinct, sizes as encoded."""
+    names, encs, sizes = obj["column_names"], obj["column_encodings"], obj["column_sizes"]
+    _require(
+        all(isinstance(x, list) for x in (names, encs, sizes))
+        and len(names) == len(encs) == len(sizes)
+        and len(names) > 0,
+        where,
+        "column_names, column_encodings and column_sizes must be non-empty lists of equal length",
+    )
+    _require(
+        all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names),
+        where,
+        f"column_names must be distinct non-empty strings, got {names}",
+    )
+    for name, enc, size in zip(names, encs, sizes, strict=True):
+        try:
+            coder = get_encoding(enc)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{where}: column {name!r}: {err}") from None
+        _require(
+            coder.size == size,
+            where,
+            f"column {name!r} ({enc}) has size {size!r} but its encoding gives {coder.size}",
+        )
+    return names, encs, sizes
+
+
+def _check_files(obj: dict[str, Any], where: str) -> tuple[str | None, FileInfo, FileInfo | None]:
+    """The entry's compression and its raw and compressed files, consistent with each other."""
+    compression = obj["compression"]
+    _require(
+        compression is None or (isinstance(compression, str) and is_compression(compression)),
+        where,
+        f"unknown compression {compression!r}",
+    )
+    raw = FileInfo.from_json(obj["raw_data"], f"{where} raw_data")
+    zipped = None
+    if obj["zip_data"] is not None:
+        zipped = FileInfo.from_json(obj["zip_data"], f"{where} zip_data")
+    _require(
+        (compression is None) == (zipped is None),
+        where,
+        "zip_data must be given exactly when compression is set",
+    )
+    if zipped is not None:
+        _require(
+            zipped.basename.endswith("." + extension(compression)),
+            where,
+            f"zip_data basename {zipped.basename!r} does not end in '.{extension(compression)}'",
+        )
+    return compression, raw, zipped
 
 
 def parse_index(text: str | bytes, source: str = INDEX_NAME) -> list[ShardInfo]:

@@ -16,12 +16,14 @@ from llmfoundry.data.prep.tokenizer import (
     PreparedTokenizer,
     load_tokenizer,
     prepare_tokenizer,
+    token_byte_lengths,
     train_bpe,
 )
-from llmfoundry.data.prep.tokens_to_mds import split_rows, tokens_to_mds
+from llmfoundry.data.prep.tokens_to_mds import bytes_per_token, split_rows, tokens_to_mds
 
 __all__ = [
     "EOS_TOKEN",
+    "bytes_per_token",
     "IndexReport",
     "PreparedTokenizer",
     "Task",
@@ -37,6 +39,7 @@ __all__ = [
     "sidecar_path",
     "split_rows",
     "text_to_tokens",
+    "token_byte_lengths",
     "tokens_to_mds",
     "train_bpe",
     "verify_mds",

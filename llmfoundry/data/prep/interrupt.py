@@ -55,5 +55,7 @@ def exit_on_interrupt() -> Iterator[None]:
         with stop_on_signals():
             yield
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM (Terminated)
-        sys.stderr.write(f"interrupted ({str(err) or 'SIGINT'}): stopped, temporary output removed\n")
+        sys.stderr.write(
+            f"interrupted ({str(err) or 'SIGINT'}): stopped, temporary output removed\n"
+        )
         raise SystemExit(128 + getattr(err, "signum", signal.SIGINT)) from None

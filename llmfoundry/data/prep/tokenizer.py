@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmfoundry.utils import storage
@@ -26,6 +27,7 @@ __all__ = [
     "load_tokenizer",
     "prepare",
     "prepare_tokenizer",
+    "token_byte_lengths",
     "train_bpe",
 ]
 
@@ -81,6 +83,33 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def token_byte_lengths(tok: Tokenizer) -> np.ndarray | None:
+    """The UTF-8 bytes of decoded text each token id stands for (0 for special tokens such as
+    EOS), indexed by id; None when decoding is not a sum over tokens.
+
+    Exact for a byte-level BPE (a ``ByteLevel`` decoder, as :func:`train_bpe` makes): every
+    character of a vocabulary entry is one byte, so the bytes of any token sequence decoded with
+    ``skip_special_tokens`` are the sum of its tokens' lengths, even for a sequence cut inside a
+    multi-byte character. Other tokenizers (SentencePiece's spaces, byte fallback) decode a
+    sequence to something else than its tokens' pieces joined, so they get None, not a guess.
+    """
+    if not isinstance(tok.decoder, decoders.ByteLevel):
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    added = tok.get_added_tokens_decoder()
+    vocab = tok.get_vocab(with_added_tokens=True)
+    lengths = np.zeros(max(vocab.values(), default=-1) + 1, np.int64)
+    for token, token_id in vocab.items():
+        if token_id in added:
+            special = added[token_id].special
+            lengths[token_id] = 0 if special else len(tok.decode([token_id]).encode("utf-8"))
+        elif set(token) <= alphabet:
+            lengths[token_id] = len(token)
+        else:
+            return None  # not a byte-level vocabulary after all
+    return lengths
 
 
 def _token_id(tok: Tokenizer, token: str, flag: str) -> int:

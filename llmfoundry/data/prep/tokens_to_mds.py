@@ -12,24 +12,33 @@ vocabularies): fixed size, so a reader maps a whole shard as one ``[rows, L]`` a
 Validation rows are the stream's tail, contiguous, so no training row shares text with them
 (apart from the one document that may straddle the boundary). meta.json is written last and
 records the inputs, so a rerun with the same inputs is recognised and skipped.
+
+Each split in meta.json also records its ``tokens`` and the UTF-8 ``text_bytes`` they decode to
+(special tokens such as EOS count nothing), so a loss per token converts to bits per byte, a
+number that compares models with different tokenizers (:func:`bytes_per_token`). The bytes are
+exact for a byte-level BPE (see ``tokenizer.token_byte_lengths``); for other tokenizers
+``text_bytes`` is null.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 
-__all__ = ["MDS_META_FORMAT", "split_rows", "tokens_to_mds"]
+__all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "tokens_to_mds"]
 
 MDS_META_FORMAT = "llmfoundry.mds-tokens"
 
@@ -84,7 +93,6 @@ def tokens_to_mds(
         )
     n_val = split_rows(rows, val_fraction, val_rows)
     out = str(out)
-    fs, root = storage.url_to_fs(out)
     settings = {
         "source": source["fingerprint"],
         "num_tokens": source["num_tokens"],
@@ -96,57 +104,123 @@ def tokens_to_mds(
         "version": 1,
     }
     key = settings_fingerprint(settings)
-    meta_url = join_url(root, "meta.json")
-    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
-    if is_reusable(previous, key, overwrite, out):
-        return {**previous, "reused": True}
+    previous = _previous_output(out, key, overwrite)
     if previous is not None:
-        fs.rm(meta_url)  # the old meta must not describe half-rewritten splits
-    merged_index = join_url(root, "index.json")  # from `mds_tools.py merge`; stale once rewritten
-    if overwrite and fs.exists(merged_index):
-        fs.rm(merged_index)
+        return {**previous, "reused": True}
 
-    dtype = stream.dtype.name
-    columns = {"tokens": f"ndarray:{dtype}:{seq_len}"}
+    tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
+    byte_lengths = token_byte_lengths(load_tokenizer(tok_src))
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
     written = {}
     for name, (start, stop) in splits.items():
-        if stop == start:
-            continue
-        with MDSWriter(
-            join_url(out, name),
-            columns,
-            compression=compression,
-            hashes=hashes,
-            size_limit=size_limit,
-            exist_ok=overwrite,
-        ) as writer:
-            for row in range(start, stop):
-                writer.write({"tokens": stream[row * seq_len : (row + 1) * seq_len]})
-                bar.update(1)
-        written[name] = {"rows": stop - start, "shards": len(writer.shards), "folder": name}
+        if stop > start:
+            rows_of_split = stream[start * seq_len : stop * seq_len].reshape(-1, seq_len)
+            written[name] = _write_split(
+                rows_of_split, join_url(out, name), compression, hashes, size_limit, overwrite, bar
+            )
+            written[name]["text_bytes"] = _text_bytes(rows_of_split, byte_lengths, tok_src)
     bar.close()
+    fs, root = storage.url_to_fs(out)
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
-    tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
     fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
     meta = {
         "format": MDS_META_FORMAT,
         "version": 1,
         "seq_len": seq_len,
-        "dtype": dtype,
+        "dtype": stream.dtype.name,
         "column": "tokens",
-        "encoding": columns["tokens"],
+        "encoding": _encoding(stream.dtype, seq_len),
         "vocab_size": source["vocab_size"],
         "eos_id": source["eos_id"],
         "bos_id": source["bos_id"],
         "tokenizer": "tokenizer.json",
-        "splits": written,
+        "splits": {name: {**info, "folder": name} for name, info in written.items()},
         "dropped_tokens": len(stream) - rows * seq_len,
         "source_tokens": str(tokens),
         "fingerprint": key,
     }
+    meta_url = join_url(root, "meta.json")
     fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return {**meta, "reused": False}
+
+
+def _previous_output(out: str, key: str, overwrite: bool) -> dict[str, Any] | None:
+    """meta.json of an output made with fingerprint ``key`` (to reuse), else None.
+
+    Before a rewrite the old meta.json goes first (it must not describe half-rewritten splits),
+    and with ``overwrite`` a merged index from ``mds_tools.py merge`` (stale once rewritten).
+    """
+    fs, root = storage.url_to_fs(out)
+    meta_url = join_url(root, "meta.json")
+    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
+    if is_reusable(previous, key, overwrite, out):
+        return previous
+    if previous is not None:
+        fs.rm(meta_url)
+    merged_index = join_url(root, "index.json")
+    if overwrite and fs.exists(merged_index):
+        fs.rm(merged_index)
+    return None
+
+
+def _encoding(dtype: np.dtype, seq_len: int) -> str:
+    return f"ndarray:{dtype.name}:{seq_len}"
+
+
+def _write_split(
+    rows: np.ndarray,
+    url: str,
+    compression: str | None,
+    hashes: tuple[str, ...] | list[str],
+    size_limit: int | str | None,
+    overwrite: bool,
+    bar: tqdm,
+) -> dict[str, Any]:
+    """Write ``rows`` ([n, seq_len] tokens) as one MDS dataset at ``url``; return its counts."""
+    columns = {"tokens": _encoding(rows.dtype, rows.shape[1])}
+    with MDSWriter(
+        url,
+        columns,
+        compression=compression,
+        hashes=hashes,
+        size_limit=size_limit,
+        exist_ok=overwrite,
+    ) as writer:
+        for row in rows:
+            writer.write({"tokens": row})
+            bar.update(1)
+    return {"rows": len(rows), "shards": len(writer.shards), "tokens": rows.size}
+
+
+def _text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None, tokenizer: Path) -> int | None:
+    """UTF-8 bytes the tokens of ``rows`` decode to (see ``token_byte_lengths``), in chunks."""
+    if byte_lengths is None:
+        return None
+    flat = rows.reshape(-1)
+    total = 0
+    for start in range(0, flat.size, 1 << 24):
+        chunk = flat[start : start + (1 << 24)]
+        if chunk.size and int(chunk.max()) >= len(byte_lengths):
+            raise ValueError(
+                f"token id {int(chunk.max())} is not in {tokenizer} ({len(byte_lengths)} ids); "
+                "the token stream was made with another tokenizer: redo text_to_tokens.py"
+            )
+        total += int(byte_lengths[chunk].sum())
+    return total
+
+
+def bytes_per_token(meta: Mapping[str, Any], split: str) -> float | None:
+    """Text bytes per token of ``split`` in a meta.json, or None where it is not recorded.
+
+    Bits per byte = loss / ln 2 / bytes_per_token (a loss in nats per token). None for a split
+    the dataset lacks, a tokenizer that is not byte-level, or meta.json written before this was
+    recorded (rerun tokens_to_mds.py with --overwrite to add it).
+    """
+    info = (meta.get("splits") or {}).get(split) or {}
+    tokens, text_bytes = info.get("tokens"), info.get("text_bytes")
+    if not tokens or not text_bytes:
+        return None
+    return text_bytes / tokens
