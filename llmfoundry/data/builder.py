@@ -16,7 +16,10 @@ and its default is defined once, in the signature that takes it; the config sche
 ``eval_datasets`` adds eval sets by label, each read from ``eval_split``: a remote (the same
 dataset kind, every other argument as the main data's), a mapping of arguments to change, or a
 dataset node of its own (with ``_target_``). A node that sets none of remote/local/streams
-reads the group's remote.
+reads the group's remote. An entry that names any of remote/local/streams takes none of the
+main data's, so it never caches in the main data's ``local`` (both hold an ``eval_split``
+folder): its cache is its own ``local``, else the default per-remote temp folder (also where a
+local folder of compressed shards is decompressed).
 """
 
 from __future__ import annotations
