@@ -8,6 +8,7 @@ import torch
 
 from llmfoundry.trainer.engine import Algorithm, Logger
 from llmfoundry.trainer.events import Event
+from llmfoundry.trainer.metrics import DeviceScalar
 from llmfoundry.trainer.state import State
 
 
@@ -32,6 +33,9 @@ class GradientClipping(Algorithm):
         params = [p for p in state.model.parameters() if p.grad is not None]
         if self.clipping_type == "norm":
             norm = torch.nn.utils.clip_grad_norm_(params, self.threshold)
-            logger.log_metrics({"grad/norm": float(norm)})
+            if hasattr(norm, "full_tensor"):  # sharded (DTensor): gather it now, on every rank
+                norm = norm.full_tensor()
+            # On the device: loggers read it at their intervals, so clipping never waits for it.
+            logger.log_metrics({"grad/norm": DeviceScalar(norm)})
         else:
             torch.nn.utils.clip_grad_value_(params, self.threshold)

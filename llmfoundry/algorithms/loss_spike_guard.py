@@ -34,6 +34,8 @@ class LossSpikeGuard(Algorithm):
     `max_consecutive` skipped batches in a row training stops with an error.
 
     The loss is the global batch loss, the same on every rank, so all ranks skip together.
+    Judging each batch before its step means reading its loss on the host: with this algorithm
+    on, the host waits for the device once per batch (`State.batch_loss`).
     """
 
     def __init__(

@@ -5,7 +5,9 @@ after every evaluation, or the training loss ``loss/train``, checked after every
 Patience is a Time (``"500ba"``, ``"2ep"``, ``"1e8tok"``, ``"0.1dur"``, ``"30min"``) measured
 from the batch of the best value so far: the run stops at the first check where the metric has
 not improved by more than `min_delta` for at least that long. Every rank sees the same
-(all-reduced) metric, so all ranks stop at the same batch.
+(all-reduced) metric, so all ranks stop at the same batch. Monitoring ``loss/train`` reads the
+loss every batch, so the host waits for the device once per batch (`State.batch_loss`); an eval
+metric costs nothing between evaluations.
 """
 
 from __future__ import annotations

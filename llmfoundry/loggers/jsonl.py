@@ -2,8 +2,10 @@
 
 Each line is ``{"step": <batches trained>, "time": <unix seconds>, "metrics": {name: value}}``;
 the first line of a run is ``{"time": ..., "hyperparameters": {...}}`` (secrets removed).
-Non-finite values are written as null, so every line is strict JSON. Lines are flushed as they
-are written: a crashed run keeps everything it logged. A resumed run appends to the same file
+Non-finite values are written as null, so every line is strict JSON. Lines are written every
+`flush_interval` (values still on the device are read then, `llmfoundry.loggers.buffered`), at
+evaluations, at the end and at close, and flushed to disk as they are written: a run that fails
+keeps everything it logged, a killed one all but its last interval. A resumed run appends to the same file
 and re-logs the steps after its checkpoint; readers keep the last value of a step
 (`llmfoundry.loggers.plot.read_metrics`). Only rank 0 writes.
 """
@@ -16,14 +18,17 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
+from llmfoundry.loggers.buffered import BufferedDestination
+from llmfoundry.trainer.engine import Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_secrets
 
 
-class JSONLLogger(LoggerDestination):
-    def __init__(self, path: str = "metrics.jsonl") -> None:
+class JSONLLogger(BufferedDestination):
+    def __init__(self, path: str = "metrics.jsonl", flush_interval: TimeString = "10ba") -> None:
         """`path`: the file; a relative path is inside the run folder."""
+        super().__init__(flush_interval)
         self.path = path
         self._file: IO[str] | None = None
 
@@ -38,8 +43,8 @@ class JSONLLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._write({"time": time.time(), "hyperparameters": redact_secrets(hyperparameters)})
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        values = {k: float(v) if math.isfinite(float(v)) else None for k, v in metrics.items()}
+    def write_metrics(self, metrics: dict[str, float], step: int) -> None:
+        values = {k: v if math.isfinite(v) else None for k, v in metrics.items()}
         self._write({"step": step, "time": time.time(), "metrics": values})
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -47,6 +52,7 @@ class JSONLLogger(LoggerDestination):
             self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
 
     def close(self) -> None:
+        self.flush()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -3,7 +3,8 @@
 On a terminal it is a tqdm bar on stderr. When stderr is not a terminal (a log file, a cluster
 job's output) a bar redrawn with carriage returns would turn into one unreadable line, so the
 same status (tqdm's format) is printed as a plain line every `non_tty_interval` seconds and at
-the end. Only rank 0 shows progress.
+the end. Only rank 0 shows progress. The loss shown is read (the host waits for the device) only
+when the status is redrawn with it: at most once a second on a terminal, at each plain line.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from llmfoundry.trainer.engine import Logger, LoggerDestination
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import TimeUnit
 
+# Seconds between reads of the loss for a terminal's bar (tqdm redraws up to 10 times a second).
+_LOSS_REFRESH_S = 1.0
 _COUNTERS = {TimeUnit.BATCH: "ba", TimeUnit.SAMPLE: "sp", TimeUnit.TOKEN: "tok"}
 
 
@@ -83,12 +86,16 @@ class ProgressBarLogger(LoggerDestination):
         progress = min(state.elapsed(state.max_duration), 1.0)
         if self._exact is None and progress > 0:
             self._total = round(self._count / progress)
-        self._postfix = f"loss={state.train_loss:.4f}"
+        now = perf_counter()
         if self._bar is not None:
+            if now - self._last_print >= _LOSS_REFRESH_S or state.finished:
+                self._last_print = now
+                self._postfix = f"loss={state.train_loss:.4f}"
+                self._bar.set_postfix_str(self._postfix, refresh=False)
             self._bar.total = self._total
             self._bar.update(self._count - self._bar.n)
-            self._bar.set_postfix_str(self._postfix, refresh=False)
-        elif perf_counter() - self._last_print >= self.non_tty_interval or state.finished:
+        elif now - self._last_print >= self.non_tty_interval or state.finished:
+            self._postfix = f"loss={state.train_loss:.4f}"
             self._print_line()
 
     def _print_line(self) -> None:

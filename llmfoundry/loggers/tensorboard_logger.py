@@ -10,15 +10,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
+from llmfoundry.loggers.buffered import BufferedDestination
+from llmfoundry.trainer.engine import Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_secrets
 
 
-class TensorBoardLogger(LoggerDestination):
-    def __init__(self, log_dir: str = "tensorboard", flush_secs: int = 30) -> None:
-        """`log_dir`: a relative path is inside the run folder. Events are flushed to disk at
+class TensorBoardLogger(BufferedDestination):
+    def __init__(
+        self,
+        log_dir: str = "tensorboard",
+        flush_secs: int = 30,
+        flush_interval: TimeString = "10ba",
+    ) -> None:
+        """`log_dir`: a relative path is inside the run folder. Scalars are handed to the writer
+        every `flush_interval` (`llmfoundry.loggers.buffered`), which writes them to disk at
         least every `flush_secs` seconds, and at close."""
+        super().__init__(flush_interval)
         if flush_secs < 1:
             raise ValueError(f"flush_secs must be >= 1, got {flush_secs}")
         self.log_dir = log_dir
@@ -48,13 +57,14 @@ class TensorBoardLogger(LoggerDestination):
             "hyperparameters", "\n".join("    " + line for line in text.splitlines())
         )
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def write_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._writer is None:
             return
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 
     def close(self) -> None:
+        self.flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None

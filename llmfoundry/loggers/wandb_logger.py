@@ -12,12 +12,14 @@ import os
 import sys
 from typing import Any
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
+from llmfoundry.loggers.buffered import BufferedDestination
+from llmfoundry.trainer.engine import Logger
 from llmfoundry.trainer.state import State
+from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_argv, redact_secrets
 
 
-class WandBLogger(LoggerDestination):
+class WandBLogger(BufferedDestination):
     def __init__(
         self,
         project: str | None = None,
@@ -28,10 +30,13 @@ class WandBLogger(LoggerDestination):
         mode: str | None = None,
         dir: str | None = None,
         init_kwargs: dict[str, Any] | None = None,
+        flush_interval: TimeString = "10ba",
     ) -> None:
         """`mode`: online, offline or disabled (default: ``WANDB_MODE``, else online).
         `init_kwargs`: any further `wandb.init` arguments (e.g. ``id`` and ``resume: allow`` to
-        continue a W&B run after a restart)."""
+        continue a W&B run after a restart). Metrics are sent every `flush_interval`
+        (`llmfoundry.loggers.buffered`)."""
+        super().__init__(flush_interval)
         self.init_args = {
             "project": project,
             "entity": entity,
@@ -70,11 +75,12 @@ class WandBLogger(LoggerDestination):
         if self._run is not None:
             self._run.config.update(redact_secrets(hyperparameters), allow_val_change=True)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def write_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._run is not None:
             self._run.log(dict(metrics), step=step)
 
     def close(self) -> None:
+        self.flush()
         if self._run is not None:
             self._run.finish()
             self._run = None

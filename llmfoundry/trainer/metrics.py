@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,44 @@ def loss_token_count(labels: torch.Tensor) -> torch.Tensor:
     A tensor on the labels' device, so counting needs no host synchronisation.
     """
     return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+class DeviceScalar:
+    """A number still on the device (a batch's loss, a gradient norm), read when needed.
+
+    Reading it (``float()``, formatting) makes the host wait for the device's queued work, once:
+    the value is kept, so later reads are free. Logger destinations receive these among plain
+    floats and read them when they write (`llmfoundry.loggers.buffered`); checks that can stay
+    on the device (NaN detection) use `tensor`.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._value: float | None = None
+
+    def __float__(self) -> float:
+        if self._value is None:
+            self._value = self.tensor.item()
+        return self._value
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __repr__(self) -> str:
+        return f"DeviceScalar({float(self)!r})"
+
+
+def read_all(values: Iterable[Any]) -> None:
+    """Read the unread `DeviceScalar`s among `values` with one wait for the device, not one
+    each (a destination writing many batches' records at once)."""
+    by_device: dict[torch.device, list[DeviceScalar]] = {}
+    for value in values:
+        if isinstance(value, DeviceScalar) and value._value is None:
+            by_device.setdefault(value.tensor.device, []).append(value)
+    for unread in by_device.values():
+        stacked = torch.stack([v.tensor.detach().double().reshape(()) for v in unread])
+        for scalar, number in zip(unread, stacked.tolist(), strict=True):
+            scalar._value = number
 
 
 class LanguageMetrics:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from llmfoundry.trainer.metrics import DeviceScalar
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
 
@@ -41,8 +42,10 @@ class State:
     batch: dict[str, torch.Tensor] | None = None
     outputs: torch.Tensor | None = None
     loss: torch.Tensor | None = None
-    # The whole batch's loss, averaged over its loss tokens, after the optimizer step.
-    train_loss: float | None = None
+    # The whole batch's loss, averaged over its loss tokens (NaN if it had none), from
+    # AFTER_TRAIN_BATCH on; kept on the device so that training never waits for it: read it as
+    # `train_loss` only where a number is needed (log intervals), or check `.tensor` on the device.
+    batch_loss: DeviceScalar | None = None
     # Name of the evaluation set being run, and metrics by "eval/<name>/<metric>".
     eval_name: str | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)
@@ -58,6 +61,11 @@ class State:
     # The distributed strategy (llmfoundry.distributed): checkpoints get and set model and
     # optimizer state through it.
     strategy: Any = None
+
+    @property
+    def train_loss(self) -> float | None:
+        """The batch's loss as a number: the first read of each batch waits for the device."""
+        return None if self.batch_loss is None else float(self.batch_loss)
 
     def elapsed(self, duration: Time, timestamp: Timestamp | None = None) -> float:
         """How much of `duration` has passed at `timestamp` (default: now), as a fraction.

@@ -21,7 +21,7 @@ from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
 from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import SAMPLE_MASK, loss_token_count
+from llmfoundry.trainer.metrics import SAMPLE_MASK, DeviceScalar, loss_token_count
 from llmfoundry.trainer.model import EvalSet, eval_set, loss_fn, metrics_factory
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.state import State
@@ -122,6 +122,9 @@ class Trainer:
         self.engine.run_event(Event.INIT)
         self._preemption = Preemption()
         self._preempted = False
+        self._signalled = False  # preemption agreed by all ranks (`_global_counts`)
+        # One process: the first batch without loss tokens, on the device (-1: none yet).
+        self._no_loss_tokens = torch.full((), -1, dtype=torch.long, device=self.state.device)
         # RNG states of a loaded checkpoint still to be restored (see `load`).
         self._resume_rng: dict[str, Any] | None = None
         if load_path:
@@ -155,6 +158,7 @@ class Trainer:
                     self.evaluate()
                 while not state.finished:
                     self._train_epoch()
+                self._check_loss_tokens()
                 if self._preempted:  # saved at BATCH_CHECKPOINT; resumable, so no FIT_END
                     log.info("preempted: stopped after batch %d", state.timestamp.batch)
                     return state
@@ -224,12 +228,54 @@ class Trainer:
             yield
 
     def _preemption_requested(self) -> bool:
-        """Whether any rank got SIGTERM/SIGINT; all ranks agree, so they stop at one batch."""
-        flag = float(self._preemption.signal is not None)
-        if self.strategy.world_size > 1:
-            tensor = torch.tensor([flag], device=self.state.device)
-            flag = self.strategy.all_reduce_sum(tensor).item()
-        return flag > 0
+        """Whether any rank got SIGTERM/SIGINT; all ranks agree, so they stop at one batch.
+
+        One process looks after each batch. Several learn it from the step's count all-reduce
+        (`_global_counts`, no collective of its own), so a signal that arrives after that
+        all-reduce stops them one batch later.
+        """
+        if self.strategy.world_size == 1:
+            return self._preemption.signal is not None
+        return self._signalled
+
+    def _global_counts(self, labels: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """Samples and tokens of the global batch (numbers: the timestamp needs them), and its
+        loss tokens (a device tensor: only the loss weighting needs them).
+
+        One process takes the first two from the shape and never waits for the device; a batch
+        without loss tokens is recorded on the device and reported at the next evaluation or the
+        end of training (`_check_loss_tokens`). Several processes need one all-reduce for the
+        counts anyway: it carries the preemption flag too, and reading it is the step's one host
+        sync (a batch without loss tokens fails right there).
+        """
+        state = self.state
+        loss_tokens = loss_token_count(labels).double()
+        if self.strategy.world_size == 1:
+            empty = (self._no_loss_tokens < 0) & (loss_tokens == 0)
+            self._no_loss_tokens = torch.where(empty, state.timestamp.batch, self._no_loss_tokens)
+            return labels.shape[0], labels.numel(), loss_tokens
+        signalled = float(self._preemption.signal is not None)
+        local = torch.tensor(
+            [labels.shape[0], labels.numel(), signalled], dtype=torch.float64, device=state.device
+        )
+        counts = self.strategy.all_reduce_sum(torch.cat([local, loss_tokens[None]]))
+        samples, tokens, signalled, total_loss_tokens = counts.tolist()
+        self._signalled = signalled > 0
+        if total_loss_tokens == 0:
+            raise ValueError(
+                f"training batch {state.timestamp.batch + 1} has no loss tokens: every label is "
+                "-100"
+            )
+        return int(samples), int(tokens), counts[3]
+
+    def _check_loss_tokens(self) -> None:
+        """Raise if a batch had no loss tokens (one process; `_global_counts`)."""
+        batch = int(self._no_loss_tokens)
+        if batch >= 0:
+            raise ValueError(
+                f"training batch {batch + 1} had no loss tokens (every label is -100); its step "
+                "changed nothing but the optimizer's state. Check the data and its label masking"
+            )
 
     def _train_batch(self) -> None:
         """One optimizer step over the batch, split into microbatches.
@@ -247,17 +293,10 @@ class Trainer:
         state, engine = self.state, self.engine
         started = time.perf_counter()
         batch = state.batch
-        labels = batch["labels"]
-        counts = torch.tensor(
-            [labels.shape[0], labels.numel(), 0], dtype=torch.float64, device=state.device
-        )
-        counts[2] = loss_token_count(labels)
-        samples, tokens, loss_tokens = self.strategy.all_reduce_sum(counts).tolist()
-        if loss_tokens == 0:
-            raise ValueError("a training batch has no loss tokens: every label is -100")
+        samples, tokens, loss_tokens = self._global_counts(batch["labels"])
         engine.run_event(Event.BEFORE_TRAIN_BATCH)
         if self.auto_microbatching and state.device_train_microbatch_size is None:
-            state.device_train_microbatch_size = labels.shape[0]
+            state.device_train_microbatch_size = batch["labels"].shape[0]
         while True:
             try:
                 loss_sum = self._accumulate_gradients(batch, loss_tokens)
@@ -276,17 +315,18 @@ class Trainer:
             self._retry_with_smaller_microbatches(batch)
         state.batch = batch
         state.outputs = None
-        state.train_loss = self.strategy.all_reduce_sum(loss_sum).item() / loss_tokens
+        # On the device: nothing here waits for it (`State.batch_loss`).
+        state.batch_loss = DeviceScalar(self.strategy.all_reduce_sum(loss_sum) / loss_tokens)
         self.precision.unscale(state.optimizer)
         engine.run_event(Event.AFTER_TRAIN_BATCH)
         self._set_lr()
         self.strategy.step(state.optimizer, self.precision)
         self.strategy.zero_grad(state.optimizer)
-        state.timestamp.after_batch(int(samples), int(tokens), time.perf_counter() - started)
-        self.logger.log_metrics({"loss/train": state.train_loss})
+        state.timestamp.after_batch(samples, tokens, time.perf_counter() - started)
+        self.logger.log_metrics({"loss/train": state.batch_loss})
 
     def _accumulate_gradients(
-        self, batch: dict[str, torch.Tensor], loss_tokens: float
+        self, batch: dict[str, torch.Tensor], loss_tokens: torch.Tensor
     ) -> torch.Tensor:
         """Forward and backward over each microbatch; returns the loss summed over loss tokens.
 
@@ -295,6 +335,9 @@ class Trainer:
         """
         state, engine = self.state, self.engine
         microbatches = list(self._microbatches(batch))
+        # float32 as the microbatch losses; at least 1, so a batch without loss tokens (an error,
+        # found by `_global_counts` or `_check_loss_tokens`) gives zero gradients, not NaN.
+        divisor = loss_tokens.float().clamp(min=1)
         loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
         for index, microbatch in enumerate(microbatches):
             sync = index == len(microbatches) - 1 and not self.auto_microbatching
@@ -309,7 +352,7 @@ class Trainer:
                     state.loss = self.loss_fn(state.outputs, microbatch)
                 engine.run_event(Event.AFTER_LOSS)
                 mb_tokens = loss_token_count(microbatch["labels"])
-                weight = mb_tokens * self.strategy.world_size / loss_tokens
+                weight = mb_tokens * self.strategy.world_size / divisor
                 engine.run_event(Event.BEFORE_BACKWARD)
                 self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
@@ -369,6 +412,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Run every eval set; metrics land in ``state.eval_metrics`` as eval/<name>/<metric>."""
         state, engine = self.state, self.engine
+        self._check_loss_tokens()
         train_batch = state.batch
         rng = rng_state()  # evaluating (more or less often) must not change training's randomness
         state.model.eval()

@@ -25,7 +25,7 @@ class Metrics(LoggerDestination):
         self.logged += [(step, key, value) for key, value in metrics.items()]
 
     def values(self, key: str) -> list[float]:
-        return [value for _, name, value in self.logged if name == key]
+        return [float(value) for _, name, value in self.logged if name == key]  # DeviceScalar too
 
 
 class At(Algorithm):

@@ -20,7 +20,7 @@ class Recorder(LoggerDestination):
         self.calls.append((step, dict(metrics)))
 
     def values(self, name: str) -> list[tuple[int, float]]:
-        return [(step, m[name]) for step, m in self.calls if name in m]
+        return [(step, float(m[name])) for step, m in self.calls if name in m]  # DeviceScalar too
 
 
 def make_trainer(

@@ -67,13 +67,17 @@ class Recorder(Callback):
 
 
 class SigtermAt(Callback):
-    """Rank 1 gets SIGTERM (as from a scheduler preempting the job) at the end of a batch."""
+    """Rank 1 gets SIGTERM (as from a scheduler preempting the job) as batch `batch` starts.
+
+    The ranks agree on it in that batch's count all-reduce (`Trainer._global_counts`), so both
+    stop after it; a signal arriving later in the batch would stop them after the next one.
+    """
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
 
-    def batch_end(self, state, logger) -> None:
-        if state.rank == 1 and state.timestamp.batch == self.batch:
+    def batch_start(self, state, logger) -> None:
+        if state.rank == 1 and state.timestamp.batch == self.batch - 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -58,8 +58,13 @@ def test_lines_are_on_disk_while_training(tmp_path):
         def batch_end(self, state, logger):
             self.lines.append(len((tmp_path / "metrics.jsonl").read_text().splitlines()))
 
-    make_trainer(tmp_path, n_batches=2, callbacks=[ReadBack()], loggers=[JSONLLogger()]).fit()
-    assert ReadBack.lines == [2, 3]  # hyperparameters + one loss line per batch, already flushed
+    jsonl = JSONLLogger(flush_interval="2ba")
+    make_trainer(tmp_path, n_batches=4, callbacks=[ReadBack()], loggers=[jsonl]).fit()
+    # Hyperparameters at once; the loss lines every 2 batches (the logger writes at BATCH_END
+    # after the callbacks, so batch 3 sees batches 1 and 2). The train loss stays on the device
+    # until then: the lines are written, and the loss read, once per interval.
+    assert ReadBack.lines == [1, 1, 3, 3]
+    assert len(read(tmp_path / "metrics.jsonl")) == 5
 
 
 def test_non_finite_values_are_null_and_lines_stay_strict_json(tmp_path):
