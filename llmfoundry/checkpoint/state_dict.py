@@ -36,6 +36,8 @@ from llmfoundry.checkpoint.io import (
     STATE_FILE,
     Checkpoint,
     FileWriter,
+    PendingCheckpoint,
+    begin_checkpoint,
     checkpoint_name,
     read_checkpoint,
     rng_file,
@@ -102,6 +104,14 @@ def save_checkpoint(folder: str, state: State, logger: Logger) -> str:
     """
     name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
     return write_checkpoint(folder, name, checkpoint_files(state, logger))
+
+
+def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
+    """`save_checkpoint` whose shards the strategy may go on writing in the background
+    (``strategy.async_save``): everything is taken from `state` now, and nothing counts (no
+    manifest, `latest` unchanged) until every rank calls `finish()` on the result."""
+    name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
+    return begin_checkpoint(folder, name, checkpoint_files(state, logger))
 
 
 def load_checkpoint(

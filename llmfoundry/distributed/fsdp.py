@@ -25,6 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -74,6 +75,11 @@ class FSDP(ProcessGroupStrategy):
             holds only the gathered blocks in use.
         activation_checkpointing: "none", "full" (recompute every block's activations in
             backward), or an integer k (every k-th block: 0, k, 2k, ...).
+        async_save: write checkpoint shards in the background (`dcp.async_save`, over a gloo
+            process group of its own) while training goes on; the shards are copied to CPU
+            memory first (one more copy of the rank's model and optimizer state there). The
+            checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
+            saver waits for before the next save and at the end of the run.
     """
 
     name = "fsdp"
@@ -89,6 +95,7 @@ class FSDP(ProcessGroupStrategy):
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
+        async_save: bool = False,
     ) -> None:
         super().__init__(device, backend, timeout_s)
         if replicate < 1 or self.world_size % replicate:
@@ -105,6 +112,7 @@ class FSDP(ProcessGroupStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
+        self.async_save = async_save
         self.mesh: DeviceMesh | None = None
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
@@ -119,6 +127,8 @@ class FSDP(ProcessGroupStrategy):
             )
         else:
             self.mesh = init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
+        if self.async_save:  # (see Strategy.save_group)
+            self.save_group = dist.new_group(backend="gloo")
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         plan = parallel_plan(model)

@@ -138,6 +138,7 @@ def resume_run(
     load_ignore_keys: tuple[str, ...] = (),
     algorithms: tuple[Algorithm, ...] = (),
     callbacks: tuple[Callback, ...] = (),
+    save_interval: str | None = None,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
@@ -158,7 +159,7 @@ def resume_run(
             recorder,
             *([StopAt(stop_at)] if stop_at else []),
             *([SigtermAt(sigterm_at)] if sigterm_at else []),
-            CheckpointSaver(folder),
+            CheckpointSaver(folder, save_interval),
             *callbacks,
         ],
         algorithms=list(algorithms),
