@@ -29,6 +29,7 @@ PARITY = {
     "fsdp": {},
     "fsdp_hybrid": {"replicate": 2},
     "fsdp_activation_checkpointing": {"activation_checkpointing": "full"},
+    "fsdp_selective_activation_checkpointing": {"activation_checkpointing": "selective"},
     "fsdp_every_2nd_block_no_reshard": {
         "activation_checkpointing": 2,
         "reshard_after_forward": False,
