@@ -138,7 +138,7 @@ class FSDP(ProcessGroupStrategy):
         else:
             self.mesh = init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
         if self.async_save:  # (see Strategy.save_group)
-            self.save_group = dist.new_group(backend="gloo")
+            self.save_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         plan = parallel_plan(model)
