@@ -2,7 +2,7 @@
 
     python scripts/import_hf.py HF_DIR CKPT_DIR
     python scripts/train.py model=<the same shape> load_path=CKPT_DIR \\
-        load_ignore_keys=[optimizer,scheduler,scaler,timestamp,algorithms,callbacks,loggers,data,rng]
+        load_ignore_keys=[optimizer,scaler,timestamp,algorithms,callbacks,loggers,data,rng]
 
 CKPT_DIR becomes a save folder holding one weights-only checkpoint (ep0-ba0, named by
 `latest`): the weights in float32, the model config (printed, for the training command) and the

@@ -9,6 +9,11 @@ A save folder that already holds checkpoints is never written over silently: unl
 continues from a checkpoint (autoresume, load_path), it stops at FIT_START, before its first
 batch, naming the folder and the ways on; ``overwrite=True`` (``save_overwrite=true``) replaces
 the old checkpoints, which are deleted once the run's first checkpoint is saved.
+
+With a strategy that saves in the background (``strategy.async_save``) a save returns once the
+state is copied, and counts (manifest, `latest`, then pruning) when the saver finishes it:
+before the next save, at the end of the run, and at once when the run stops early (a preempted
+run has no FIT_END). A run that dies first leaves that checkpoint incomplete: it never counts.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import logging
 
 from llmfoundry.checkpoint import (
     CheckpointError,
+    PendingCheckpoint,
+    begin_save,
     checkpoint_names,
     clean,
     delete_checkpoints,
@@ -64,6 +71,7 @@ class CheckpointSaver(Callback):
         self._saved_batch: int | None = None
         self._resumed = False
         self._replaced: list[str] = []  # old checkpoints `overwrite` deletes after the first save
+        self._pending: PendingCheckpoint | None = None  # a save still writing in the background
         self._before = Timestamp()
         self._epoch_start = Timestamp()
 
@@ -118,13 +126,37 @@ class CheckpointSaver(Callback):
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.save(state, logger)
+        self.finish(state)
 
     def save(self, state: State, logger: Logger) -> None:
         """Save now (once per batch: a second call at the same batch does nothing)."""
         if self._saved_batch == state.timestamp.batch:
             return
-        self.last_saved = save_checkpoint(self.save_folder, state, logger)
+        self.finish(state)
+        if state.strategy.async_save and not state.stop_training:
+            self._pending = begin_save(self.save_folder, state, logger)
+        else:
+            self.last_saved = save_checkpoint(self.save_folder, state, logger)
+            self._saved(state)
         self._saved_batch = state.timestamp.batch
+
+    def finish(self, state: State) -> None:
+        """Complete the save going on in the background, if any (every rank calls this)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        self.last_saved = pending.finish()
+        self._saved(state)
+
+    def close(self) -> None:
+        """A run ending in an error: let a background write end (the process group is torn
+        down next) and drop it; it never counts (no manifest)."""
+        if self._pending is not None:
+            self._pending.abandon()
+            self._pending = None
+
+    def _saved(self, state: State) -> None:
+        """A checkpoint counts now: delete what it replaces, prune older ones."""
         if state.rank == 0:
             name = self.last_saved.rstrip("/").rsplit("/", 1)[-1]
             delete_checkpoints(self.save_folder, [n for n in self._replaced if n != name])

@@ -7,6 +7,7 @@ num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume, save_overwrite
 """
 
 from llmfoundry.checkpoint.io import (
+    PendingCheckpoint,
     checkpoint_names,
     clean,
     delete_checkpoints,
@@ -24,6 +25,7 @@ from llmfoundry.checkpoint.preemption import Preemption
 from llmfoundry.checkpoint.state_dict import (
     LOADABLE_KEYS,
     WEIGHTS_ONLY,
+    begin_save,
     check_ignore_keys,
     load_checkpoint,
     save_checkpoint,
@@ -33,7 +35,9 @@ __all__ = [
     "CheckpointError",
     "LOADABLE_KEYS",
     "WEIGHTS_ONLY",
+    "PendingCheckpoint",
     "Preemption",
+    "begin_save",
     "check_ignore_keys",
     "checkpoint_names",
     "clean",

@@ -40,6 +40,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,62 +119,102 @@ def write_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) ->
     is initialized. Each rank hashes what it wrote, rank 0 writes the manifest of all of it and
     then `latest`. Returns the checkpoint's URL.
     """
+    return begin_checkpoint(folder, name, files).finish()
+
+
+def begin_checkpoint(folder: str, name: str, files: Mapping[str, FileWriter]) -> PendingCheckpoint:
+    """Start `write_checkpoint`: run this rank's writers, of which one may return a Future (a
+    write going on in the background: async DCP shards). Nothing of it counts until `finish`,
+    which every rank calls at the same point of the run."""
     if not _NAME.match(name):
         raise ValueError(f"checkpoint name {name!r} must look like 'ep<epoch>-ba<batch>'")
-    fs, root = storage.url_to_fs(folder)
-    target = join_url(root, name)
-    rank = dist.get_rank() if _distributed() else 0
-    local = isinstance(fs, LocalFileSystem)
-    staging = Path(root) / f".{name}.staging"
-    with _disk_full_is_one_line(folder):
-        try:
-            if rank == 0:  # a folder of this name left by an earlier attempt must not mix in
-                if local:
-                    shutil.rmtree(staging, ignore_errors=True)
-                    staging.mkdir(parents=True)
-                elif fs.exists(target):
-                    fs.rm(target, recursive=True)
-            _barrier()
-            with _scratch(Path(root) / f".{name}.rank{rank}" if local else None) as scratch:
-                for filename, write in files.items():
-                    write(scratch / filename)
-                entries = hash_tree(scratch)
-                for relative in entries:
-                    if local:
-                        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
-                        os.replace(scratch / relative, staging / relative)
-                    else:
-                        fs.put_file(str(scratch / relative), join_url(target, relative))
-            entries = _gather(entries)
-            if rank == 0:
-                if local:
-                    (staging / MANIFEST).write_bytes(manifest_bytes(entries))
-                    _fsync_tree(staging)  # on disk before any name points at it
-                    _replace_folder(staging, Path(target))
+    pending = PendingCheckpoint(folder, name)
+    with pending.cleanup_on_error():
+        if pending.rank == 0:  # a folder of this name left by an earlier attempt must not mix in
+            if pending.local:
+                shutil.rmtree(pending.staging, ignore_errors=True)
+                pending.staging.mkdir(parents=True)
+            elif pending.fs.exists(pending.target):
+                pending.fs.rm(pending.target, recursive=True)
+        _barrier()  # (and after rank 0's pruning of the last save, which cleans scratch folders)
+        pending.make_scratch()
+        for filename, write in files.items():
+            result = write(pending.scratch / filename)
+            if isinstance(result, Future):
+                pending.background.append(result)
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint this rank has begun writing (`begin_checkpoint`); `finish` makes it count."""
+
+    def __init__(self, folder: str, name: str) -> None:
+        self.folder, self.name = folder, name
+        self.fs, self.root = storage.url_to_fs(folder)
+        self.target = join_url(self.root, name)
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.staging = Path(self.root) / f".{name}.staging"
+        self.background: list[Future] = []
+        # This rank's files go here first (`make_scratch`): in a local save folder (`clean`
+        # removes it if the run dies), else in a local temporary folder that `finish` uploads.
+        self.scratch: Path | None = (
+            Path(self.root) / f".{name}.rank{self.rank}" if self.local else None
+        )
+
+    def make_scratch(self) -> None:
+        if self.scratch is None:
+            self.scratch = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX))
+            return
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch.mkdir(parents=True)
+
+    def finish(self) -> str:
+        """Wait for the background writes, then make the checkpoint count: move (or upload)
+        every rank's files, write the manifest, then `latest`. Returns the checkpoint's URL."""
+        with self.cleanup_on_error():
+            for future in self.background:
+                future.result()
+            entries = hash_tree(self.scratch)
+            for relative in entries:
+                if self.local:
+                    (self.staging / relative).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(self.scratch / relative, self.staging / relative)
                 else:
-                    fs.pipe_file(join_url(target, MANIFEST), manifest_bytes(entries))
-                _write_latest(fs, root, name)
-        except BaseException:
-            if local and rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-    _barrier()
-    return join_url(folder, name)
+                    self.fs.put_file(str(self.scratch / relative), join_url(self.target, relative))
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            entries = _gather(entries)
+            if self.rank == 0:
+                if self.local:
+                    (self.staging / MANIFEST).write_bytes(manifest_bytes(entries))
+                    _fsync_tree(self.staging)  # on disk before any name points at it
+                    _replace_folder(self.staging, Path(self.target))
+                else:
+                    self.fs.pipe_file(join_url(self.target, MANIFEST), manifest_bytes(entries))
+                _write_latest(self.fs, self.root, self.name)
+        _barrier()
+        return join_url(self.folder, self.name)
 
+    def abandon(self) -> None:
+        """Wait for the background writes (their errors no longer matter) and remove this
+        rank's scratch folder, without making the checkpoint count."""
+        for future in self.background:
+            if future.exception() is not None:
+                log.warning("abandoned checkpoint %s: %s", self.name, future.exception())
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
-@contextlib.contextmanager
-def _scratch(folder: Path | None) -> Iterator[Path]:
-    """This rank's empty folder to write its files in (`folder`, or a temporary one)."""
-    if folder is None:
-        with tempfile.TemporaryDirectory(prefix=_TMP_PREFIX) as tmp:
-            yield Path(tmp)
-        return
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    @contextlib.contextmanager
+    def cleanup_on_error(self) -> Iterator[None]:
+        """A save that fails leaves no scratch or staging folder; a full disk is one line."""
+        with _disk_full_is_one_line(self.folder):
+            try:
+                yield
+            except BaseException:
+                if self.scratch is not None:
+                    shutil.rmtree(self.scratch, ignore_errors=True)
+                if self.local and self.rank == 0:
+                    shutil.rmtree(self.staging, ignore_errors=True)
+                raise
 
 
 @contextlib.contextmanager

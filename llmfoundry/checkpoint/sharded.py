@@ -92,7 +92,11 @@ def fit_layout(saved: Any, current: Any, loaded: Mapping[str, Any]) -> Any:
     loading into FSDP; every rank holds the whole tensor, so no communication)."""
     if isinstance(saved, str) and saved == IN_SHARDS:
         if not isinstance(loaded, torch.Tensor):
-            raise ValueError("a tensor saved in the shards has no place in this run's objects")
+            raise ValueError(
+                "the checkpoint keeps a tensor of an algorithm's or callback's state in its shards "
+                "that this run's has no tensor for (another model config?); add 'algorithms' or "
+                "'callbacks' to load_ignore_keys to start that state afresh"
+            )
         return loaded
     if isinstance(current, DTensor) and isinstance(saved, torch.Tensor):
         whole = saved.to(device=current.device, dtype=current.dtype)

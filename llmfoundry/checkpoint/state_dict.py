@@ -4,8 +4,8 @@ A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip o
 
 - ``model``: the weights (model.safetensors; in ``sharded/`` with a sharding strategy);
 - ``optimizer`` (keyed by parameter name, so it loads into any strategy; in ``sharded/`` with a
-  sharding strategy), ``scheduler`` (a slot: our schedules are pure functions of time), ``scaler``
-  (the amp_fp16 loss scaler);
+  sharding strategy), ``scaler`` (the amp_fp16 loss scaler); the learning-rate schedule has no
+  state to save: it is a pure function of ``timestamp``;
 - ``timestamp``: epochs, batches, samples, tokens, in total and within the epoch;
 - ``algorithms``, ``callbacks``, ``loggers``: each object's ``state_dict()``, keyed by class name
   (``Name``, ``Name#1`` for a second one), so adding or removing one between runs is harmless;
@@ -16,12 +16,15 @@ A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip o
 Model and optimizer state come from the strategy (`Strategy.model_state_dict`, ...), so a
 checkpoint saved by one strategy loads into any other, at any world size.
 
-Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scheduler, scaler, timestamp,
-algorithms, callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`).
+Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scaler, timestamp, algorithms,
+callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`). Checkpoints saved before the ``scheduler``
+slot was removed (an always-empty dict) load as they are; ``scheduler`` in `load_ignore_keys`
+is accepted with a warning (`check_ignore_keys`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -36,6 +39,8 @@ from llmfoundry.checkpoint.io import (
     STATE_FILE,
     Checkpoint,
     FileWriter,
+    PendingCheckpoint,
+    begin_checkpoint,
     checkpoint_name,
     read_checkpoint,
     rng_file,
@@ -63,7 +68,6 @@ FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkp
 LOADABLE_KEYS = (
     "model",
     "optimizer",
-    "scheduler",
     "scaler",
     "timestamp",
     "algorithms",
@@ -78,9 +82,16 @@ WEIGHTS_ONLY = tuple(k for k in LOADABLE_KEYS if k != "model")
 OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
 
 
+# No longer a checkpoint key (it was always empty); in `load_ignore_keys` it is dropped.
+_REMOVED_KEYS = ("scheduler",)
+
+
 def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
     """Validate `load_ignore_keys`; the data position is meaningless without its timestamp."""
     keys = tuple(keys)
+    if removed := [k for k in keys if k in _REMOVED_KEYS]:
+        _warn_removed(tuple(removed))
+        keys = tuple(k for k in keys if k not in _REMOVED_KEYS)
     unknown = [k for k in keys if k not in LOADABLE_KEYS]
     if unknown:
         raise ValueError(
@@ -102,6 +113,14 @@ def save_checkpoint(folder: str, state: State, logger: Logger) -> str:
     """
     name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
     return write_checkpoint(folder, name, checkpoint_files(state, logger))
+
+
+def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
+    """`save_checkpoint` whose shards the strategy may go on writing in the background
+    (``strategy.async_save``): everything is taken from `state` now, and nothing counts (no
+    manifest, `latest` unchanged) until every rank calls `finish()` on the result."""
+    name = checkpoint_name(state.timestamp.epoch, state.timestamp.batch)
+    return begin_checkpoint(folder, name, checkpoint_files(state, logger))
 
 
 def load_checkpoint(
@@ -157,7 +176,6 @@ def run_state(state: State, logger: Logger) -> dict[str, Any]:
     (`checkpoint_files` adds the optimizer to full checkpoints)."""
     return {
         "format_version": FORMAT_VERSION,
-        "scheduler": _state_of(state.scheduler),
         "scaler": _state_of(state.precision),
         "timestamp": state.timestamp.state_dict(),
         **{key: _by_name(objects) for key, objects in _objects(state, logger).items()},
@@ -225,9 +243,8 @@ def restore(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "
                 "add 'optimizer' to load_ignore_keys to start the optimizer afresh"
             ) from None
-    for key, obj in (("scheduler", state.scheduler), ("scaler", state.precision)):
-        if key not in ignore and saved[key] and obj is not None:
-            obj.load_state_dict(saved[key])
+    if "scaler" not in ignore and saved["scaler"] and state.precision is not None:
+        state.precision.load_state_dict(saved["scaler"])
     if "timestamp" not in ignore:
         state.timestamp.load_state_dict(saved["timestamp"])
     for key, objects in _objects(state, logger).items():
@@ -249,6 +266,15 @@ def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
         "callbacks": state.callbacks,
         "loggers": logger.destinations,
     }
+
+
+@functools.cache  # once per process: configs are checked before the run and again on load
+def _warn_removed(keys: tuple[str, ...]) -> None:
+    log.warning(
+        "load_ignore_keys: %s is no longer a part of checkpoints (learning-rate schedules are "
+        "functions of the timestamp; the slot was always empty) and is ignored; remove it",
+        ", ".join(keys),
+    )
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

@@ -50,8 +50,8 @@ class TrainSettings:
     save_interval: str | None = None
     num_checkpoints_to_keep: int = -1
     # A checkpoint folder (or a save folder: its latest) to start from, and the parts of it not
-    # to load, e.g. [optimizer, scheduler, scaler, timestamp, algorithms, callbacks, loggers,
-    # data, rng] to finetune from weights.
+    # to load, e.g. [optimizer, scaler, timestamp, algorithms, callbacks, loggers, data, rng]
+    # to finetune from weights.
     load_path: str | None = None
     load_ignore_keys: list[str] = field(default_factory=list)
     # Continue from <save_folder>/latest when it exists: rerun the same command after a crash.

@@ -9,6 +9,7 @@ implement the same interface, so neither the trainer nor checkpoints branch on w
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,13 +84,18 @@ class Strategy:
     several processes read the same batch.
 
     `sharded_checkpoints`: whether checkpoints hold each rank's shard (torch.distributed.checkpoint)
-    rather than one file of whole tensors written by rank 0.
+    rather than one file of whole tensors written by rank 0. `async_save`: whether `save_shards`
+    returns while its files are still being written (a Future the checkpoint waits for).
     """
 
     rank: int = 0
     world_size: int = 1
     device: torch.device
     sharded_checkpoints: bool = False
+    async_save: bool = False
+    # The background saves' own process group, so their collectives never interleave with
+    # training's (gloo: async DCP needs a CPU backend, also when training uses nccl).
+    save_group: Any = None
 
     @property
     def dp_rank(self) -> int:
@@ -188,12 +194,17 @@ class Strategy:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         objects: Mapping[str, Any] | None = None,
-    ) -> None:
+    ) -> Future | None:
         """Write this rank's shards of model and optimizer into the folder `path` (a collective:
         every rank calls it with the same path); torch.distributed.checkpoint by default.
         `objects`: other state laid out like the parameters (nested dicts of DTensors, e.g.
-        EMA's averages), saved with them under the key ``objects``."""
-        dcp.save(self._dcp_state(model, optimizer, objects), checkpoint_id=str(path))
+        EMA's averages), saved with them under the key ``objects``. With `async_save` it
+        returns, once the state is copied, a Future of the write going on in the background."""
+        state = self._dcp_state(model, optimizer, objects)
+        if self.async_save:
+            return dcp.async_save(state, checkpoint_id=str(path), process_group=self.save_group)
+        dcp.save(state, checkpoint_id=str(path))
+        return None
 
     def load_shards(
         self,

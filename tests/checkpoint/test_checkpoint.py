@@ -17,9 +17,11 @@ from llmfoundry.algorithms import RandomTokenReplacement
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import (
     WEIGHTS_ONLY,
+    check_ignore_keys,
     latest_checkpoint,
     read_checkpoint,
     read_latest,
+    state_dict,
 )
 from llmfoundry.checkpoint import io as ckpt_io
 from llmfoundry.checkpoint.manifest import hash_tree, manifest_bytes
@@ -187,6 +189,36 @@ def test_weights_only_load_for_finetuning(tmp_path):
         assert torch.equal(x, y), name
     tuned.fit()  # trains from batch 0 with a fresh optimizer
     assert tuned.state.timestamp.batch == 3
+
+
+def test_no_scheduler_slot_and_checkpoints_with_one_still_load(tmp_path, monkeypatch, caplog):
+    def run(folder, **kwargs):
+        saver = CheckpointSaver(str(tmp_path / folder))
+        schedule = CosineWithWarmup(t_warmup="1ba")
+        return make_trainer(
+            tmp_path, token_batches(3, 2), saver=saver, scheduler=schedule, **kwargs
+        )
+
+    run("new").fit()
+    assert "scheduler" not in read_checkpoint(str(tmp_path / "new"), 0).state
+    # Checkpoints saved while the slot existed hold an empty "scheduler".
+    original = state_dict.run_state
+    with monkeypatch.context() as patch:
+        patch.setattr(state_dict, "run_state", lambda *a: {**original(*a), "scheduler": {}})
+        trained = run("old").fit()
+    assert read_checkpoint(str(tmp_path / "old"), 0).state["scheduler"] == {}
+    resumed = run("resumed", load_path=str(tmp_path / "old"))
+    assert resumed.state.timestamp == trained.timestamp
+    # `scheduler` in load_ignore_keys is dropped, with a warning once per process (a config is
+    # checked before the run and again on load).
+    state_dict._warn_removed.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="llmfoundry.checkpoint"):
+        tuned = run(
+            "tuned", load_path=str(tmp_path / "old"), load_ignore_keys=["scheduler", *WEIGHTS_ONLY]
+        )
+        assert check_ignore_keys(["scheduler", "optimizer"]) == ("optimizer",)
+    assert tuned.state.timestamp.batch == 0
+    assert caplog.text.count("load_ignore_keys: scheduler is no longer a part of checkpoints") == 1
 
 
 @pytest.mark.parametrize(

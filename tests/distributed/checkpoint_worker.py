@@ -1,5 +1,6 @@
 """Bodies of the two-process FSDP checkpoint tests (test_fsdp_checkpoints.py): a run whose
-sharded checkpoint the HF export reads; EMA saved and resumed across world sizes.
+sharded checkpoint the HF export reads; EMA saved and resumed across world sizes; background
+(async) saves, and a kill during one.
 
 One spawn runs every training in a row (a fresh process group each), since starting two
 processes costs more than training the tiny model.
@@ -9,10 +10,15 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import EMA
@@ -113,4 +119,60 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         join(rank, world, next(ports))
         recorder, ema = ema_run(FSDP("cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "loaded": ema.loaded, "ema": ema.after_batch}
+    for name, options, kwargs in (
+        ("sync_every_batch", {}, {"save_interval": "1ba"}),
+        ("async_every_batch", {"async_save": True}, {"save_interval": "1ba"}),
+        ("sync_from_async", {}, {"load": f"{out}/async_every_batch/ep0-ba{STOP_AT}"}),
+    ):
+        join(rank, world, next(ports))
+        strategy = FSDP("cpu", timeout_s=60, **options)
+        recorder, ema = ema_run(strategy, mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "ema": ema.after_batch}
     torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+class SlowBackgroundSaves(FSDP):
+    """Async saves whose background write, after the first, takes a minute longer (a slow
+    store), so the run is killed while one is in flight."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, async_save=True, **kwargs)
+        self.saves = 0
+
+    def save_shards(self, path, model, optimizer, objects=None):
+        future = super().save_shards(path, model, optimizer, objects)
+        if not isinstance(future, Future):  # the rank exits 1, not killed: the test fails
+            raise TypeError(f"FSDP(async_save=True).save_shards returned {future!r}")
+        self.saves += 1
+        if self.saves == 1:
+            return future
+        slow: Future = Future()
+
+        def finish_later() -> None:
+            future.result()
+            time.sleep(60)
+            slow.set_result(None)
+
+        threading.Thread(target=finish_later, daemon=True).start()
+        return slow
+
+
+class KillAt(Callback):
+    """Both ranks SIGKILL themselves at the end of a batch (together, after a barrier)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch == self.batch:
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    """Saves after every batch in the background; killed at the end of batch 3, while the
+    save of batch 2 is still being written."""
+    torch.set_num_threads(1)
+    join(rank, world, ports[0])
+    strategy = SlowBackgroundSaves("cpu", timeout_s=60)
+    resume_run(strategy, mds, f"{out}/async_killed", save_interval="1ba", callbacks=(KillAt(3),))

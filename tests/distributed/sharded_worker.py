@@ -30,6 +30,7 @@ PARITY = {
     "fsdp": {},
     "fsdp_hybrid": {"replicate": 2},
     "fsdp_activation_checkpointing": {"activation_checkpointing": "full"},
+    "fsdp_selective_activation_checkpointing": {"activation_checkpointing": "selective"},
     "fsdp_every_2nd_block_no_reshard": {
         "activation_checkpointing": 2,
         "reshard_after_forward": False,
@@ -143,6 +144,7 @@ def resume_run(
     load_ignore_keys: tuple[str, ...] = (),
     algorithms: tuple[Algorithm, ...] = (),
     callbacks: tuple[Callback, ...] = (),
+    save_interval: str | None = None,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
@@ -164,7 +166,7 @@ def resume_run(
             recorder,
             *([StopAt(stop_at)] if stop_at else []),
             *([SigtermAt(sigterm_at)] if sigterm_at else []),
-            CheckpointSaver(folder),
+            CheckpointSaver(folder, save_interval),
             *callbacks,
         ],
         algorithms=list(algorithms),

@@ -1,22 +1,30 @@
 """Sharded (FSDP, two gloo ranks on CPU) checkpoints beyond resumption: the Hugging Face export
 and convert_checkpoint.py read them directly, from a local folder or from S3 (a moto server);
-EMA's averages go through the shards, so they resume at another world size.
+EMA's averages go through the shards, so they resume at another world size; background (async)
+saves write the same checkpoints as synchronous ones, and a kill during one leaves none that
+counts.
 
 Tolerance: as in test_fsdp.py (relative 1e-5 where two strategies sum in another order; state
 that is only saved and loaded must come back bit for bit).
 """
 
 import runpy
+import signal
+import time
 from pathlib import Path
 
 import fsspec
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE
+from llmfoundry.checkpoint import clean, find_checkpoint, read_latest
+from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE, is_complete
 from llmfoundry.checkpoint.sharded import IN_SHARDS
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.models.mpt import pretrained
@@ -24,9 +32,17 @@ from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from tests.checkpoint.helpers import write_mds
 
-from .checkpoint_worker import EXPORT_RUN, GATHERED, MODEL, TOKENIZER, ema_run, rank_main
+from .checkpoint_worker import (
+    EXPORT_RUN,
+    GATHERED,
+    MODEL,
+    TOKENIZER,
+    ema_run,
+    killed_rank_main,
+    rank_main,
+)
 from .sharded_worker import RESUME_BATCHES, STOP_AT
-from .test_fsdp import RTOL, spawn
+from .test_fsdp import LIMIT_S, RTOL, WORLD, free_port, spawn
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 INPUT = torch.tensor([[1, 5, 9, 63, 2, 40, 7, 7]])
@@ -60,7 +76,7 @@ def spawned(tmp_path_factory) -> tuple[Path, list[dict], dict]:
             SingleDevice("cpu"), mds, str(out / "ema_single_saved"), stop_at=STOP_AT
         ),
     }
-    ranks = spawn(rank_main, out, mds, n_ports=3)
+    ranks = spawn(rank_main, out, mds, n_ports=6)
     single["ema_single_from_fsdp"] = ema_run(
         SingleDevice("cpu"), mds, str(out / "ema_single_from_fsdp"), load=str(out / "ema_saved")
     )
@@ -160,3 +176,67 @@ def test_ema_of_a_full_checkpoint_loads_into_fsdp(spawned):
     _, straight = single["ema_single_straight"]
     final = ranks[0]["ema_from_single"]["ema"][RESUME_BATCHES]
     assert_equal(final, straight.after_batch[RESUME_BATCHES], rtol=RTOL, atol=1e-6)
+
+
+def shard_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a sharded checkpoint's shards hold (model, optimizer, objects), whole."""
+    folder = checkpoint / "sharded"
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    tensors = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return tensors
+
+
+def test_async_saves_write_the_checkpoints_sync_saves_write(spawned):
+    out, ranks, _ = spawned
+    sync, background = out / "sync_every_batch", out / "async_every_batch"
+    assert read_latest(str(background)) == f"ep0-ba{RESUME_BATCHES}"
+    for batch in range(1, RESUME_BATCHES + 1):
+        name = f"ep0-ba{batch}"
+        assert is_complete(str(background), name), name
+        tensors = shard_tensors(background / name)
+        assert any(k.startswith("optimizer.") for k in tensors)
+        assert any(k.startswith("objects.algorithms.EMA.averages.") for k in tensors)
+        assert_equal(tensors, shard_tensors(sync / name))
+        states = [torch.load(f / name / STATE_FILE, weights_only=True) for f in (sync, background)]
+        for state in states:
+            del state["timestamp"]["wall_clock"]  # how long the run took: all that may differ
+        for key in ("timestamp", "data", "algorithms"):
+            assert states[0][key] == states[1][key], key
+    for rank in ranks:
+        assert rank["async_every_batch"]["losses"] == rank["sync_every_batch"]["losses"]
+        # Resuming from a background save goes on exactly as the run that saved it.
+        assert rank["sync_from_async"]["losses"] == rank["sync_every_batch"]["losses"][STOP_AT:]
+        final = rank["sync_from_async"]["ema"][RESUME_BATCHES]
+        assert_equal(final, rank["sync_every_batch"]["ema"][RESUME_BATCHES])
+
+
+def test_a_kill_during_an_async_save_leaves_no_checkpoint_that_counts(spawned, tmp_path):
+    out = spawned[0]
+    context = mp.start_processes(
+        killed_rank_main, args=(WORLD, [free_port()], str(tmp_path), str(out / "mds")),
+        nprocs=WORLD, join=False, start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + LIMIT_S
+    try:
+        while not context.join(timeout=1, grace_period=10):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the killed runs did not end within {LIMIT_S} s")
+    except mp.ProcessExitedException:
+        pass
+    assert [p.exitcode for p in context.processes] == [-signal.SIGKILL] * WORLD
+    folder = tmp_path / "async_killed"
+    # Batch 2's save was being written in the background: batch 1's is the one that counts.
+    assert read_latest(str(folder)) == "ep0-ba1"
+    assert find_checkpoint(str(folder)) == "ep0-ba1"
+    assert not is_complete(str(folder), "ep0-ba2")
+    left = sorted(p.name for p in folder.iterdir() if p.name.startswith(".ep0-ba2"))
+    assert ".ep0-ba2.staging" in left
+    assert sorted(clean(str(folder))) == left
+    assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1", "latest"]

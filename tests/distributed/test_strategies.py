@@ -1,11 +1,15 @@
 """Strategy checks that need no second process: bad settings fail early with a clear message."""
 
+import dataclasses
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmfoundry.build import per_rank_batch
 from llmfoundry.data.streaming import World
 from llmfoundry.distributed import FSDP
+from llmfoundry.distributed.fsdp import checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
 
@@ -32,8 +36,8 @@ def torchrun_env(monkeypatch):
     ("options", "message"),
     [
         ({"replicate": 3}, "replicate=3 must be a positive divisor of the 4 processes"),
-        ({"activation_checkpointing": "some"}, "'none', 'full' or a positive integer"),
-        ({"activation_checkpointing": 0}, "'none', 'full' or a positive integer"),
+        ({"activation_checkpointing": "some"}, "'none', 'full', 'selective' or a positive"),
+        ({"activation_checkpointing": 0}, "'none', 'full', 'selective' or a positive"),
         ({"mixed_precision": "fp16"}, "use null"),
     ],
 )
@@ -63,3 +67,45 @@ def test_the_data_partition_comes_from_the_strategy_not_the_environment(monkeypa
     assert (World.detect().rank, World.detect().world_size) == (0, 4)
     with pytest.raises(ValueError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
         World.detect((2, 2))
+
+
+class CountOps(TorchDispatchMode):
+    """How many times each aten op ran (ops that selective checkpointing replays from what it
+    saved never reach this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops(mode: str) -> dict[str, int]:
+    model = tiny_model()
+    model = type(model)(dataclasses.replace(model.config, init_device="cpu"))
+    every, selective = {"none": (0, False), "full": (1, False), "selective": (1, True)}[mode]
+    checkpoint_blocks(list(model.transformer.blocks), every, selective)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model.loss(model(ids), ids)
+    with CountOps() as ops:
+        loss.backward()
+    return ops.counts
+
+
+def test_selective_activation_checkpointing_recomputes_all_but_the_matmuls():
+    plain, full, selective = (backward_ops(m) for m in ("none", "full", "selective"))
+    matmuls = ("mm", "addmm", "bmm", "baddbmm")
+
+    def count(ops, names):
+        return sum(ops.get(name, 0) for name in names)
+
+    # Full checkpointing runs each block's forward again in backward, matmuls included ...
+    assert count(full, matmuls) > count(plain, matmuls)
+    # ... selective keeps the matmuls' outputs: backward multiplies exactly as without
+    # checkpointing, and recomputes the rest (layer norms here).
+    assert count(selective, matmuls) == count(plain, matmuls)
+    norms = [name for name in full if "layer_norm" in name]
+    assert norms and count(selective, norms) == count(full, norms) > count(plain, norms)
