@@ -1,7 +1,8 @@
 """Convert a token stream (from text_to_tokens.py) into MDS shards of fixed-length rows.
 
 Writes <out>/train and <out>/val (each an MDS dataset with its own index.json), copies the
-tokenizer to <out>/tokenizer.json and writes <out>/meta.json (seq_len, vocab_size, eos id).
+tokenizer to <out>/tokenizer.json and writes <out>/meta.json (seq_len, vocab_size, eos id,
+and per split its tokens and the UTF-8 bytes of text they decode to, for bits per byte).
 <out> may be a local folder or an fsspec URL such as s3://bucket/dataset.
 
 Example:
