@@ -23,9 +23,9 @@ from pathlib import Path
 
 from llmfoundry.data.prep.docstrings import write_docstring_examples
 from llmfoundry.data.prep.instructions import TOO_LONG, instructions_to_mds
-from llmfoundry.data.prep.interrupt import exit_on_interrupt
+from llmfoundry.data.prep.interrupt import prep_script
 from llmfoundry.utils import storage
-from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.cli import add_script_arguments
 from llmfoundry.utils.files import join_url, parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -65,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    with (
-        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
-        exit_on_interrupt(),
-    ):
+    with prep_script(args):
         inputs = list(args.inputs)
         if args.from_python_sources:
             if inputs:

@@ -18,8 +18,8 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import text_to_tokens
-from llmfoundry.data.prep.interrupt import exit_on_interrupt
-from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.data.prep.interrupt import prep_script
+from llmfoundry.utils.cli import add_script_arguments
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    with (
-        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
-        exit_on_interrupt(),
-    ):
+    with prep_script(args):
         meta = text_to_tokens(
             args.sources,
             args.out,

@@ -1,7 +1,8 @@
 """Convert a token stream (from text_to_tokens.py) into MDS shards of fixed-length rows.
 
 Writes <out>/train and <out>/val (each an MDS dataset with its own index.json), copies the
-tokenizer to <out>/tokenizer.json and writes <out>/meta.json (seq_len, vocab_size, eos id).
+tokenizer to <out>/tokenizer.json and writes <out>/meta.json (seq_len, vocab_size, eos id,
+and per split its tokens and the UTF-8 bytes of text they decode to, for bits per byte).
 <out> may be a local folder or an fsspec URL such as s3://bucket/dataset.
 
 Example:
@@ -15,8 +16,8 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
-from llmfoundry.data.prep.interrupt import exit_on_interrupt
-from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.data.prep.interrupt import prep_script
+from llmfoundry.utils.cli import add_script_arguments
 from llmfoundry.utils.files import parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -55,10 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
-    with (
-        script_errors(args, also=(ValueError, FileNotFoundError, FileExistsError, ImportError)),
-        exit_on_interrupt(),
-    ):
+    with prep_script(args):
         meta = tokens_to_mds(
             args.tokens,
             args.out,

@@ -5,12 +5,13 @@ files stay behind and a process pool's workers are orphaned (still running, hold
 Inside :func:`stop_on_signals` SIGTERM instead raises :class:`Terminated` in the main thread, as
 Ctrl-C raises ``KeyboardInterrupt``, so the usual cleanup paths run: ``atomic_path`` removes its
 temporary file, ``MDSWriter`` aborts (removing its shards), and the tokenizer pool terminates its
-workers. :func:`exit_on_interrupt` is what every data_prep script wraps its work in: after that
-cleanup, one line on stderr and exit status 128 + the signal number, as a shell reports it.
+workers. :func:`exit_on_interrupt` then prints one line and exits with status 128 + the signal
+number, as a shell reports it; :func:`prep_script` is what every data_prep script runs its work in.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import signal
 import sys
@@ -18,7 +19,12 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["Terminated", "exit_on_interrupt", "stop_on_signals"]
+from llmfoundry.utils.cli import script_errors
+
+__all__ = ["PREP_ERRORS", "Terminated", "exit_on_interrupt", "prep_script", "stop_on_signals"]
+
+# What data prep raises for a problem the user can fix (a bad path, option or file).
+PREP_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ImportError)
 
 
 class Terminated(KeyboardInterrupt):
@@ -59,3 +65,11 @@ def exit_on_interrupt() -> Iterator[None]:
             f"interrupted ({str(err) or 'SIGINT'}): stopped, temporary output removed\n"
         )
         raise SystemExit(128 + getattr(err, "signum", signal.SIGINT)) from None
+
+
+@contextlib.contextmanager
+def prep_script(args: argparse.Namespace) -> Iterator[None]:
+    """A data_prep script's work: ``--storage`` applied, user errors one line (exit 2), SIGTERM
+    and Ctrl-C cleaned up (exit 128 + signum)."""
+    with script_errors(args, also=PREP_ERRORS), exit_on_interrupt():
+        yield

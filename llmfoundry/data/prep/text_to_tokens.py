@@ -35,7 +35,12 @@ from tqdm import tqdm
 from llmfoundry.data.prep.chunking import chunking_is_exact, split_document
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
-from llmfoundry.data.prep.tokenizer import prepare, prepare_tokenizer, train_bpe
+from llmfoundry.data.prep.tokenizer import (
+    PreparedTokenizer,
+    prepare,
+    prepare_tokenizer,
+    train_bpe,
+)
 from llmfoundry.utils.files import atomic_path, atomic_write
 
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
@@ -298,14 +303,7 @@ def text_to_tokens(
     every document whole.
     """
     out = Path(out)
-    if out.suffix != ".bin":
-        raise ValueError(f"output {out} must end in .bin (the sidecar goes to {out.stem}.json)")
-    if (tokenizer is None) == (not train_tokenizer):
-        raise ValueError("give exactly one of --tokenizer PATH and --train-tokenizer")
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
+    _check_arguments(out, tokenizer, train_tokenizer, workers, max_bytes)
     tasks = plan_tasks(sources, globs, excludes, text_field, hf_split, hf_config)
 
     loaded = prepare_tokenizer(tokenizer, eos_token, bos_token) if tokenizer is not None else None
@@ -323,39 +321,26 @@ def text_to_tokens(
     if previous is not None:
         return {**previous, "reused": True}
 
-    tok_path = out.parent / "tokenizer.json"
     if loaded is None:
         texts = _training_texts(tasks, min(filter(None, (train_bytes, max_bytes)), default=None))
         loaded = prepare(train_bpe(texts, vocab_size), eos_token, bos_token)
-    source_file = None if tokenizer is None else Path(tokenizer)
-    if source_file is not None and source_file.is_dir():
-        source_file = source_file / "tokenizer.json"
-    if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
-        pass  # the given tokenizer already sits next to the output: leave the user's file be
-    elif tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
-        raise FileExistsError(
-            f"{tok_path} holds a different tokenizer; write token files made with different "
-            "tokenizers to different folders, or pass --overwrite to replace it"
-        )
-    else:
-        loaded.save(tok_path)
+    tok_path = _place_tokenizer(loaded, tokenizer, out.parent / "tokenizer.json", overwrite)
     dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
 
     sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
-    if chunk_chars is not None and not chunking_is_exact(loaded.tokenizer):
-        log.warning(
-            "this tokenizer does not encode a document cut at spaces to the same tokens as the "
-            "whole, so documents are encoded whole: memory grows with the longest document"
-        )
-        chunk_chars = None
-    init = (loaded.json, loaded.eos_id, loaded.bos_id, dtype.name, chunk_chars)
+    init = (
+        loaded.json,
+        loaded.eos_id,
+        loaded.bos_id,
+        dtype.name,
+        _exact_chunking(loaded, chunk_chars),
+    )
     with atomic_path(out) as tmp_tokens, atomic_path(_docs_path(out)) as tmp_docs:
         counts = _write_stream(tasks, workers, init, max_bytes, tmp_tokens, tmp_docs, progress)
         if counts["tokens"] == 0:
             raise ValueError(
                 f"sources {list(sources)} produced no documents (all empty or unreadable)"
             )
-    docs_name = _docs_path(out).name if doc_boundaries else None
     if not doc_boundaries:
         _docs_path(out).unlink()
 
@@ -368,7 +353,7 @@ def text_to_tokens(
         "num_documents": counts["documents"],
         "skipped_documents": counts["skipped"],
         "text_bytes": counts["bytes"],
-        "doc_index": docs_name,
+        "doc_index": _docs_path(out).name if doc_boundaries else None,
         "doc_index_dtype": "int64",
         "tokenizer": tok_path.name,
         "tokenizer_sha256": _sha256(tok_path),
@@ -382,6 +367,58 @@ def text_to_tokens(
     }
     atomic_write(sidecar_path(out), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return {**meta, "reused": False}
+
+
+def _check_arguments(
+    out: Path,
+    tokenizer: str | os.PathLike | None,
+    train_tokenizer: bool,
+    workers: int,
+    max_bytes: int | None,
+) -> None:
+    if out.suffix != ".bin":
+        raise ValueError(f"output {out} must end in .bin (the sidecar goes to {out.stem}.json)")
+    if (tokenizer is None) == (not train_tokenizer):
+        raise ValueError("give exactly one of --tokenizer PATH and --train-tokenizer")
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
+
+
+def _place_tokenizer(
+    loaded: PreparedTokenizer,
+    given: str | os.PathLike | None,
+    tok_path: Path,
+    overwrite: bool,
+) -> Path:
+    """Save the tokenizer as ``tok_path`` (next to the output), where the token stream names it.
+
+    The user's own tokenizer.json already there is left be; a different tokenizer there is an
+    error without ``overwrite`` (token files of different tokenizers must not share a folder).
+    """
+    source_file = None if given is None else Path(given)
+    if source_file is not None and source_file.is_dir():
+        source_file = source_file / "tokenizer.json"
+    if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
+        return tok_path
+    if tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
+        raise FileExistsError(
+            f"{tok_path} holds a different tokenizer; write token files made with different "
+            "tokenizers to different folders, or pass --overwrite to replace it"
+        )
+    return loaded.save(tok_path)
+
+
+def _exact_chunking(loaded: PreparedTokenizer, chunk_chars: int | None) -> int | None:
+    """``chunk_chars``, or None (documents encoded whole) where cutting would change tokens."""
+    if chunk_chars is not None and not chunking_is_exact(loaded.tokenizer):
+        log.warning(
+            "this tokenizer does not encode a document cut at spaces to the same tokens as the "
+            "whole, so documents are encoded whole: memory grows with the longest document"
+        )
+        return None
+    return chunk_chars
 
 
 def open_tokens(path: str | os.PathLike) -> tuple[np.memmap, dict[str, Any]]:
