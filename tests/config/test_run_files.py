@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # runs scripts/train.py in a subprocess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_refused_launch_leaves_the_running_runs_config_files_untouched(tmp_path):
+def test_a_refused_launch_leaves_the_running_runs_files_untouched(tmp_path):
     write_tokens(tmp_path / "mds" / "train", token_rows(8))
     write_tokens(tmp_path / "mds" / "val", token_rows(4))
     run_dir = tmp_path / "run"
@@ -30,6 +30,8 @@ def test_a_refused_launch_leaves_the_running_runs_config_files_untouched(tmp_pat
     }
     for name, content in files.items():
         (saved / name).write_bytes(content)
+    log = b"the running run's log\n"
+    (run_dir / "train.log").write_bytes(log)
     lock = FolderLock(str(run_dir), "run folder").acquire()  # the running run's
     try:
         result = subprocess.run(
@@ -56,4 +58,5 @@ def test_a_refused_launch_leaves_the_running_runs_config_files_untouched(tmp_pat
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"run folder {run_dir} is in use by another run" in result.stderr
     assert {p.name: p.read_bytes() for p in saved.iterdir()} == files
+    assert (run_dir / "train.log").read_bytes() == log
     assert run_dir.is_dir()  # the running run's folder is never removed
