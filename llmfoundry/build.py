@@ -7,6 +7,7 @@ tests both go through it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -24,13 +25,20 @@ from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 
 
-def build_trainer(cfg: DictConfig, run_dir: str | Path) -> Trainer:
+def build_trainer(
+    cfg: DictConfig, run_dir: str | Path, write_run_files: Callable[[], object] | None = None
+) -> Trainer:
+    """The run's Trainer; ``write_run_files`` (scripts/train.py's saved config) runs on rank 0
+    once the run folder is locked, so a launch refused because another run holds the folder
+    leaves that run's files as they are."""
     settings = validate_config(cfg)
     # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
     storage.configure_settings(settings.storage)
     strategy = instantiate(cfg.strategy)
     # Before anything is built: the save folder takes writes, no other run uses these folders.
     locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
+    if locks and write_run_files is not None:
+        write_run_files()
     # autoresume: the run's own newest complete checkpoint wins over load_path (which then
     # only seeds the first launch, e.g. with pretrained weights). A load_path that does not
     # open fails here, before the model and data are built.

@@ -13,6 +13,7 @@ is one line on stderr and exit status 2; `--debug` (or LLMFOUNDRY_DEBUG=1) shows
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -52,12 +53,19 @@ def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
-    write_run_config(run_dir, cfg, hydra_cfg, hydra_cfg.overrides.task)
     # A folder locked before this launch may belong to a running run that refuses this one.
     locked_before = (run_dir / LOCK_FILE).exists()
     try:
         with exit_on_user_error(DEBUG):
-            trainer = build_trainer(cfg, run_dir)
+            trainer = build_trainer(
+                cfg,
+                run_dir,
+                # Once the folder is this run's: a refused launch must not rewrite a running
+                # run's saved config.
+                write_run_files=functools.partial(
+                    write_run_config, run_dir, cfg, hydra_cfg, hydra_cfg.overrides.task
+                ),
+            )
     except SystemExit:
         if not locked_before and _only_setup_files(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -4,7 +4,9 @@ Hydra would save the composed config, its own config and the command-line overri
 YAML readable by every user of the machine, secrets included (``data.storage_options.secret=...``
 on the command line lands in all three). ``conf/train.yaml`` turns Hydra's own saving off
 (``hydra.output_subdir: null``) and ``scripts/train.py`` writes the same three files here instead:
-redacted (`llmfoundry.utils.secrets`) and owner-only (mode 0600) from their first byte.
+redacted (`llmfoundry.utils.secrets`) and owner-only (mode 0600) from their first byte, and only
+once the run holds the run folder's lock (``build_trainer(write_run_files=...)``), so a launch
+refused because another run holds the folder leaves that run's files untouched.
 """
 
 from __future__ import annotations

@@ -95,3 +95,16 @@ def test_s3_eval_set_caches_in_its_local_not_the_main_data_local(s3_env, tmp_pat
         assert (cache / "val" / "index.json").read_bytes() == fs.cat(f"{url}/index.json")
     assert sorted(p.name for p in main_cache.iterdir()) == ["train", "val"]
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_an_eval_set_given_the_main_data_local_is_refused_with_the_fix(tmp_path):
+    main, code, cache = tmp_path / "mds", tmp_path / "code", tmp_path / "cache"
+    write_tokens(main / "train", token_rows(20))
+    write_tokens(main / "val", token_rows(6, start=500))
+    write_tokens(code / "val", token_rows(6, start=2000))
+    with pytest.raises(ValueError, match=r"data.eval_datasets.<label>.local for an eval set"):
+        loaders(
+            remote=str(main),
+            local=str(cache),
+            eval_datasets={"code": {"remote": str(code), "local": str(cache)}},
+        )

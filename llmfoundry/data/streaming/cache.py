@@ -195,8 +195,8 @@ class ShardCache:
         if owner != self.remote:
             raise ValueError(
                 f"cache folder {self.local} already caches {owner!r}, not {self.remote!r}; "
-                "give each dataset its own local folder (data.local in a training config), or delete "
-                "the old cache"
+                "give each dataset its own local folder (data.local in a training config, "
+                "data.eval_datasets.<label>.local for an eval set), or delete the old cache"
             )
 
     def present(self, j: int) -> bool:
