@@ -7,6 +7,7 @@ tests both go through it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +19,12 @@ from llmfoundry.checkpoint import latest_checkpoint, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_loaders
+from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
+from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
 from llmfoundry.models.mpt import MPTForCausalLM
-from llmfoundry.trainer import Trainer
+from llmfoundry.trainer import EvalSet, Trainer
+from llmfoundry.trainer.metrics import LanguageMetrics
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 
@@ -83,7 +87,7 @@ def build_trainer(
         model=model,
         strategy=strategy,
         train_dataloader=data.train,
-        eval_dataloaders=data.evals,
+        eval_dataloaders={label: language_eval_set(loader) for label, loader in data.evals.items()},
         max_duration=settings.max_duration,
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -114,3 +118,11 @@ def per_rank_batch(global_batch: int, dp_size: int) -> int:
         f"global_train_batch_size={global_batch} is not divisible by the {dp_size} data-parallel "
         f"ranks; use {nearest}"
     )
+
+
+def language_eval_set(loader: StreamingDataLoader) -> EvalSet:
+    """An eval loader scored by `LanguageMetrics`, with bits per byte where the split's meta.json
+    records its text bytes (data_prep/tokens_to_mds.py does)."""
+    dataset = loader.streaming_dataset
+    per_token = bytes_per_token(dataset.meta or {}, dataset.split)
+    return EvalSet(loader, functools.partial(LanguageMetrics, bytes_per_token=per_token))

@@ -62,7 +62,11 @@ def read_all(values: Iterable[Any]) -> None:
 
 
 class LanguageMetrics:
-    """Token-weighted cross-entropy, perplexity and next-token accuracy.
+    """Token-weighted cross-entropy, perplexity and next-token accuracy; bits per byte when
+    `bytes_per_token` (text bytes per token of the eval split, recorded by data_prep) is given.
+
+    Bits per byte (loss / ln 2 / bytes per token) does not depend on the tokenizer, so runs with
+    different vocabularies compare on it.
 
     Rows whose ``sample_mask`` is False (samples an eval loader repeated only so that every rank
     reads the same number of batches) count nowhere, so the metrics of a split are the same at
@@ -70,9 +74,10 @@ class LanguageMetrics:
     of the sum whatever the split into ranks and batches.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, bytes_per_token: float | None = None) -> None:
         # [sum of loss, number of loss tokens, number of correct predictions]
         self.totals = torch.zeros(3, dtype=torch.float64, device=device)
+        self.bytes_per_token = bytes_per_token
 
     def update(
         self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], sample_mask: torch.Tensor
@@ -96,4 +101,11 @@ class LanguageMetrics:
         if tokens == 0:
             raise ValueError("evaluation saw no loss tokens: is the eval split empty?")
         loss = loss_sum / tokens
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": correct / tokens}
+        metrics = {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "accuracy": correct / tokens,
+        }
+        if self.bytes_per_token:
+            metrics["bits_per_byte"] = loss / math.log(2) / self.bytes_per_token
+        return metrics

@@ -41,3 +41,24 @@ def test_eval_label_clash_is_a_config_error(tmp_path):
     main = write_dataset(tmp_path / "main", 1)
     with pytest.raises(ConfigError, match="label 'val' is taken"):
         check(CONF, [*TINY, f"data.remote={main}", f"data.eval_datasets={{val: '{main}'}}"])
+
+
+def test_bits_per_byte_from_the_bytes_meta_json_records(tmp_path):
+    """data_prep records each split's tokens and text bytes; eval reports bits per byte from
+    them (loss / ln 2 / bytes per token), and leaves it out where meta.json has no record."""
+    import json
+    import math
+
+    main = write_dataset(tmp_path / "main", 1)
+    other = write_dataset(tmp_path / "other", 7)
+    splits = {
+        "train": {"tokens": 256, "text_bytes": 1024},
+        "val": {"tokens": 128, "text_bytes": 448},
+    }
+    (main / "meta.json").write_text(json.dumps({"vocab_size": 64, "splits": splits}))
+    overrides = [*TINY, f"data.remote={main}", f"data.eval_datasets={{code: '{other}'}}"]
+    metrics = build_trainer(compose_config(CONF, overrides), tmp_path / "run").fit().eval_metrics
+    assert metrics["eval/val/bits_per_byte"] == pytest.approx(
+        metrics["eval/val/loss"] / math.log(2) / (448 / 128), rel=1e-12
+    )
+    assert "eval/code/bits_per_byte" not in metrics
