@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llmfoundry.distributed import SingleDevice
+from tests.distributed.spawn import run_ranks
 from tests.distributed.workers import global_batches
 from tests.trainer.conftest import token_batches
-from tests.trainer.spawn import run_ranks
 
 from .own_model import ddp_rank, readme_module, train
 

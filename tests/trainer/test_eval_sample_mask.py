@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from llmfoundry.trainer import Callback
+from tests.distributed.spawn import run_ranks
 
 from .eval_worker import eval_rank, rank_batches, single_process
-from .spawn import run_ranks
 from .test_trainer import trainer_for
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -10,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.test_ddp import free_port
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def join_env(rank: int, world: int, port: int) -> None:
