@@ -10,7 +10,7 @@ from llmfoundry.distributed import DDP, SingleDevice
 from llmfoundry.trainer import Trainer
 from tests.trainer.conftest import tiny_model
 
-from .spawn import run_ranks
+from .spawn import free_port, run_ranks
 from .workers import global_batches, train_rank
 
 WORLD = 2
@@ -18,7 +18,7 @@ WORLD = 2
 
 def run_two_ranks(tmp_path, microbatch, limit_s=180):
     """Spawn the two ranks; a hang (ranks waiting on each other) fails the test, never CI."""
-    run_ranks(train_rank, WORLD, str(tmp_path), microbatch, limit_s=limit_s)
+    run_ranks(train_rank, WORLD, free_port(), str(tmp_path), microbatch, limit_s=limit_s)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
