@@ -15,6 +15,7 @@ seconds, which other jobs on a shared machine distort much less than wall time; 
 ``--repeats``), and steps/s with the modelled cost of the reads added.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py --ranks 2   # DDP, gloo; rank 0
     PYTHONPATH=/path/to/other/checkout python bench/host_sync.py   # the same on other code
 """
 
@@ -22,17 +23,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import socket
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from llmfoundry.callbacks import LRMonitor, NaNDetector, RunStatus, SpeedMonitor
-from llmfoundry.distributed import SingleDevice
+from llmfoundry.distributed import DDP, SingleDevice, Strategy
 from llmfoundry.loggers import ConsoleLogger, JSONLLogger, ProgressBarLogger
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.trainer import Callback, Trainer
@@ -90,21 +95,26 @@ class Window(Callback):
             self.started = time.process_time()
 
 
-class CountingSingleDevice(SingleDevice):
-    def __init__(self, counter: Counter) -> None:
-        super().__init__("cpu")
-        self.counter = counter
+def counting(strategy: type[Strategy], counter: Counter, **kwargs) -> Strategy:
+    """`strategy` whose own all-reduces (not DDP's gradient buckets) are counted."""
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.counter.active:
-            self.counter.all_reduces += 1
-        return super().all_reduce_sum(tensor)
+    class Counting(strategy):
+        def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+            if counter.active:
+                counter.all_reduces += 1
+            return super().all_reduce_sum(tensor)
+
+    return Counting(device="cpu", **kwargs)
 
 
-def run(steps: int, warmup: int) -> dict[str, float]:
+def run(steps: int, warmup: int, ranks: int = 1) -> dict[str, float]:
     counter = Counter()
+    if ranks == 1:
+        strategy = counting(SingleDevice, counter)
+    else:
+        strategy = counting(DDP, counter, timeout_s=300)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (steps, 8, 64), generator=generator)
+    ids = torch.randint(0, 256, (steps, 8 // ranks, 64), generator=generator)
     batches = [{"input_ids": x, "labels": x.clone()} for x in ids]
     config = MPTConfig(
         d_model=64, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=256, init_device="meta"
@@ -113,7 +123,7 @@ def run(steps: int, warmup: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as run_dir, instrumented(counter):
         trainer = Trainer(
             model=MPTForCausalLM(config),
-            strategy=CountingSingleDevice(counter),
+            strategy=strategy,
             train_dataloader=batches,
             max_duration=f"{steps}ba",
             optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
@@ -143,9 +153,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--sync-ms", type=float, default=2.0, help="modelled cost of one read")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--ranks", type=int, default=1, help="DDP processes (gloo), batch split")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = [run(args.steps, args.warmup) for _ in range(args.repeats)]
+    if args.ranks > 1:
+        results = [ranked(args) for _ in range(args.repeats)]
+    else:
+        results = [run(args.steps, args.warmup) for _ in range(args.repeats)]
     best = min(results, key=lambda r: r["cpu_ms_per_step"])
     step_ms, reads = best["cpu_ms_per_step"], best["reads_per_step"]
     print(
@@ -153,6 +167,31 @@ def main() -> None:
         f"{step_ms:.2f} CPU ms/step (best of {args.repeats}): {1000 / step_ms:.1f} steps/s; "
         f"with {args.sync_ms:g} ms per read: {1000 / (step_ms + reads * args.sync_ms):.1f} steps/s"
     )
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(args.ranks),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    result = run(args.steps, args.warmup, args.ranks)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def ranked(args: argparse.Namespace) -> dict[str, float]:
+    """One run in `args.ranks` processes; rank 0's counts and time."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "rank0.json")
+        mp.start_processes(_rank, args=(args, port, out), nprocs=args.ranks, start_method="spawn")
+        return json.loads(Path(out).read_text())
 
 
 if __name__ == "__main__":

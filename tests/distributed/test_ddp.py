@@ -2,40 +2,23 @@
 agrees across ranks when only one of them runs out of memory."""
 
 import functools
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from llmfoundry.distributed import DDP, SingleDevice
 from llmfoundry.trainer import Trainer
 from tests.trainer.conftest import tiny_model
 
+from .spawn import free_port, run_ranks
 from .workers import global_batches, train_rank
 
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_two_ranks(tmp_path, microbatch, limit_s=180):
     """Spawn the two ranks; a hang (ranks waiting on each other) fails the test, never CI."""
-    args = (WORLD, free_port(), str(tmp_path), microbatch)
-    context = mp.start_processes(
-        train_rank, args=args, nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"two-rank training did not finish within {limit_s} s")
+    run_ranks(train_rank, WORLD, free_port(), str(tmp_path), microbatch, limit_s=limit_s)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

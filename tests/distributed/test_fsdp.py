@@ -13,16 +13,13 @@ loss by 1e-3 or more).
 
 import functools
 import runpy
-import socket
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import safetensors.torch
 import torch
-import torch.multiprocessing as mp
 
 from llmfoundry.checkpoint.io import MODEL_FILE
 from llmfoundry.distributed import SingleDevice
@@ -32,29 +29,16 @@ from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
 from .sharded_worker import PARITY, RESUME_BATCHES, STOP_AT, Recorder, rank_main, resume_run
+from .spawn import free_port, run_ranks
 from .workers import global_batches
 
 WORLD, LIMIT_S, RTOL = 2, 180, 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn(main, out, mds: str, n_ports: int) -> list[dict]:
     """Run `main` on two spawned ranks; a hang (ranks waiting on each other) fails the test."""
     ports = [free_port() for _ in range(n_ports)]
-    context = mp.start_processes(
-        main, args=(WORLD, ports, str(out), mds), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + LIMIT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"two-rank runs did not finish within {LIMIT_S} s")
+    run_ranks(main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from llmfoundry.distributed import DDP, unwrap_model
 from llmfoundry.trainer import Algorithm, Event, Trainer
+from tests.distributed.spawn import join_env
 from tests.trainer.conftest import tiny_model, token_batches
 
 BATCH = 4  # global batch; each of the two ranks trains on half of it
@@ -51,14 +51,7 @@ def train_rank(
     rank: int, world: int, port: int, out_dir: str, microbatch: int | str | None
 ) -> None:
     """One DDP rank: train on its slice, then save its parameters and what it saw."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    join_env(rank, world, port)
     oom = OOMOnRank(rank=1, limit=1)
     batches = global_batches()
     trainer = Trainer(

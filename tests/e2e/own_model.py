@@ -17,8 +17,8 @@ from llmfoundry.callbacks import LRMonitor, NaNDetector, SpeedMonitor
 from llmfoundry.distributed import DDP, Strategy, unwrap_model
 from llmfoundry.loggers import JSONLLogger
 from llmfoundry.trainer import Trainer
+from tests.distributed.spawn import join_env
 from tests.distributed.workers import global_batches, rank_slice
-from tests.trainer.spawn import join_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llmfoundry.distributed import SingleDevice
+from tests.distributed.spawn import free_port, run_ranks
 from tests.distributed.workers import global_batches
 from tests.trainer.conftest import token_batches
-from tests.trainer.spawn import run_ranks
 
 from .own_model import ddp_rank, readme_module, train
 
@@ -42,7 +42,7 @@ def test_readme_adapter_trains_a_hf_llama_and_evaluates_it(tmp_path):
 
 
 def test_readme_adapter_ddp_two_ranks_equal_one_process(tmp_path):
-    run_ranks(ddp_rank, 2, str(tmp_path))
+    run_ranks(ddp_rank, 2, free_port(), str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     (tmp_path / "single").mkdir()
     reference = train(tmp_path / "single", SingleDevice("cpu"), global_batches()).state

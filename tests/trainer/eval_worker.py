@@ -11,8 +11,8 @@ import torch
 
 from llmfoundry.distributed import DDP, SingleDevice
 from llmfoundry.trainer import Trainer
+from tests.distributed.spawn import join_env
 from tests.trainer.conftest import tiny_model, token_batches
-from tests.trainer.spawn import join_env
 
 N_SAMPLES, PER_RANK_BATCH = 5, 2
 

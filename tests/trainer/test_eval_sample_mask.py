@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from llmfoundry.trainer import Callback
+from tests.distributed.spawn import free_port, run_ranks
 
 from .eval_worker import eval_rank, rank_batches, single_process
-from .spawn import run_ranks
 from .test_trainer import trainer_for
 
 
 def test_two_processes_give_the_single_process_eval_metrics(tmp_path):
-    run_ranks(eval_rank, 2, str(tmp_path))
+    run_ranks(eval_rank, 2, free_port(), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     reference = single_process()
     assert ranks[0] == ranks[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -10,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.test_ddp import free_port
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def join_env(rank: int, world: int, port: int) -> None:
@@ -26,9 +31,10 @@ def join_env(rank: int, world: int, port: int) -> None:
 
 
 def run_ranks(fn: Callable, world: int, *args, limit_s: float = 180) -> None:
-    """`fn(rank, world, port, *args)` in `world` spawned processes; they write their results."""
+    """`fn(rank, world, *args)` in `world` spawned processes (they write their results); `args`
+    usually start with a `free_port()`."""
     context = mp.start_processes(
-        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+        fn, args=(world, *args), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + limit_s
     while not context.join(timeout=1):
