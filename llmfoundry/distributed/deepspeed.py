@@ -38,6 +38,7 @@ from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
 def _import_deepspeed() -> Any:
@@ -111,6 +112,12 @@ class DeepSpeed(ProcessGroupStrategy):
     def wrap_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        # DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce kernel the
+        # first time it starts (minutes of C++ on a small CPU machine, serialized by a lock file
+        # that a killed build leaves behind, so every later run waits forever). Only its
+        # inference all-reduce uses that kernel; training reduces through torch.distributed. Its
+        # cached op table is DeepSpeed's switch for an op: marked incompatible, it is not built.
+        self.deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_config()
         )
