@@ -112,11 +112,11 @@ class DeepSpeed(ProcessGroupStrategy):
     def wrap_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        # DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce kernel the
-        # first time it starts (minutes of C++ on a small CPU machine, serialized by a lock file
-        # that a killed build leaves behind, so every later run waits forever). Only its
-        # inference all-reduce uses that kernel; training reduces through torch.distributed. Its
-        # cached op table is DeepSpeed's switch for an op: marked incompatible, it is not built.
+        # On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce
+        # kernel the first time it starts (230 s on a loaded 2-core machine), behind a lock file
+        # that a killed build leaves behind, so every later start waits on it forever. Only its
+        # inference all-reduce uses that kernel; training reduces through torch.distributed.
+        # DeepSpeed's cached op table is its switch for an op: marked incompatible, not built.
         self.deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_config()
