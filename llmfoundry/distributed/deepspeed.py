@@ -38,6 +38,7 @@ from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
 def _import_deepspeed() -> Any:
@@ -111,6 +112,12 @@ class DeepSpeed(ProcessGroupStrategy):
     def wrap_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        # On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce
+        # kernel the first time it starts (230 s on a loaded 2-core machine), behind a lock file
+        # that a killed build leaves behind, so every later start waits on it forever. Only its
+        # inference all-reduce uses that kernel; training reduces through torch.distributed.
+        # DeepSpeed's cached op table is its switch for an op: marked incompatible, not built.
+        self.deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.deepspeed_config()
         )

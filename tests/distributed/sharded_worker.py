@@ -229,6 +229,8 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
     """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
     trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, and one
     started from a one-process checkpoint's weights."""
+    import deepspeed
+
     from llmfoundry.distributed import DeepSpeed
 
     torch.set_num_threads(1)
@@ -252,5 +254,7 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
     ):
         recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    # The shared-memory kernel DeepSpeed would JIT-compile (see DeepSpeed.wrap_optimizer).
+    result["comm"] = {"shm_kernel": deepspeed.comm.comm.cdb.shm_comm_op is not None}
     owner.teardown()
     torch.save(result, Path(out) / f"rank{rank}.pt")
