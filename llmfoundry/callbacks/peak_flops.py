@@ -37,10 +37,15 @@ _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 )
 
 # Square matmul size of the CPU benchmark: large enough to reach the BLAS kernels' steady state,
-# small enough to take well under a second in fp32 on a laptop. The best of at least
+# small enough to take well under a second in fp32 on a laptop. A format the CPU has no fast
+# kernel for (bf16 without AVX-512/AMX runs ~50x slower than fp32) would take a minute at that
+# size, so the size doubles from _CPU_BENCH_MIN_SIZE only while one matmul is quicker than
+# _CPU_BENCH_SLOW_S: a matmul that slow is already at its steady state. The best of at least
 # _CPU_BENCH_REPEATS runs and _CPU_BENCH_SECONDS of runs counts: fast formats (bf16 on AMX) get
 # more tries, so a moment of contention from another process does not set the peak.
 _CPU_BENCH_SIZE = 2048
+_CPU_BENCH_MIN_SIZE = 256
+_CPU_BENCH_SLOW_S = 0.05
 _CPU_BENCH_REPEATS = 3
 _CPU_BENCH_SECONDS = 0.3
 
@@ -78,13 +83,19 @@ def measure_cpu_peak_flops(
     untouched (resumed runs must see the same random numbers as uninterrupted ones).
     """
     generator = torch.Generator().manual_seed(0)
-    n = _CPU_BENCH_SIZE
-    a = torch.randn(n, n, generator=generator).to(dtype)
-    b = torch.randn(n, n, generator=generator).to(dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        torch.mm(a, b)  # warm-up: thread pool start, kernel selection
+        n = _CPU_BENCH_MIN_SIZE
+        while True:
+            a = torch.randn(n, n, generator=generator).to(dtype)
+            b = torch.randn(n, n, generator=generator).to(dtype)
+            torch.mm(a, b)  # warm-up: thread pool start, kernel selection
+            start = clock()
+            torch.mm(a, b)
+            if n >= _CPU_BENCH_SIZE or clock() - start >= _CPU_BENCH_SLOW_S:
+                break
+            n *= 2
         times: list[float] = []
         while len(times) < _CPU_BENCH_REPEATS or sum(times) < _CPU_BENCH_SECONDS:
             start = clock()
@@ -108,7 +119,7 @@ def device_peak_flops(device: torch.device, precision: str) -> tuple[float | Non
         name = str(dtype).removeprefix("torch.")
         return (
             peak,
-            f"measured: {name} {_CPU_BENCH_SIZE}x{_CPU_BENCH_SIZE} matmul on {threads} threads",
+            f"measured: {name} square matmul (up to {_CPU_BENCH_SIZE}) on {threads} threads",
         )
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

@@ -151,6 +151,28 @@ def test_cpu_benchmark_leaves_the_training_rng_untouched():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+class TickingClock:
+    """Reports every matmul as taking `seconds`, whatever its size."""
+
+    def __init__(self, seconds: float) -> None:
+        self.now, self.seconds = 0.0, seconds
+
+    def __call__(self) -> float:
+        self.now += self.seconds  # so any two successive reads are `seconds` apart
+        return self.now
+
+
+@pytest.mark.parametrize("seconds, size", [(1.0, 256), (0.01, 1024)])
+def test_cpu_benchmark_grows_the_matmul_only_while_it_is_quick(seconds, size, monkeypatch):
+    # A format without fast kernels (bf16 on an AVX2 CPU: ~1 GFLOP/s) would take a minute at
+    # the largest size; a matmul that already takes >= _CPU_BENCH_SLOW_S is measured as it is.
+    monkeypatch.setattr(peak_flops, "_CPU_BENCH_SIZE", 1024)
+    peak_flops.measure_cpu_peak_flops.cache_clear()
+    peak = peak_flops.measure_cpu_peak_flops(torch.float32, 1, TickingClock(seconds))
+    peak_flops.measure_cpu_peak_flops.cache_clear()
+    assert peak == pytest.approx(2 * size**3 / seconds)
+
+
 def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(
         speed_monitor, "device_peak_flops", lambda device, precision: (None, "no peak")
