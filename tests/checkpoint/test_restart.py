@@ -125,7 +125,7 @@ def test_load_ignore_keys_opts_out_of_the_optimizer_check(tmp_path, mds):
 
 
 def test_a_changed_batch_size_or_lr_is_warned_about_and_takes_effect(tmp_path, mds, caplog):
-    build(tmp_path, mds).fit()
+    build(tmp_path, mds, "optimizer.lr=0.002").fit()
     caplog.set_level(logging.WARNING)
     trainer = build(
         tmp_path,
