@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 # Everything but the end-to-end script runs (tests marked `slow`): a quick check while editing.
 test-fast: setup

@@ -26,6 +26,7 @@ from llmfoundry.trainer.model import EvalSet, eval_set, loss_fn, metrics_factory
 from llmfoundry.trainer.precision import Precision
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import Time, TimeUnit
+from llmfoundry.utils.host_memory import reuse_freed_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Trainer:
     ) -> None:
         self.strategy = strategy or SingleDevice()
         self.strategy.setup()
+        if self.strategy.device.type == "cpu":  # large tensors come and go every step
+            reuse_freed_host_memory()
         seed_all(seed + self.strategy.rank)
         self.loss_fn = loss_fn(model)
         self.default_metrics = metrics_factory(model)
