@@ -206,6 +206,13 @@ def test_misspelt_data_keys_get_suggestions():
         check(CONF, ["data=memmap", "+data.window=random"])
     with pytest.raises(ConfigError, match="data.windows: expected one of 'random', 'sequential'"):
         check(CONF, ["data=memmap", "data.windows=shuffled"])
+    with pytest.raises(
+        ConfigError, match="data.eval_datasets.code.remot: unknown key; did you mean 'remote'"
+    ):
+        check(CONF, ["data.eval_datasets={code: {remot: 'data/code'}}"])
+    with pytest.raises(ConfigError, match="data.eval_datasets.code.shuffle_seed: expected int"):
+        check(CONF, ["data=memmap", "data.eval_datasets={code: {shuffle_seed: abc}}"])
+    check(CONF, ["data.eval_datasets={eos: {sequence_id_from_eos: 0}, code: 'data/code'}"])
     check(CONF, ["data=finetune", "data.sequence_id_from_eos=auto"])
     check(
         CONF,
