@@ -26,6 +26,7 @@ from llmfoundry.data.prep import (
     train_bpe,
     verify_mds,
 )
+from llmfoundry.utils.errors import UserError
 
 REPO = Path(__file__).parents[2]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "mds"
@@ -316,15 +317,28 @@ def test_bytes_per_token_none_where_not_recorded():
     assert bytes_per_token({"splits": {"val": {"tokens": 4, "text_bytes": 10}}}, "val") == 2.5
 
 
-def test_token_ids_outside_the_tokenizer_are_refused(prepared, tmp_path):
+@pytest.mark.parametrize("kind", ["byte_level", "word_level"])
+def test_token_ids_outside_the_tokenizer_are_refused(prepared, tmp_path, kind):
+    """Before any shard is written, whatever the tokenizer (text bytes are counted only for a
+    byte-level one)."""
     bad = tmp_path / "bad"
     bad.mkdir()
     tokens, meta = open_tokens(prepared)
     np.full(64, 299 + 1000, np.uint16).tofile(bad / "tokens.bin")
-    shutil.copy(prepared.parent / "tokenizer.json", bad / "tokenizer.json")
+    if kind == "byte_level":
+        shutil.copy(prepared.parent / "tokenizer.json", bad / "tokenizer.json")
+        vocab = meta["vocab_size"]  # what text_to_tokens recorded of the trained BPE
+    else:
+        vocab = 2
+        word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        word_level.save(str(bad / "tokenizer.json"))
     (bad / "tokens.json").write_text(json.dumps({**meta, "num_tokens": 64}))
-    with pytest.raises(ValueError, match="token id 1299 is not in .*tokenizer.json"):
+    with pytest.raises(
+        UserError,
+        match=rf"bad/tokens.bin: token id 1299 is not in its tokenizer's vocabulary of {vocab} ids",
+    ):
         tokens_to_mds(bad / "tokens.bin", str(tmp_path / "m"), 8, progress=False)
+    assert not (tmp_path / "m" / "train").exists()  # refused before writing
 
 
 def test_split_errors(prepared, tmp_path):
