@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import default_collate
 
 from llmfoundry.data.mds import is_hash
@@ -33,6 +34,7 @@ from llmfoundry.data.streaming.predownload import Predownloader
 from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
 from llmfoundry.data.streaming.stream import Stream
+from llmfoundry.trainer.metrics import SAMPLE_MASK
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
@@ -275,9 +277,15 @@ class StreamingDataset(EpochDataset):
             worker.close()
 
     def __iter__(self) -> Iterator[Any]:
-        for ids, _ in self.batches():
-            for i in ids:
-                yield self[int(i)]
+        """This process's samples of the current epoch, one at a time, as stored (not collated
+        into batches, which may pad); an evaluation sample carries ``sample_mask`` (a bool
+        tensor) as the rows of `EpochDataset`'s batches do."""
+        for ids, positions in self.batches():
+            for i, position in zip(ids.tolist(), positions.tolist(), strict=True):
+                sample = self[i]
+                if self.evaluation:
+                    sample = {**sample, SAMPLE_MASK: torch.tensor(position < self.epoch_size)}
+                yield sample
 
 
 def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool) -> list[Stream]:
