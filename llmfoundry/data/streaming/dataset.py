@@ -121,7 +121,7 @@ class StreamingDataset(EpochDataset):
                     "data.remote=null (its default is the demo dataset) and set "
                     "tokenizer=<path or URL of tokenizer.json>"
                 )
-            streams, local = _config_streams(streams, local, shares=not evaluation), None
+            streams, local = _config_streams(streams, local), None
         if streams is not None:
             if remote is not None or local is not None:
                 raise UserError("pass either remote/local or streams, not both")
@@ -288,9 +288,9 @@ class StreamingDataset(EpochDataset):
                 yield sample
 
 
-def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool) -> list[Stream]:
+def _config_streams(streams: Mapping[str, Any], local: str | None) -> list[Stream]:
     """The config's ``{name: {remote, local, proportion | repeat | choose}}`` as Streams, cached
-    under ``local/<name>`` when ``local`` is set; without their epoch shares unless ``shares``."""
+    under ``local/<name>`` when ``local`` is set (an evaluation dataset then drops the shares)."""
     if not streams:
         raise UserError("streams must map stream names to {remote, local, ...}")
     out = []
@@ -307,8 +307,6 @@ def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool)
         args = dict(spec)
         if args.get("local") is None and local is not None:
             args["local"] = join_url(local, name)
-        if not shares:
-            args = {k: v for k, v in args.items() if k in ("remote", "local")}
         try:
             out.append(Stream(**args))
         except (TypeError, ValueError) as err:
