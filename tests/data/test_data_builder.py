@@ -182,7 +182,7 @@ def test_config_values_are_the_signatures_defaults(name, dataset, chosen):
     }
     defaults |= vars(DataSplits())
     keys = [k for k in node if not k.startswith("_")]
-    assert set(keys) <= set(defaults) and set(keys) >= set(group_hints()) - {"timeout"}
+    assert set(keys) <= set(defaults) and set(keys) >= set(group_hints())
     assert {k: node[k] for k in keys if k not in chosen} == {
         k: defaults[k] for k in keys if k not in chosen
     }
