@@ -26,6 +26,7 @@ from llmfoundry.data.prep import (
     train_bpe,
     verify_mds,
 )
+from llmfoundry.data.prep.reuse import previous_output
 from llmfoundry.utils.errors import UserError
 
 REPO = Path(__file__).parents[2]
@@ -426,3 +427,16 @@ def test_tokens_to_mds_uploads_to_s3(prepared, s3_env):
     assert all(fs.exists(f"prep-bucket/ds/train/{s.zip_basename}") for s in shards)
     reports = verify_mds("s3://prep-bucket/ds")
     assert [r.errors for r in reports] == [[], []]
+
+
+def test_previous_output_reuses_refuses_or_clears_meta(tmp_path):
+    """One rule for every prep step writing meta.json (tokens_to_mds, instructions)."""
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"fingerprint": "a", "rows": 3}))
+    assert previous_output(str(tmp_path), "a", overwrite=False) == {"fingerprint": "a", "rows": 3}
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        previous_output(str(tmp_path), "b", overwrite=False)
+    assert meta.exists()
+    assert previous_output(str(tmp_path), "a", overwrite=True) is None
+    assert not meta.exists()  # must not describe the splits about to be rewritten
+    assert previous_output(str(tmp_path), "a", overwrite=False) is None

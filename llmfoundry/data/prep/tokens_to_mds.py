@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
+from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
 from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.utils import storage
@@ -107,9 +107,13 @@ def tokens_to_mds(
         "version": 1,
     }
     key = settings_fingerprint(settings)
-    previous = _previous_output(out, key, overwrite)
+    previous = previous_output(out, key, overwrite)
     if previous is not None:
         return {**previous, "reused": True}
+    fs, root = storage.url_to_fs(out)
+    merged_index = join_url(root, "index.json")  # from mds_tools.py merge: stale once rewritten
+    if overwrite and fs.exists(merged_index):
+        fs.rm(merged_index)
 
     tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
     tokenizer = load_tokenizer(tok_src)
@@ -126,7 +130,6 @@ def tokens_to_mds(
             )
             written[name]["text_bytes"] = _text_bytes(rows_of_split, byte_lengths)
     bar.close()
-    fs, root = storage.url_to_fs(out)
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
@@ -150,25 +153,6 @@ def tokens_to_mds(
     meta_url = join_url(root, "meta.json")
     fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return {**meta, "reused": False}
-
-
-def _previous_output(out: str, key: str, overwrite: bool) -> dict[str, Any] | None:
-    """meta.json of an output made with fingerprint ``key`` (to reuse), else None.
-
-    Before a rewrite the old meta.json goes first (it must not describe half-rewritten splits),
-    and with ``overwrite`` a merged index from ``mds_tools.py merge`` (stale once rewritten).
-    """
-    fs, root = storage.url_to_fs(out)
-    meta_url = join_url(root, "meta.json")
-    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
-    if is_reusable(previous, key, overwrite, out):
-        return previous
-    if previous is not None:
-        fs.rm(meta_url)
-    merged_index = join_url(root, "index.json")
-    if overwrite and fs.exists(merged_index):
-        fs.rm(merged_index)
-    return None
 
 
 def _encoding(dtype: np.dtype, seq_len: int) -> str:
