@@ -66,7 +66,10 @@ def build_trainer(
         max_seq_len=seq_len,
         data_parallel=data_parallel,
     )
-    check_vocab(data.train_dataset.meta, model_config.vocab_size, data.train_dataset.meta_url)
+    # Every dataset's ids must fit the embedding, eval sets' too; each meta.json checked once.
+    datasets = [data.train_dataset, *(loader.streaming_dataset for loader in data.evals.values())]
+    for dataset in {d.meta_url: d for d in datasets}.values():
+        check_vocab(dataset.meta, model_config.vocab_size, dataset.meta_url)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}

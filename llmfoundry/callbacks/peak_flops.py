@@ -38,7 +38,7 @@ _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 
 # Square matmul size of the CPU benchmark: large enough to reach the BLAS kernels' steady state,
 # small enough to take well under a second in fp32 on a laptop. A format the CPU has no fast
-# kernel for (bf16 without AVX-512/AMX runs ~50x slower than fp32) would take a minute at that
+# kernel for (bf16 without AVX512-BF16/AMX runs ~40x slower than fp32) would take a minute at that
 # size, so the size doubles from _CPU_BENCH_MIN_SIZE only while one matmul is quicker than
 # _CPU_BENCH_SLOW_S: a matmul that slow is already at its steady state. The best of at least
 # _CPU_BENCH_REPEATS runs and _CPU_BENCH_SECONDS of runs counts: fast formats (bf16 on AMX) get

@@ -10,7 +10,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config.run_name import default_run_name
-from llmfoundry.config.schema import ConfigError, check_keys, check_type, validate_targets
+from llmfoundry.config.schema import (
+    ConfigError,
+    check_keys,
+    check_type,
+    validate_node,
+    validate_targets,
+)
 from llmfoundry.config.settings import GROUPS, TrainSettings
 from llmfoundry.data.builder import group_hints, splits_of
 from llmfoundry.utils.errors import UserError
@@ -53,9 +59,10 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
             validate_targets(group, cfg[group], group_hints() if group == "data" else None)
     if isinstance(cfg.get("data"), DictConfig):
         try:
-            splits_of(cfg.data)
+            splits = splits_of(cfg.data)
         except UserError as err:
             raise ConfigError("", str(err)) from None
+        _check_eval_arguments(cfg.data, splits.eval_datasets or {})
     model_len = OmegaConf.select(cfg, "model.max_seq_len")
     if settings.max_seq_len and model_len and settings.max_seq_len > model_len:
         raise ConfigError(
@@ -71,6 +78,19 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
             f"{micro} exceeds global_train_batch_size={settings.global_train_batch_size}",
         )
     return settings
+
+
+def _check_eval_arguments(data: DictConfig, eval_datasets: dict) -> None:
+    """An ``eval_datasets`` entry that changes arguments of the main dataset takes that
+    dataset's keys: checked as its node (entries with a ``_target_`` are checked as nodes
+    of their own by validate_targets)."""
+    target = data.get("_target_")
+    if not isinstance(target, str):
+        return
+    for label, entry in eval_datasets.items():
+        if isinstance(entry, dict) and "_target_" not in entry:
+            node = OmegaConf.create({"_target_": target, "_partial_": True, **entry})
+            validate_node(f"data.eval_datasets.{label}", node)
 
 
 def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:

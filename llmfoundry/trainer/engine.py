@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmfoundry.trainer.events import Event
+from llmfoundry.trainer.metrics import DeviceScalar
 from llmfoundry.trainer.state import State
 
 
@@ -57,7 +58,12 @@ class Callback:
 class LoggerDestination(Callback):
     """Where metrics go (console, file, TensorBoard, W&B). Also hooks events like a callback."""
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float | DeviceScalar], step: int) -> None:
+        """Record ``metrics`` at batch ``step``. A value is a float or a `DeviceScalar` (the
+        trainer's ``loss/train``, gradient clipping's ``grad/norm``: still on the device);
+        ``float(value)`` reads either, and for a DeviceScalar waits for the device, so a
+        destination reads them when it writes, not on every call (`llmfoundry.loggers.buffered`).
+        """
         del metrics, step
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
@@ -71,7 +77,9 @@ class Logger:
         self._state = state
         self.destinations = list(destinations)
 
-    def log_metrics(self, metrics: dict[str, float]) -> None:
+    def log_metrics(self, metrics: dict[str, float | DeviceScalar]) -> None:
+        """Send ``metrics`` (floats or `DeviceScalar`s, see `LoggerDestination.log_metrics`) to
+        every destination at the current batch."""
         for destination in self.destinations:
             destination.log_metrics(metrics, step=self._state.timestamp.batch)
 

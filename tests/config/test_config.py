@@ -1,9 +1,11 @@
+import inspect
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from hydra.utils import get_object
 from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError, default_run_name, validate_config
@@ -21,6 +23,43 @@ def error_for(*overrides: str) -> str:
 
 def test_default_config_is_valid():
     check(CONF, [])
+
+
+# The recipe's own values in the algorithm, callback and logger yamls (not their defaults).
+CHOSEN = {
+    "algorithms/ema.yaml": {"half_life"},
+    "callbacks/early_stopper.yaml": {"patience"},
+    "callbacks/generate.yaml": {"prompts", "max_new_tokens"},
+    "loggers/console.yaml": {"log_interval"},
+    "loggers/wandb.yaml": {"project"},
+}
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        str(p.relative_to(CONF))
+        for group in ("algorithms", "callbacks", "loggers")
+        for p in (CONF / group).glob("*.yaml")
+    ),
+)
+def test_group_configs_list_every_argument(path):
+    """Each algorithm, callback and logger yaml lists every argument of its target, so
+    `callbacks.x.key=value` works without `+`; a value the yaml does not choose is the default."""
+    node = OmegaConf.to_container(OmegaConf.load(CONF / path))
+    params = inspect.signature(get_object(node["_target_"])).parameters.values()
+    defaults = {
+        p.name: p.default
+        for p in params
+        if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+    assert sorted(k for k in node if not k.startswith("_")) == sorted(defaults)
+    chosen = CHOSEN.get(path, set()) | {
+        k for k, v in node.items() if isinstance(v, str) and ("${" in v or v == "???")
+    }
+    assert {k: v for k, v in node.items() if not k.startswith("_") and k not in chosen} == {
+        k: v for k, v in defaults.items() if k not in chosen
+    }
 
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))

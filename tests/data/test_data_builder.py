@@ -182,7 +182,7 @@ def test_config_values_are_the_signatures_defaults(name, dataset, chosen):
     }
     defaults |= vars(DataSplits())
     keys = [k for k in node if not k.startswith("_")]
-    assert set(keys) <= set(defaults) and set(keys) >= set(group_hints()) - {"timeout"}
+    assert set(keys) <= set(defaults) and set(keys) >= set(group_hints())
     assert {k: node[k] for k in keys if k not in chosen} == {
         k: defaults[k] for k in keys if k not in chosen
     }
@@ -206,6 +206,13 @@ def test_misspelt_data_keys_get_suggestions():
         check(CONF, ["data=memmap", "+data.window=random"])
     with pytest.raises(ConfigError, match="data.windows: expected one of 'random', 'sequential'"):
         check(CONF, ["data=memmap", "data.windows=shuffled"])
+    with pytest.raises(
+        ConfigError, match="data.eval_datasets.code.remot: unknown key; did you mean 'remote'"
+    ):
+        check(CONF, ["data.eval_datasets={code: {remot: 'data/code'}}"])
+    with pytest.raises(ConfigError, match="data.eval_datasets.code.shuffle_seed: expected int"):
+        check(CONF, ["data=memmap", "data.eval_datasets={code: {shuffle_seed: abc}}"])
+    check(CONF, ["data.eval_datasets={eos: {sequence_id_from_eos: 0}, code: 'data/code'}"])
     check(CONF, ["data=finetune", "data.sequence_id_from_eos=auto"])
     check(
         CONF,

@@ -26,6 +26,8 @@ from llmfoundry.data.prep import (
     train_bpe,
     verify_mds,
 )
+from llmfoundry.data.prep.reuse import previous_output
+from llmfoundry.utils.errors import UserError
 
 REPO = Path(__file__).parents[2]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "mds"
@@ -316,15 +318,28 @@ def test_bytes_per_token_none_where_not_recorded():
     assert bytes_per_token({"splits": {"val": {"tokens": 4, "text_bytes": 10}}}, "val") == 2.5
 
 
-def test_token_ids_outside_the_tokenizer_are_refused(prepared, tmp_path):
+@pytest.mark.parametrize("kind", ["byte_level", "word_level"])
+def test_token_ids_outside_the_tokenizer_are_refused(prepared, tmp_path, kind):
+    """Before any shard is written, whatever the tokenizer (text bytes are counted only for a
+    byte-level one)."""
     bad = tmp_path / "bad"
     bad.mkdir()
     tokens, meta = open_tokens(prepared)
     np.full(64, 299 + 1000, np.uint16).tofile(bad / "tokens.bin")
-    shutil.copy(prepared.parent / "tokenizer.json", bad / "tokenizer.json")
+    if kind == "byte_level":
+        shutil.copy(prepared.parent / "tokenizer.json", bad / "tokenizer.json")
+        vocab = meta["vocab_size"]  # what text_to_tokens recorded of the trained BPE
+    else:
+        vocab = 2
+        word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        word_level.save(str(bad / "tokenizer.json"))
     (bad / "tokens.json").write_text(json.dumps({**meta, "num_tokens": 64}))
-    with pytest.raises(ValueError, match="token id 1299 is not in .*tokenizer.json"):
+    with pytest.raises(
+        UserError,
+        match=rf"bad/tokens.bin: token id 1299 is not in its tokenizer's vocabulary of {vocab} ids",
+    ):
         tokens_to_mds(bad / "tokens.bin", str(tmp_path / "m"), 8, progress=False)
+    assert not (tmp_path / "m" / "train").exists()  # refused before writing
 
 
 def test_split_errors(prepared, tmp_path):
@@ -412,3 +427,16 @@ def test_tokens_to_mds_uploads_to_s3(prepared, s3_env):
     assert all(fs.exists(f"prep-bucket/ds/train/{s.zip_basename}") for s in shards)
     reports = verify_mds("s3://prep-bucket/ds")
     assert [r.errors for r in reports] == [[], []]
+
+
+def test_previous_output_reuses_refuses_or_clears_meta(tmp_path):
+    """One rule for every prep step writing meta.json (tokens_to_mds, instructions)."""
+    meta = tmp_path / "meta.json"
+    meta.write_text(json.dumps({"fingerprint": "a", "rows": 3}))
+    assert previous_output(str(tmp_path), "a", overwrite=False) == {"fingerprint": "a", "rows": 3}
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        previous_output(str(tmp_path), "b", overwrite=False)
+    assert meta.exists()
+    assert previous_output(str(tmp_path), "a", overwrite=True) is None
+    assert not meta.exists()  # must not describe the splits about to be rewritten
+    assert previous_output(str(tmp_path), "a", overwrite=False) is None

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.streaming import StreamingDataLoader
@@ -74,7 +73,3 @@ def test_bad_values_are_named(tmp_path):
     (tmp_path / "meta.json").write_text("{}")
     with pytest.raises(ValueError, match=r"records no eos_id"):
         loader_of(tmp_path, 1, sequence_id_from_eos="auto")
-
-
-def test_data_group_default_is_off():
-    assert OmegaConf.load(REPO / "conf" / "data" / "mds.yaml").sequence_id_from_eos is None

@@ -28,7 +28,8 @@ from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Callback, Trainer
 from tests.trainer.conftest import tiny_model
 
-from .sharded_worker import STOP_AT, Recorder, join, resume_run
+from .sharded_worker import STOP_AT, Recorder, resume_run
+from .spawn import join_env
 from .workers import global_batches, rank_slice
 
 # tiny_model()'s config as a training config records it (what load_pretrained rebuilds).
@@ -107,16 +108,15 @@ def ema_run(strategy: Strategy, mds: str, folder: str, **kwargs) -> tuple[Record
 
 
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
-    torch.set_num_threads(1)
     ports = iter(ports)
     result: dict[str, dict] = {}
-    join(rank, world, next(ports))
+    join_env(rank, world, next(ports))
     export_run(rank, world, out)
     for name, kwargs in (
         ("ema_saved", {"stop_at": STOP_AT}),
         ("ema_from_single", {"load": f"{out}/ema_single_saved"}),
     ):
-        join(rank, world, next(ports))
+        join_env(rank, world, next(ports))
         recorder, ema = ema_run(FSDP("cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "loaded": ema.loaded, "ema": ema.after_batch}
     for name, options, kwargs in (
@@ -124,7 +124,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("async_every_batch", {"async_save": True}, {"save_interval": "1ba"}),
         ("sync_from_async", {}, {"load": f"{out}/async_every_batch/ep0-ba{STOP_AT}"}),
     ):
-        join(rank, world, next(ports))
+        join_env(rank, world, next(ports))
         strategy = FSDP("cpu", timeout_s=60, **options)
         recorder, ema = ema_run(strategy, mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ema": ema.after_batch}
@@ -172,7 +172,6 @@ class KillAt(Callback):
 def killed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     """Saves after every batch in the background; killed at the end of batch 3, while the
     save of batch 2 is still being written."""
-    torch.set_num_threads(1)
-    join(rank, world, ports[0])
+    join_env(rank, world, ports[0])
     strategy = SlowBackgroundSaves("cpu", timeout_s=60)
     resume_run(strategy, mds, f"{out}/async_killed", save_interval="1ba", callbacks=(KillAt(3),))

@@ -22,6 +22,7 @@ from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, sample_ids
 from tests.trainer.conftest import tiny_model
 
+from .spawn import join_env
 from .workers import global_batches, rank_slice
 
 # The parity runs: name -> FSDP options (None: DDP).
@@ -38,13 +39,6 @@ PARITY = {
     "fsdp_cpu_offload": {"cpu_offload": True},
 }
 RESUME_BATCHES, STOP_AT, GLOBAL_BATCH = 4, 2, 4
-
-
-def join(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
 
 
 class Recorder(Callback):
@@ -178,7 +172,6 @@ def resume_run(
 
 
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
-    torch.set_num_threads(1)
     ports = iter(ports)
     result: dict[str, dict] = {}
 
@@ -186,7 +179,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         result[name] = {"losses": recorder.losses, "ids": recorder.ids, **extra}
 
     for name, options in PARITY.items():
-        join(rank, world, next(ports))
+        join_env(rank, world, next(ports))
         strategy = (
             DDP("cpu", timeout_s=60) if options is None else FSDP("cpu", timeout_s=60, **options)
         )
@@ -194,7 +187,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         record(name, recorder, initial=recorder.initial)
 
     for where in ("forward", "backward"):
-        join(rank, world, next(ports))
+        join_env(rank, world, next(ports))
         oom = OutOfMemoryInBlock(rank=1, limit=1, where=where)
         recorder = parity_run(
             FSDP("cpu", timeout_s=60), rank, world, device_train_microbatch_size="auto",
@@ -202,7 +195,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         )  # fmt: skip
         record(f"fsdp_auto_oom_in_{where}", recorder, raised=oom.raised)
 
-    join(rank, world, next(ports))
+    join_env(rank, world, next(ports))
     record("fsdp_bf16", parity_run(FSDP("cpu", timeout_s=60, mixed_precision="bf16"), rank, world))
 
     for name, make, kwargs in (
@@ -215,7 +208,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("fsdp_preempted", FSDP, {"sigterm_at": STOP_AT}),
         ("fsdp_after_preemption", FSDP, {"load": f"{out}/fsdp_preempted"}),
     ):
-        join(rank, world, next(ports))
+        join_env(rank, world, next(ports))
         folder = f"{out}/{name}"
         record(name, resume_run(make("cpu", timeout_s=60), mds, folder, **kwargs))
     torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -233,10 +226,9 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
 
     from llmfoundry.distributed import DeepSpeed
 
-    torch.set_num_threads(1)
     # DeepSpeed caches its process groups for the life of the process, so all runs share one
     # (each strategy finds it initialized and leaves it); `owner` creates and destroys it.
-    join(rank, world, ports[0])
+    join_env(rank, world, ports[0])
     owner = DDP("cpu", timeout_s=60)
     owner.setup()
     result: dict[str, dict] = {}

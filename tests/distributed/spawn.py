@@ -30,15 +30,27 @@ def join_env(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def run_ranks(fn: Callable, world: int, *args, limit_s: float = 180) -> None:
+def run_ranks(
+    fn: Callable, world: int, *args, limit_s: float = 180, killed: bool = False
+) -> list[int | None]:
     """`fn(rank, world, *args)` in `world` spawned processes (they write their results); `args`
-    usually start with a `free_port()`."""
+    usually start with a `free_port()`. Returns the processes' exit codes.
+
+    ``killed``: the ranks are expected to end by a signal (a test of a kill), so an exit by a
+    signal returns instead of failing, and the ranks get 10 s to die together before the
+    survivors are terminated.
+    """
     context = mp.start_processes(
         fn, args=(world, *args), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world}-process run did not finish within {limit_s} s")
+    try:
+        while not context.join(timeout=1, grace_period=10 if killed else None):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"{world}-process run did not finish within {limit_s} s")
+    except mp.ProcessExitedException:
+        if not killed:
+            raise
+    return [process.exitcode for process in context.processes]

@@ -10,7 +10,6 @@ that is only saved and loaded must come back bit for bit).
 
 import runpy
 import signal
-import time
 from pathlib import Path
 
 import fsspec
@@ -18,7 +17,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -42,6 +40,7 @@ from .checkpoint_worker import (
     rank_main,
 )
 from .sharded_worker import RESUME_BATCHES, STOP_AT
+from .spawn import run_ranks
 from .test_fsdp import LIMIT_S, RTOL, WORLD, free_port, spawn
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -217,20 +216,11 @@ def test_async_saves_write_the_checkpoints_sync_saves_write(spawned):
 
 def test_a_kill_during_an_async_save_leaves_no_checkpoint_that_counts(spawned, tmp_path):
     out = spawned[0]
-    context = mp.start_processes(
-        killed_rank_main, args=(WORLD, [free_port()], str(tmp_path), str(out / "mds")),
-        nprocs=WORLD, join=False, start_method="spawn",
+    exit_codes = run_ranks(
+        killed_rank_main, WORLD, [free_port()], str(tmp_path), str(out / "mds"),
+        limit_s=LIMIT_S, killed=True,
     )  # fmt: skip
-    deadline = time.monotonic() + LIMIT_S
-    try:
-        while not context.join(timeout=1, grace_period=10):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the killed runs did not end within {LIMIT_S} s")
-    except mp.ProcessExitedException:
-        pass
-    assert [p.exitcode for p in context.processes] == [-signal.SIGKILL] * WORLD
+    assert exit_codes == [-signal.SIGKILL] * WORLD
     folder = tmp_path / "async_killed"
     # Batch 2's save was being written in the background: batch 1's is the one that counts.
     assert read_latest(str(folder)) == "ep0-ba1"

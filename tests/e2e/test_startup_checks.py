@@ -51,6 +51,21 @@ def test_data_vocabulary_larger_than_the_model_is_refused_at_startup(tmp_path):
         build_trainer(cfg, tmp_path / "run")
 
 
+def test_eval_set_vocabulary_larger_than_the_model_is_refused_at_startup(tmp_path, caplog):
+    main = dataset(tmp_path / "mds", vocab_size=50)
+    code = dataset(tmp_path / "code", vocab_size=100)
+    overrides = [*TINY, f"data.remote={main}"]
+    with pytest.raises(ValueError, match=r"smaller than the data's vocabulary \(100 in .*code"):
+        build_trainer(
+            compose_config(CONF, [*overrides, f"data.eval_datasets={{code: '{code}'}}"]),
+            tmp_path / "run",
+        )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmfoundry"):
+        build_trainer(compose_config(CONF, overrides), tmp_path / "run2")
+    assert caplog.text.count("is larger than the data's vocabulary") == 1  # val shares train's
+
+
 @pytest.mark.slow
 def test_cli_names_both_vocabularies_before_training(tmp_path):
     root = dataset(tmp_path / "mds", vocab_size=100)

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
+from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.trainer.metrics import IGNORE_INDEX
 from llmfoundry.utils import storage
@@ -309,14 +309,12 @@ def instructions_to_mds(
         "version": 1,
     }
     key = settings_fingerprint(settings)
-    fs, root = storage.url_to_fs(out)
-    meta_url = join_url(root, "meta.json")
-    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
-    if is_reusable(previous, key, overwrite, out):
+    previous = previous_output(out, key, overwrite)
+    if previous is not None:
         log.info("%s: up to date (same inputs and settings), reused", out)
         return {**previous, "reused": True}
-    if previous is not None:
-        fs.rm(meta_url)  # the old meta must not describe half-rewritten splits
+    fs, root = storage.url_to_fs(out)
+    meta_url = join_url(root, "meta.json")
 
     dtype = "uint16" if prepared.vocab_size <= (1 << 16) else "uint32"
     columns = {

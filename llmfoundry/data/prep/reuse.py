@@ -13,7 +13,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["settings_fingerprint", "is_reusable"]
+from llmfoundry.utils import storage
+from llmfoundry.utils.files import join_url
+
+__all__ = ["is_reusable", "previous_output", "settings_fingerprint"]
 
 
 def settings_fingerprint(settings: Mapping[str, Any]) -> str:
@@ -35,3 +38,19 @@ def is_reusable(previous: Mapping[str, Any] | None, key: str, overwrite: bool, o
         f"{out} was made from other inputs or settings; pass --overwrite to replace it, or "
         "choose another output"
     )
+
+
+def previous_output(out: str, key: str, overwrite: bool) -> dict[str, Any] | None:
+    """``out``'s meta.json if it was made with fingerprint ``key`` (reuse the output), else None.
+
+    Before a rewrite the old meta.json goes first: it must not describe half-rewritten splits.
+    Raises as `is_reusable` does.
+    """
+    fs, root = storage.url_to_fs(out)
+    meta_url = join_url(root, "meta.json")
+    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
+    if is_reusable(previous, key, overwrite, out):
+        return previous
+    if previous is not None:
+        fs.rm(meta_url)
+    return None

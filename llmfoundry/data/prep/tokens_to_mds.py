@@ -11,7 +11,8 @@ Each row is column ``tokens`` encoded ``ndarray:uint16:L`` (or uint32 for large
 vocabularies): fixed size, so a reader maps a whole shard as one ``[rows, L]`` array.
 Validation rows are the stream's tail, contiguous, so no training row shares text with them
 (apart from the one document that may straddle the boundary). meta.json is written last and
-records the inputs, so a rerun with the same inputs is recognised and skipped.
+records the inputs, so a rerun with the same inputs is recognised and skipped. A token id the
+tokenizer next to the stream does not have is refused before anything is written.
 
 Each split in meta.json also records its ``tokens`` and the UTF-8 ``text_bytes`` they decode to
 (special tokens such as EOS count nothing), so a loss per token converts to bits per byte, a
@@ -32,15 +33,17 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
+from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
 from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
 __all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "tokens_to_mds"]
 
 MDS_META_FORMAT = "llmfoundry.mds-tokens"
+_CHUNK = 1 << 24  # tokens per pass over the stream: bounded memory for any stream length
 
 
 def split_rows(rows: int, val_fraction: float = 0.0, val_rows: int | None = None) -> int:
@@ -104,12 +107,18 @@ def tokens_to_mds(
         "version": 1,
     }
     key = settings_fingerprint(settings)
-    previous = _previous_output(out, key, overwrite)
+    previous = previous_output(out, key, overwrite)
     if previous is not None:
         return {**previous, "reused": True}
+    fs, root = storage.url_to_fs(out)
+    merged_index = join_url(root, "index.json")  # from mds_tools.py merge: stale once rewritten
+    if overwrite and fs.exists(merged_index):
+        fs.rm(merged_index)
 
     tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
-    byte_lengths = token_byte_lengths(load_tokenizer(tok_src))
+    tokenizer = load_tokenizer(tok_src)
+    _check_ids(stream[: rows * seq_len], tokenizer.get_vocab_size(with_added_tokens=True), tokens)
+    byte_lengths = token_byte_lengths(tokenizer)
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
     written = {}
@@ -119,9 +128,8 @@ def tokens_to_mds(
             written[name] = _write_split(
                 rows_of_split, join_url(out, name), compression, hashes, size_limit, overwrite, bar
             )
-            written[name]["text_bytes"] = _text_bytes(rows_of_split, byte_lengths, tok_src)
+            written[name]["text_bytes"] = _text_bytes(rows_of_split, byte_lengths)
     bar.close()
-    fs, root = storage.url_to_fs(out)
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
@@ -145,25 +153,6 @@ def tokens_to_mds(
     meta_url = join_url(root, "meta.json")
     fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return {**meta, "reused": False}
-
-
-def _previous_output(out: str, key: str, overwrite: bool) -> dict[str, Any] | None:
-    """meta.json of an output made with fingerprint ``key`` (to reuse), else None.
-
-    Before a rewrite the old meta.json goes first (it must not describe half-rewritten splits),
-    and with ``overwrite`` a merged index from ``mds_tools.py merge`` (stale once rewritten).
-    """
-    fs, root = storage.url_to_fs(out)
-    meta_url = join_url(root, "meta.json")
-    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
-    if is_reusable(previous, key, overwrite, out):
-        return previous
-    if previous is not None:
-        fs.rm(meta_url)
-    merged_index = join_url(root, "index.json")
-    if overwrite and fs.exists(merged_index):
-        fs.rm(merged_index)
-    return None
 
 
 def _encoding(dtype: np.dtype, seq_len: int) -> str:
@@ -195,21 +184,28 @@ def _write_split(
     return {"rows": len(rows), "shards": len(writer.shards), "tokens": rows.size}
 
 
-def _text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None, tokenizer: Path) -> int | None:
+def _check_ids(tokens: np.ndarray, vocab_size: int, path: str | os.PathLike) -> None:
+    """Refuse a stream with an id the tokenizer next to it does not have, before any shard is
+    written (any tokenizer kind): the model would index past its embedding."""
+    flat = tokens.reshape(-1)
+    for start in range(0, flat.size, _CHUNK):
+        top = int(flat[start : start + _CHUNK].max())
+        if top >= vocab_size:
+            raise UserError(
+                f"{path}: token id {top} is not in its tokenizer's vocabulary of {vocab_size} "
+                "ids; the token stream was made with another tokenizer: redo text_to_tokens.py"
+            )
+
+
+def _text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None) -> int | None:
     """UTF-8 bytes the tokens of ``rows`` decode to (see ``token_byte_lengths``), in chunks."""
     if byte_lengths is None:
         return None
     flat = rows.reshape(-1)
-    total = 0
-    for start in range(0, flat.size, 1 << 24):
-        chunk = flat[start : start + (1 << 24)]
-        if chunk.size and int(chunk.max()) >= len(byte_lengths):
-            raise ValueError(
-                f"token id {int(chunk.max())} is not in {tokenizer} ({len(byte_lengths)} ids); "
-                "the token stream was made with another tokenizer: redo text_to_tokens.py"
-            )
-        total += int(byte_lengths[chunk].sum())
-    return total
+    return sum(
+        int(byte_lengths[flat[start : start + _CHUNK]].sum())
+        for start in range(0, flat.size, _CHUNK)
+    )
 
 
 def bytes_per_token(meta: Mapping[str, Any], split: str) -> float | None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import default_collate
 
 from llmfoundry.data.mds import is_hash
@@ -33,6 +34,7 @@ from llmfoundry.data.streaming.predownload import Predownloader
 from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
 from llmfoundry.data.streaming.stream import Stream
+from llmfoundry.trainer.metrics import SAMPLE_MASK
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
@@ -119,7 +121,7 @@ class StreamingDataset(EpochDataset):
                     "data.remote=null (its default is the demo dataset) and set "
                     "tokenizer=<path or URL of tokenizer.json>"
                 )
-            streams, local = _config_streams(streams, local, shares=not evaluation), None
+            streams, local = _config_streams(streams, local), None
         if streams is not None:
             if remote is not None or local is not None:
                 raise UserError("pass either remote/local or streams, not both")
@@ -275,14 +277,20 @@ class StreamingDataset(EpochDataset):
             worker.close()
 
     def __iter__(self) -> Iterator[Any]:
-        for ids, _ in self.batches():
-            for i in ids:
-                yield self[int(i)]
+        """This process's samples of the current epoch, one at a time, as stored (not collated
+        into batches, which may pad); an evaluation sample carries ``sample_mask`` (a bool
+        tensor) as the rows of `EpochDataset`'s batches do."""
+        for ids, positions in self.batches():
+            for i, position in zip(ids.tolist(), positions.tolist(), strict=True):
+                sample = self[i]
+                if self.evaluation:
+                    sample = {**sample, SAMPLE_MASK: torch.tensor(position < self.epoch_size)}
+                yield sample
 
 
-def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool) -> list[Stream]:
+def _config_streams(streams: Mapping[str, Any], local: str | None) -> list[Stream]:
     """The config's ``{name: {remote, local, proportion | repeat | choose}}`` as Streams, cached
-    under ``local/<name>`` when ``local`` is set; without their epoch shares unless ``shares``."""
+    under ``local/<name>`` when ``local`` is set (an evaluation dataset then drops the shares)."""
     if not streams:
         raise UserError("streams must map stream names to {remote, local, ...}")
     out = []
@@ -299,8 +307,6 @@ def _config_streams(streams: Mapping[str, Any], local: str | None, shares: bool)
         args = dict(spec)
         if args.get("local") is None and local is not None:
             args["local"] = join_url(local, name)
-        if not shares:
-            args = {k: v for k, v in args.items() if k in ("remote", "local")}
         try:
             out.append(Stream(**args))
         except (TypeError, ValueError) as err:

@@ -24,11 +24,9 @@ from torch.utils.data import IterableDataset
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.sampling import RankPlan
 from llmfoundry.data.streaming.world import World
+from llmfoundry.trainer.metrics import SAMPLE_MASK  # the key the eval metrics read
 
 __all__ = ["EpochDataset"]
-
-# The batch key of an evaluation batch that says which samples are not repeats.
-SAMPLE_MASK = "sample_mask"
 
 
 class EpochDataset(IterableDataset):
