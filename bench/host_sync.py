@@ -107,7 +107,11 @@ def counting(strategy: type[Strategy], counter: Counter, **kwargs) -> Strategy:
     return Counting(device="cpu", **kwargs)
 
 
-def run(steps: int, warmup: int, ranks: int = 1) -> dict[str, float]:
+def run(
+    steps: int, warmup: int, ranks: int = 1, status_interval_s: float = 10.0
+) -> dict[str, float]:
+    """Counts over the steps after `warmup`. `status_interval_s`: the run-status heartbeat, the
+    one reader on a clock rather than a batch count (a slow machine gets more of its reads)."""
     counter = Counter()
     if ranks == 1:
         strategy = counting(SingleDevice, counter)
@@ -133,7 +137,7 @@ def run(steps: int, warmup: int, ranks: int = 1) -> dict[str, float]:
                 NaNDetector(),
                 LRMonitor(),
                 SpeedMonitor(peak_flops=1e12),
-                RunStatus(),
+                RunStatus(interval_s=status_interval_s),
             ],
             loggers=[ConsoleLogger("10ba"), ProgressBarLogger(), JSONLLogger()],
         )
