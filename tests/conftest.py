@@ -1,10 +1,11 @@
 """Shared test services: a real S3 API (moto_server) on 127.0.0.1, started once per session, and
-process-wide settings (logging handlers, storage options) restored after every test."""
+process-wide settings (logging handlers, storage options, Ctrl-C) as every test expects them."""
 
 from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,19 @@ from pathlib import Path
 import pytest
 
 from llmfoundry.utils import storage
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """The signal tests send SIGINT as Ctrl-C would; a shell starts background jobs (and so this
+    run, when it is one) with SIGINT ignored, which every process started from here would
+    inherit. Python's own handler here gives them the default disposition again."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ class Preemption:
     """Context manager installing the handlers; `signal` is the first signal received, if any.
 
     Handlers can only be installed from the main thread; elsewhere the signals keep their
-    current behaviour.
+    current behaviour, as do signals this process was started ignoring.
     """
 
     def __init__(self) -> None:
@@ -41,7 +41,10 @@ class Preemption:
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                # A signal ignored by whoever started us (a shell runs background jobs with
+                # SIGINT ignored) stays ignored: then nothing is promised that would not happen.
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc_info: object) -> None:

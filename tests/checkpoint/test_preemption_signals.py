@@ -35,6 +35,20 @@ def test_repeat_after_the_window_stops_at_once(monkeypatch):
         time.sleep(0.05)
 
 
+def test_a_signal_ignored_when_the_run_started_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with Preemption() as preemption:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == preemption._handle
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert preemption.signal is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
 def test_ctrl_c_under_torchrun_saves_once_and_the_workers_exit_cleanly(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
