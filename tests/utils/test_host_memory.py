@@ -15,9 +15,10 @@ from llmfoundry.trainer import Trainer
 from llmfoundry.trainer import trainer as trainer_module
 from tests.trainer.conftest import tiny_model, token_batches
 
-# In a fresh process (the setting is process-wide): page faults over three training steps of a
-# small model whose logits (4 x 256 x 4096 float32, 16 MB) and their gradient are large blocks,
-# after two warm-up steps.
+# In a fresh process (the setting is process-wide): the median page faults of three training steps
+# of a small model whose logits (4 x 256 x 16384 float32, 64 MB: above the largest size glibc's
+# own threshold ever serves from the heap, 32 MB) and their gradient are large blocks, after four
+# warm-up steps (with reuse, a step now and then still grows the heap once).
 _FAULTS_OF_TRAINING_STEPS = """
 import json, resource, sys
 import torch
@@ -25,17 +26,17 @@ from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.utils.host_memory import reuse_freed_host_memory
 applied = reuse_freed_host_memory() if sys.argv[1] == "on" else None
 torch.manual_seed(0)
-model = MPTForCausalLM(MPTConfig(d_model=64, n_heads=2, n_layers=2, max_seq_len=256, vocab_size=4096))
+model = MPTForCausalLM(MPTConfig(d_model=64, n_heads=2, n_layers=2, max_seq_len=256, vocab_size=16384))
 optimizer = torch.optim.AdamW(model.parameters())
-ids = torch.randint(0, 4096, (4, 256))
+ids = torch.randint(0, 16384, (4, 256))
 faults = []
-for _ in range(5):
+for _ in range(7):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model.loss(model(ids), ids).backward()
     optimizer.step()
     optimizer.zero_grad()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"applied": applied, "faults": sum(faults[2:])}))
+print(json.dumps({"applied": applied, "faults": sorted(faults[4:])[1]}))
 """
 
 
@@ -52,9 +53,9 @@ def _faults(mode: str) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
-    logits_pages = (4 * 256 * 4096 * 4) // 4096
+    logits_pages = (4 * 256 * 16384 * 4) // 4096
     off, on = _faults("off"), _faults("on")
-    assert off["faults"] > 3 * logits_pages  # the default: the logits mapped anew every step
+    assert off["faults"] > logits_pages // 2  # the default: the logits mapped anew every step
     assert on["applied"] is True
     assert on["faults"] < logits_pages // 4
 
