@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,13 +79,7 @@ LOADABLE_KEYS = (
 WEIGHTS_ONLY = tuple(k for k in LOADABLE_KEYS if k != "model")
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors
 # (state laid out like the parameters, e.g. EMA's averages) are in the shards (split_shards).
-# The keys and where their objects live, in one place.
-_OBJECTS: dict[str, Callable[[State, Logger], Sequence[Any]]] = {
-    "algorithms": lambda state, logger: state.algorithms,
-    "callbacks": lambda state, logger: state.callbacks,
-    "loggers": lambda state, logger: logger.destinations,
-}
-OBJECT_KEYS = tuple(_OBJECTS)
+OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
 
 
 # No longer a checkpoint key (it was always empty); in `load_ignore_keys` it is dropped.
@@ -267,7 +261,8 @@ def restore(
 
 def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
     """The objects whose state checkpoints keep by name, under their OBJECT_KEYS."""
-    return {key: objects(state, logger) for key, objects in _OBJECTS.items()}
+    objects = (state.algorithms, state.callbacks, logger.destinations)
+    return dict(zip(OBJECT_KEYS, objects, strict=True))
 
 
 @functools.cache  # once per process: configs are checked before the run and again on load
