@@ -31,6 +31,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
@@ -140,6 +141,9 @@ def convert_to_safetensors(checkpoint: str, output: str | Path) -> Path:
     weights = found.model
     if weights is None:
         weights = full_model_state(join_url(found.path, SHARDED_DIR))
+    refuse_non_finite(
+        str(output), weights, cause="its run diverged", fix=f"convert one saved before {found.path}"
+    )
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_tensors(weights)(output)

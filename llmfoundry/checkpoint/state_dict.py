@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
+from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
     SHARDED_DIR,
@@ -134,9 +135,16 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
     """The files this rank writes for a checkpoint of `state` (rank 0 the shared ones).
 
     Gathering whole weights and optimizer state is a collective under a sharding strategy, so
-    every rank asks the strategy for them even though only rank 0 writes them.
+    every rank asks the strategy for them even though only rank 0 writes them. First the ranks
+    agree that the weights are finite (else every rank raises, before anything is written).
     """
     strategy = state.strategy
+    refuse_non_finite(
+        f"checkpoint {checkpoint_name(state.timestamp.epoch, state.timestamp.batch)}",
+        strategy.local_weights(state.model),
+        strategy.all_reduce_sum,
+        strategy.device,
+    )
     files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
     run = run_state(state, logger)
     if strategy.sharded_checkpoints:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from llmfoundry.checkpoint.sharded import shard_reader
 from llmfoundry.utils.errors import UserError
@@ -162,6 +163,16 @@ class Strategy:
         self.zero_grad(optimizer)
 
     # ------------------------------------------------------------------ state for checkpoints
+    def local_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's part of every weight and buffer by name, where it lives (no copy, no
+        communication): whole tensors, or this rank's shard of a sharded (DTensor) one; the
+        same names in the same order on every rank. What a save checks for NaN on all ranks
+        before anything is written (llmfoundry/checkpoint/finite.py)."""
+        return {
+            name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            for name, tensor in unwrap_model(model).state_dict().items()
+        }
+
     def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Whole weights on the CPU by the model's own names (no wrapper prefixes); called on
         every rank, complete on rank 0."""

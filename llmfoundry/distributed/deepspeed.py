@@ -146,6 +146,17 @@ class DeepSpeed(ProcessGroupStrategy):
         self.engine.zero_grad()
 
     # ------------------------------------------------------------------ state for checkpoints
+    def local_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """ZeRO-3 keeps each parameter's partition of this rank in ``ds_tensor`` (the parameter
+        itself is an empty placeholder outside a gather); stages 1-2 hold whole parameters."""
+        if self.stage != 3:
+            return super().local_weights(model)
+        module = self.engine.module
+        return {
+            **{name: param.ds_tensor for name, param in module.named_parameters()},
+            **dict(module.named_buffers()),
+        }
+
     def save_shards(
         self,
         path: Path,

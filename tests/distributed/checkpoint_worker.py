@@ -1,6 +1,6 @@
 """Bodies of the two-process FSDP checkpoint tests (test_fsdp_checkpoints.py): a run whose
 sharded checkpoint the HF export reads; EMA saved and resumed across world sizes; background
-(async) saves, and a kill during one.
+(async) saves, and a kill during one; diverged (NaN) FSDP and DDP runs whose saves are refused.
 
 One spawn runs every training in a row (a fresh process group each), since starting two
 processes costs more than training the tiny model.
@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import EMA
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.distributed import FSDP, Strategy
+from llmfoundry.distributed import DDP, FSDP, Strategy
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Callback, Trainer
 from tests.trainer.conftest import tiny_model
 
-from .sharded_worker import STOP_AT, Recorder, resume_run
+from .sharded_worker import STOP_AT, Recorder, diverged_run, resume_run
 from .spawn import join_env
 from .workers import global_batches, rank_slice
 
@@ -128,6 +128,10 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         strategy = FSDP("cpu", timeout_s=60, **options)
         recorder, ema = ema_run(strategy, mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ema": ema.after_batch}
+    for name, make, poisoned in (("fsdp_diverged", FSDP, 1), ("ddp_diverged", DDP, None)):
+        join_env(rank, world, next(ports))
+        error = diverged_run(make("cpu", timeout_s=60), mds, f"{out}/{name}", poisoned)
+        result[name] = {"error": error}
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 

@@ -12,11 +12,12 @@ import signal
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.data import StreamingTextDataset
 from llmfoundry.data.streaming import StreamingDataLoader
-from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy
+from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy, unwrap_model
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, sample_ids
@@ -39,6 +40,7 @@ PARITY = {
     "fsdp_cpu_offload": {"cpu_offload": True},
 }
 RESUME_BATCHES, STOP_AT, GLOBAL_BATCH = 4, 2, 4
+DIVERGE_AT = 3  # the batch after which the diverged runs' weights are NaN (saves: every batch)
 
 
 class Recorder(Callback):
@@ -82,6 +84,26 @@ class StopAt(Callback):
 
     def batch_end(self, state, logger) -> None:
         state.stop_training = state.stop_training or state.timestamp.batch == self.batch
+
+
+class Diverge(Callback):
+    """At the end of batch `at` the first weight turns NaN (training diverged), on rank `rank`
+    only (its part of it: an FSDP shard, a ZeRO-3 partition) or on every rank (None: DDP
+    replicas diverge together)."""
+
+    def __init__(self, at: int, rank: int | None) -> None:
+        self.at, self.rank = at, rank
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch == self.at and self.rank in (None, state.rank):
+            weight = next(unwrap_model(state.model).parameters())
+            with torch.no_grad():
+                local = (
+                    weight.to_local()
+                    if isinstance(weight, DTensor)
+                    else getattr(weight, "ds_tensor", weight)  # ZeRO-3: this rank's partition
+                )
+                local.fill_(float("nan"))
 
 
 class OutOfMemoryInBlock(Algorithm):
@@ -139,10 +161,11 @@ def resume_run(
     algorithms: tuple[Algorithm, ...] = (),
     callbacks: tuple[Callback, ...] = (),
     save_interval: str | None = None,
+    keep: int = -1,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
-    `algorithms` and `callbacks` are added."""
+    `algorithms` and `callbacks` are added; `keep` checkpoints are kept (-1: all)."""
     recorder = Recorder()
     dataset = StreamingTextDataset(
         mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
@@ -160,7 +183,7 @@ def resume_run(
             recorder,
             *([StopAt(stop_at)] if stop_at else []),
             *([SigtermAt(sigterm_at)] if sigterm_at else []),
-            CheckpointSaver(folder, save_interval),
+            CheckpointSaver(folder, save_interval, num_checkpoints_to_keep=keep),
             *callbacks,
         ],
         algorithms=list(algorithms),
@@ -169,6 +192,20 @@ def resume_run(
         load_ignore_keys=load_ignore_keys,
     ).fit()
     return recorder
+
+
+def diverged_run(strategy: Strategy, mds: str, folder: str, poisoned: int | None) -> str:
+    """`resume_run` saving every batch, keeping 2, whose weights turn NaN after batch
+    `DIVERGE_AT` on rank `poisoned` (None: every rank); returns the error the rank ended with
+    ("" if none)."""
+    try:
+        resume_run(
+            strategy, mds, folder, save_interval="1ba", keep=2,
+            callbacks=(Diverge(DIVERGE_AT, poisoned),),
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - whatever each rank ended with is the result
+        return f"{type(err).__name__}: {err}"
+    return ""
 
 
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
@@ -220,8 +257,8 @@ def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:
 
 def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
-    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, and one
-    started from a one-process checkpoint's weights."""
+    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, one
+    started from a one-process checkpoint's weights, and one that diverges (`diverged_run`)."""
     import deepspeed
 
     from llmfoundry.distributed import DeepSpeed
@@ -246,6 +283,9 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
     ):
         recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    # Only rank 1's partition of a weight turns NaN: both ranks refuse the save.
+    error = diverged_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/zero3_diverged", 1)
+    result["zero3_diverged"] = {"error": error}
     # The shared-memory kernel DeepSpeed would JIT-compile (see DeepSpeed.wrap_optimizer).
     result["comm"] = {"shm_kernel": deepspeed.comm.comm.cdb.shm_comm_op is not None}
     owner.teardown()

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO 1-3 with two processes (gloo, CPU, fp32): the same global batch gives the same
 losses as one process (tolerance and why: test_fsdp.py); a ZeRO-3 checkpoint (DeepSpeed's own
-plus our trainer state) resumes exactly."""
+plus our trainer state) resumes exactly; a diverged ZeRO-3 run saves no NaN checkpoint."""
 
 import importlib.util
 
@@ -12,6 +12,7 @@ from tests.checkpoint.helpers import write_mds
 
 from .sharded_worker import STOP_AT, deepspeed_rank_main, resume_run
 from .test_fsdp import RTOL, single_reference, spawn
+from .test_fsdp_checkpoints import assert_save_refused
 
 # find_spec, not importorskip: importing DeepSpeed here would cost seconds for nothing.
 pytestmark = pytest.mark.skipif(
@@ -28,12 +29,12 @@ def runs(tmp_path_factory):
     straight = resume_run(SingleDevice("cpu"), mds, str(out / "single_straight"))
     resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT)
     ranks = spawn(deepspeed_rank_main, out, mds, n_ports=1)
-    return reference, ranks, straight
+    return out, reference, ranks, straight
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_gives_the_losses_of_one_process(runs, stage):
-    reference, ranks, _ = runs
+    _, reference, ranks, _ = runs
     for rank in ranks:
         assert rank[f"zero{stage}"]["losses"] == pytest.approx(reference.losses, rel=RTOL)
 
@@ -41,12 +42,12 @@ def test_zero_stage_gives_the_losses_of_one_process(runs, stage):
 def test_no_kernel_is_compiled_for_training(runs):
     # Compiling DeepSpeed's shared-memory all-reduce took 230 s on a loaded 2-core machine, and
     # a killed build's lock file hung every later run; training never calls it.
-    _, ranks, _ = runs
+    _, _, ranks, _ = runs
     assert [rank["comm"]["shm_kernel"] for rank in ranks] == [False, False]
 
 
 def test_zero3_checkpoint_resumes_the_same_run(runs):
-    _, ranks, _ = runs
+    _, _, ranks, _ = runs
     for rank in ranks:
         assert len(rank["zero3_resumed"]["losses"]) == len(rank["zero3_straight"]["losses"]) - 2
         assert rank["zero3_resumed"]["losses"] == pytest.approx(
@@ -56,11 +57,17 @@ def test_zero3_checkpoint_resumes_the_same_run(runs):
 
 
 def test_full_checkpoint_weights_load_into_zero3(runs):
-    _, ranks, straight = runs
+    _, _, ranks, straight = runs
     # The first step after loading runs on the loaded weights alone (the optimizer starts
     # afresh), so its loss is the one-process run's at that step.
     first = ranks[0]["zero3_from_single"]["losses"][0]
     assert first == pytest.approx(straight.losses[STOP_AT], rel=RTOL)
+
+
+def test_a_diverged_zero3_run_saves_nothing_and_keeps_its_good_checkpoints(runs):
+    # Only rank 1's ZeRO-3 partition of a weight is NaN (the parameter itself is a placeholder).
+    out, _, ranks, _ = runs
+    assert_save_refused(ranks, "zero3_diverged", str(out / "zero3_diverged"))
 
 
 def test_deepspeed_config_is_built_from_ours(monkeypatch):

@@ -2,7 +2,8 @@
 and convert_checkpoint.py read them directly, from a local folder or from S3 (a moto server);
 EMA's averages go through the shards, so they resume at another world size; background (async)
 saves write the same checkpoints as synchronous ones, and a kill during one leaves none that
-counts.
+counts; a diverged run (NaN weights, on one rank's shard only) saves nothing and keeps its good
+checkpoints, under FSDP and DDP.
 
 Tolerance: as in test_fsdp.py (relative 1e-5 where two strategies sum in another order; state
 that is only saved and loaded must come back bit for bit).
@@ -21,9 +22,9 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmfoundry.checkpoint import clean, find_checkpoint, read_latest
+from llmfoundry.checkpoint import checkpoint_names, clean, find_checkpoint, read_latest
 from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE, is_complete
-from llmfoundry.checkpoint.sharded import IN_SHARDS
+from llmfoundry.checkpoint.sharded import IN_SHARDS, full_model_state
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.models.mpt import pretrained
 from llmfoundry.models.mpt.config import MPTConfig
@@ -39,7 +40,7 @@ from .checkpoint_worker import (
     killed_rank_main,
     rank_main,
 )
-from .sharded_worker import RESUME_BATCHES, STOP_AT
+from .sharded_worker import DIVERGE_AT, RESUME_BATCHES, STOP_AT
 from .spawn import run_ranks
 from .test_fsdp import LIMIT_S, RTOL, WORLD, free_port, spawn
 
@@ -75,7 +76,7 @@ def spawned(tmp_path_factory) -> tuple[Path, list[dict], dict]:
             SingleDevice("cpu"), mds, str(out / "ema_single_saved"), stop_at=STOP_AT
         ),
     }
-    ranks = spawn(rank_main, out, mds, n_ports=6)
+    ranks = spawn(rank_main, out, mds, n_ports=8)
     single["ema_single_from_fsdp"] = ema_run(
         SingleDevice("cpu"), mds, str(out / "ema_single_from_fsdp"), load=str(out / "ema_saved")
     )
@@ -230,3 +231,36 @@ def test_a_kill_during_an_async_save_leaves_no_checkpoint_that_counts(spawned, t
     assert ".ep0-ba2.staging" in left
     assert sorted(clean(str(folder))) == left
     assert sorted(p.name for p in folder.iterdir()) == ["ep0-ba1", "latest"]
+
+
+def assert_save_refused(ranks: list[dict], name: str, folder: str) -> None:
+    """Run `name` (`diverged_run`) refused its save after batch DIVERGE_AT on every rank alike,
+    and its save folder holds the checkpoints before it, `latest` at the last."""
+    errors = {rank[name]["error"] for rank in ranks}
+    assert len(errors) == 1, errors  # one rank's NaN shard: the ranks decided together
+    (error,) = errors
+    assert error.startswith(
+        f"CheckpointError: refusing to save checkpoint ep0-ba{DIVERGE_AT}: weight "
+        "'transformer.wte.weight' holds NaN or infinity (training diverged); the earlier "
+        "checkpoints are kept"
+    )
+    assert "\n" not in error
+    # Saves every batch, keeping 2: the NaN one would have become `latest` and pruned ep0-ba1.
+    assert read_latest(folder) == f"ep0-ba{DIVERGE_AT - 1}"
+    assert checkpoint_names(folder) == [f"ep0-ba{b}" for b in range(1, DIVERGE_AT)]
+    assert all(is_complete(folder, name) for name in checkpoint_names(folder))
+    assert clean(folder) == []  # no staging or scratch folder of the refused save
+
+
+@pytest.mark.parametrize("name", ["fsdp_diverged", "ddp_diverged"])
+def test_a_diverged_run_saves_nothing_and_keeps_its_good_checkpoints(spawned, name):
+    out, ranks, _ = spawned
+    folder = out / name
+    assert_save_refused(ranks, name, str(folder))
+    for checkpoint in checkpoint_names(str(folder)):
+        weights = (
+            full_model_state(str(folder / checkpoint / "sharded"))
+            if name.startswith("fsdp")
+            else safetensors.torch.load_file(folder / checkpoint / MODEL_FILE)
+        )
+        assert all(torch.isfinite(w).all() for w in weights.values()), checkpoint

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import (
     MODEL_FILE,
     SHARDED_DIR,
@@ -111,10 +112,15 @@ def save_weights(
     Besides the weights it holds the model config (so `load_pretrained` rebuilds the model) and
     a copy of `tokenizer_file`; it has no optimizer, schedule or data state.
     """
+    weights = model_weights(model.state_dict())
+    refuse_non_finite(
+        f"a weights checkpoint in {folder}", weights, cause="in the model given",
+        fix="check the model it was built or imported from",
+    )  # fmt: skip
     config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
     state = {"format_version": FORMAT_VERSION, "config": {"model": config}}
     files = {
-        MODEL_FILE: write_tensors(model_weights(model.state_dict())),
+        MODEL_FILE: write_tensors(weights),
         STATE_FILE: write_object(state),
     }
     if tokenizer_file is not None:
