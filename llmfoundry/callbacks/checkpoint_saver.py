@@ -2,8 +2,9 @@
 
 A run stops early when a callback or algorithm sets ``state.stop_training`` (early stopping, the
 loss-spike guard) or on SIGTERM/SIGINT (preemption); the checkpoint is then taken at the end of
-the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. Storage, the
-`latest` pointer and pruning: llmfoundry/checkpoint/io.py.
+the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. Before each save
+the loggers flush (`Logger.flush`): a checkpoint never covers steps whose metrics a kill could
+still lose. Storage, the `latest` pointer and pruning: llmfoundry/checkpoint/io.py.
 
 A save folder that already holds checkpoints is never written over silently: unless the run
 continues from a checkpoint (autoresume, load_path), it stops at FIT_START, before its first
@@ -133,6 +134,7 @@ class CheckpointSaver(Callback):
         if self._saved_batch == state.timestamp.batch:
             return
         self.finish(state)
+        logger.flush()  # the metrics up to this checkpoint are kept before it counts
         if state.strategy.async_save and not state.stop_training:
             self._pending = begin_save(self.save_folder, state, logger)
         else:

@@ -3,8 +3,10 @@
 The trainer logs each batch's loss as a `DeviceScalar` (llmfoundry/trainer/metrics.py): reading it
 on the host waits for the device to finish the work queued before it. A destination that wrote
 every call would force that wait every batch; these keep the records and write them every
-`flush_interval`, at each evaluation's end, at the end of training and at close (also after an
-error), reading the values then. A killed process (SIGKILL) loses at most one interval.
+`flush_interval`, at each evaluation's end, at the end of training, at close (also after an
+error) and before every checkpoint save (`flush`), reading the values then. A killed process
+(SIGKILL) loses only what it logged after its last checkpoint (at most one interval), which the
+run resumed from that checkpoint logs again.
 """
 
 from __future__ import annotations
@@ -36,15 +38,21 @@ class BufferedDestination(LoggerDestination):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if state.crossed(self.flush_interval, self._before) or state.finished:
-            self.flush()
+            self.write_pending()
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        self.flush()
+        self.write_pending()
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self.flush()
+        self.write_pending()
 
     def flush(self) -> None:
+        """Write the pending records; subclasses also push them to disk or the service here
+        (before checkpoints and at close, not every interval)."""
+        self.write_pending()
+
+    def write_pending(self) -> None:
+        """Write every record kept since the last write (`write_metrics`)."""
         pending, self._pending = self._pending, []
         read_all(value for _, metrics in pending for value in metrics.values())
         for step, metrics in pending:

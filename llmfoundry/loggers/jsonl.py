@@ -4,9 +4,10 @@ Each line is ``{"step": <batches trained>, "time": <unix seconds>, "metrics": {n
 the first line of a run is ``{"time": ..., "hyperparameters": {...}}`` (secrets removed).
 Non-finite values are written as null, so every line is strict JSON. Lines are written every
 `flush_interval` (values still on the device are read then, `llmfoundry.loggers.buffered`), at
-evaluations, at the end and at close, and flushed to disk as they are written: a run that fails
-keeps everything it logged, a killed one all but its last interval. A resumed run appends to the same file
-and re-logs the steps after its checkpoint; readers keep the last value of a step
+evaluations, at the end, at close and before every checkpoint save (then also fsynced, as the
+checkpoint is), each line handed to the OS as it is written: a run that fails keeps everything it
+logged, a killed one all it logged up to its last checkpoint. A resumed run appends to the same
+file and re-logs the steps after its checkpoint; readers keep the last value of a step
 (`llmfoundry.loggers.plot.read_metrics`). Only rank 0 writes.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -50,6 +52,12 @@ class JSONLLogger(BufferedDestination):
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+
+    def flush(self) -> None:
+        super().flush()
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self.flush()

@@ -26,7 +26,7 @@ class TensorBoardLogger(BufferedDestination):
     ) -> None:
         """`log_dir`: a relative path is inside the run folder. Scalars are handed to the writer
         every `flush_interval` (`llmfoundry.loggers.buffered`), which writes them to disk at
-        least every `flush_secs` seconds, and at close."""
+        least every `flush_secs` seconds, before every checkpoint save, and at close."""
         super().__init__(flush_interval)
         if flush_secs < 1:
             raise ValueError(f"flush_secs must be >= 1, got {flush_secs}")
@@ -62,6 +62,11 @@ class TensorBoardLogger(BufferedDestination):
             return
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
+
+    def flush(self) -> None:
+        super().flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
         self.flush()

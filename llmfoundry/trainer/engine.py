@@ -69,6 +69,11 @@ class LoggerDestination(Callback):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         del hyperparameters
 
+    def flush(self) -> None:
+        """Write everything logged so far to where this destination keeps it (its file, its
+        remote run). Called before every checkpoint save, so a checkpoint never covers steps
+        whose metrics a kill could still lose: the resumed run logs only the steps after it."""
+
 
 class Logger:
     """The facade algorithms and callbacks log through; it fans out to every destination."""
@@ -86,6 +91,11 @@ class Logger:
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         for destination in self.destinations:
             destination.log_hyperparameters(hyperparameters)
+
+    def flush(self) -> None:
+        """`LoggerDestination.flush` every destination."""
+        for destination in self.destinations:
+            destination.flush()
 
 
 _EVENT_NAMES = sorted(event.value for event in Event)

@@ -3,7 +3,7 @@
 One run is launched three times with the same command line: SIGTERM arrives during batch 4
 (it saves and exits 0), then the process is SIGKILLed after batch 8 (the last checkpoint is at
 batch 6), then it finishes. Every step it logged, repeated ones included, matches a straight run
-of the same command bit for bit, and reads the same samples.
+of the same command bit for bit, and reads the same samples; its metrics file misses no step.
 """
 
 import os
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmfoundry.checkpoint import read_latest
+from llmfoundry.loggers.plot import read_metrics
 
 from .helpers import INTERRUPT_ENV, read_steps, write_mds
 
@@ -55,7 +56,7 @@ def launch(tmp_path, mds, name, interrupt=None, overrides=("autoresume=true",)):
         "save_interval=3ba",
         *overrides,
         "callbacks=[]",
-        "loggers=[console]",
+        "loggers=[console,jsonl]",  # jsonl: flush_interval 10ba, the default
         "+callbacks.steps._target_=tests.checkpoint.helpers.StepRecorder",
         f"+callbacks.steps.path={tmp_path / name / 'steps.jsonl'}",
     ]
@@ -112,6 +113,13 @@ def test_preempt_crash_and_autoresume_match_a_straight_run(tmp_path, mds):
     # Batches 7 and 8 ran twice (after the crash they were redone from batch 6): identically.
     assert [s["batch"] for s in steps] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10]
     assert steps == [expected[s["batch"] - 1] for s in steps]
+    # The metrics file has every step: those up to the kill's last checkpoint (batches 5 and 6,
+    # not yet due for a flush when the kill came) were flushed when it was saved; those after
+    # it were logged again by the resumed run. Its losses are the straight run's.
+    metrics = read_metrics(tmp_path / "outputs" / "run" / "metrics.jsonl")
+    straight = read_metrics(tmp_path / "outputs" / "straight" / "metrics.jsonl")
+    assert metrics["loss/train"][0] == list(range(1, 11))
+    assert metrics["loss/train"] == straight["loss/train"]
 
 
 def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
