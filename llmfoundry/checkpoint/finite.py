@@ -37,13 +37,16 @@ def refuse_non_finite(
     `weights`: this rank's part of each weight, where it lives (every rank passes the same names
     in the same order). `all_reduce_sum` (a collective such as `Strategy.all_reduce_sum`, whose
     backend reduces tensors on `device`) makes the decision every rank's: a weight counts when
-    any rank's part of it is not finite. The flags stay on the device until one read at the end.
+    any rank's part of it is not finite. The flags stay on the device until one read at the end;
+    each tensor is judged by its largest and smallest value (NaN propagates through both, an
+    infinity shows in one), so no temporary as large as a weight is allocated at save time.
     """
     names = list(weights)
     flags = torch.zeros(len(names), dtype=torch.int32, device=device)
     for index, tensor in enumerate(weights.values()):
         if tensor.is_floating_point() and tensor.numel():
-            flags[index] = (~torch.isfinite(tensor).all()).to(device)
+            extremes = torch.stack((tensor.amax(), tensor.amin()))
+            flags[index] = (~torch.isfinite(extremes).all()).to(device)
     if all_reduce_sum is not None:
         flags = all_reduce_sum(flags)
     bad = [name for name, flag in zip(names, flags.tolist(), strict=True) if flag]
