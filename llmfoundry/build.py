@@ -77,13 +77,16 @@ def build_trainer(
 
     callbacks = instantiate_all("callbacks")
     if settings.save_folder:
-        callbacks.append(
+        # First, after the locks: its refusal to write over another run's checkpoints comes
+        # before anything of this run starts (run_status would mark that run failed).
+        callbacks.insert(
+            0,
             CheckpointSaver(
                 settings.save_folder,
                 settings.save_interval,
                 settings.num_checkpoints_to_keep,
                 overwrite=settings.save_overwrite,
-            )
+            ),
         )
 
     return Trainer(

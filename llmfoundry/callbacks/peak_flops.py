@@ -106,20 +106,25 @@ def measure_cpu_peak_flops(
     return 2 * n**3 / min(times)
 
 
-def device_peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]:
+def device_peak_flops(
+    device: torch.device, precision: str, cpu_clock: Callable[[], float] = time.perf_counter
+) -> tuple[float | None, str]:
     """Peak flop/s of `device` for a run in `precision`, and a phrase saying where it came from.
 
     None when the device is unknown: the caller then reports throughput without MFU and asks for
-    an explicit peak rather than guess.
+    an explicit peak rather than guess. `cpu_clock` times the CPU benchmark (see
+    `measure_cpu_peak_flops`).
     """
     if device.type == "cpu":
         dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float32
         threads = torch.get_num_threads()
-        peak = measure_cpu_peak_flops(dtype, threads)
+        peak = measure_cpu_peak_flops(dtype, threads, cpu_clock)
         name = str(dtype).removeprefix("torch.")
+        clock = getattr(cpu_clock, "__name__", type(cpu_clock).__name__)
         return (
             peak,
-            f"measured: {name} square matmul (up to {_CPU_BENCH_SIZE}) on {threads} threads",
+            f"measured: {name} square matmul (up to {_CPU_BENCH_SIZE}) on {threads} threads, "
+            f"timed by {clock}",
         )
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

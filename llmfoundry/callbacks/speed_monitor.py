@@ -15,6 +15,13 @@ Logged after every batch (rates over the last `window_size` batches, all ranks t
 
 Time is the wall clock between batch ends, data loading and checkpointing included (they are
 part of what a step costs) and evaluation excluded (it is not training throughput).
+
+MFU on a CPU is the exception: its peak is measured by a matmul benchmark at start, and on a
+shared machine the wall clock counts other processes' time in both the benchmark and the steps,
+by different amounts (a peak measured under load read 0.2-122 GFLOP/s between runs, and MFU
+744%). There both are timed on this process's CPU-time clock (`time.process_time`, all its
+threads), as ``bench/train_throughput.py`` does: MFU is then the model flops per CPU-second
+over the benchmark's, whatever else runs. The rates above stay on the wall clock.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import logging
 import warnings
 from collections import deque
 from collections.abc import Callable
-from time import perf_counter
+from time import perf_counter, process_time
 from typing import NamedTuple
 
 import torch
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 
 class _Point(NamedTuple):
     seconds: float
+    mfu_seconds: float  # on the clock MFU is measured with (`SpeedMonitor._mfu_clock`)
     batches: int
     samples: int
     tokens: int
@@ -67,17 +75,22 @@ class SpeedMonitor(Callback):
         self._flops_per_token: Callable[[int], int] | None = None
         self._peak: float | None = None
         self._hfu_factor = 1.0
-        self._eval_seconds = 0.0
-        self._eval_started = 0.0
+        self._mfu_clock: Callable[[], float] = perf_counter
+        self._eval_seconds = self._eval_mfu_seconds = 0.0
+        self._eval_started = self._eval_mfu_started = 0.0
 
     def fit_start(self, state: State, logger: Logger) -> None:
         model = unwrap_model(state.model)
         self._flops_per_token = getattr(model, "flops_per_token", None)
         self._hfu_factor = 4 / 3 if recomputes_activations(model) else 1.0
+        self._mfu_clock = perf_counter
         if self.peak_flops is not None:
             self._peak, source = self.peak_flops, "set by speed_monitor.peak_flops"
         else:
-            self._peak, source = device_peak_flops(state.device, state.precision.name)
+            self._mfu_clock = process_time if state.device.type == "cpu" else perf_counter
+            self._peak, source = device_peak_flops(
+                state.device, state.precision.name, self._mfu_clock
+            )
         if self._flops_per_token is None:
             warnings.warn(
                 f"{type(model).__name__} has no flops_per_token(seq_len) method: throughput is "
@@ -93,15 +106,18 @@ class SpeedMonitor(Callback):
         else:
             log.info("speed monitor: peak %.1f GFLOP/s per device (%s)", self._peak / 1e9, source)
         ts = state.timestamp
-        self._eval_seconds = 0.0
+        self._eval_seconds = self._eval_mfu_seconds = 0.0
         self._history.clear()
-        self._history.append(_Point(perf_counter(), ts.batch, ts.sample, ts.token, 0.0))
+        self._history.append(
+            _Point(perf_counter(), self._mfu_clock(), ts.batch, ts.sample, ts.token, 0.0)
+        )
 
     def eval_before_all(self, state: State, logger: Logger) -> None:
-        self._eval_started = perf_counter()
+        self._eval_started, self._eval_mfu_started = perf_counter(), self._mfu_clock()
 
     def eval_after_all(self, state: State, logger: Logger) -> None:
         self._eval_seconds += perf_counter() - self._eval_started
+        self._eval_mfu_seconds += self._mfu_clock() - self._eval_mfu_started
 
     def batch_end(self, state: State, logger: Logger) -> None:
         ts, previous = state.timestamp, self._history[-1]
@@ -110,7 +126,8 @@ class SpeedMonitor(Callback):
             seq_len = state.batch["input_ids"].shape[1]
             flops += self._flops_per_token(seq_len) * (ts.token - previous.tokens)
         now = perf_counter() - self._eval_seconds
-        self._history.append(_Point(now, ts.batch, ts.sample, ts.token, flops))
+        mfu_now = self._mfu_clock() - self._eval_mfu_seconds
+        self._history.append(_Point(now, mfu_now, ts.batch, ts.sample, ts.token, flops))
         first, last = self._history[0], self._history[-1]
         seconds = last.seconds - first.seconds
         if seconds <= 0:
@@ -123,9 +140,11 @@ class SpeedMonitor(Callback):
             "throughput/device/tokens_per_sec": tokens_per_sec / state.world_size,
         }
         if self._flops_per_token is not None:
-            device_flops = (last.flops - first.flops) / seconds / state.world_size
-            metrics["throughput/device/flops_per_sec"] = device_flops
-            if self._peak is not None:
-                metrics["throughput/mfu"] = device_flops / self._peak
-                metrics["throughput/hfu"] = device_flops * self._hfu_factor / self._peak
+            device_flops = (last.flops - first.flops) / state.world_size
+            metrics["throughput/device/flops_per_sec"] = device_flops / seconds
+            mfu_seconds = last.mfu_seconds - first.mfu_seconds
+            if self._peak is not None and mfu_seconds > 0:
+                utilization = device_flops / mfu_seconds / self._peak
+                metrics["throughput/mfu"] = utilization
+                metrics["throughput/hfu"] = utilization * self._hfu_factor
         logger.log_metrics(metrics)

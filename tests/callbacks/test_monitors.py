@@ -122,3 +122,29 @@ def test_memory_and_mfu_on_a_gpu(tmp_path):
     name = torch.cuda.get_device_name()
     if peak_flops.gpu_peak_flops(name, "bf16") is not None:
         assert 0 < metrics["throughput/mfu"] < 1, name
+
+
+@pytest.mark.parametrize("seconds_per_batch, warned", [(35.0, True), (1.0, False)])
+def test_runtime_estimator_says_once_when_the_run_projects_far_beyond_the_expected_time(
+    tmp_path, monkeypatch, caplog, seconds_per_batch, warned
+):
+    # 600 batches expected in 13 minutes (1.3 s each); at 35 s per batch the run takes hours.
+    n_batches = 8
+    clock = StepClock([seconds_per_batch] * n_batches)
+    monkeypatch.setattr(runtime_estimator, "perf_counter", clock)
+    estimator = RuntimeEstimator(
+        expected_minutes=13 * n_batches / 600, hint="try make demo-quick"
+    )
+    caplog.set_level("WARNING", logger="llmfoundry")
+    make_trainer(tmp_path, n_batches=n_batches, callbacks=[clock, estimator]).fit()
+    lines = [r.getMessage() for r in caplog.records if "projects" in r.getMessage()]
+    if warned:
+        assert len(lines) == 1
+        assert "projects 5 min in total" in lines[0] and lines[0].endswith("try make demo-quick")
+    else:
+        assert lines == []
+
+
+def test_runtime_estimator_rejects_a_non_positive_expected_time():
+    with pytest.raises(ValueError, match="expected_minutes"):
+        RuntimeEstimator(expected_minutes=0)

@@ -1,4 +1,5 @@
 import logging
+import time
 
 import pytest
 import torch
@@ -173,9 +174,39 @@ def test_cpu_benchmark_grows_the_matmul_only_while_it_is_quick(seconds, size, mo
     assert peak == pytest.approx(2 * size**3 / seconds)
 
 
+class _Descheduled:
+    """torch as the CPU benchmark sees it when another process takes the core: every matmul
+    waits `seconds` of wall time without running."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def mm(self, a, b):
+        time.sleep(self.seconds)
+        return torch.mm(a, b)
+
+
+def test_cpu_mfu_stays_below_one_when_the_peak_benchmark_was_descheduled(tmp_path, monkeypatch):
+    # A busy machine: the wall clock would count the other process's time into the peak (read
+    # ~0.17 GFLOP/s here) and the run would log MFU of several hundred percent.
+    monkeypatch.setattr(peak_flops, "torch", _Descheduled(0.2))
+    peak_flops.measure_cpu_peak_flops.cache_clear()
+    recorder = Recorder()
+    try:
+        make_trainer(tmp_path, n_batches=3, callbacks=[SpeedMonitor()], loggers=[recorder]).fit()
+    finally:
+        peak_flops.measure_cpu_peak_flops.cache_clear()
+    mfu = [value for _, value in recorder.values("throughput/mfu")]
+    assert len(mfu) == 3
+    assert all(0 < value < 1 for value in mfu), mfu
+
+
 def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        speed_monitor, "device_peak_flops", lambda device, precision: (None, "no peak")
+        speed_monitor, "device_peak_flops", lambda device, precision, clock: (None, "no peak")
     )
     recorder = Recorder()
     trainer = make_trainer(tmp_path, n_batches=2, callbacks=[SpeedMonitor()], loggers=[recorder])
@@ -188,9 +219,7 @@ def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, 
 
 def test_override_beats_lookup(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="llmfoundry")
-    monkeypatch.setattr(
-        speed_monitor, "device_peak_flops", lambda device, precision: pytest.fail("looked up")
-    )
+    monkeypatch.setattr(speed_monitor, "device_peak_flops", lambda *args: pytest.fail("looked up"))
     make_trainer(tmp_path, n_batches=1, callbacks=[SpeedMonitor(peak_flops=2e12)]).fit()
     assert "peak 2000.0 GFLOP/s per device (set by speed_monitor.peak_flops)" in caplog.text
 

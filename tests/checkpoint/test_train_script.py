@@ -124,11 +124,14 @@ def test_preempt_crash_and_autoresume_match_a_straight_run(tmp_path, mds):
 
 def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
     """Rerunning a run_name without autoresume is refused; so is a launch while it runs."""
-    fresh = ("autoresume=false", "max_duration=3ba")
+    status = "+callbacks.run_status._target_=llmfoundry.callbacks.RunStatus"
+    fresh = ("autoresume=false", "max_duration=3ba", status)
     code, _, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
     assert code == 0, err
     folder = tmp_path / "mine" / "ckpt"
     saved = (folder / "ep0-ba3" / "manifest.json").read_bytes()
+    status_file = tmp_path / "outputs" / "mine" / "status.json"
+    finished = status_file.read_bytes()
 
     code, out, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
     assert code != 0
@@ -137,6 +140,8 @@ def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
     assert "loaded checkpoint" not in out
     assert (folder / "ep0-ba3" / "manifest.json").read_bytes() == saved
     assert read_latest(str(folder)) == "ep0-ba3"
+    # The refused relaunch never started: the run's status still says it finished (runs.py).
+    assert status_file.read_bytes() == finished
 
     # While the run continues (held at batch 4), a second launch of it stops at once.
     running = launch(tmp_path, mds, "mine", interrupt="SIGTERM@4")
