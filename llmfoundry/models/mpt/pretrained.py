@@ -114,9 +114,11 @@ def save_weights(
     """
     weights = model_weights(model.state_dict())
     refuse_non_finite(
-        f"a weights checkpoint in {folder}", weights, cause="in the model given",
+        f"a weights checkpoint in {folder}",
+        weights,
+        cause="in the model given",
         fix="check the model it was built or imported from",
-    )  # fmt: skip
+    )
     config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
     state = {"format_version": FORMAT_VERSION, "config": {"model": config}}
     files = {
