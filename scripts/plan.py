@@ -8,7 +8,8 @@ The config is composed from conf/ exactly as scripts/train.py composes it (same 
 overrides); the flags describe the cluster. Prints parameter count, flops per token, memory per
 device by part at the config's microbatch, the largest microbatch that fits the device memory
 (default: the detected GPU's), and the step time at a given MFU of the device's peak
-(llmfoundry/planning.py says what each number counts).
+(llmfoundry/planning.py says what each number counts). A setup in which not even one sequence
+fits a device is an error (exit status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ def gib(n: float) -> str:
     return f"{n / 2**30:9.2f} GiB"
 
 
+def _what_would_fit(args: argparse.Namespace) -> str:
+    """The changes of the run that shrink memory per device and that this plan did not use."""
+    options = []
+    if args.strategy in ("single", "ddp", "zero1", "zero2"):
+        options.append("shard the weights (--strategy fsdp or zero3) over more devices")
+    else:
+        options.append(f"more devices than --world-size {args.world_size}")
+    if not args.activation_checkpointing:
+        options.append("--activation-checkpointing")
+    if not args.cpu_offload and args.strategy not in ("single", "ddp"):
+        options.append("--cpu-offload")
+    options.append("a shorter max_seq_len or larger devices")
+    return "try " + ", ".join(options)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = compose_config(CONF_DIR, args.overrides)
@@ -110,9 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     if memory is None:
         print("largest microbatch: no GPU detected; pass --device-memory 80GB")
     else:
+        size = args.device_memory or f"{memory / 1e9:.0f}GB"
         fits = largest_microbatch(setup, memory)
-        verdict = f"{fits}" if fits else "none (not even 1 sequence fits)"
-        print(f"largest microbatch fitting {memory / 1e9:.0f} GB: {verdict}")
+        if not fits:
+            print(
+                f"error: not even 1 sequence per device fits {size} ({gib(memory).strip()}): "
+                f"microbatch 1 needs {gib(plan_memory(setup, 1).total).strip()}; "
+                f"{_what_would_fit(args)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"largest microbatch fitting {size} ({gib(memory).strip()}): {fits}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     if peak is None and name:
         peak = gpu_peak_flops(name, number_format(settings.precision))
