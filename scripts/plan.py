@@ -8,7 +8,8 @@ The config is composed from conf/ exactly as scripts/train.py composes it (same 
 overrides); the flags describe the cluster. Prints parameter count, flops per token, memory per
 device by part at the config's microbatch, the largest microbatch that fits the device memory
 (default: the detected GPU's), and the step time at a given MFU of the device's peak
-(llmfoundry/planning.py says what each number counts). A setup in which not even one sequence
+(llmfoundry/planning.py says what each number counts). Impossible inputs are one line and exit
+status 2 (`--debug` for the traceback). A setup in which not even one sequence
 fits a device is an error (exit status 2) saying what would fit, with no step time.
 """
 
@@ -32,6 +33,7 @@ from llmfoundry.planning import (
     plan_memory,
     step_seconds,
 )
+from llmfoundry.utils.errors import UserError, exit_on_user_error, split_debug_flag
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -81,13 +83,19 @@ def _what_would_fit(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, debug = split_debug_flag(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    with exit_on_user_error(debug):
+        return plan(args)
+
+
+def plan(args: argparse.Namespace) -> int:
     cfg = compose_config(CONF_DIR, args.overrides)
     settings = validate_config(cfg)
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
     if settings.global_train_batch_size % args.world_size:
-        raise SystemExit(
+        raise UserError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
             f"--world-size {args.world_size}"
         )
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_offload=args.cpu_offload,
         optimizer_bytes=optimizer_state_bytes(cfg.optimizer._target_),
     )
-    plan = plan_memory(setup, microbatch)
+    memory_plan = plan_memory(setup, microbatch)
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
     memory = parse_bytes(args.device_memory) if args.device_memory else gpu_memory
@@ -117,12 +125,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size}, seq {seq_len}")  # fmt: skip
     print(f"run         : {', '.join(flags)}; {settings.precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per device)")  # fmt: skip
-    print(f"parameters  : {plan.n_params:,}")
-    print(f"flops/token : {plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
+    print(f"parameters  : {memory_plan.n_params:,}")
+    print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
     print(f"memory per device at microbatch {microbatch}:")
     for part in ("params", "grads", "optimizer", "working", "activations", "logits"):
-        print(f"  {part:11s}: {gib(getattr(plan, part))}")
-    print(f"  {'total':11s}: {gib(plan.total)}")
+        print(f"  {part:11s}: {gib(getattr(memory_plan, part))}")
+    print(f"  {'total':11s}: {gib(memory_plan.total)}")
     if memory is None:
         print("largest microbatch: no GPU detected; pass --device-memory 80GB")
     else:
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print("step time   : unknown peak; pass --device-name H100 or --peak-tflops 989")
     else:
         seconds = step_seconds(
-            plan.flops_per_token,
+            memory_plan.flops_per_token,
             settings.global_train_batch_size,
             seq_len,
             args.world_size,

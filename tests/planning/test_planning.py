@@ -142,3 +142,13 @@ def test_plan_script_refuses_a_setup_that_does_not_fit(capsys):
     assert err.startswith("error: not even 1 sequence per device fits 40GB (37.25 GiB)")
     assert "--strategy fsdp" in err and "--activation-checkpointing" in err
     assert "step time" not in captured.out
+
+
+def test_plan_script_input_errors_are_one_line(capsys):
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"](["--world-size", "8", "--device-memory", "40GB"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: strategy single runs on one device: use --world-size 1 or ddp/fsdp\n"
+    )
