@@ -28,6 +28,15 @@ from llmfoundry.config import ConfigError, check_keys, check_type
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Values that become `#SBATCH` lines: a newline in one would start a shell line on the compute
+# node and end sbatch's reading of directives, so every such field has a grammar (\Z: no
+# trailing newline either).
+_SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*\Z")  # partition(s), account
+_SLURM_TIME = re.compile(
+    r"(\d+|\d+:\d\d|\d+:\d\d:\d\d|\d+-\d+|\d+-\d+:\d\d|\d+-\d+:\d\d:\d\d|UNLIMITED|INFINITE)\Z"
+)
+_MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|[kmgtpe])?\Z")  # 512G (Slurm), 512Gi (Kubernetes)
+_DIRECTIVE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\x00-\x1f\x7f]*)?\Z")
 
 
 @dataclass
@@ -47,6 +56,11 @@ class Compute:
     memory: str | None = None  # per node: "512G" (Slurm) / "512Gi" (Kubernetes)
 
     def __post_init__(self) -> None:
+        if self.memory is not None and not _MEMORY.match(self.memory):
+            raise ValueError(
+                f"memory: {self.memory!r} is not a memory size; write a number with a unit, "
+                "e.g. 512G (Slurm) or 512Gi (Kubernetes)"
+            )
         for key in ("gpus", "gpus_per_node", "procs_per_node", "nodes", "cpus_per_node"):
             value = getattr(self, key)
             if value is not None and value < (0 if key == "gpus" else 1):
@@ -84,6 +98,26 @@ class Slurm:
     rdzv_port: int = 29500
     # More #SBATCH lines, e.g. ["--qos=high", "--constraint=h100"].
     directives: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("partition", "account"):
+            value = getattr(self, key)
+            if value is not None and not _SLURM_NAMES.match(value):
+                raise ValueError(
+                    f"{key}: {value!r} is not a Slurm {key} name (letters, digits, '_.+-', "
+                    "comma-separated; no spaces or line breaks)"
+                )
+        if self.time is not None and not _SLURM_TIME.match(self.time):
+            raise ValueError(
+                f"time: {self.time!r} is not a Slurm time limit; write minutes, HH:MM:SS or "
+                "D-HH:MM:SS (e.g. 2-00:00:00)"
+            )
+        for directive in self.directives:
+            if not isinstance(directive, str) or not _DIRECTIVE.match(directive):
+                raise ValueError(
+                    f"directives: {directive!r} is not one sbatch option; write each as "
+                    "--name=value on one line (no line breaks or control characters)"
+                )
 
 
 @dataclass
