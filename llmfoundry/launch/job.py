@@ -24,10 +24,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config import ConfigError, check_keys, check_type
+from llmfoundry.utils.secrets import SECRET_WORDS
 
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Words of an environment variable's name (split at "_") that make it a secret: WANDB_API_KEY,
+# HF_TOKEN, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM.
+_SECRET_PARTS = {*SECRET_WORDS, "credentials", "pat"}
 # Values that become `#SBATCH` lines: a newline in one would start a shell line on the compute
 # node and end sbatch's reading of directives, so every such field has a grammar (\Z: no
 # trailing newline either).
@@ -81,6 +85,13 @@ class Code:
     workdir: str = "/workspace/llmfoundry"
 
     def __post_init__(self) -> None:
+        if self.repo and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@", self.repo):
+            raise ValueError(
+                "repo: the URL holds a password or token, which would be written into the "
+                "rendered script and manifest; give the URL without it and the credentials "
+                "through secrets: (e.g. secrets: [GIT_TOKEN] with a git credential helper in "
+                "setup:) or an SSH key"
+            )
         if (self.branch or self.commit) and not self.repo:
             raise ValueError("branch/commit: set code.repo to the git URL they belong to")
         if self.commit and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
@@ -166,6 +177,12 @@ class Job:
         for key, value in self.env.items():
             if not _ENV_NAME.match(key):
                 raise ValueError(f"env.{key}: not a valid environment variable name")
+            if key not in self.secrets and _SECRET_PARTS & set(key.lower().split("_")):
+                raise ValueError(
+                    f"env.{key}: named like a secret, and env values are written into the "
+                    f"rendered script and manifest; list {key} under secrets: instead (its value "
+                    "then comes from the submitting environment or the Kubernetes Secret)"
+                )
             if not isinstance(value, str):
                 raise ValueError(f"env.{key}: expected a string, got {value!r}; quote it")
         for name in self.secrets:

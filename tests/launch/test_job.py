@@ -65,6 +65,14 @@ def test_example_job_loads_and_overrides_apply():
             "slurm.directives: '--qos=high\\nid' is not one",
         ),
         ("name: a\nslurm: {directives: [qos=high]}", [], "slurm.directives: 'qos=high' is not one"),
+        # Values that would be written in clear into the rendered script and manifest.
+        ("name: a\nenv: {WANDB_API_KEY: abc}", [], "env.WANDB_API_KEY: named like a secret"),
+        ("name: a\nenv: {HF_TOKEN: abc}", [], "list HF_TOKEN under secrets: instead"),
+        (
+            "name: a\ncode: {repo: 'https://me:ghp_x@github.com/o/r'}",
+            [],
+            "code.repo: the URL holds a password",
+        ),
     ],
 )
 def test_bad_job_files_get_one_line_errors(tmp_path, text, overrides, message):
@@ -81,6 +89,9 @@ def test_slurm_fields_in_their_usual_forms_load(tmp_path):
          "compute.memory=512G", "slurm.directives=[--qos=high,--constraint=h100&ib]"],
     )  # fmt: skip
     assert job.slurm.directives == ["--qos=high", "--constraint=h100&ib"]
+    plain = load_job(write(tmp_path, "name: a\nenv: {TOKENIZERS_PARALLELISM: 'false'}"))
+    assert plain.env == {"TOKENIZERS_PARALLELISM": "false"}
+    assert load_job(write(tmp_path, "name: a\ncode: {repo: 'https://github.com/o/r'}")).code.repo
     for time in ("1-12", "1-12:30", "UNLIMITED"):  # (30:00 unquoted is YAML 1.1 for 1800)
         assert load_job(write(tmp_path, "name: a"), [f"slurm.time={time}"]).slurm.time == time
 
