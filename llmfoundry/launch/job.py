@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -210,6 +211,12 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
         values = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
+    except yaml.YAMLError as err:  # a value YAML cannot read (a backtick, an unclosed quote)
+        where = f"{path} or its overrides" if overrides else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(
+            "", f"{where}: YAML cannot read a value ({problem}); quote it, e.g. key='value'"
+        ) from None
     if not isinstance(values, dict):
         raise ConfigError("", f"{path} must hold a mapping of job fields, e.g. name: my-run")
     return build_dataclass("", values, Job)

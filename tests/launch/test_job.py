@@ -65,6 +65,7 @@ def test_example_job_loads_and_overrides_apply():
             "slurm.directives: '--qos=high\\nid' is not one",
         ),
         ("name: a\nslurm: {directives: [qos=high]}", [], "slurm.directives: 'qos=high' is not one"),
+        ("name: a", ["slurm.partition=`id`"], "or its overrides: YAML cannot read a value (found"),
         # Values that would be written in clear into the rendered script and manifest.
         ("name: a\nenv: {WANDB_API_KEY: abc}", [], "env.WANDB_API_KEY: named like a secret"),
         ("name: a\nenv: {HF_TOKEN: abc}", [], "list HF_TOKEN under secrets: instead"),
