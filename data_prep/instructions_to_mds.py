@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-limit", default="64mb", help="shard size limit (default 64mb)")
     parser.add_argument("--compression", help="zstd, gz, bz2, br or snappy (default none)")
     parser.add_argument(
+        "--max-example-bytes",
+        default="16mb",
+        help="longest input line (one example) read, like 16mb (default); longer ones are refused",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="replace output made from other inputs"
     )
     add_script_arguments(parser)
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             size_limit=parse_size(args.size_limit),
             compression=args.compression,
             overwrite=args.overwrite,
+            max_example_bytes=parse_size(args.max_example_bytes),
         )
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(f"{k}: {v['rows']:,} rows" for k, v in meta["splits"].items())

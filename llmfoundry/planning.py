@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass
 
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.utils.errors import UserError
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
 
@@ -51,7 +52,7 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else ""
     if not match or (unit and unit not in _UNITS):
-        raise ValueError(f"memory size {text!r}: write a number with a unit, e.g. 80GB or 141GiB")
+        raise UserError(f"memory size {text!r}: write a number with a unit, e.g. 80GB or 141GiB")
     return int(float(match.group(1)) * _UNITS.get(unit, 1))
 
 
@@ -64,7 +65,7 @@ def optimizer_state_bytes(optimizer_target: str) -> int:
         return 8
     if name == "sgd":
         return 4
-    raise ValueError(
+    raise UserError(
         f"no optimizer-state size known for {optimizer_target!r}; the planner knows Adam/AdamW "
         "(8 bytes per parameter), Lion (4) and SGD with momentum (4)"
     )
@@ -114,15 +115,15 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+            raise UserError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         if self.precision not in ACTIVATION_BYTES:
-            raise ValueError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
+            raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.world_size < 1 or self.gpus_per_node < 1:
-            raise ValueError("world_size and gpus_per_node must be positive")
+            raise UserError("world_size and gpus_per_node must be positive")
         if self.strategy == "single" and self.world_size != 1:
-            raise ValueError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
+            raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
         if self.cpu_offload and self.strategy in ("single", "ddp"):
-            raise ValueError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
+            raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
         model = MPTForCausalLM(dataclasses.replace(self.model, init_device="meta"))
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(self.seq_len)
@@ -202,5 +203,5 @@ def step_seconds(
 ) -> float:
     """Seconds per optimizer step when each device runs at `mfu` of its `peak` flop/s."""
     if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+        raise UserError(f"mfu must be in (0, 1], got {mfu}")
     return flops_per_token * global_batch * seq_len / world_size / (peak * mfu)

@@ -8,7 +8,9 @@ The config is composed from conf/ exactly as scripts/train.py composes it (same 
 overrides); the flags describe the cluster. Prints parameter count, flops per token, memory per
 device by part at the config's microbatch, the largest microbatch that fits the device memory
 (default: the detected GPU's), and the step time at a given MFU of the device's peak
-(llmfoundry/planning.py says what each number counts).
+(llmfoundry/planning.py says what each number counts). Impossible inputs are one line and exit
+status 2 (`--debug` for the traceback). A setup in which not even one sequence
+fits a device is an error (exit status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from llmfoundry.planning import (
     plan_memory,
     step_seconds,
 )
+from llmfoundry.utils.errors import UserError, exit_on_user_error, split_debug_flag
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -64,14 +67,35 @@ def gib(n: float) -> str:
     return f"{n / 2**30:9.2f} GiB"
 
 
+def _what_would_fit(args: argparse.Namespace) -> str:
+    """The changes of the run that shrink memory per device and that this plan did not use."""
+    options = []
+    if args.strategy in ("single", "ddp", "zero1", "zero2"):
+        options.append("shard the weights (--strategy fsdp or zero3) over more devices")
+    else:
+        options.append(f"more devices than --world-size {args.world_size}")
+    if not args.activation_checkpointing:
+        options.append("--activation-checkpointing")
+    if not args.cpu_offload and args.strategy not in ("single", "ddp"):
+        options.append("--cpu-offload")
+    options.append("a shorter max_seq_len or larger devices")
+    return "try " + ", ".join(options)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv, debug = split_debug_flag(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    with exit_on_user_error(debug):
+        return plan(args)
+
+
+def plan(args: argparse.Namespace) -> int:
     cfg = compose_config(CONF_DIR, args.overrides)
     settings = validate_config(cfg)
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
     if settings.global_train_batch_size % args.world_size:
-        raise SystemExit(
+        raise UserError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
             f"--world-size {args.world_size}"
         )
@@ -89,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_offload=args.cpu_offload,
         optimizer_bytes=optimizer_state_bytes(cfg.optimizer._target_),
     )
-    plan = plan_memory(setup, microbatch)
+    memory_plan = plan_memory(setup, microbatch)
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
     memory = parse_bytes(args.device_memory) if args.device_memory else gpu_memory
@@ -101,18 +125,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size}, seq {seq_len}")  # fmt: skip
     print(f"run         : {', '.join(flags)}; {settings.precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per device)")  # fmt: skip
-    print(f"parameters  : {plan.n_params:,}")
-    print(f"flops/token : {plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
+    print(f"parameters  : {memory_plan.n_params:,}")
+    print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
     print(f"memory per device at microbatch {microbatch}:")
     for part in ("params", "grads", "optimizer", "working", "activations", "logits"):
-        print(f"  {part:11s}: {gib(getattr(plan, part))}")
-    print(f"  {'total':11s}: {gib(plan.total)}")
+        print(f"  {part:11s}: {gib(getattr(memory_plan, part))}")
+    print(f"  {'total':11s}: {gib(memory_plan.total)}")
     if memory is None:
         print("largest microbatch: no GPU detected; pass --device-memory 80GB")
     else:
+        size = args.device_memory or f"{memory / 1e9:.0f}GB"
         fits = largest_microbatch(setup, memory)
-        verdict = f"{fits}" if fits else "none (not even 1 sequence fits)"
-        print(f"largest microbatch fitting {memory / 1e9:.0f} GB: {verdict}")
+        if not fits:
+            print(
+                f"error: not even 1 sequence per device fits {size} ({gib(memory).strip()}): "
+                f"microbatch 1 needs {gib(plan_memory(setup, 1).total).strip()}; "
+                f"{_what_would_fit(args)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"largest microbatch fitting {size} ({gib(memory).strip()}): {fits}")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     if peak is None and name:
         peak = gpu_peak_flops(name, number_format(settings.precision))
@@ -120,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print("step time   : unknown peak; pass --device-name H100 or --peak-tflops 989")
     else:
         seconds = step_seconds(
-            plan.flops_per_token,
+            memory_plan.flops_per_token,
             settings.global_train_batch_size,
             seq_len,
             args.world_size,

@@ -13,7 +13,9 @@ is one line on stderr and exit status 2; `--debug` (or LLMFOUNDRY_DEBUG=1) shows
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import shutil
 import sys
@@ -27,7 +29,7 @@ from llmfoundry.build import build_trainer
 from llmfoundry.checkpoint.lock import LOCK_FILE
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
-from llmfoundry.config.run_files import write_run_config
+from llmfoundry.config.run_files import redacted_yaml, write_run_config
 from llmfoundry.launch.sweeps import objective
 from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
@@ -83,4 +85,13 @@ if __name__ == "__main__":
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own report keeps the whole traceback
     register_resolvers()
     preflight(sys.argv[1:], CONF_DIR, debug=DEBUG)
-    main()
+    if any(arg == "-c" or arg.startswith("--cfg") for arg in sys.argv[1:]):
+        # Hydra prints the config itself: as the run would save it, without credentials.
+        shown = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(shown):
+                main()
+        finally:
+            sys.stdout.write(redacted_yaml(shown.getvalue()))
+    else:
+        main()

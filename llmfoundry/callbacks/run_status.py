@@ -33,6 +33,7 @@ from llmfoundry.trainer.engine import Callback, Logger
 from llmfoundry.trainer.state import State
 from llmfoundry.trainer.time import TimeUnit
 from llmfoundry.utils.files import atomic_write
+from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import is_local, local_path, open_url, url_to_fs
 
 STATUSES = ("running", "finished", "preempted", "failed")
@@ -119,7 +120,7 @@ class RunStatus(Callback):
             return
         error = sys.exc_info()[1]
         if error is not None:
-            self._record["error"] = f"{type(error).__name__}: {str(error)[:500]}"
+            self._record["error"] = f"{type(error).__name__}: {redact_urls(str(error))[:500]}"
             self._write(state, "failed")
         else:
             self._write(state, "preempted")

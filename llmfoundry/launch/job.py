@@ -20,14 +20,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config import ConfigError, check_keys, check_type
+from llmfoundry.utils.secrets import SECRET_WORDS
 
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Words of an environment variable's name (split at "_") that make it a secret: WANDB_API_KEY,
+# HF_TOKEN, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM.
+_SECRET_PARTS = {*SECRET_WORDS, "credentials", "pat"}
+# Values that become `#SBATCH` lines: a newline in one would start a shell line on the compute
+# node and end sbatch's reading of directives, so every such field has a grammar (\Z: no
+# trailing newline either).
+_SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*\Z")  # partition(s), account
+_SLURM_TIME = re.compile(
+    r"(\d+|\d+:\d\d|\d+:\d\d:\d\d|\d+-\d+|\d+-\d+:\d\d|\d+-\d+:\d\d:\d\d|UNLIMITED|INFINITE)\Z"
+)
+_MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|[kmgtpe])?\Z")  # 512G (Slurm), 512Gi (Kubernetes)
+_DIRECTIVE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\x00-\x1f\x7f]*)?\Z")
 
 
 @dataclass
@@ -47,6 +61,11 @@ class Compute:
     memory: str | None = None  # per node: "512G" (Slurm) / "512Gi" (Kubernetes)
 
     def __post_init__(self) -> None:
+        if self.memory is not None and not _MEMORY.match(self.memory):
+            raise ValueError(
+                f"memory: {self.memory!r} is not a memory size; write a number with a unit, "
+                "e.g. 512G (Slurm) or 512Gi (Kubernetes)"
+            )
         for key in ("gpus", "gpus_per_node", "procs_per_node", "nodes", "cpus_per_node"):
             value = getattr(self, key)
             if value is not None and value < (0 if key == "gpus" else 1):
@@ -67,6 +86,13 @@ class Code:
     workdir: str = "/workspace/llmfoundry"
 
     def __post_init__(self) -> None:
+        if self.repo and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@", self.repo):
+            raise ValueError(
+                "repo: the URL holds a password or token, which would be written into the "
+                "rendered script and manifest; give the URL without it and the credentials "
+                "through secrets: (e.g. secrets: [GIT_TOKEN] with a git credential helper in "
+                "setup:) or an SSH key"
+            )
         if (self.branch or self.commit) and not self.repo:
             raise ValueError("branch/commit: set code.repo to the git URL they belong to")
         if self.commit and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
@@ -84,6 +110,26 @@ class Slurm:
     rdzv_port: int = 29500
     # More #SBATCH lines, e.g. ["--qos=high", "--constraint=h100"].
     directives: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for key in ("partition", "account"):
+            value = getattr(self, key)
+            if value is not None and not _SLURM_NAMES.match(value):
+                raise ValueError(
+                    f"{key}: {value!r} is not a Slurm {key} name (letters, digits, '_.+-', "
+                    "comma-separated; no spaces or line breaks)"
+                )
+        if self.time is not None and not _SLURM_TIME.match(self.time):
+            raise ValueError(
+                f"time: {self.time!r} is not a Slurm time limit; write minutes, HH:MM:SS or "
+                "D-HH:MM:SS (e.g. 2-00:00:00)"
+            )
+        for directive in self.directives:
+            if not isinstance(directive, str) or not _DIRECTIVE.match(directive):
+                raise ValueError(
+                    f"directives: {directive!r} is not one sbatch option; write each as "
+                    "--name=value on one line (no line breaks or control characters)"
+                )
 
 
 @dataclass
@@ -132,6 +178,12 @@ class Job:
         for key, value in self.env.items():
             if not _ENV_NAME.match(key):
                 raise ValueError(f"env.{key}: not a valid environment variable name")
+            if key not in self.secrets and _SECRET_PARTS & set(key.lower().split("_")):
+                raise ValueError(
+                    f"env.{key}: named like a secret, and env values are written into the "
+                    f"rendered script and manifest; list {key} under secrets: instead (its value "
+                    "then comes from the submitting environment or the Kubernetes Secret)"
+                )
             if not isinstance(value, str):
                 raise ValueError(f"env.{key}: expected a string, got {value!r}; quote it")
         for name in self.secrets:
@@ -159,6 +211,12 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
         values = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
+    except yaml.YAMLError as err:  # a value YAML cannot read (a backtick, an unclosed quote)
+        where = f"{path} or its overrides" if overrides else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(
+            "", f"{where}: YAML cannot read a value ({problem}); quote it, e.g. key='value'"
+        ) from None
     if not isinstance(values, dict):
         raise ConfigError("", f"{path} must hold a mapping of job fields, e.g. name: my-run")
     return build_dataclass("", values, Job)

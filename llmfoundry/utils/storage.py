@@ -28,6 +28,9 @@ from typing import Any
 import fsspec
 from omegaconf import OmegaConf
 
+from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.secrets import redact_urls
+
 __all__ = [
     "configure",
     "configure_settings",
@@ -148,6 +151,7 @@ def options_for(url: str, extra: Mapping[str, Any] | None = None) -> dict[str, A
 
 def url_to_fs(url: str, **extra: Any) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem holding ``url`` and the path on it, with the configured options."""
+    _refuse_credentials(url)
     return fsspec.core.url_to_fs(url, **options_for(url, extra))
 
 
@@ -156,4 +160,21 @@ def open_url(url: str, mode: str = "rb", **kwargs: Any) -> Any:
 
     ``kwargs`` may mix file arguments (``encoding``) and filesystem options, as fsspec allows.
     """
+    _refuse_credentials(url)
     return fsspec.open(url, mode, **options_for(url, kwargs))
+
+
+# Object stores whose URLs never carry credentials: ``s3://KEY:SECRET@bucket/x`` is read as a
+# bucket named "KEY:SECRET@bucket", and the secret ends up in every error and log line.
+_BUCKET_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "r2")
+
+
+def _refuse_credentials(url: str) -> None:
+    scheme, sep, rest = str(url).partition("://")
+    if sep and scheme.lower() in _BUCKET_SCHEMES and "@" in rest.split("/", 1)[0]:
+        raise UserError(
+            f"{redact_urls(url)} holds credentials before its bucket, which {scheme}:// URLs do "
+            "not take (and every log would show): put them in the environment (e.g. "
+            "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), a credentials profile "
+            "(storage.options.profile) or fsspec's config, and give the URL without them"
+        )

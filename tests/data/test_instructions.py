@@ -198,3 +198,21 @@ def test_inputs_and_output_on_an_object_store(tmp_path, tokenizer):
     meta = instructions_to_mds(["memory://sft/in.jsonl"], "memory://sft/out", tokenizer, 32)
     assert meta["examples"] == 5 and fs.exists("/sft/out/train/index.json")
     assert json.loads(fs.cat_file("/sft/out/meta.json"))["fingerprint"] == meta["fingerprint"]
+
+
+def test_cli_refuses_an_example_line_past_max_example_bytes_in_one_line(
+    tmp_path, tokenizer, capsys
+):
+    from data_prep.instructions_to_mds import main
+
+    src = tmp_path / "big.jsonl"
+    src.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n"
+                   + json.dumps({"prompt": "p" * 5000, "response": "r"}) + "\n")  # fmt: skip
+    argv = [str(src), "--out", str(tmp_path / "mds"), "--tokenizer", tokenizer, "--seq-len", "32"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--max-example-bytes", "4kb"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--max-example-bytes in data_prep/instructions_to_mds.py)")
+    assert f"{src} line 2: longer than 4,096 bytes" in err and len(err.splitlines()) == 1
+    assert main([*argv, "--max-example-bytes", "1mb"]) == 0

@@ -41,6 +41,39 @@ def test_example_job_loads_and_overrides_apply():
         ("name: a\nsetup: [1]", [], "setup: expected strings, got 1; quote it"),
         ("name: a\ncode: {branch: main}", [], "code.branch/commit: set code.repo"),
         ("name: a", ["slurm.partiton=x"], "slurm.partiton: unknown key; did you mean 'partition'?"),
+        # A line break in any field rendered as an #SBATCH line would run as shell on the node.
+        (
+            'name: a\nslurm: {partition: "gpu\\ntouch /tmp/pwned"}',
+            [],
+            "slurm.partition: 'gpu\\ntouch",
+        ),
+        ('name: a\nslurm: {account: "me\\nid"}', [], "slurm.account: 'me\\nid' is not a Slurm"),
+        (
+            'name: a\nslurm: {time: "1:00:00\\nid"}',
+            [],
+            "slurm.time: '1:00:00\\nid' is not a Slurm time",
+        ),
+        ("name: a\nslurm: {time: 2 days}", [], "slurm.time: '2 days' is not a Slurm time limit"),
+        (
+            'name: a\ncompute: {memory: "8G\\nid"}',
+            [],
+            "compute.memory: '8G\\nid' is not a memory size",
+        ),
+        (
+            'name: a\nslurm: {directives: ["--qos=high\\nid"]}',
+            [],
+            "slurm.directives: '--qos=high\\nid' is not one",
+        ),
+        ("name: a\nslurm: {directives: [qos=high]}", [], "slurm.directives: 'qos=high' is not one"),
+        ("name: a", ["slurm.partition=`id`"], "or its overrides: YAML cannot read a value (found"),
+        # Values that would be written in clear into the rendered script and manifest.
+        ("name: a\nenv: {WANDB_API_KEY: abc}", [], "env.WANDB_API_KEY: named like a secret"),
+        ("name: a\nenv: {HF_TOKEN: abc}", [], "list HF_TOKEN under secrets: instead"),
+        (
+            "name: a\ncode: {repo: 'https://me:ghp_x@github.com/o/r'}",
+            [],
+            "code.repo: the URL holds a password",
+        ),
     ],
 )
 def test_bad_job_files_get_one_line_errors(tmp_path, text, overrides, message):
@@ -48,6 +81,20 @@ def test_bad_job_files_get_one_line_errors(tmp_path, text, overrides, message):
         load_job(write(tmp_path, text), overrides)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_slurm_fields_in_their_usual_forms_load(tmp_path):
+    job = load_job(
+        write(tmp_path, "name: a"),
+        ["slurm.partition=h100,a100", "slurm.account=proj-42", "slurm.time=2-00:00:00",
+         "compute.memory=512G", "slurm.directives=[--qos=high,--constraint=h100&ib]"],
+    )  # fmt: skip
+    assert job.slurm.directives == ["--qos=high", "--constraint=h100&ib"]
+    plain = load_job(write(tmp_path, "name: a\nenv: {TOKENIZERS_PARALLELISM: 'false'}"))
+    assert plain.env == {"TOKENIZERS_PARALLELISM": "false"}
+    assert load_job(write(tmp_path, "name: a\ncode: {repo: 'https://github.com/o/r'}")).code.repo
+    for time in ("1-12", "1-12:30", "UNLIMITED"):  # (30:00 unquoted is YAML 1.1 for 1800)
+        assert load_job(write(tmp_path, "name: a"), [f"slurm.time={time}"]).slurm.time == time
 
 
 def test_missing_job_file_says_where_to_look(tmp_path):

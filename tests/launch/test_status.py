@@ -66,6 +66,14 @@ def test_failed_run_records_the_error(tmp_path):
     assert status["error"] == "RuntimeError: disk on fire"
 
 
+def test_a_failure_naming_a_url_with_credentials_records_it_redacted(tmp_path):
+    def crash(state):
+        raise OSError("cannot reach https://bob:hunter2@store.example/ckpt")
+
+    status = status_after(tmp_path, At(2, crash), raises=OSError)
+    assert status["error"] == "OSError: cannot reach https://<redacted>@store.example/ckpt"
+
+
 def test_heartbeat_while_running(tmp_path):
     seen = []
 

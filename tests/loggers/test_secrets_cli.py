@@ -68,3 +68,37 @@ def test_command_line_secrets_are_redacted_in_every_run_file(tmp_path):
         assert mode == 0o600, (name, oct(mode))
     overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()
     assert "+data.storage_options.secret=<redacted>" in overrides
+
+
+def test_cfg_job_prints_the_config_without_credentials(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--cfg", "job",
+         "+data.storage_options.secret=hunter3", "data.remote=s3://bob:hunter2@example.com/mds"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "remote: s3://<redacted>@example.com/mds" in result.stdout
+    assert "n_layers:" in result.stdout  # the rest of the config is there
+    assert not any(s in result.stdout + result.stderr for s in SECRETS)
+
+
+def test_a_sweeps_multirun_yaml_keeps_no_credentials(tmp_path):
+    data = write_mds(tmp_path / "mds", {"train": 16, "val": 8})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "-m", f"data.remote={data}",
+         "+data.storage_options.secret=hunter3", "model.d_model=32", "model.n_heads=2",
+         "model.n_layers=1", "model.max_seq_len=16", "model.vocab_size=64",
+         "global_train_batch_size=4", "max_duration=1ba", "scheduler.t_warmup=1ba",
+         "eval_first=false", "eval_interval=1ba", "eval_subset_num_batches=1", "save_folder=null",
+         "callbacks=[run_status]", "loggers=[jsonl]"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (sweep,) = (tmp_path / "outputs").glob("sweep-*")
+    multirun = sweep / "multirun.yaml"
+    assert "storage_options: {}" in multirun.read_text()
+    assert stat.S_IMODE(multirun.stat().st_mode) == 0o600
+    for path in [p for p in sweep.rglob("*") if p.is_file()]:  # status.json, metrics, .hydra
+        assert b"hunter3" not in path.read_bytes(), path

@@ -127,5 +127,28 @@ def test_plan_script_reads_hydra_overrides(capsys):
     assert plan_script["main"](argv) == 0
     out = capsys.readouterr().out
     assert "parameters  : 6,649,024,512" in out
-    assert "largest microbatch fitting 80 GB: " in out
+    assert "largest microbatch fitting 80GB (74.51 GiB): " in out
     assert "at 40% MFU of 989.4 TFLOP/s" in out
+
+
+def test_plan_script_refuses_a_setup_that_does_not_fit(capsys):
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    argv = ["model=mpt-70b", "precision=amp_bf16", "--strategy", "ddp", "--world-size", "8",
+            "--device-memory", "40GB", "--device-name", "A100"]  # fmt: skip
+    assert plan_script["main"](argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("error: not even 1 sequence per device fits 40GB (37.25 GiB)")
+    assert "--strategy fsdp" in err and "--activation-checkpointing" in err
+    assert "step time" not in captured.out
+
+
+def test_plan_script_input_errors_are_one_line(capsys):
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"](["--world-size", "8", "--device-memory", "40GB"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: strategy single runs on one device: use --world-size 1 or ddp/fsdp\n"
+    )

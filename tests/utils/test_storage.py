@@ -1,6 +1,8 @@
 """Storage options configured once reach every filesystem (llmfoundry.utils.storage)."""
 
+import runpy
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -10,6 +12,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 from llmfoundry.checkpoint.io import read_latest
 from llmfoundry.data.streaming.download import read_bytes
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _SpyFS(MemoryFileSystem):
@@ -93,3 +98,22 @@ def test_storage_settings_from_text_or_file(tmp_path) -> None:
         storage.load_settings("{option: {profile: x}}")
     with pytest.raises(ValueError, match="not a YAML/JSON"):
         storage.load_settings("{options: [")
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://AKIAKEY:SUPERSECRET@bucket/ckpt", "gs://user:SUPERSECRET@b/x"]
+)
+def test_credentials_in_an_object_store_url_are_refused_without_showing_them(url):
+    for call in (storage.url_to_fs, storage.open_url):
+        with pytest.raises(UserError) as info:
+            call(url)
+        message = str(info.value)
+        assert "SUPERSECRET" not in message and "<redacted>@" in message
+        assert "AWS_ACCESS_KEY_ID" in message and "\n" not in message
+
+
+def test_generate_names_a_url_with_credentials_in_one_line_without_the_secret(capsys):
+    generate = runpy.run_path(str(ROOT / "scripts" / "generate.py"), run_name="generate")
+    with pytest.raises(UserError) as info:
+        generate["main"](["s3://AKIAKEY:SUPERSECRET@bucket/ckpt", "--prompt", "hi"])
+    assert "SUPERSECRET" not in str(info.value)

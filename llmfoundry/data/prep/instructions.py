@@ -51,7 +51,7 @@ from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.trainer.metrics import IGNORE_INDEX
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
-from llmfoundry.utils.jsonl import read_jsonl
+from llmfoundry.utils.jsonl import MAX_LINE_BYTES, read_jsonl
 
 __all__ = [
     "INSTRUCTIONS_META_FORMAT",
@@ -101,10 +101,13 @@ def _conversation(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages
 
 
-def read_conversations(urls: Sequence[str]) -> Iterator[list[dict[str, str]]]:
-    """Every example of the .jsonl files (local paths or fsspec URLs) as a list of messages."""
+def read_conversations(
+    urls: Sequence[str], max_example_bytes: int = MAX_LINE_BYTES
+) -> Iterator[list[dict[str, str]]]:
+    """Every example of the .jsonl files (local paths or fsspec URLs) as a list of messages; a
+    line longer than `max_example_bytes` is refused while it is read."""
     for url in urls:
-        for where, obj in read_jsonl(url):
+        for where, obj in read_jsonl(url, max_example_bytes):
             yield _conversation(obj, where)
 
 
@@ -280,10 +283,12 @@ def instructions_to_mds(
     size_limit: int | str | None = 1 << 26,
     compression: str | None = None,
     overwrite: bool = False,
+    max_example_bytes: int = MAX_LINE_BYTES,
 ) -> dict[str, Any]:
     """Write the instruction examples of ``inputs`` as MDS under ``out``; return meta.json's
     content (plus ``reused``). Examples go to ``val`` with probability ``val_fraction``
-    (seeded by ``seed``), the rest to ``train``.
+    (seeded by ``seed``), the rest to ``train``. A line of more than ``max_example_bytes`` is
+    refused, naming it.
     """
     if seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
@@ -348,7 +353,7 @@ def instructions_to_mds(
             )
 
     try:
-        for messages in read_conversations(inputs):
+        for messages in read_conversations(inputs, max_example_bytes):
             counts["examples"] += 1
             split = "val" if val_fraction > 0 and rng.random() < val_fraction else "train"
             ids, labels = formatter.encode(messages)
