@@ -23,8 +23,10 @@ than the newest complete one, temporary `latest` files) is removed by `clean` be
 first save and after each save.
 
 Files are only ever read back as tensors and plain containers: safetensors for weights and
-``torch.load(weights_only=True)`` for the rest, so a checkpoint cannot run code when loaded; each
-file is checked against the manifest before it is parsed.
+``torch.load(weights_only=True)`` for the rest, and sharded/ through dcp_reader.py (DCP's metadata
+with an unpickler that admits only DCP's classes), so a checkpoint cannot run code when loaded;
+each file is checked against the manifest before it is parsed. DeepSpeed's shards are the
+exception: see llmfoundry/distributed/deepspeed.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ layout: FSDP on another number of ranks, DDP, or one process (each rank reads th
 holds). `scripts/convert_checkpoint.py` merges one into a single safetensors file, and
 `scripts/export_hf.py` exports one directly. Shards are read in place wherever the checkpoint is
 (`shard_reader`): a local folder, or an object store through fsspec with the process's storage
-settings (llmfoundry/utils/storage.py), so an endpoint configured there applies.
+settings (llmfoundry/utils/storage.py), so an endpoint configured there applies. Shards are read
+without unpickling objects (dcp_reader.py).
 
 State of algorithms, callbacks and loggers that is laid out like the parameters (EMA's averages:
 DTensor shards under FSDP) goes into the shards too, under ``objects``, with `IN_SHARDS` in its
@@ -26,14 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
-from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 
 # What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
@@ -110,14 +109,6 @@ def fit_layout(saved: Any, current: Any, loaded: Mapping[str, Any]) -> Any:
     }
 
 
-def shard_reader(folder: str) -> dcp.StorageReader:
-    """A DCP reader of the shards in `folder` (a local path or an fsspec URL); remote ones open
-    their filesystem with the storage settings (`storage.options_for`), as every remote read."""
-    if storage.is_local(folder):
-        return dcp.FileSystemReader(storage.local_path(folder))
-    return FsspecReader(folder, **storage.options_for(folder))
-
-
 def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     """The whole model weights of a sharded checkpoint's `folder` of shards (local or remote),
     in one process (no process group).
@@ -131,7 +122,7 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     }
     if not model:
         raise ValueError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
-    dcp.load({"model": model}, storage_reader=shard_reader(folder), no_dist=True)
+    load_shards_state({"model": model}, folder, no_dist=True)
     return model
 
 

@@ -49,6 +49,7 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
+from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
     fit_layout,
@@ -220,6 +221,8 @@ def restore(
             strategy.load_shards(
                 join_url(where, SHARDED_DIR), state.model, state.optimizer, keys, in_shards
             )
+        except CheckpointError:  # a shard that is damaged or refused: already names its file
+            raise
         except (RuntimeError, ValueError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its shards do not fit this model and optimizer "

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from llmfoundry.checkpoint.sharded import shard_reader
+from llmfoundry.checkpoint.dcp_reader import load_shards_state
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
@@ -227,11 +227,11 @@ class Strategy:
     ) -> None:
         """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
         strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
-        local folder or an fsspec URL (`shard_reader`). `objects` (as for `save_shards`, this
+        local folder or an fsspec URL (read without unpickling objects: `load_shards_state`). `objects` (as for `save_shards`, this
         run's tensors in its own layout) are filled in place."""
         state = self._dcp_state(model, optimizer, objects, keys)
         if state:
-            dcp.load(state, storage_reader=shard_reader(path))
+            load_shards_state(state, path)
             self.load_sharded_state(model, optimizer, state)
 
     def _dcp_state(

@@ -1,0 +1,118 @@
+"""A sharded (DCP) checkpoint cannot run code when loaded: a payload in ``sharded/.metadata``
+or in a non-tensor value of the shards, with a manifest recomputed as its author would, is
+refused with one line naming the file, in the scripts' load (`load_pretrained`) and in
+``load_path=``; a genuine one still loads. In one process: a single-device strategy that
+writes sharded checkpoints writes the same DCP files as FSDP's ranks."""
+
+import functools
+import os
+import pickle
+import shlex
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.checkpoint import CheckpointError
+from llmfoundry.checkpoint.manifest import MANIFEST, hash_tree, manifest_bytes
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.optim import DecoupledAdamW
+
+from ..trainer.conftest import token_batches
+from .helpers import Batches
+from .test_checkpoint import make_trainer
+
+MODEL = {
+    "_target_": "llmfoundry.models.mpt.MPTConfig",
+    **{"d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 16, "vocab_size": 64},
+}
+
+
+class ShardedSingleDevice(SingleDevice):
+    sharded_checkpoints = True
+
+
+class Payload:
+    """What an attacker pickles: unpickling it runs a shell command that creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def train(tmp_path, **kwargs):
+    return make_trainer(
+        tmp_path,
+        Batches(token_batches(2, 2)),
+        strategy=ShardedSingleDevice("cpu"),
+        optimizer=functools.partial(DecoupledAdamW, lr=1e-2),
+        config={"model": MODEL},
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def genuine(tmp_path_factory):
+    """A genuine sharded checkpoint (model, optimizer, state.pt) after 2 batches."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    saver = CheckpointSaver(str(tmp / "ckpt"), save_interval="2ba")
+    train(tmp, saver=saver).fit()
+    checkpoint = tmp / "ckpt" / "ep0-ba2"
+    assert (checkpoint / "sharded" / ".metadata").is_file()
+    return checkpoint
+
+
+def forged(genuine, tmp_path, plant):
+    """A copy of `genuine` changed by `plant(shards_folder)`, its manifest recomputed."""
+    checkpoint = tmp_path / "forged" / "ep0-ba2"
+    shutil.copytree(genuine, checkpoint)
+    plant(checkpoint / "sharded")
+    (checkpoint / MANIFEST).unlink()
+    (checkpoint / MANIFEST).write_bytes(manifest_bytes(hash_tree(checkpoint)))
+    return checkpoint
+
+
+def test_a_genuine_sharded_checkpoint_loads_in_the_scripts_and_in_load_path(genuine, tmp_path):
+    model, _ = load_pretrained(str(genuine))
+    resumed = train(tmp_path, load_path=str(genuine))
+    assert resumed.state.timestamp.batch == 2
+    for name, tensor in resumed.state.model.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def test_a_payload_in_the_metadata_is_refused_and_never_runs(genuine, tmp_path):
+    marker = tmp_path / "ran"
+    metadata = lambda shards: (shards / ".metadata").write_bytes(pickle.dumps(Payload(marker)))  # noqa: E731
+    checkpoint = forged(genuine, tmp_path, metadata)
+    refusal = r"refusing to load .*sharded/\.metadata: it is not DCP checkpoint metadata"
+    with pytest.raises(CheckpointError, match=refusal) as err:
+        load_pretrained(str(checkpoint))  # generate.py, serve.py, export_hf.py, convert
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=refusal):
+        train(tmp_path, load_path=str(checkpoint.parent))  # train.py load_path=
+    assert not marker.exists()
+
+
+def test_a_payload_in_an_optimizer_value_of_the_shards_is_refused_and_never_runs(genuine, tmp_path):
+    """DCP's planner reads non-tensor values (hyperparameters) with weights_only=False."""
+    marker = tmp_path / "ran"
+
+    def hyperparameter(shards):
+        whole = tmp_path / "whole.pt"
+        dcp_to_torch_save(shards, whole)  # the author's own genuine state, as one file
+        state = torch.load(whole, weights_only=False)
+        state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+        shutil.rmtree(shards)
+        dcp.save(state, checkpoint_id=str(shards), no_dist=True)
+
+    checkpoint = forged(genuine, tmp_path, hyperparameter)
+    with pytest.raises(CheckpointError, match=r"refusing to load 'optimizer\.param_groups") as err:
+        train(tmp_path, load_path=str(checkpoint))
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
