@@ -196,3 +196,40 @@ def test_hydra_option_selects_infini(option):
 def test_bad_infini_options_are_named(infini, message):
     with pytest.raises(ValueError, match=message):
         MPTConfig(d_model=32, n_heads=4, n_layers=1, infini=infini)
+
+
+# Rows of packed documents (lengths) for segment_len 8: ends mid-segment (13, 5), ends at a
+# segment boundary (16, 8 from position 8), spans several segments from mid-segment (27, 19),
+# one-token and short documents (1, 3), and documents that start at a boundary.
+PACKINGS = [[13, 16, 27, 3, 5], [5, 27, 3, 13, 16], [8, 19, 1, 20, 16], [64]]
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+@pytest.mark.parametrize("update", ["linear", "delta"])
+def test_packed_document_equals_document_alone(update, alibi):
+    # The converse of isolation: every token of a packed document sees exactly what it would
+    # see alone (the same local segments and the same memory), whatever is packed around it.
+    torch.manual_seed(0)
+    model = MPTForCausalLM(
+        MPTConfig(
+            d_model=32,
+            n_heads=4,
+            n_layers=2,
+            max_seq_len=64,
+            vocab_size=64,
+            alibi=alibi,
+            infini={"segment_len": 8, "update": update},
+        )
+    )
+    torch.manual_seed(4)
+    ids = torch.randint(0, 64, (len(PACKINGS), 64))
+    sid = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in PACKINGS])
+    with torch.no_grad():
+        packed = model(ids, sid)
+        for row, lengths in enumerate(PACKINGS):
+            start = 0
+            for n in lengths:
+                alone = model(ids[row : row + 1, start : start + n])[0]
+                got = packed[row, start : start + n]
+                torch.testing.assert_close(got, alone, rtol=0, atol=1e-5, msg=f"{row}:{start}+{n}")
+                start += n

@@ -203,6 +203,21 @@ class AttentionMasks(nn.Module):
         return AttentionMask(self, sequence_id, device, dtype)
 
 
+def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document: 0 at each document's first token.
+
+    Packed rows hold several documents; restarting positions at each one gives a learned position
+    table the same view of a document as if it were alone. Documents are contiguous runs of equal
+    `sequence_id`.
+    """
+    seq_len = sequence_id.shape[1]
+    pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)
+    starts = torch.ones_like(sequence_id, dtype=torch.bool)
+    starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
+    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return pos - start_pos
+
+
 def repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """[B, kv_heads, L, D] -> [B, n_heads, L, D]: each kv head serves n_heads // kv_heads queries."""
     groups = n_heads // t.shape[1]

@@ -19,9 +19,11 @@ get wrong, made explicit here:
   segments if asked), so keys and values learn what to store;
 - M, z and the retrieval are float32 under autocast, and the normaliser has an epsilon (the
   first segment reads an empty memory: 0 / eps = 0);
-- with `sequence_id`, the memory also restarts at each document: a query reads the memory only
-  if the previous segment ended inside its own document, and a segment writes only the keys of
-  the document it ends in.
+- with `sequence_id` (packed documents), segments are counted from each document's first
+  token, not the row's: every token sees what it would see if its document were alone, the same
+  local segment and the same memory (a document that ends mid-segment still reads the memory of
+  its earlier segments). A document's segment j, its "piece", spans at most two of the row's
+  segments; `local_attention` and `packed_memory_attention` follow pieces across them.
 
 Key/value heads may be grouped (kv_n_heads < n_heads): each kv head has one memory, read by its
 group of query heads, each with its own gate.
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.mpt.attention import AttentionMask
+from llmfoundry.models.mpt.attention import AttentionMask, positions_in_document
 from llmfoundry.models.mpt.cache import InfiniState
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
@@ -43,6 +45,53 @@ LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], to
 def sigma(x: torch.Tensor) -> torch.Tensor:
     """The memory's feature map, ELU + 1 (positive, so the normaliser is positive)."""
     return F.elu(x) + 1.0
+
+
+def document_segments(sequence_id: torch.Tensor, segment_len: int) -> tuple[torch.Tensor, ...]:
+    """(position in document, position in the document's segment, piece id), each [B, T].
+
+    A piece is one document's segment: positions [j * segment_len, (j + 1) * segment_len) counted
+    from the document's first token. Piece ids number the pieces of a row from 1; padding (ids
+    < 0, which the flash kernel drops) keeps -1.
+    """
+    pos = positions_in_document(sequence_id)
+    within = pos % segment_len
+    piece = torch.cumsum(within == 0, dim=1)
+    return pos, within, torch.where(sequence_id < 0, -1, piece)
+
+
+class PieceLayout:
+    """How `local_attention` runs packed rows: two foldings into segment-sized windows.
+
+    The first window set is the row's own segments, masked by piece id: right for every piece
+    that starts in its row segment. A piece that started in the previous row segment (a document
+    that began mid-segment, in its second or later segment) gets its whole self in one window of
+    the second set, which starts each window at the start of the piece that holds the row
+    segment's first token; its queries take their output from there. Built once per forward.
+    """
+
+    def __init__(self, mask: AttentionMask, segment_len: int) -> None:
+        sid = mask.sequence_id
+        batch, seq_len = sid.shape
+        n_seg = -(-seq_len // segment_len)
+        pad = n_seg * segment_len - seq_len
+        _, within, piece = document_segments(sid, segment_len)
+        piece = F.pad(piece, (0, pad), value=-1)
+        t = torch.arange(n_seg * segment_len, device=sid.device)
+        start = t - F.pad(within, (0, pad))  # where each position's piece starts
+        cross = start.view(batch, n_seg, segment_len)[:, :, 0]  # [B, n_seg]
+        window = cross[:, :, None] + torch.arange(segment_len, device=sid.device)
+        rows = torch.arange(batch, device=sid.device)[:, None]
+        self.window_index = (window.view(batch, -1) + rows * n_seg * segment_len).reshape(-1)
+        self.segments = mask.with_sequence_id(piece.view(batch * n_seg, segment_len))
+        self.windows = mask.with_sequence_id(
+            piece.gather(1, window.view(batch, -1)).view(batch * n_seg, segment_len)
+        )
+        seg = t // segment_len
+        crossing = cross[:, seg]  # [B, n_seg * segment_len]
+        self.take_window = (start == crossing) & (crossing < seg * segment_len)
+        offset = (t - crossing).clamp(0, segment_len - 1)
+        self.window_output = ((rows * n_seg + seg) * segment_len + offset).reshape(-1)
 
 
 def local_attention(
@@ -57,30 +106,47 @@ def local_attention(
 
     The sequence is padded to whole segments and the segments folded into the batch, so the
     kernel sees [batch * n_segments, heads, segment_len, head_dim]. Padding sits after every real
-    token, so causality keeps real queries from seeing it; padded queries are cut off.
+    token, so causality keeps real queries from seeing it; padded queries are cut off. Packed rows
+    (`sequence_id`) attend within pieces, the documents' own segments (`PieceLayout`): two kernel
+    calls instead of one.
     """
     batch, _, seq_len, _ = q.shape
     n_seg = -(-seq_len // segment_len)
     pad = n_seg * segment_len - seq_len
 
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, pad)) if pad else t
+
     def fold(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0, 0, pad)) if pad else t
         heads, dim = t.shape[1], t.shape[-1]
-        t = t.view(batch, heads, n_seg, segment_len, dim).transpose(1, 2)
+        t = padded(t).reshape(batch, heads, n_seg, segment_len, dim).transpose(1, 2)
         return t.reshape(batch * n_seg, heads, segment_len, dim)
 
-    def build_mask() -> AttentionMask:
-        sid = mask.sequence_id
-        if sid is not None:
-            sid = F.pad(sid, (0, pad), value=-1) if pad else sid
-            sid = sid.reshape(batch * n_seg, segment_len)
-        return mask.with_sequence_id(sid)
+    def unfold(out: torch.Tensor) -> torch.Tensor:
+        heads, dim = out.shape[1], out.shape[-1]
+        out = out.reshape(batch, n_seg, heads, segment_len, dim).transpose(1, 2)
+        return out.reshape(batch, heads, n_seg * segment_len, dim)
 
-    seg_mask = mask.cached(("infini_segments", segment_len, seq_len), build_mask)
-    out = local(fold(q), fold(k), fold(v), seg_mask)
-    heads, dim = out.shape[1], out.shape[-1]
-    out = out.view(batch, n_seg, heads, segment_len, dim).transpose(1, 2)
-    return out.reshape(batch, heads, n_seg * segment_len, dim)[:, :, :seq_len]
+    if mask.sequence_id is None:
+        seg_mask = mask.cached(("infini_segments", segment_len, seq_len), lambda: mask)
+        return unfold(local(fold(q), fold(k), fold(v), seg_mask))[:, :, :seq_len]
+
+    layout = mask.cached(("infini_pieces", segment_len), lambda: PieceLayout(mask, segment_len))
+
+    def window(t: torch.Tensor) -> torch.Tensor:
+        heads, dim = t.shape[1], t.shape[-1]
+        flat = padded(t).transpose(1, 2).reshape(-1, heads, dim)
+        picked = flat.index_select(0, layout.window_index)
+        return picked.view(batch * n_seg, segment_len, heads, dim).transpose(1, 2)
+
+    out = unfold(local(fold(q), fold(k), fold(v), layout.segments))
+    crossing = local(window(q), window(k), window(v), layout.windows)
+    heads, dim = crossing.shape[1], crossing.shape[-1]
+    crossing = crossing.transpose(1, 2).reshape(-1, heads, dim)
+    crossing = crossing.index_select(0, layout.window_output)
+    crossing = crossing.view(batch, n_seg * segment_len, heads, dim).transpose(1, 2)
+    out = torch.where(layout.take_window[:, None, :, None], crossing, out)
+    return out[:, :, :seq_len]
 
 
 def read_memory(
@@ -92,6 +158,21 @@ def read_memory(
     return retrieved / scale
 
 
+def memory_update(
+    sk: torch.Tensor,
+    v: torch.Tensor,
+    memory: torch.Tensor,
+    norm: torch.Tensor,
+    update: str,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a segment with sigma(K) `sk` [B, kv_heads, S, D] and values `v` adds to (M, z)."""
+    if update == "delta":
+        known = (sk @ memory) / ((sk @ norm[..., None]) + eps)
+        v = v - known
+    return sk.transpose(-2, -1) @ v, sk.sum(dim=-2)
+
+
 def write_memory(
     sk: torch.Tensor,
     v: torch.Tensor,
@@ -101,10 +182,8 @@ def write_memory(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M_s, z_s) after a segment with sigma(K) `sk` [B, kv_heads, S, D] and values `v`."""
-    if update == "delta":
-        known = (sk @ memory) / ((sk @ norm[..., None]) + eps)
-        v = v - known
-    return memory + sk.transpose(-2, -1) @ v, norm + sk.sum(dim=-2)
+    add_memory, add_norm = memory_update(sk, v, memory, norm, update, eps)
+    return memory + add_memory, norm + add_norm
 
 
 def memory_attention(
@@ -126,32 +205,92 @@ def memory_attention(
     with torch.autocast(q.device.type, enabled=False):
         sq = sigma(q.to(dtype)).view(batch, kv_heads, groups, seq_len, dim)
         sk, vf = sigma(k.to(dtype)), v.to(dtype)
+        if sequence_id is not None:
+            args = (sq, sk, vf, sequence_id, segment_len, update, eps, truncate_every)
+            return packed_memory_attention(*args)
         memory = sq.new_zeros(batch, kv_heads, dim, v.shape[-1])
         norm = sq.new_zeros(batch, kv_heads, dim)
         outputs = []
-        prev_doc = None
         for index, start in enumerate(range(0, seq_len, segment_len)):
             end = min(start + segment_len, seq_len)
             q_s, k_s, v_s = sq[..., start:end, :], sk[:, :, start:end], vf[:, :, start:end]
-            write = None
-            if sequence_id is not None:
-                doc = sequence_id[:, start:end]
-                if prev_doc is not None:
-                    # Only the document the previous segment ended in is in the memory.
-                    reads = (doc == prev_doc[:, None]).to(q_s.dtype)  # [B, S]
-                    carry = (doc[:, -1] == prev_doc).to(q_s.dtype)[:, None, None]  # [B, 1, 1]
-                    q_s = q_s * reads[:, None, None, :, None]
-                    memory, norm = memory * carry[..., None], norm * carry
-                write = (doc == doc[:, -1:]).to(k_s.dtype)[:, None, :, None]  # [B, 1, S, 1]
-                prev_doc = doc[:, -1]
             retrieved = read_memory(q_s, memory, norm, eps)
             outputs.append(retrieved.reshape(batch, n_heads, end - start, -1))
-            if write is not None:
-                k_s = k_s * write
             memory, norm = write_memory(k_s, v_s, memory, norm, update, eps)
             if truncate_every is not None and (index + 1) % truncate_every == 0:
                 memory, norm = memory.detach(), norm.detach()
         return torch.cat(outputs, dim=2)
+
+
+def packed_memory_attention(
+    sq: torch.Tensor,
+    sk: torch.Tensor,
+    vf: torch.Tensor,
+    sequence_id: torch.Tensor,
+    segment_len: int,
+    update: str,
+    eps: float,
+    truncate_every: int | None,
+) -> torch.Tensor:
+    """`memory_attention` of packed rows, from sigma(Q) [B, kv, groups, T, D], sigma(K), V.
+
+    Each piece (a document's own segment) reads the memory of its document's earlier pieces and
+    writes relative to it, as if the document were alone. A row segment holds, in order: the end
+    of the piece its first token belongs to, maybe the next piece of that document (from where
+    that document's segment boundary falls), documents that start and end inside it (a first
+    piece: they read an empty memory, and nothing reads what they write), and the start of the
+    document that runs on. The state between row segments is the memory the open piece reads
+    (`memory`, `norm`) and what that piece has written so far (`pending`), kept apart so that a
+    piece split across two row segments writes relative to one memory, as alone.
+    """
+    batch, kv_heads, groups, seq_len, dim = sq.shape
+    n_heads = kv_heads * groups
+    pos, within, piece = document_segments(sequence_id, segment_len)
+    memory = sq.new_zeros(batch, kv_heads, dim, vf.shape[-1])
+    norm = sq.new_zeros(batch, kv_heads, dim)
+    pending = (torch.zeros_like(memory), torch.zeros_like(norm))
+
+    def per_row(flags: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return flags.to(t.dtype).view(batch, *([1] * (t.dim() - 1)))
+
+    outputs = []
+    for index, start in enumerate(range(0, seq_len, segment_len)):
+        end = min(start + segment_len, seq_len)
+        q_s, k_s, v_s = sq[..., start:end, :], sk[:, :, start:end], vf[:, :, start:end]
+        p = piece[:, start:end]
+        # The open piece is complete if a piece starts here; it is forgotten if a document does.
+        closes, same_doc = within[:, start] == 0, pos[:, start] != 0
+        memory = (memory + pending[0] * per_row(closes, memory)) * per_row(same_doc, memory)
+        norm = (norm + pending[1] * per_row(closes, norm)) * per_row(same_doc, norm)
+        pending = tuple(t * per_row(~closes, t) for t in pending)
+        first = p == p[:, :1]
+        nxt = (p == p[:, :1] + 1) & (pos[:, start:end] >= segment_len)  # same document
+        retrieved = read_memory(q_s * first[:, None, None, :, None], memory, norm, eps)
+        add = memory_update(k_s * first[:, None, :, None], v_s, memory, norm, update, eps)
+        pending = (pending[0] + add[0], pending[1] + add[1])
+        # The document's next piece starts inside this row segment: the first one is complete.
+        has_next = nxt.any(dim=1)
+        memory = memory + pending[0] * per_row(has_next, memory)
+        norm = norm + pending[1] * per_row(has_next, norm)
+        pending = tuple(t * per_row(~has_next, t) for t in pending)
+        retrieved = retrieved + read_memory(q_s * nxt[:, None, None, :, None], memory, norm, eps)
+        add = memory_update(k_s * nxt[:, None, :, None], v_s, memory, norm, update, eps)
+        pending = (pending[0] + add[0], pending[1] + add[1])
+        # A document that starts in this row segment and runs on: its first piece is open.
+        fresh = ~(first | nxt)[:, -1]
+        last = (p == p[:, -1:])[:, None, :, None]
+        empty = (torch.zeros_like(memory), torch.zeros_like(norm))
+        started = memory_update(k_s * last, v_s, *empty, update, eps)
+        memory, norm = (t * per_row(~fresh, t) for t in (memory, norm))
+        pending = tuple(
+            torch.where(per_row(fresh, a).bool(), b, a)
+            for a, b in zip(pending, started, strict=True)
+        )
+        outputs.append(retrieved.reshape(batch, n_heads, end - start, -1))
+        if truncate_every is not None and (index + 1) % truncate_every == 0:
+            memory, norm = memory.detach(), norm.detach()
+            pending = tuple(t.detach() for t in pending)
+    return torch.cat(outputs, dim=2)
 
 
 def infini_attention(

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks
+from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks, positions_in_document
 from llmfoundry.models.mpt.cache import InfiniState, KVCache, LayerKV
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
@@ -203,21 +203,6 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask, cache))
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
-
-
-def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
-    """Position of each token within its document: 0 at each document's first token.
-
-    Packed rows hold several documents; restarting positions at each one gives a learned position
-    table the same view of a document as if it were alone. Documents are contiguous runs of equal
-    `sequence_id`.
-    """
-    seq_len = sequence_id.shape[1]
-    pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)
-    starts = torch.ones_like(sequence_id, dtype=torch.bool)
-    starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
-    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return pos - start_pos
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
