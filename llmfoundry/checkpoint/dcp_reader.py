@@ -95,16 +95,22 @@ def _refused(url: str, why: str) -> CheckpointError:
 
 
 class _SafeMetadata:
-    """`read_metadata` in place of DCP's ``pickle.load`` (mixed into DCP's readers)."""
+    """`read_metadata` in place of DCP's ``pickle.load`` (mixed into DCP's readers). Read once
+    per reader: `load_shards_state` checks it before ``dcp.load`` asks again (one GET, not two,
+    on an object store)."""
+
+    _metadata: dcp_metadata.Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = read_metadata(f.read(), str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if self._metadata is None:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = read_metadata(f.read(), str(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_metadata.StorageMeta()
+            self._metadata = metadata
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 class SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
@@ -142,10 +148,16 @@ def shard_reader(folder: str) -> dcp.StorageReader:
     return SafeFsspecReader(folder, **storage.options_for(folder))
 
 
-def load_shards_state(state: dict[str, Any], folder: str, no_dist: bool = False) -> None:
-    """``dcp.load`` of `state` from the shards in `folder`, never unpickling objects; its
-    metadata is read and checked first, so a refused file is a one-line error."""
-    reader = shard_reader(folder)
+def load_shards_state(
+    state: dict[str, Any],
+    folder: str,
+    no_dist: bool = False,
+    reader: dcp.StorageReader | None = None,
+) -> None:
+    """``dcp.load`` of `state` from the shards in `folder` (through `reader`, when the caller
+    already made one), never unpickling objects; its metadata is read and checked first, so a
+    refused file is a one-line error."""
+    reader = reader or shard_reader(folder)
     reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)

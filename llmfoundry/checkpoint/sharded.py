@@ -114,7 +114,8 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     in one process (no process group).
 
     Tensors are allocated from the shapes DCP recorded, then filled from every shard."""
-    metadata = shard_reader(folder).read_metadata()
+    reader = shard_reader(folder)
+    metadata = reader.read_metadata()
     model = {
         key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()
@@ -122,7 +123,7 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     }
     if not model:
         raise ValueError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
-    load_shards_state({"model": model}, folder, no_dist=True)
+    load_shards_state({"model": model}, folder, no_dist=True, reader=reader)
     return model
 
 

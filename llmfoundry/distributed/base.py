@@ -227,8 +227,9 @@ class Strategy:
     ) -> None:
         """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
         strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
-        local folder or an fsspec URL (read without unpickling objects: `load_shards_state`). `objects` (as for `save_shards`, this
-        run's tensors in its own layout) are filled in place."""
+        local folder or an fsspec URL (read without unpickling objects: `load_shards_state`).
+        `objects` (as for `save_shards`, this run's tensors in its own layout) are filled in
+        place."""
         state = self._dcp_state(model, optimizer, objects, keys)
         if state:
             load_shards_state(state, path)
