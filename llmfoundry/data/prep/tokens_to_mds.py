@@ -110,6 +110,9 @@ def tokens_to_mds(
     previous = previous_output(out, key, overwrite)
     if previous is not None:
         return {**previous, "reused": True}
+    storage.probe_writable(
+        str(out), "--out", "fix the storage credentials/endpoint or choose another --out"
+    )
     fs, root = storage.url_to_fs(out)
     merged_index = join_url(root, "index.json")  # from mds_tools.py merge: stale once rewritten
     if overwrite and fs.exists(merged_index):
