@@ -132,9 +132,7 @@ def test_runtime_estimator_says_once_when_the_run_projects_far_beyond_the_expect
     n_batches = 8
     clock = StepClock([seconds_per_batch] * n_batches)
     monkeypatch.setattr(runtime_estimator, "perf_counter", clock)
-    estimator = RuntimeEstimator(
-        expected_minutes=13 * n_batches / 600, hint="try make demo-quick"
-    )
+    estimator = RuntimeEstimator(expected_minutes=13 * n_batches / 600, hint="try make demo-quick")
     caplog.set_level("WARNING", logger="llmfoundry")
     make_trainer(tmp_path, n_batches=n_batches, callbacks=[clock, estimator]).fit()
     lines = [r.getMessage() for r in caplog.records if "projects" in r.getMessage()]
