@@ -29,12 +29,14 @@ STDLIB = $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['stdlib
 
 # The README's time for the demo's training (600 batches) on 2 cores: far beyond it, the run says
 # so once and points to demo-quick (a quarter of the batches, still ending with a sample).
+# Its runs are named demo-<time>, so finetune-demo finds the model of this tokenizer.
 demo: setup $(DEMO)/mds/meta.json
-	$(PY) scripts/train.py callbacks.runtime_estimator.expected_minutes=12 \
+	$(PY) scripts/train.py run_name=demo-$$(date +%Y%m%d-%H%M%S) \
+		callbacks.runtime_estimator.expected_minutes=12 \
 		'callbacks.runtime_estimator.hint=make demo-quick trains 150 batches and still ends with a sample'
 
 demo-quick: setup $(DEMO)/mds/meta.json
-	$(PY) scripts/train.py max_duration=150ba scheduler.t_warmup=15ba eval_interval=50ba
+	$(PY) scripts/train.py run_name=demo-quick-$$(date +%Y%m%d-%H%M%S) max_duration=150ba scheduler.t_warmup=15ba eval_interval=50ba
 
 $(DEMO)/mds/meta.json: | setup
 	$(PY) data_prep/text_to_tokens.py $(STDLIB) --glob '*.py' --exclude site-packages \
@@ -46,13 +48,16 @@ $(DEMO)/mds/meta.json: | setup
 # Instruction finetuning of the `make demo` model (README "After pretraining"): pairs of a stdlib
 # function's signature (prompt) and its docstring (response); only response tokens count. Then
 # both models take a multiple-choice test made from the stdlib's test folders (held out).
-# PRETRAINED: the checkpoints to start from (default: the newest run that is not a finetune).
+# PRETRAINED: the checkpoints to start from (default: the newest `make demo` or `make demo-quick`
+# run: a run of another recipe may have another tokenizer of the same vocabulary size, which
+# nothing would notice).
 SFT := $(DEMO)/sft
 TASK := $(DEMO)/tasks/docstrings.jsonl
-PRETRAINED ?= $$(ls -td outputs/*/checkpoints | grep -v '/finetune-' | head -1)
+PRETRAINED ?= $$(ls -td outputs/demo-*/checkpoints 2>/dev/null | head -1)
 FINETUNE_RUN := finetune-$(shell date +%Y%m%d-%H%M%S)
 
 finetune-demo: setup $(SFT)/meta.json $(TASK)
+	@test -n "$(PRETRAINED)" || { echo "error: no demo model under outputs/demo-*: run make demo (or make demo-quick) first, or pass PRETRAINED=<checkpoints folder>" >&2; exit 2; }
 	$(PY) scripts/eval.py $(PRETRAINED) $(TASK) --out outputs/$(FINETUNE_RUN)/eval-pretrained.json
 	$(PY) scripts/train.py +experiment=finetune load_path=$(PRETRAINED) data.remote=$(SFT) \
 		run_name=$(FINETUNE_RUN) max_duration=120ba eval_interval=20ba eval_subset_num_batches=4

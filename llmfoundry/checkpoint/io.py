@@ -40,7 +40,6 @@ import pickle
 import re
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -380,22 +379,15 @@ def delete_checkpoints(folder: str, names: list[str]) -> None:
 
 
 def probe_writable(folder: str) -> None:
-    """Write and delete a small object in `folder`, so a save folder that cannot be written
-    fails in the first second of a run instead of at its first save."""
-    fs, root = storage.url_to_fs(folder)
-    probe = join_url(root, f".write-probe-{uuid.uuid4().hex[:12]}")
-    try:
-        if isinstance(fs, LocalFileSystem):  # (on object stores makedirs may create a bucket)
-            fs.makedirs(root, exist_ok=True)
-        fs.pipe_file(probe, b"llmfoundry write probe\n")
-        fs.rm(probe)
-    except Exception as err:  # noqa: BLE001 - any backend's error means the same to the user
-        first_line = (str(err).splitlines() or [""])[0]
-        raise CheckpointError(
-            f"save_folder {folder} is not writable ({type(err).__name__}: {first_line}); fix "
-            "its permissions or the storage credentials/endpoint, or set save_folder to another "
-            "folder"
-        ) from None
+    """A save folder that cannot be written fails in the first second of a run instead of at
+    its first save (`storage.probe_writable`)."""
+    storage.probe_writable(
+        folder,
+        "save_folder",
+        "fix its permissions or the storage credentials/endpoint, or set save_folder to another "
+        "folder",
+        CheckpointError,
+    )
 
 
 def _batch_epoch(name: str) -> tuple[int, int]:

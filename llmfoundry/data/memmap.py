@@ -12,7 +12,9 @@ cutting MDS shards: each sample is a window of ``max_seq_len`` consecutive token
 - ``windows="sequential"``: the split cut into non-overlapping windows in file order (a tail
   shorter than a window is not read).
 
-Evaluation (``evaluation=True``) always reads the split's sequential windows once. Splits: the
+Evaluation (``evaluation=True``) always reads the split's sequential windows once, and records
+the text bytes they decode to in ``meta["splits"][split]`` as tokens_to_mds.py does for MDS (a
+byte-level tokenizer beside the file), so evaluation reports bits per byte here too. Splits: the
 last ``val_fraction`` of the file's tokens is split ``val``, the rest ``train``; or
 ``split_files`` names a file per split. The epochs, resumption and rank partition are
 epochs.py's, as for MDS data.
@@ -28,6 +30,8 @@ import numpy as np
 import torch
 
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
+from llmfoundry.data.prep.tokens_to_mds import text_bytes
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.epochs import EpochDataset
 from llmfoundry.data.text import SEQUENCE_ID, resolve_eos, sequence_ids_from_eos
@@ -118,6 +122,10 @@ class MemmapTokens(EpochDataset):
         self.shuffle_seed = shuffle_seed
         self.epoch_size = epoch_size or self.num_tokens // max_seq_len
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
+        if evaluation:
+            read = self.tokens[self.lo : self.lo + self.epoch_size * max_seq_len]
+            split_info = {"tokens": len(read), "text_bytes": _text_bytes_of(read, path)}
+            self.meta = {**self.meta, "splits": {split: split_info}}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -188,6 +196,15 @@ def _split_file(
             "splits' files in split_files"
         )
     return path, "head" if split == "train" else "tail"
+
+
+def _text_bytes_of(tokens: np.ndarray, path: str) -> int | None:
+    """The text bytes `tokens` decode to, by the tokenizer beside the token file at `path`;
+    None without one, or for a tokenizer that is not byte-level (no guess)."""
+    tokenizer = os.path.join(os.path.dirname(path), "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        return None
+    return text_bytes(tokens, token_byte_lengths(load_tokenizer(tokenizer)))
 
 
 def _open(path: str) -> tuple[np.ndarray, dict[str, Any]]:

@@ -22,13 +22,16 @@ files, never in these settings on a command line (shells and experiment trackers
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from omegaconf import OmegaConf
 
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.files import join_url
 from llmfoundry.utils.secrets import redact_urls
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "open_url",
     "options_for",
     "parse_settings",
+    "probe_writable",
     "url_to_fs",
 ]
 SETTINGS_KEYS = ("options", "overrides")
@@ -178,3 +182,30 @@ def _refuse_credentials(url: str) -> None:
             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), a credentials profile "
             "(storage.options.profile) or fsspec's config, and give the URL without them"
         )
+
+
+def probe_writable(folder: str, what: str, fix: str, error: type[UserError] = UserError) -> None:
+    """Write and delete a small object in `folder`, so a destination that cannot be written fails
+    in the first second of a job instead of after its work (a missing bucket, credentials, an
+    endpoint). Raises `error`: one line naming `what` (e.g. "save_folder"), the folder, the
+    backend's first line, and `fix`; a missing bucket is named with how to create it."""
+    fs, root = url_to_fs(folder)
+    probe = join_url(root, f".write-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        if isinstance(fs, LocalFileSystem):  # (on object stores makedirs may create a bucket)
+            fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(probe, b"llmfoundry write probe\n")
+        fs.rm(probe)
+    except Exception as err:  # noqa: BLE001 - any backend's error means the same to the user
+        first_line = (str(err).splitlines() or [""])[0]
+        scheme, _, path = folder.partition("://")
+        if path and "bucket does not exist" in first_line.lower():
+            bucket = path.split("/")[0]
+            fix = (
+                f"create it first (e.g. `aws s3 mb {scheme}://{bucket}`, with --endpoint-url for "
+                f"an S3-compatible store), or {fix}"
+            )
+            first_line = f"bucket {bucket!r} does not exist"
+        raise error(
+            f"{what} {folder} is not writable ({type(err).__name__}: {first_line}); {fix}"
+        ) from None

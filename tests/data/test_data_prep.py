@@ -429,6 +429,20 @@ def test_tokens_to_mds_uploads_to_s3(prepared, s3_env):
     assert [r.errors for r in reports] == [[], []]
 
 
+def test_tokens_to_mds_names_a_missing_bucket_before_writing_and_how_to_create_it(
+    prepared, s3_env, capsys
+):
+    from data_prep.tokens_to_mds import main as to_mds
+
+    with pytest.raises(SystemExit) as exit_info:
+        to_mds([str(prepared), "--out", "s3://nobucket-prep/x", "--seq-len", "16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--out s3://nobucket-prep/x is not writable" in err
+    assert "bucket 'nobucket-prep' does not exist" in err and "aws s3 mb s3://nobucket-prep" in err
+
+
 def test_previous_output_reuses_refuses_or_clears_meta(tmp_path):
     """One rule for every prep step writing meta.json (tokens_to_mds, instructions)."""
     meta = tmp_path / "meta.json"

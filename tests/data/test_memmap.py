@@ -83,6 +83,16 @@ def test_sequential_windows_and_the_val_tail(prepared: Path):
     assert whole.num_tokens == n
 
 
+def test_an_eval_split_records_the_text_bytes_it_decodes_to(prepared: Path):
+    from tokenizers import Tokenizer
+
+    val = dataset(prepared, "val", val_fraction=0.3, evaluation=True)
+    read = tokens_of(prepared)[val.lo : val.lo + val.epoch_size * L]
+    text = Tokenizer.from_file(str(prepared / "tokenizer.json")).decode(read.tolist())
+    assert val.meta["splits"] == {"val": {"tokens": len(read), "text_bytes": len(text.encode())}}
+    assert "splits" not in dataset(prepared, "train").meta  # training reads random windows
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_eval_sample_mask_counts_every_window_once(prepared: Path, world_size: int):
     kept, read = Counter(), 0
@@ -190,7 +200,7 @@ def test_training_resumes_mid_epoch_like_a_straight_run(prepared: Path, tmp_path
     straight = build(prepared, tmp_path, "straight")
     assert straight.state.dataloader_len > 8  # batch 4 is mid-epoch
     metrics = straight.fit().eval_metrics
-    assert "eval/val/loss" in metrics
+    assert "eval/val/loss" in metrics and "eval/val/bits_per_byte" in metrics
     resumed = build(
         prepared, tmp_path, "resumed", f"load_path={tmp_path / 'straight' / 'ckpt' / 'ep0-ba4'}"
     )

@@ -40,7 +40,7 @@ from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
-__all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "tokens_to_mds"]
+__all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "text_bytes", "tokens_to_mds"]
 
 MDS_META_FORMAT = "llmfoundry.mds-tokens"
 _CHUNK = 1 << 24  # tokens per pass over the stream: bounded memory for any stream length
@@ -110,6 +110,9 @@ def tokens_to_mds(
     previous = previous_output(out, key, overwrite)
     if previous is not None:
         return {**previous, "reused": True}
+    storage.probe_writable(
+        str(out), "--out", "fix the storage credentials/endpoint or choose another --out"
+    )
     fs, root = storage.url_to_fs(out)
     merged_index = join_url(root, "index.json")  # from mds_tools.py merge: stale once rewritten
     if overwrite and fs.exists(merged_index):
@@ -128,7 +131,7 @@ def tokens_to_mds(
             written[name] = _write_split(
                 rows_of_split, join_url(out, name), compression, hashes, size_limit, overwrite, bar
             )
-            written[name]["text_bytes"] = _text_bytes(rows_of_split, byte_lengths)
+            written[name]["text_bytes"] = text_bytes(rows_of_split, byte_lengths)
     bar.close()
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
@@ -197,7 +200,7 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: str | os.PathLike) -> 
             )
 
 
-def _text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None) -> int | None:
+def text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None) -> int | None:
     """UTF-8 bytes the tokens of ``rows`` decode to (see ``token_byte_lengths``), in chunks."""
     if byte_lengths is None:
         return None
