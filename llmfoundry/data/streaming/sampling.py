@@ -40,20 +40,21 @@ Without shuffling the sequence is the streams' samples in storage order (copies,
 subset), still cut into spans and interleaved.
 
 Partition (:class:`RankPlan`). ``W`` ranks on ``N`` nodes, ``R = W / N`` consecutive ranks per
-node; node ``n`` holds the canonical nodes ``n C / N ... (n+1) C / N - 1`` (``N`` divides ``C``,
-or ``C = 1``: epochs.py refuses other node counts). A run that has consumed ``start`` samples of the
-epoch continues with global positions ``start, start+1, ...``; the remaining
-``L - start`` positions are padded with repeats to ``T = ceil((L - start) / W) * W`` (fewer than
-``W`` repeats, none dropped) and every rank gets ``T / W`` samples, in batches of ``B``. Step
-``k`` is positions ``start + k*G ... start + (k+1)*G - 1`` (``G = B * W``) and rank ``r`` takes
-the ``r``-th slice of ``B`` of it: node ``n``'s part, offsets ``[n G / N, (n+1) G / N)``, is
-exactly its canonical nodes' chunks (``floor((n C / N) G / C) = n G / N``), so a node reads
+node; node ``n`` holds the canonical nodes ``n C / N ... (n+1) C / N - 1`` (``N`` divides
+``C``, or ``C = 1``: epochs.py refuses other node counts). A run that has consumed ``start``
+samples of the epoch continues with global positions ``start, start+1, ...``; the remaining
+``L - start`` positions are padded with repeats to ``T = ceil((L - start) / W) * W`` (fewer
+than ``W`` repeats, none dropped) and every rank gets ``T / W`` samples, in batches of ``B``.
+Step ``k`` is positions ``start + k*G ... start + (k+1)*G - 1`` (``G = B * W``) and rank ``r``
+takes the ``r``-th slice of ``B`` of it: node ``n``'s part, offsets ``[n G / N, (n+1) G / N)``,
+is exactly its canonical nodes' chunks (``floor((n C / N) G / C) = n G / N``), so a node reads
 only its own spans. The last step, with ``t'`` real positions and ``v`` samples per rank, is
-split by node: node ``n`` takes its real positions ``[floor(n t' / N), floor((n+1) t' / N))``
-(its canonical nodes' tail chunks), fills its ``R * v`` slots by repeating its own first
-samples of the epoch, and its ranks split that in order. On one node, and with ``C = 1`` on
-any number (every node then reads every shard), the ranks split the last step as one node:
-the repeats wrap around to the first positions of the epoch.
+split by node: node ``n`` takes the real positions ``[floor(n t' / N), floor((n+1) t' / N))``
+of it (its canonical nodes' tail chunks), fills the rest of its ``R * v`` slots by repeating
+its own last samples of the epoch (in shards it has just read), and its ranks split that in
+order. On one node, and with ``C = 1`` on any number (every node then reads every shard), the
+ranks split the last step as one node and the repeats wrap around to the epoch's first
+positions.
 
 Hence the concatenation over ranks of each step's batches, without the repeats, is exactly the
 global order whatever ``N`` and ``R`` are, and a state saved after ``s`` samples resumes the
@@ -378,7 +379,7 @@ class RankPlan:
             first, length = self.span(k)
             return np.arange(first, first + length, dtype=np.int64)
         # The last step: node n reads its floor-share of the step's real positions, then
-        # repeats its own first samples of the epoch to fill its ranks' slots.
+        # repeats its own last samples of the epoch (still in its cache) to fill its slots.
         size = self.num_samples - k * self.batch_size  # this rank's samples in the last step
         step_start = self.start + k * self.batch_size * self.world_size
         real = self.epoch_size - step_start
@@ -388,12 +389,12 @@ class RankPlan:
         slots = np.arange(local * size, (local + 1) * size, dtype=np.int64)
         pad = slots >= hi - lo
         out = step_start + lo + slots
-        out[pad] = self.epoch_size + self._own(node, slots[pad] - (hi - lo))
+        out[pad] = self.epoch_size + self._last_own(node, slots[pad] - (hi - lo))
         return out
 
-    def _own(self, node: int, i: np.ndarray) -> np.ndarray:
-        """Global positions of node ``node``'s ``i``-th samples of the epoch (cyclically), in
-        the order it reads them from the epoch's start; a node with none: the epoch's."""
+    def _last_own(self, node: int, i: np.ndarray) -> np.ndarray:
+        """Global positions of node ``node``'s ``i``-th last samples of the epoch (cyclically;
+        0: its last), in the layout of ``layout_batch``; a node with none: the epoch's first."""
         g = self.layout_batch or self.batch_size * self.world_size
         full, tail = divmod(self.epoch_size, g)
         step_lo = node * g // self.nodes
@@ -402,7 +403,7 @@ class RankPlan:
         owned = full * per_step + (node + 1) * tail // self.nodes - tail_lo
         if owned == 0:
             return i % max(self.epoch_size, 1)
-        i = i % owned
+        i = owned - 1 - i % owned  # the node's own samples are numbered from its first
         body = i < full * per_step
         steps, within = np.divmod(i, max(per_step, 1))
         return np.where(
