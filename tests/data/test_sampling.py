@@ -332,6 +332,9 @@ def test_span_layout_cuts_nearly_equal_spans_and_maps_positions_onto_them():
         assert np.array_equal(np.sort(flat), np.arange(n))
         for s in range(c):
             assert np.array_equal(offset[span == s], np.arange(lengths[s]))
+            assert np.array_equal(
+                layout.position(s, np.arange(lengths[s])), np.flatnonzero(span == s)
+            )
     assert np.array_equal(SpanLayout(50, 1, 7).locate(np.arange(50))[1], np.arange(50))
     with pytest.raises(ValueError, match="must be positive"):
         SpanLayout(10, 0, 4)

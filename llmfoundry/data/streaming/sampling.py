@@ -309,6 +309,18 @@ class SpanLayout:
         )
         return span, offset
 
+    def position(self, span: int, offsets: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`locate`: global positions of ``offsets`` within ``span``."""
+        full, _, step, tail = self._cuts
+        offsets = np.asarray(offsets, dtype=np.int64)
+        chunk = int(step[span + 1] - step[span])
+        batch, within = np.divmod(offsets, max(chunk, 1))
+        return np.where(
+            offsets < full * chunk,
+            batch * self.global_batch + step[span] + within,
+            full * self.global_batch + tail[span] + offsets - full * chunk,
+        )
+
 
 @dataclass(frozen=True)
 class RankPlan:
@@ -323,7 +335,7 @@ class RankPlan:
             last step is split by node so that each node reads its own spans' samples. 1: the
             ranks split it as one machine.
         layout_batch: the global batch the epoch's spans are laid out with (default
-            ``batch_size * world_size``); where a node's padding comes from.
+            ``batch_size * world_size``): it says which samples are a node's own to repeat.
     """
 
     epoch_size: int
@@ -394,23 +406,15 @@ class RankPlan:
 
     def _last_own(self, node: int, i: np.ndarray) -> np.ndarray:
         """Global positions of node ``node``'s ``i``-th last samples of the epoch (cyclically;
-        0: its last), in the layout of ``layout_batch``; a node with none: the epoch's first."""
-        g = self.layout_batch or self.batch_size * self.world_size
-        full, tail = divmod(self.epoch_size, g)
-        step_lo = node * g // self.nodes
-        per_step = (node + 1) * g // self.nodes - step_lo
-        tail_lo = node * tail // self.nodes
-        owned = full * per_step + (node + 1) * tail // self.nodes - tail_lo
+        0: its last); a node with none: the epoch's first. A node's samples are the span of a
+        layout with one span per node (its canonical nodes' spans together)."""
+        layout = SpanLayout(
+            self.epoch_size, self.nodes, self.layout_batch or self.batch_size * self.world_size
+        )
+        owned = int(layout.span_starts[node + 1] - layout.span_starts[node])
         if owned == 0:
             return i % max(self.epoch_size, 1)
-        i = owned - 1 - i % owned  # the node's own samples are numbered from its first
-        body = i < full * per_step
-        steps, within = np.divmod(i, max(per_step, 1))
-        return np.where(
-            body,
-            steps * g + step_lo + within,
-            full * g + tail_lo + (i - full * per_step),
-        )
+        return layout.position(node, owned - 1 - i % owned)
 
     def worker_batches(self, worker: int, num_workers: int) -> range:
         """The rank batches DataLoader worker ``worker`` of ``num_workers`` produces, in order."""
