@@ -2,8 +2,12 @@
 
     python scripts/runs.py                      # every run under outputs/
     python scripts/runs.py s3://bucket/runs     # or under a URL
+    python scripts/runs.py s3://bucket/runs --storage '{options: {endpoint_url: http://localhost:9000}}'
     python scripts/runs.py logs NAME -f         # print a run's log and follow it while it runs
 
+Each run's checkpoints are read with the storage settings the run saved (its config's storage:
+block); --storage (the same block) is for the root URL and wins over what runs saved. A run
+that cannot be read is listed as unreadable, with the reason.
 How status is known: llmfoundry/callbacks/run_status.py; the listing: llmfoundry/launch/monitor.py.
 """
 
@@ -13,6 +17,7 @@ import argparse
 import sys
 
 from llmfoundry.launch.monitor import STALE_S, find_run, find_runs, follow, log_file, table
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,30 +27,38 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("name", help="run name (or its folder's name)")
         parser.add_argument("root", nargs="?", default="outputs", help="folder or URL of runs")
         parser.add_argument("-f", "--follow", action="store_true", help="follow while running")
+        add_script_arguments(parser)
         args = parser.parse_args(argv[1:])
-        try:
-            run = find_run(args.root, args.name)
-            path = log_file(run)
-        except (LookupError, FileNotFoundError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        status = f"{run.folder}/status.json" if args.follow else None
-        for chunk in follow(path, status):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        return 0
+        with script_errors(args):
+            return logs(args)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="folder or URL of runs")
     parser.add_argument(
         "--stale-after", type=float, default=STALE_S, help="seconds without heartbeat = failed"
     )
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
+    with script_errors(args):
+        try:
+            runs = find_runs(args.root, stale_s=args.stale_after)
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(table(runs) if runs else f"no runs under {args.root}")
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
     try:
-        runs = find_runs(args.root, stale_s=args.stale_after)
-    except FileNotFoundError as err:
+        run = find_run(args.root, args.name)
+        path = log_file(run)
+    except (LookupError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(table(runs) if runs else f"no runs under {args.root}")
+    status = f"{run.folder}/status.json" if args.follow else None
+    for chunk in follow(path, status):
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
     return 0
 
 

@@ -27,6 +27,8 @@ import torch
 
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, load_pretrained
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
+from llmfoundry.utils import storage
+from llmfoundry.utils.cli import add_storage_argument
 
 API_KEY = "LLMFOUNDRY_API_KEY"
 MAX_BODY_BYTES = 1 << 20
@@ -39,7 +41,14 @@ VLLM_FLAGS = {
     "dtype": "--dtype",
 }
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-NOT_FOR_VLLM = ("max_prompt_tokens", "max_tokens", "max_body_bytes", "max_batch_rows", "eos_token")
+NOT_FOR_VLLM = (
+    "max_prompt_tokens",
+    "max_tokens",
+    "max_body_bytes",
+    "max_batch_rows",
+    "eos_token",
+    "storage",  # vLLM reads object stores with its own client: AWS_ENDPOINT_URL, AWS_PROFILE
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    add_storage_argument(p)  # (a model on s3://...: scripts/deploy.py renders it for the pods)
     return p.parse_args(argv)
 
 
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.model_name or Path(args.model.rstrip("/")).name
+    if args.storage and args.engine != "vllm":  # (vllm_args refuses it)
+        storage.configure_settings(storage.load_settings(args.storage))
     if args.engine == "vllm":
         serve_vllm(args, name)
     try:

@@ -25,12 +25,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from llmfoundry.build import build_trainer
-from llmfoundry.checkpoint.lock import LOCK_FILE
+# Only what checking and printing the config needs is imported here: the trainer (and torch,
+# seconds to import) comes in main(), so `--cfg job` and a config error answer in about a second.
 from llmfoundry.config import register_resolvers
 from llmfoundry.config.preflight import preflight
 from llmfoundry.config.run_files import redacted_yaml, write_run_config
-from llmfoundry.launch.sweeps import objective
 from llmfoundry.utils.errors import exit_on_user_error, split_debug_flag
 from llmfoundry.utils.logs import configure_logging
 
@@ -38,13 +37,13 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DEBUG = False
 
 
-def _only_setup_files(run_dir: Path) -> bool:
+def _only_setup_files(run_dir: Path, lock_file: str) -> bool:
     """Whether the run folder holds only what is written before training starts (the saved
     config, train.log, folder locks): a run that fails with nothing else there leaves no folder
     behind (`make plot` would pick it as the latest run)."""
     for path in run_dir.rglob("*"):
         relative = path.relative_to(run_dir).parts
-        if path.is_file() and relative[0] != ".hydra" and path.name not in ("train.log", LOCK_FILE):
+        if path.is_file() and relative[0] != ".hydra" and path.name not in ("train.log", lock_file):
             return False
     return True
 
@@ -52,6 +51,10 @@ def _only_setup_files(run_dir: Path) -> bool:
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Train; return the final validation loss, which sweepers (-m, hydra/sweeper=optuna) minimise."""
+    from llmfoundry.build import build_trainer
+    from llmfoundry.checkpoint.lock import LOCK_FILE
+    from llmfoundry.launch.sweeps import objective
+
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     configure_logging(run_dir / "train.log")  # the console's lines, kept in the run folder
@@ -69,7 +72,7 @@ def main(cfg: DictConfig) -> float:
                 ),
             )
     except SystemExit:
-        if not locked_before and _only_setup_files(run_dir):
+        if not locked_before and _only_setup_files(run_dir, LOCK_FILE):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     with exit_on_user_error(DEBUG):

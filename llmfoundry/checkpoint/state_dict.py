@@ -24,10 +24,9 @@ is accepted with a warning (`check_ignore_keys`).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,6 +48,7 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
+from llmfoundry.checkpoint.keys import LOADABLE_KEYS, WEIGHTS_ONLY, check_ignore_keys
 from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
@@ -67,45 +67,9 @@ if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
     from llmfoundry.trainer.state import State
 
 FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
-LOADABLE_KEYS = (
-    "model",
-    "optimizer",
-    "scaler",
-    "timestamp",
-    "algorithms",
-    "callbacks",
-    "loggers",
-    "data",
-    "rng",
-)
-WEIGHTS_ONLY = tuple(k for k in LOADABLE_KEYS if k != "model")
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors
 # (state laid out like the parameters, e.g. EMA's averages) are in the shards (split_shards).
 OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
-
-
-# No longer a checkpoint key (it was always empty); in `load_ignore_keys` it is dropped.
-_REMOVED_KEYS = ("scheduler",)
-
-
-def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
-    """Validate `load_ignore_keys`; the data position is meaningless without its timestamp."""
-    keys = tuple(keys)
-    if removed := [k for k in keys if k in _REMOVED_KEYS]:
-        _warn_removed(tuple(removed))
-        keys = tuple(k for k in keys if k not in _REMOVED_KEYS)
-    unknown = [k for k in keys if k not in LOADABLE_KEYS]
-    if unknown:
-        raise ValueError(
-            f"load_ignore_keys: unknown key(s) {unknown}; allowed: {', '.join(LOADABLE_KEYS)}"
-        )
-    if "timestamp" in keys and "data" not in keys:
-        raise ValueError(
-            "load_ignore_keys: has 'timestamp' but not 'data', yet the data position only makes "
-            "sense with the timestamp it was saved at; add 'data' (the data then starts from the "
-            "beginning of epoch 0)"
-        )
-    return keys
 
 
 def save_checkpoint(folder: str, state: State, logger: Logger) -> str:
@@ -274,15 +238,6 @@ def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
     """The objects whose state checkpoints keep by name, under their OBJECT_KEYS."""
     objects = (state.algorithms, state.callbacks, logger.destinations)
     return dict(zip(OBJECT_KEYS, objects, strict=True))
-
-
-@functools.cache  # once per process: configs are checked before the run and again on load
-def _warn_removed(keys: tuple[str, ...]) -> None:
-    log.warning(
-        "load_ignore_keys: %s is no longer a part of checkpoints (learning-rate schedules are "
-        "functions of the timestamp; the slot was always empty) and is ignored; remove it",
-        ", ".join(keys),
-    )
 
 
 def _state_of(obj: Any) -> dict[str, Any]:

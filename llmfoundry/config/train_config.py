@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -18,7 +18,6 @@ from llmfoundry.config.schema import (
     validate_targets,
 )
 from llmfoundry.config.settings import GROUPS, TrainSettings
-from llmfoundry.data.builder import group_hints, splits_of
 from llmfoundry.utils.errors import UserError
 
 
@@ -56,10 +55,11 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     for group in GROUPS:
         if group in cfg and cfg[group] is not None:
             # The data group's node also holds the keys its builder reads (splits, loader).
-            validate_targets(group, cfg[group], group_hints() if group == "data" else None)
+            hints = _data_builder().group_hints() if group == "data" else None
+            validate_targets(group, cfg[group], hints)
     if isinstance(cfg.get("data"), DictConfig):
         try:
-            splits = splits_of(cfg.data)
+            splits = _data_builder().splits_of(cfg.data)
         except UserError as err:
             raise ConfigError("", str(err)) from None
         _check_eval_arguments(cfg.data, splits.eval_datasets or {})
@@ -78,6 +78,15 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
             f"{micro} exceeds global_train_batch_size={settings.global_train_batch_size}",
         )
     return settings
+
+
+def _data_builder() -> types.ModuleType:
+    """`llmfoundry.data.builder`, imported when the data group is checked: it loads torch, which
+    the checks before it (top-level keys, the model) do without, so their errors are reported in
+    about a second."""
+    from llmfoundry.data import builder
+
+    return builder
 
 
 def _check_eval_arguments(data: DictConfig, eval_datasets: dict) -> None:
@@ -112,6 +121,8 @@ def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:
     """amp_fp16 runs only on CUDA; say so now rather than when the trainer is built."""
     if settings.precision != "amp_fp16":
         return
+    import torch  # (only here: the rest of the check does not need it)
+
     device = str(OmegaConf.select(cfg, "strategy.device", default="auto"))
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if not on_cuda:

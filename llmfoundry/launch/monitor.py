@@ -7,6 +7,12 @@ local disk or any fsspec URL (``s3://bucket/runs``). The status says running / f
 preempted / failed; a ``running`` status whose heartbeat is older than `stale_s` is reported as
 failed (the process was killed without a word: SIGKILL, lost node). The last checkpoint is
 what ``<save_folder>/latest`` names.
+
+A run's checkpoints may be on another store than its folder (``outputs/<run>`` on this disk,
+``save_folder=s3://...`` on MinIO): each run is read with the storage settings it saved
+(``storage:`` of its ``.hydra/config.yaml``) beneath this process's own (``--storage``), so a
+listing needs no endpoint in the environment. A run that still cannot be read (credentials,
+an endpoint down, a broken file) is listed as ``unreadable`` with the reason, beside the others.
 """
 
 from __future__ import annotations
@@ -17,9 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import yaml
+from omegaconf import OmegaConf
 
 from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
+from llmfoundry.config.run_files import CONFIG_DIR
+from llmfoundry.utils import storage
+from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import url_to_fs
 
 # Seconds without a heartbeat after which a "running" run is taken for dead.
@@ -51,8 +62,45 @@ def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> 
     protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
     base = path.rstrip("/")
     files = fs.glob(f"{base}/*/status.json") + fs.glob(f"{base}/*/*/status.json")
-    runs = [_run(protocol + f.rsplit("/", 1)[0], protocol + f, stale_s, now) for f in files]
+    folders = [f.rsplit("/", 1)[0] for f in files]
+    runs = [_read_run(protocol + f, f[len(base) :].strip("/"), stale_s, now) for f in folders]
     return sorted(runs, key=lambda r: -(r.updated or 0))
+
+
+def saved_storage(folder: str) -> dict[str, Any] | None:
+    """The ``storage:`` block of the run's saved config (resolved), or None without one."""
+    try:
+        with storage.open_url(f"{folder}/{CONFIG_DIR}/config.yaml", "r", encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except FileNotFoundError:
+        return None
+    if not isinstance(config, dict) or not config.get("storage"):
+        return None
+    block = OmegaConf.create(config).storage
+    return OmegaConf.to_container(block, resolve=True) if block is not None else None
+
+
+def _read_run(folder: str, name: str, stale_s: float, now: float | None) -> Run:
+    """The run in `folder`, read with its own storage settings; unreadable with the reason (and
+    `name`, its folder under the root, as a sweep's trials are named: ``sweep-x/0``)."""
+    try:
+        with storage.falling_back_to(saved_storage(folder)):
+            return _run(folder, f"{folder}/status.json", stale_s, now)
+    except Exception as err:  # noqa: BLE001 - one run's store must not hide the other runs
+        reason = (str(err).splitlines() or [""])[0]
+        return Run(
+            name=name,
+            folder=folder,
+            status="unreadable",
+            step=None,
+            total_steps=None,
+            loss=None,
+            tokens_per_sec=None,
+            eta_s=None,
+            checkpoint=None,
+            updated=None,
+            note=redact_urls(f"{type(err).__name__}: {reason}"),
+        )
 
 
 def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Run:
@@ -67,8 +115,12 @@ def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Ru
     if record.get("save_folder"):
         try:
             checkpoint = read_latest(record["save_folder"])
-        except (OSError, ValueError) as err:
-            note = note or f"checkpoints unreadable: {err}"
+        except Exception as err:  # noqa: BLE001 - the status itself was read: keep it listed
+            checkpoint = "?"
+            first_line = (str(err).splitlines() or [""])[0]
+            note = note or redact_urls(
+                f"checkpoints unreadable: {type(err).__name__}: {first_line}"
+            )
     return Run(
         name=record.get("run_name") or folder.rsplit("/", 1)[-1],
         folder=folder,

@@ -1,25 +1,26 @@
 """Model definitions. Each knows nothing of the trainer or of parallelism; each family's
-parallelization plan lives beside it (plan.py)."""
+parallelization plan lives beside it (plan.py, plans.py).
 
-from torch import nn
+Names are imported on first use (`llmfoundry.utils.lazy`): the config check reads
+`MPTConfig` without loading torch.
+"""
 
-from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.parallelize import parallelize_plan as _mpt_plan
-from llmfoundry.models.plan import ParallelPlan
+from typing import TYPE_CHECKING
 
-_PLANS = {MPTForCausalLM: _mpt_plan}
+from llmfoundry.utils.lazy import lazy_exports
 
-
-def parallel_plan(model: nn.Module) -> ParallelPlan:
-    """The plan of `model`'s family, for strategies that shard or recompute per block."""
-    for cls, plan in _PLANS.items():
-        if isinstance(model, cls):
-            return plan(model)
-    known = ", ".join(cls.__name__ for cls in _PLANS)
-    raise ValueError(
-        f"no parallelization plan for {type(model).__name__} (plans exist for {known}); add "
-        "one beside the model (see llmfoundry/models/plan.py) to use a sharding strategy"
-    )
-
+if TYPE_CHECKING:
+    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+    from llmfoundry.models.plan import ParallelPlan
+    from llmfoundry.models.plans import parallel_plan
 
 __all__ = ["MPTConfig", "MPTForCausalLM", "ParallelPlan", "parallel_plan"]
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "MPTConfig": ".mpt.config",
+        "MPTForCausalLM": ".mpt.model",
+        "ParallelPlan": ".plan",
+        "parallel_plan": ".plans",
+    },
+)

@@ -12,10 +12,21 @@ its drain time after SIGTERM.
 
 With `engine: vllm` the pods run `vllm serve` on the exported transformers folder (one GPU or
 more) instead of `scripts/serve.py`.
+
+A model on an object store (``s3://...`` on MinIO, R2) needs what training needed to write it:
+``storage:``, the training config's block (an endpoint, a profile; `llmfoundry.utils.storage`),
+reaches scripts/serve.py as ``--storage`` (vLLM, which reads object stores with its own client,
+gets ``endpoint_url`` and ``profile`` as ``AWS_ENDPOINT_URL`` / ``AWS_PROFILE``); and
+``storage_secret:`` names the Secret whose keys, named like the environment variables they set
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), hold the credentials, as the launcher's
+``kubernetes.secret`` does for a training job. Credentials in ``storage:`` itself are refused:
+the manifest would show them.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +34,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.serving.vllm import API_KEY_ENV, vllm_command
+from llmfoundry.utils.secrets import is_secret
+from llmfoundry.utils.storage import parse_settings
 
 __all__ = ["DeploySpec", "load_spec", "render", "to_yaml"]
 
@@ -39,6 +52,21 @@ class SecretRef:
 
 
 @dataclass
+class StorageSecret:
+    """The Secret holding object-store credentials, one key per environment variable it sets
+    (kubectl create secret generic NAME --from-literal=AWS_ACCESS_KEY_ID=... ...); no name:
+    the pods have credentials otherwise (workload identity) or need none."""
+
+    name: str | None = None
+    keys: list[str] = field(default_factory=lambda: ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"])
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The storage options vLLM's own object-store client takes, as its environment variables.
+VLLM_STORAGE_ENV = {"endpoint_url": "AWS_ENDPOINT_URL", "profile": "AWS_PROFILE"}
+
+
+@dataclass
 class DeploySpec:
     """What conf/deploy/*.yaml holds (unknown keys are refused)."""
 
@@ -46,6 +74,9 @@ class DeploySpec:
     image: str = MISSING
     model: str = MISSING  # as the pod sees it: a URL or a path on a mounted volume
     api_key_secret: SecretRef = field(default_factory=SecretRef)
+    # The training config's storage: block, for a model on an object store (module docstring).
+    storage: dict[str, Any] | None = None
+    storage_secret: StorageSecret = field(default_factory=StorageSecret)
     engine: str = "llmfoundry"
     model_name: str | None = None
     namespace: str | None = None
@@ -95,18 +126,48 @@ def _check(spec: DeploySpec) -> None:
     unknown = set(spec.resources) - {"requests", "limits"}
     if unknown:
         raise ValueError(f"resources takes requests and limits, not {', '.join(sorted(unknown))}")
+    options, overrides = parse_settings(spec.storage)
+    for where, values in [("options", options), *(("overrides", o) for o in overrides.values())]:
+        secret = next((k for k in values if is_secret(k)), None)
+        if secret:
+            raise ValueError(
+                f"storage.{where}: {secret!r} is a credential, which the manifest would show; "
+                "put it in the Secret named by storage_secret.name instead"
+            )
+    names = spec.storage_secret.keys
+    if spec.storage_secret.name and (not names or not all(ENV_NAME.match(n) for n in names)):
+        raise ValueError(
+            f"storage_secret.keys: {names!r} must be environment variable names (the Secret's "
+            "keys, e.g. [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY])"
+        )
+    if spec.engine == "vllm" and (overrides or set(options) - set(VLLM_STORAGE_ENV)):
+        raise ValueError(
+            "engine vllm reads object stores with its own client, which takes only "
+            f"storage.options {' and '.join(VLLM_STORAGE_ENV)}; remove the other storage settings"
+        )
 
 
 def _container(spec: DeploySpec, name: str) -> dict[str, Any]:
     secret = {"secretKeyRef": {"name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}
+    options, overrides = parse_settings(spec.storage)  # (null options unset)
     if spec.engine == "vllm":
         command = vllm_command(spec.model, "0.0.0.0", spec.port, name) + list(spec.vllm_args)
         env = [{"name": API_KEY_ENV, "valueFrom": secret}]
+        env += [{"name": VLLM_STORAGE_ENV[k], "value": str(v)} for k, v in options.items()]
     else:
         command = ["python", "scripts/serve.py", spec.model, "--host", "0.0.0.0"]
         command += ["--port", str(spec.port), "--model-name", name]
         command += ["--drain-timeout", str(spec.drain_timeout), *spec.serve_args]
+        settings = {k: v for k, v in [("options", options), ("overrides", overrides)] if v}
+        if settings:
+            command += ["--storage", json.dumps(settings, sort_keys=True)]
         env = [{"name": API_KEY_ENV_LLMFOUNDRY, "valueFrom": secret}]
+    storage_secret = spec.storage_secret
+    if storage_secret.name:
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": storage_secret.name, "key": key}}}
+            for key in storage_secret.keys
+        ]
     # Quantities are strings in the API; `cpu: 2` (an int in YAML) means "2".
     resources = {
         kind: {k: str(v) for k, v in values.items()} for kind, values in spec.resources.items()

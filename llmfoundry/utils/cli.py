@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import DEBUG_ENV, exit_on_user_error, split_debug_flag
 
-__all__ = ["add_script_arguments", "script_errors"]
+__all__ = ["add_script_arguments", "add_storage_argument", "script_errors"]
 
 
-def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+def add_storage_argument(parser: argparse.ArgumentParser) -> None:
+    """``--storage`` alone, for a script with error handling of its own (scripts/serve.py)."""
     parser.add_argument(
         "--storage",
         metavar="SETTINGS",
@@ -27,6 +28,10 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
         "a YAML/JSON file or inline, e.g. '{options: {endpoint_url: http://localhost:9000}}' "
         "(default: the environment, e.g. AWS_ENDPOINT_URL, AWS_PROFILE, FSSPEC_S3_*)",
     )
+
+
+def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    add_storage_argument(parser)
     parser.add_argument(
         "--debug", action="store_true", help=f"show the traceback of errors (or {DEBUG_ENV}=1)"
     )

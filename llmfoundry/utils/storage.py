@@ -21,9 +21,10 @@ files, never in these settings on a command line (shells and experiment trackers
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -37,6 +38,7 @@ from llmfoundry.utils.secrets import redact_urls
 __all__ = [
     "configure",
     "configure_settings",
+    "falling_back_to",
     "is_local",
     "load_settings",
     "local_path",
@@ -112,22 +114,46 @@ def configure_settings(settings: Mapping[str, Any] | None) -> None:
     configure(*parse_settings(settings))
 
 
+@contextlib.contextmanager
+def falling_back_to(settings: Mapping[str, Any] | None) -> Iterator[None]:
+    """Within the block, a ``storage:`` block fills in what this process's settings leave unset
+    (option by option, for every remote URL and per override prefix); the process's own settings
+    again afterwards. For reading what another run wrote with its own settings (its
+    saved config's endpoint) while a ``--storage`` given here still wins."""
+    options, overrides = parse_settings(settings)
+    before = dict(_options), {prefix: dict(extra) for prefix, extra in _overrides.items()}
+    merged = {
+        prefix: {**overrides.get(prefix, {}), **before[1].get(prefix, {})}
+        for prefix in {*overrides, *before[1]}
+    }
+    configure({**options, **before[0]}, merged)
+    try:
+        yield
+    finally:
+        configure(*before)
+
+
 def load_settings(spec: str) -> dict[str, Any]:
-    """Storage settings from a YAML/JSON file, or given inline: ``'{options: {profile: r2}}'``."""
+    """Storage settings from a YAML/JSON file, or given inline: ``'{options: {profile: r2}}'``.
+
+    Raises UserError (a ValueError) naming the problem: scripts report it as one line."""
     text = open(spec, encoding="utf-8").read() if os.path.isfile(spec) else spec
     try:
         settings = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
     except Exception as err:  # YAML syntax errors of any kind
         message = " ".join(str(err).split())
-        raise ValueError(
+        raise UserError(
             f"--storage {spec!r}: not a YAML/JSON file or mapping ({message})"
         ) from None
     if not isinstance(settings, Mapping):
-        raise ValueError(
+        raise UserError(
             f"--storage {spec!r}: expected a file or a mapping such as "
             "'{options: {endpoint_url: http://localhost:9000}}'"
         )
-    parse_settings(settings)
+    try:
+        parse_settings(settings)
+    except ValueError as err:
+        raise UserError(f"--storage {spec!r}: {err}") from None
     return dict(settings)
 
 

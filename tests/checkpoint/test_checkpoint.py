@@ -18,6 +18,7 @@ from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import (
     WEIGHTS_ONLY,
     check_ignore_keys,
+    keys,
     latest_checkpoint,
     read_checkpoint,
     read_latest,
@@ -211,7 +212,7 @@ def test_no_scheduler_slot_and_checkpoints_with_one_still_load(tmp_path, monkeyp
     assert resumed.state.timestamp == trained.timestamp
     # `scheduler` in load_ignore_keys is dropped, with a warning once per process (a config is
     # checked before the run and again on load).
-    state_dict._warn_removed.cache_clear()
+    keys._warn_removed.cache_clear()
     with caplog.at_level(logging.WARNING, logger="llmfoundry.checkpoint"):
         tuned = run(
             "tuned", load_path=str(tmp_path / "old"), load_ignore_keys=["scheduler", *WEIGHTS_ONLY]

@@ -1,4 +1,6 @@
 import inspect
+import json
+import os
 import subprocess
 import sys
 import time
@@ -197,3 +199,51 @@ def test_enum_lists_allowed_values():
 def test_misspelt_top_level_override_gets_a_suggestion():
     message = error_for("max_duraton=10ba")
     assert message.startswith("max_duraton: unknown key; did you mean 'max_duration'?")
+
+
+# scripts/train.py run as a user does, once per command line, in one subprocess (a fresh
+# interpreter: torch not yet imported); per case its exit status, stderr, stdout and whether
+# torch was imported by then.
+_TRAIN_CASES = r"""
+import contextlib, io, json, runpy, sys
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["scripts/train.py", *argv]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path("scripts/train.py", run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    results.append([code, err.getvalue(), out.getvalue(), "torch" in sys.modules])
+print(json.dumps(results))
+"""
+
+
+def test_config_errors_and_cfg_job_answer_before_torch_is_imported():
+    cases = [
+        ["model.n_layer=2"],  # unknown key of the model
+        ["max_durationn=10ba"],  # unknown top-level key
+        ["max_duration=abc"],  # bad value
+        ["model.n_layers=two"],  # bad value of the model
+        ["--cfg", "job", "model.n_layers=3"],
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", _TRAIN_CASES, json.dumps(cases)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)
+    expected = [
+        "Config error: model.n_layer: unknown key; did you mean 'n_layers'?",
+        "Config error: max_durationn: unknown key; did you mean 'max_duration'?",
+        "Config error: max_duration: cannot parse time 'abc'",
+        "Config error: model.n_layers: expected int, got 'two'",
+    ]
+    for (code, err, _, torch_loaded), start in zip(results[:-1], expected, strict=True):
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith(start), err
+        assert not torch_loaded, f"checking the config imported torch before: {start}"
+    code, err, out, torch_loaded = results[-1]
+    assert code in (0, None) and "n_layers: 3" in out, err
+    assert not torch_loaded, "--cfg job imported torch"

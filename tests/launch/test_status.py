@@ -2,12 +2,15 @@
 
 import json
 import os
+import runpy
 import signal
 import threading
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
+import yaml
 
 from llmfoundry.callbacks import RunStatus
 from llmfoundry.callbacks.run_status import read_status, write_status
@@ -190,3 +193,81 @@ def test_logs_follow_until_the_run_ends(runs):
     assert b"".join(chunks) == b"line 1\nline 2\nline 3\n"
     with pytest.raises(LookupError, match="no run named 'nope'"):
         find_run(runs, "nope")
+
+
+def _runs_script():
+    """The `main` of scripts/runs.py, called in this process."""
+    return runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts/runs.py"))["main"]
+
+
+def _local_run(root: Path, name: str, save_folder: str | None, storage: dict | None = None):
+    """A run folder as scripts/train.py leaves it: status.json, its saved config, its log."""
+    folder = root / name
+    (folder / ".hydra").mkdir(parents=True)
+    config = {"run_name": name, "save_folder": save_folder, "storage": storage}
+    (folder / ".hydra/config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "train.log").write_text(f"{name} log\n")
+    record = {"run_name": name, "status": "finished", "step": 2, "total_steps": 2}
+    write_status(str(folder / "status.json"), {**record, "save_folder": save_folder})
+    return folder
+
+
+def test_runs_on_an_s3_compatible_store_use_the_storage_settings_they_saved(
+    s3_endpoint, monkeypatch, tmp_path, capsys
+):
+    # Credentials in the environment, as a user has them; the endpoint only in each run's config.
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    s3 = fsspec.filesystem("s3", endpoint_url=s3_endpoint, skip_instance_cache=True)
+    s3.mkdir("runs-on-s3")
+    s3.pipe("runs-on-s3/s3run/checkpoints/latest", b"ep0-ba2")
+    outputs = tmp_path / "outputs"
+    _local_run(
+        outputs,
+        "s3run",
+        "s3://runs-on-s3/s3run/checkpoints",
+        {"options": {"endpoint_url": s3_endpoint, "profile": None}, "overrides": {}},
+    )
+    _local_run(outputs, "local", str(tmp_path / "ckpt"))
+    # A profile this machine lacks: its status is listed, its checkpoints are not readable.
+    _local_run(
+        outputs,
+        "elsewhere",
+        "s3://runs-on-s3/elsewhere/checkpoints",
+        {"options": {"endpoint_url": s3_endpoint, "profile": "no-such-profile"}},
+    )
+    (_local_run(outputs, "sweep-b/0", None) / "status.json").write_text("{not json")
+
+    runs = _runs_script()
+    assert runs([str(outputs)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(lines) == {"s3run", "local", "elsewhere", "sweep-b/0"}
+    assert lines["s3run"].split()[:3] == ["s3run", "finished", "2/2"]
+    assert "ep0-ba2" in lines["s3run"]
+    assert lines["local"].split()[:3] == ["local", "finished", "2/2"]
+    assert lines["elsewhere"].split()[:2] == ["elsewhere", "finished"]
+    assert "checkpoints unreadable: ProfileNotFound" in lines["elsewhere"]
+    assert lines["sweep-b/0"].split()[:2] == ["sweep-b/0", "unreadable"]
+    assert "JSONDecodeError" in lines["sweep-b/0"]
+
+    # logs of a local run are not stopped by the other runs' stores.
+    assert runs(["logs", "local", str(outputs), "-f"]) == 0
+    assert capsys.readouterr().out == "local log\n"
+
+    # Runs under the bucket itself: --storage reaches the root URL.
+    s3.pipe("runs-on-s3/remote/status.json", b'{"run_name": "remote", "status": "preempted"}')
+    listing = ["s3://runs-on-s3", "--storage", f"{{options: {{endpoint_url: {s3_endpoint}}}}}"]
+    assert runs(listing) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["remote", "preempted"]
+
+
+def test_a_bad_storage_setting_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        _runs_script()([str(tmp_path), "--storage", "{options: ["])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --storage '{options: [': not a YAML/JSON")

@@ -11,6 +11,7 @@ import yaml
 
 from llmfoundry.serving.deploy import load_spec, render
 from llmfoundry.serving.vllm import vllm_command
+from llmfoundry.utils import storage
 from tests.k8s import validated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,11 +70,49 @@ def test_render_demo_deployment_and_service(tmp_path, monkeypatch, capsys):
         {
             "name": "LLMFOUNDRY_API_KEY",
             "valueFrom": {"secretKeyRef": {"name": "llmfoundry-api-key", "key": "api-key"}},
-        }
+        },
+        *STORAGE_SECRET_ENV,
     ]
+    assert "--storage" not in container["command"]  # no endpoint set: the environment's store
     assert container["resources"]["limits"] == {"cpu": "6", "memory": "8Gi"}
     assert service["spec"]["ports"] == [
         {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+
+
+# The demo's storage_secret: the pods' object-store credentials, from the Secret's keys.
+STORAGE_SECRET_ENV = [
+    {"name": key, "valueFrom": {"secretKeyRef": {"name": "llmfoundry-storage", "key": key}}}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+]
+
+
+def test_a_model_on_an_s3_compatible_store_gets_its_storage_settings_and_credentials():
+    endpoint = "storage.options.endpoint_url=http://minio.minio:9000"
+    deployment, _ = render(load_spec(DEMO, ["image=x", endpoint, "storage.options.profile=r"]))
+    assert validated(deployment, "V1Deployment") == deployment
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["env"][1:] == STORAGE_SECRET_ENV
+    # The pods' scripts/serve.py reads the model with the settings, as the training run wrote it.
+    serve = runpy.run_path(str(ROOT / "scripts" / "serve.py"), run_name="serve")
+    args = serve["parse_args"](container["command"][2:])
+    assert args.model == "s3://my-bucket/runs/demo/checkpoints"
+    storage.configure_settings(storage.load_settings(args.storage))
+    assert storage.options_for(args.model) == {
+        "endpoint_url": "http://minio.minio:9000",
+        "profile": "r",
+    }
+    # vLLM's own client gets them as its environment variables.
+    spec = load_spec(VLLM, ["model=s3://my-bucket/hf", endpoint])
+    (container,) = render(spec)[0]["spec"]["template"]["spec"]["containers"]
+    assert container["env"][1:] == [
+        {"name": "AWS_ENDPOINT_URL", "value": "http://minio.minio:9000"},
+        *STORAGE_SECRET_ENV,
+    ]
+    # Without a Secret (workload identity), no credentials are referenced.
+    deployment, _ = render(load_spec(DEMO, ["image=x", "storage_secret.name=null"]))
+    assert [e["name"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]] == [
+        "LLMFOUNDRY_API_KEY"
     ]
 
 
@@ -106,6 +145,10 @@ def test_validation_catches_a_misspelt_field():
         (DEMO, ["image=x"], "vllm", "engine vllm runs on GPUs: set gpus=1"),
         (DEMO, ["image=x", "port=0"], None, "port (0) in 1..65535"),
         (DEMO, ["image=x", "resources.limit.cpu=1"], None, "not limit"),
+        (DEMO, ["image=x", "storage.option.x=1"], None, "storage.option: unknown key"),
+        (DEMO, ["image=x", "storage.options.secret=s"], None, "'secret' is a credential"),
+        (DEMO, ["image=x", "storage_secret.keys=[a-b]"], None, "storage_secret.keys"),
+        (VLLM, ["model=s3://b/x", "storage.options.anon=true"], None, "only storage.options"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_key(config, overrides, engine, message):
@@ -147,3 +190,6 @@ def test_serve_engine_vllm_command_maps_our_flags_and_refuses_the_rest():
     limited = serve["parse_args"](["hf/", "--engine", "vllm", "--max-tokens", "64"])
     with pytest.raises(ValueError, match="--max-tokens apply to --engine llmfoundry only"):
         serve["vllm_args"](limited, "mpt")
+    with_storage = serve["parse_args"](["hf/", "--engine", "vllm", "--storage", "{options: {}}"])
+    with pytest.raises(ValueError, match="--storage apply to --engine llmfoundry only"):
+        serve["vllm_args"](with_storage, "mpt")

@@ -67,6 +67,23 @@ def test_prefix_overrides_and_call_options_win(spy: type[_SpyFS]) -> None:
     assert spy.seen[-1] == {"endpoint_url": "http://b", "profile": "default"}
 
 
+def test_a_runs_saved_settings_fill_in_only_what_this_process_leaves_unset() -> None:
+    storage.configure({"profile": "mine"}, overrides={"s3://b/": {"anon": True}})
+    saved = {
+        "options": {"endpoint_url": "http://saved", "profile": "theirs"},
+        "overrides": {"s3://b/": {"anon": False, "region_name": "eu"}, "s3://c/": {"x": 1}},
+    }
+    with storage.falling_back_to(saved):
+        assert storage.options_for("s3://a/k") == {
+            "endpoint_url": "http://saved",
+            "profile": "mine",
+        }
+        assert storage.options_for("s3://b/k")["anon"] is True
+        assert storage.options_for("s3://b/k")["region_name"] == "eu"
+        assert storage.options_for("s3://c/k")["x"] == 1
+    assert storage.options_for("s3://a/k") == {"profile": "mine"}  # the process's own again
+
+
 def test_local_paths_get_no_remote_options(tmp_path: Any) -> None:
     storage.configure({"endpoint_url": "http://a"})  # tests/conftest.py resets it
     assert storage.options_for(str(tmp_path)) == {}

@@ -13,8 +13,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmfoundry.models.mpt.kernels import check_attn_impl
-
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
 INFINI_UPDATES = ("linear", "delta")
@@ -168,6 +166,9 @@ class MPTConfig:
                 f"MPTConfig.sliding_window must be null (full causal attention) or a positive "
                 f"integer, got {self.sliding_window!r}"
             )
+        # The kernels load torch: imported here, so the config check reads the fields without it.
+        from llmfoundry.models.mpt.kernels import check_attn_impl
+
         check_attn_impl(self.attn_impl, self.attn_pdrop)
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not self.alibi
