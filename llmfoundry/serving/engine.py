@@ -255,7 +255,12 @@ class Engine:
             delta = text[completion.sent : end]
             completion.sent = max(completion.sent, end)
             tokens = len(decoder.tokens[row])
-            if reason is not None:
+            if reason == "error":  # this row alone failed (non-finite scores); the rest go on
+                del self._rows[row]
+                self.metrics.errors_total += 1
+                error = decoder.errors[row]
+                completion.report(Event(completion.index, delta, None, error, tokens, 500))
+            elif reason is not None:
                 del self._rows[row]
                 if reason == "cancelled":
                     self.metrics.cancelled_total += 1

@@ -40,7 +40,7 @@ class Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float = Field(1.0, ge=0, le=2, description="0 or below 1e-5: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 63)  # what torch.Generator takes

@@ -136,6 +136,56 @@ def test_sampling_seeds_are_per_row_and_reproducible():
     assert generate(model, ids, mask, top1).tokens == generate(model, ids, mask, greedy).tokens
 
 
+@pytest.mark.parametrize("temperature", [1.18e-38, 1e-40])
+def test_a_tiny_temperature_is_greedy_and_fails_no_other_row(temperature):
+    """Dividing by such a temperature overflowed to inf and torch.multinomial raised for the
+    whole batch; it is greedy now, in a batch from the start and when it joins one."""
+    model = tiny()
+    normal = GenerationConfig(max_new_tokens=12, temperature=1.0, seed=3)
+    cold = GenerationConfig(max_new_tokens=12, temperature=temperature)
+    alone = generate(model, torch.tensor([PROMPTS[0]]), None, normal).tokens[0]
+    greedy = generate(model, torch.tensor([PROMPTS[1]]), None, GREEDY).tokens[0]
+    ids, mask = left_pad(PROMPTS[:2])
+    out = generate(model, ids, mask, [normal, cold])
+    assert out.tokens == [alone, greedy] and out.finish_reasons == ["length", "length"]
+    decoder = Decoder(model, torch.tensor([PROMPTS[0]]), None, normal)
+    decoder.step()
+    decoder.add(PROMPTS[1], cold)
+    while not decoder.done:
+        decoder.step()
+    assert decoder.output().tokens == [alone, greedy]
+
+
+@pytest.mark.parametrize(("poison", "temperature"), [(float("nan"), 0.0), (float("inf"), 1.0)])
+def test_a_row_with_non_finite_scores_fails_alone(poison, temperature):
+    """A row whose logits turn NaN (greedy) or +inf (sampled: softmax makes NaN) ends with
+    "error" and a message; the other row decodes exactly as it would alone."""
+    model = tiny()
+    config = GenerationConfig(max_new_tokens=12, temperature=temperature, seed=1)
+    alone = generate(model, torch.tensor([PROMPTS[0]]), None, config).tokens[0]
+
+    def poison_second_row(module, args, logits):
+        if logits.shape[0] == 2:
+            logits = logits.clone()
+            logits[1, :, :5] = poison
+        return logits
+
+    handle = model.register_forward_hook(poison_second_row)
+    try:
+        out = generate(model, *left_pad(PROMPTS[:2]), config)
+    finally:
+        handle.remove()
+    assert out.tokens[0] == alone and out.finish_reasons == ["length", "error"]
+    assert out.tokens[1] == [] and out.errors[0] is None
+    assert "not finite" in out.errors[1] and "probability tensor" not in out.errors[1]
+
+
+def test_sampling_probs_of_a_tiny_temperature_are_one_hot():
+    logits = torch.tensor([[1.0, 3.0, -2.0], [5.0, 5.0, 0.0]])
+    probs = sampling_probs(logits, [GenerationConfig(temperature=1e-30)] * 2)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+
+
 def test_repetition_penalty_changes_greedy_output():
     model = tiny()
     prompt = torch.tensor([[7, 7, 7]])

@@ -112,3 +112,36 @@ def test_a_refused_prompt_and_a_failed_step_end_only_their_requests(model, monke
     assert failed[-1].status == 500 and "device lost" in failed[-1].error
     assert ok[-1].finish_reason == "length"
     assert "".join(e.text for e in ok) == alone(model, [1, 2], config)
+
+
+def test_a_bad_row_fails_alone_and_a_tiny_temperature_is_greedy(model):
+    """Issue 20: a tiny temperature made the whole batch's step raise ("generation failed" for
+    every stream); a row whose scores are NaN now fails alone, with a message and a 500."""
+    engine = Engine(model, decode, max_rows=4, max_len=128)
+    normal = GenerationConfig(20, temperature=1.0, seed=5)
+    cold = GenerationConfig(20, temperature=1.18e-38)
+    greedy = GenerationConfig(20, temperature=0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+    def poison_third_row(module, args, logits):
+        if logits.shape[0] == 3:
+            logits = logits.clone()
+            logits[2] = float("nan")
+        return logits
+
+    async def together():
+        configs = [normal, cold, greedy]
+        return await asyncio.gather(
+            *(answer(engine, p, c) for p, c in zip(prompts, configs, strict=True))
+        )
+
+    handle = model.register_forward_hook(poison_third_row)
+    try:
+        ok, cold_events, failed = run(engine, together())
+    finally:
+        handle.remove()
+    assert "".join(e.text for e in ok) == alone(model, prompts[0], normal)
+    assert "".join(e.text for e in cold_events) == alone(model, prompts[1], greedy)
+    assert ok[-1].finish_reason == cold_events[-1].finish_reason == "length"
+    assert failed[-1].status == 500 and "not finite" in failed[-1].error
+    assert engine.metrics.max_rows_in_step == 3 and engine.metrics.errors_total == 1

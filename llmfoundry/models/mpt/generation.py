@@ -18,6 +18,8 @@ real token. ALiBi needs nothing: it depends only on the distance between query a
 Each row has its own sampling settings (`GenerationConfig`): temperature (0 is greedy), top-k,
 top-p, a repetition penalty, stop strings, an EOS id, a token budget and a seed; the order in
 which they act on the logits is transformers' (repetition penalty, temperature, top-k, top-p).
+One bad row never ends the others: a row whose next-token scores are not finite (a model that
+overflowed on its prompt) ends alone with finish reason "error" and a message in `errors`.
 
 With `use_cache=False` every step reruns the whole sequence instead of reading the cache: the
 reference the cache is tested against, and the baseline of `bench/generation.py`.
@@ -39,13 +41,17 @@ from llmfoundry.models.mpt.model import MPTForCausalLM
 
 Decode = Callable[[list[int]], str]
 
+# Temperatures below this are greedy: dividing logits by them overflows float32, and the
+# distribution they describe is the most likely token already.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to continue one prompt.
 
-    `temperature=0` picks the most likely token (greedy); otherwise tokens are sampled after
-    dividing the logits by it, keeping the `top_k` most likely tokens and the smallest set whose
+    `temperature=0` picks the most likely token (greedy), and so does any temperature below
+    `GREEDY_BELOW` (1e-5); otherwise tokens are sampled after dividing the logits by it, keeping the `top_k` most likely tokens and the smallest set whose
     probability reaches `top_p`. `repetition_penalty` > 1 makes tokens already in the row (prompt
     included) less likely (CTRL's rule: positive logits divided, negative ones multiplied).
     Generation of a row ends after `max_new_tokens`, at `eos_token_id` (kept in the tokens), or
@@ -86,12 +92,14 @@ class GenerationConfig:
 
 @dataclass
 class GenerationOutput:
-    """Per row: the new tokens, why generation ended ("eos", "stop", "length" or
-    "cancelled"), and the decoded new text (cut before a stop string) when `decode` was given."""
+    """Per row: the new tokens, why generation ended ("eos", "stop", "length", "cancelled" or
+    "error", whose message is in `errors`), and the decoded new text (cut before a stop string)
+    when `decode` was given."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     texts: list[str] | None = field(default=None)
+    errors: list[str | None] = field(default_factory=list)
 
 
 def left_pad(
@@ -188,6 +196,7 @@ class Decoder:
         self.cache = KVCache.for_model(model, self.max_len) if use_cache else None
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish_reasons: list[str | None] = [None] * batch
+        self.errors: list[str | None] = [None] * batch  # why a row ended with "error"
         self.texts: list[str] = [""] * batch
         self._generators = [
             None if c.seed is None else torch.Generator(device).manual_seed(c.seed) for c in configs
@@ -226,6 +235,7 @@ class Decoder:
         row = len(self.tokens)
         self.tokens += newcomer.tokens
         self.finish_reasons += newcomer.finish_reasons
+        self.errors += newcomer.errors
         self.texts += newcomer.texts
         self.configs += newcomer.configs
         self._generators += newcomer._generators
@@ -261,9 +271,13 @@ class Decoder:
         # recompiling per step would cost far more than it saves.
         with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
             logits = self._forward()
-        chosen = self._choose(logits.float()).tolist()
+        chosen_, failed = self._choose(logits.float())
+        chosen = chosen_.tolist()
         new: list[int | None] = [None] * len(self.tokens)
-        for row, token in zip(self._active, chosen, strict=True):
+        for j, (row, token) in enumerate(zip(self._active, chosen, strict=True)):
+            if j in failed:  # ends alone; its placeholder token leaves with it at the next step
+                self.finish_reasons[row], self.errors[row] = "error", failed[j]
+                continue
             new[row] = token
             self._accept(row, token)
         feed = torch.tensor(chosen, device=self.ids.device, dtype=torch.long)[:, None]
@@ -278,7 +292,8 @@ class Decoder:
     def output(self) -> GenerationOutput:
         reasons = [r or "length" for r in self.finish_reasons]
         texts = None if self.decode is None else list(self.texts)
-        return GenerationOutput([list(t) for t in self.tokens], reasons, texts)
+        tokens = [list(t) for t in self.tokens]
+        return GenerationOutput(tokens, reasons, texts, list(self.errors))
 
     def _forward(self) -> torch.Tensor:
         """Last-position logits [batch, vocab] of the sequence so far."""
@@ -308,19 +323,29 @@ class Decoder:
         if self.cache is not None:
             self.cache.select(index)
 
-    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token of every active row from its last logits [active rows, vocab]."""
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        """The next token of every active row from its last logits [active rows, vocab], and
+        the rows (positions among the active ones) that have none, with why."""
         if self._seen is not None:
             logits = apply_repetition_penalty(logits, self._seen, self._penalty)
         chosen = logits.argmax(dim=-1)
-        sampled = [j for j, row in enumerate(self._active) if self.configs[row].temperature > 0]
+        failed = {j: NOT_FINITE for j in logits.isnan().any(dim=-1).nonzero()[:, 0].tolist()}
+        sampled = [
+            j
+            for j, row in enumerate(self._active)
+            if self.configs[row].temperature >= GREEDY_BELOW and j not in failed
+        ]
         if not sampled:
-            return chosen
+            return chosen, failed
         rows = [self._active[j] for j in sampled]
         probs = sampling_probs(logits[sampled], [self.configs[row] for row in rows])
-        for j, row, p in zip(sampled, rows, probs, strict=True):
-            chosen[j] = torch.multinomial(p, 1, generator=self._generators[row])[0]
-        return chosen
+        drawable = probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)
+        for j, row, p, ok in zip(sampled, rows, probs, drawable.tolist(), strict=True):
+            if ok:
+                chosen[j] = torch.multinomial(p, 1, generator=self._generators[row])[0]
+            else:
+                failed[j] = NOT_FINITE
+        return chosen, failed
 
     def _accept(self, row: int, token: int) -> None:
         cfg, tokens = self.configs[row], self.tokens[row]
@@ -339,6 +364,12 @@ class Decoder:
             self.finish_reasons[row] = "length"
 
 
+NOT_FINITE = (
+    "generation failed for this prompt: the model's next-token scores are not finite (NaN or "
+    "inf), so no token can be chosen; other requests are unaffected"
+)
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
 ) -> torch.Tensor:
@@ -349,10 +380,15 @@ def apply_repetition_penalty(
 
 
 def sampling_probs(logits: torch.Tensor, configs: Sequence[GenerationConfig]) -> torch.Tensor:
-    """Probabilities [rows, vocab] after each row's temperature, top-k and top-p."""
+    """Probabilities [rows, vocab] after each row's temperature, top-k and top-p.
+
+    The most likely logit is subtracted before dividing by the temperature, so the top token's
+    scaled logit is 0 and a small temperature sends the others to -inf, never to +inf (which
+    softmax would turn into NaN).
+    """
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([c.temperature for c in configs], device=device)
-    logits = logits / temperature[:, None]
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]
     if any(c.top_k is not None for c in configs):
         k = torch.tensor([min(c.top_k or vocab, vocab) for c in configs], device=device)
         ranked = logits.sort(dim=-1, descending=True).values
@@ -404,16 +440,20 @@ def _by_length(
         configs = [configs] * batch
     lengths = attention_mask.sum(dim=1).tolist()
     tokens: list[list[int]] = [[] for _ in range(batch)]
-    reasons, texts = [""] * batch, [""] * batch
+    reasons, texts, errors = [""] * batch, [""] * batch, [None] * batch
     for length in sorted(set(lengths)):
         rows = [i for i, n in enumerate(lengths) if n == length]
         ids = input_ids[rows][:, input_ids.shape[1] - length :]
         out = generate(model, ids, None, [configs[i] for i in rows], decode, use_cache)
         for j, row in enumerate(rows):
-            tokens[row], reasons[row] = out.tokens[j], out.finish_reasons[j]
+            tokens[row], reasons[row], errors[row] = (
+                out.tokens[j],
+                out.finish_reasons[j],
+                out.errors[j],
+            )
             if out.texts is not None:
                 texts[row] = out.texts[j]
-    return GenerationOutput(tokens, reasons, None if decode is None else texts)
+    return GenerationOutput(tokens, reasons, None if decode is None else texts, errors)
 
 
 @contextlib.contextmanager
