@@ -75,16 +75,12 @@ class Completion:
 
 def stream_safe_length(text: str, stops: Sequence[str]) -> int:
     """How much of `text` can be sent before the row ends: not a tail that may still become a
-    stop string (the decoder would cut it), nor a trailing partial UTF-8 character (a lossy
-    decode marks the unfinished bytes at the end with one U+FFFD; only that one may change)."""
-    end = len(text)
+    stop string (the decoder would cut it). The decoder's text holds whole characters only
+    (`TextStream`), so no cut here splits one."""
     for i in range(max(0, len(text) - max(map(len, stops), default=0)), len(text)):
         if any(s.startswith(text[i:]) for s in stops):
-            end = i
-            break
-    if end and text[end - 1] == "\ufffd":  # a lossy decode's one mark for an unfinished tail
-        end -= 1
-    return end
+            return i
+    return len(text)
 
 
 @dataclass

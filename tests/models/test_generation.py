@@ -6,11 +6,13 @@ import pytest
 import torch
 import transformers
 
+from llmfoundry.data.prep.tokenizer import train_bpe
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.cache import KVCache
 from llmfoundry.models.mpt.generation import (
     Decoder,
     GenerationConfig,
+    TextStream,
     apply_repetition_penalty,
     generate,
     left_pad,
@@ -184,6 +186,25 @@ def test_sampling_probs_of_a_tiny_temperature_are_one_hot():
     logits = torch.tensor([[1.0, 3.0, -2.0], [5.0, 5.0, 0.0]])
     probs = sampling_probs(logits, [GenerationConfig(temperature=1e-30)] * 2)
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+
+
+def test_text_stream_adds_whole_characters_only():
+    tokenizer = train_bpe(["hello world"], vocab_size=300)  # no merges: é is 2 tokens, 😀 4
+    ids = tokenizer.encode("é€😀 gu").ids
+    stream = TextStream(tokenizer.decode)
+    pieces = [stream.push(i) for i in ids]
+    assert pieces[:2] == ["", "é"] and not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == stream.text == tokenizer.decode(ids)
+    # Bytes that never form a character are U+FFFD, as in the whole decode, once that is known.
+    broken = TextStream(tokenizer.decode)
+    assert [broken.push(i) for i in [*ids[2:4], *tokenizer.encode(" g").ids]] == [
+        "",
+        "",
+        "\ufffd ",
+        "g",
+    ]
+    cut = TextStream(tokenizer.decode)
+    assert cut.push(ids[0]) == "" and cut.flush() == "\ufffd" == cut.text  # ended mid-character
 
 
 def test_repetition_penalty_changes_greedy_output():

@@ -18,7 +18,9 @@ real token. ALiBi needs nothing: it depends only on the distance between query a
 Each row has its own sampling settings (`GenerationConfig`): temperature (0 is greedy), top-k,
 top-p, a repetition penalty, stop strings, an EOS id, a token budget and a seed; the order in
 which they act on the logits is transformers' (repetition penalty, temperature, top-k, top-p).
-One bad row never ends the others: a row whose next-token scores are not finite (a model that
+A row's `texts` grows by whole characters only (`TextStream`): a token that ends inside a
+multi-byte UTF-8 character is held back until the character completes, so a server can stream
+the text as it grows, and stop strings are matched on it. One bad row never ends the others: a row whose next-token scores are not finite (a model that
 overflowed on its prompt) ends alone with finish reason "error" and a message in `errors`.
 
 With `use_cache=False` every step reruns the whole sequence instead of reading the cache: the
@@ -198,6 +200,7 @@ class Decoder:
         self.finish_reasons: list[str | None] = [None] * batch
         self.errors: list[str | None] = [None] * batch  # why a row ended with "error"
         self.texts: list[str] = [""] * batch
+        self._streams = [TextStream(decode) for _ in range(batch)] if decode else []
         self._generators = [
             None if c.seed is None else torch.Generator(device).manual_seed(c.seed) for c in configs
         ]
@@ -237,6 +240,7 @@ class Decoder:
         self.finish_reasons += newcomer.finish_reasons
         self.errors += newcomer.errors
         self.texts += newcomer.texts
+        self._streams += newcomer._streams
         self.configs += newcomer.configs
         self._generators += newcomer._generators
         if newcomer.done:
@@ -351,7 +355,12 @@ class Decoder:
         cfg, tokens = self.configs[row], self.tokens[row]
         tokens.append(token)
         if self.decode is not None:
-            text = self.decode([t for t in tokens if t != cfg.eos_token_id])
+            stream = self._streams[row]
+            if token != cfg.eos_token_id:
+                stream.push(token)
+            if token == cfg.eos_token_id or len(tokens) >= cfg.max_new_tokens:
+                stream.flush()  # the row ends: a character it left unfinished ends too
+            text = stream.text
             hits = [text.find(s) for s in cfg.stop if s in text]
             if hits:
                 self.texts[row] = text[: min(hits)]
@@ -368,6 +377,45 @@ NOT_FINITE = (
     "generation failed for this prompt: the model's next-token scores are not finite (NaN or "
     "inf), so no token can be chosen; other requests are unaffected"
 )
+
+
+class TextStream:
+    """The text of a growing token sequence, by whole characters.
+
+    A byte-level tokenizer can split one character over tokens; decoding a prefix that ends
+    inside it gives U+FFFD marks (one, or one per byte with byte fallback) that the next tokens
+    replace. So `push` adds text only once the decoded tail is no longer such a mark (TGI's and
+    vLLM's rule), and decodes from the previous piece on, so that decoders that strip a leading
+    space see the same context as a decode of everything. Bytes that never form a character
+    stay U+FFFD, as in a decode of the whole sequence; `flush` adds what is held back when the
+    sequence ends.
+    """
+
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # where the decoded window starts: the piece before the last one
+        self._read = 0  # tokens whose text is in `text`
+
+    def push(self, token: int) -> str:
+        """Add a token; returns the text it completes ("" while a character is unfinished)."""
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character's U+FFFD), now added."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self.decode(self.ids[self._prefix : self._read])
+        window = self.decode(self.ids[self._prefix :])
+        if len(window) <= len(before) or (window.endswith("\ufffd") and not final):
+            return ""
+        new = window[len(before) :]
+        self.text += new
+        self._prefix, self._read = self._read, len(self.ids)
+        return new
 
 
 def apply_repetition_penalty(
