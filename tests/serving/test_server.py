@@ -18,13 +18,13 @@ from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.serving.engine import stream_safe_length
-from tests.serving.conftest import API_KEY, CONTEXT, running_server
+from tests.serving.conftest import API_KEY, CONTEXT, RUN_NAME, running_server
 
 pytestmark = pytest.mark.slow  # each server start loads torch in a subprocess
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-MODEL = "ckpt"  # the served model's id: the checkpoint folder's name
+MODEL = RUN_NAME  # the served model's id: the run the checkpoint records, not its folder's name
 MAX_CONCURRENT = 3
 LIMITS = ["--max-concurrent", "3", "--max-prompt-tokens", "64", "--max-tokens", "1000"]
 LIMITS += ["--max-body-bytes", "4096"]
@@ -178,6 +178,7 @@ def test_chat_uses_the_template(client, reference):
         ({"prompt": "hi", "n": 2}, 400, "n: Input should be less than or equal to 1"),
         ({"max_tokens": 2}, 400, "prompt: Field required"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+        ({"prompt": "hi", "model": "ckpt"}, 404, f"use {RUN_NAME!r}"),  # not the folder's name
         ('{"prompt": "hi",', 400, "not valid JSON"),
         ({"prompt": "x" * 5000}, 413, "larger than the limit of 4096 bytes"),
     ],
