@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfoundry.models.mpt.generation import Decoder, GenerationConfig
+from llmfoundry.models.mpt.generation import Decoder, GenerationConfig, TokenLogprob
 from llmfoundry.models.mpt.model import MPTForCausalLM
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ class Event:
     """What a completion reports: new `text` (may be ""), and at its end `finish_reason`
     ("eos", "stop", "length", "cancelled") or `error` (a message, with the HTTP `status` it
     deserves: 400 a prompt the model refused, 500 a failed step, 503 shutting down), with the
-    number of tokens generated so far."""
+    number of tokens generated so far. A row that asked for log-probabilities gets them, and
+    its tokens, with its end (`GenerationConfig.logprobs`, `prompt_logprobs`)."""
 
     index: int
     text: str = ""
@@ -47,6 +48,9 @@ class Event:
     error: str | None = None
     completion_tokens: int = 0
     status: int = 200
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False)
@@ -260,7 +264,11 @@ class Engine:
                 del self._rows[row]
                 if reason == "cancelled":
                     self.metrics.cancelled_total += 1
-                completion.report(Event(completion.index, delta, reason, None, tokens))
+                scored = (tuple(decoder.tokens[row]), tuple(decoder.logprobs[row]))
+                scored += (tuple(decoder.prompt_logprobs[row]),)
+                completion.report(
+                    Event(completion.index, delta, reason, None, tokens, 200, *scored)
+                )
             elif delta:
                 completion.report(Event(completion.index, delta, completion_tokens=tokens))
         self.metrics.active = len(self._rows)

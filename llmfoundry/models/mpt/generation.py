@@ -59,6 +59,10 @@ class GenerationConfig:
     Generation of a row ends after `max_new_tokens`, at `eos_token_id` (kept in the tokens), or
     when the decoded text contains one of `stop` (the text is cut before it). `seed` makes the
     row's samples reproducible whatever else is in the batch (None: the global torch RNG).
+    `logprobs` (k >= 0) records each new token's log-probability under the model (before the
+    sampling settings) with the k most likely tokens', and `prompt_logprobs` those of every
+    prompt token after the first, from the same forward that reads the prompt (scoring, as
+    OpenAI's `echo`); both are in `Decoder.logprobs` and `Decoder.prompt_logprobs`.
     """
 
     max_new_tokens: int = 64
@@ -69,6 +73,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     eos_token_id: int | None = None
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +96,17 @@ class GenerationConfig:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability under the model, and the `top` most likely (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -201,6 +218,10 @@ class Decoder:
         self.errors: list[str | None] = [None] * batch  # why a row ended with "error"
         self.texts: list[str] = [""] * batch
         self._streams = [TextStream(decode) for _ in range(batch)] if decode else []
+        # Rows' log-probabilities, when their config asks (GenerationConfig.logprobs).
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(batch)]
+        self.prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(batch)]
+        self._read_prompts = False  # whether the first forward (the prompts) has run
         self._generators = [
             None if c.seed is None else torch.Generator(device).manual_seed(c.seed) for c in configs
         ]
@@ -241,6 +262,8 @@ class Decoder:
         self.errors += newcomer.errors
         self.texts += newcomer.texts
         self._streams += newcomer._streams
+        self.logprobs += newcomer.logprobs
+        self.prompt_logprobs += newcomer.prompt_logprobs
         self.configs += newcomer.configs
         self._generators += newcomer._generators
         if newcomer.done:
@@ -274,7 +297,11 @@ class Decoder:
         # Eager even if the blocks are compiled: every step has new shapes (one more key), and
         # recompiling per step would cost far more than it saves.
         with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
-            logits = self._forward()
+            every = self._forward()
+        if not self._read_prompts:
+            self._score_prompts(every)
+            self._read_prompts = True
+        logits = every[:, -1]
         chosen_, failed = self._choose(logits.float())
         chosen = chosen_.tolist()
         new: list[int | None] = [None] * len(self.tokens)
@@ -283,6 +310,9 @@ class Decoder:
                 self.finish_reasons[row], self.errors[row] = "error", failed[j]
                 continue
             new[row] = token
+            if self.configs[row].logprobs is not None:
+                lp = logits[j].float().log_softmax(dim=-1)
+                self.logprobs[row] += _entries(lp[None], [token], self.configs[row].logprobs)
             self._accept(row, token)
         feed = torch.tensor(chosen, device=self.ids.device, dtype=torch.long)[:, None]
         if self._seen is not None:
@@ -300,7 +330,7 @@ class Decoder:
         return GenerationOutput(tokens, reasons, texts, list(self.errors))
 
     def _forward(self) -> torch.Tensor:
-        """Last-position logits [batch, vocab] of the sequence so far."""
+        """Logits [batch, new positions, vocab] of the sequence so far (the last one: next)."""
         ids = self._next_input
         if self.cache is not None and self.cache.length > 0:  # new tokens are real (id 1)
             sid = None if self.cache.sequence_id is None else torch.ones_like(ids)
@@ -309,7 +339,18 @@ class Decoder:
         else:
             grown = ids.shape[1] - self.sid.shape[1]
             sid = torch.cat([self.sid, self.sid.new_ones(ids.shape[0], grown)], dim=1)
-        return self.model(ids, sid, cache=self.cache)[:, -1]
+        return self.model(ids, sid, cache=self.cache)
+
+    def _score_prompts(self, logits: torch.Tensor) -> None:
+        """Each asking row's prompt log-probabilities, from the logits of the first forward
+        [active rows, prompt positions, vocab] (a row's prompt is its last real tokens)."""
+        for j, row in enumerate(self._active):
+            cfg = self.configs[row]
+            if not cfg.prompt_logprobs:
+                continue
+            ids = self.ids[j] if self.sid is None else self.ids[j][self.sid[j] != 0]
+            lp = logits[j, logits.shape[1] - len(ids) : -1].float().log_softmax(dim=-1)
+            self.prompt_logprobs[row] = _entries(lp, ids[1:].tolist(), cfg.logprobs or 0)
 
     def _drop_finished(self) -> None:
         """Take finished (or cancelled) rows out of the batch, so they cost no more compute."""
@@ -377,6 +418,20 @@ NOT_FINITE = (
     "generation failed for this prompt: the model's next-token scores are not finite (NaN or "
     "inf), so no token can be chosen; other requests are unaffected"
 )
+
+
+def _entries(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """TokenLogprobs of `tokens` from log-probabilities [len(tokens), vocab], top `k` each."""
+    if not tokens:
+        return []
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    return [
+        TokenLogprob(t, lp, tuple(zip(ids, lps, strict=True)))
+        for t, lp, ids, lps in zip(
+            tokens, chosen.tolist(), top_ids.long().tolist(), top_lp.tolist(), strict=True
+        )
+    ]
 
 
 class TextStream:
