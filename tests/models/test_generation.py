@@ -205,6 +205,10 @@ def test_text_stream_adds_whole_characters_only():
     ]
     cut = TextStream(tokenizer.decode)
     assert cut.push(ids[0]) == "" and cut.flush() == "\ufffd" == cut.text  # ended mid-character
+    # A run of stray continuation bytes is sent as it goes: only the last 3 may still change.
+    stray = TextStream(tokenizer.decode)
+    pieces = [stray.push(ids[1]) for _ in range(6)]  # é's second byte, alone, six times
+    assert "".join(pieces) == "\ufffd" * 3 and stray.flush() == "\ufffd" * 3
 
 
 def test_repetition_penalty_changes_greedy_output():

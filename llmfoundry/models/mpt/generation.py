@@ -438,20 +438,27 @@ class TextStream:
     """The text of a growing token sequence, by whole characters.
 
     A byte-level tokenizer can split one character over tokens; decoding a prefix that ends
-    inside it gives U+FFFD marks (one, or one per byte with byte fallback) that the next tokens
-    replace. So `push` adds text only once the decoded tail is no longer such a mark (TGI's and
-    vLLM's rule), and decodes from the previous piece on, so that decoders that strip a leading
-    space see the same context as a decode of everything. Bytes that never form a character
-    stay U+FFFD, as in a decode of the whole sequence; `flush` adds what is held back when the
-    sequence ends.
+    inside it gives U+FFFD marks (one for a ByteLevel decoder, one per byte with byte fallback)
+    that the next tokens replace. So `push` holds back the decoded text's trailing marks, up to
+    `PENDING` of them (a character's unfinished part is at most 3 bytes; marks before those are
+    bytes that never form a character, and stay U+FFFD as in a decode of the whole sequence),
+    until a token ends the text cleanly (and all of them while the window's decode disagrees
+    with what it already gave: byte fallback decodes a run of byte tokens that is not UTF-8 as
+    one mark per byte, the bytes of finished characters included). It decodes a window that starts one clean piece back
+    (TGI's and vLLM's rule), so decoders that strip a leading space see the same context as a
+    decode of everything, at a cost that does not grow with the text. `flush` adds what is held
+    back when the sequence ends.
     """
+
+    PENDING = 3
 
     def __init__(self, decode: Decode) -> None:
         self.decode = decode
         self.ids: list[int] = []
         self.text = ""
-        self._prefix = 0  # where the decoded window starts: the piece before the last one
-        self._read = 0  # tokens whose text is in `text`
+        self._prefix = 0  # the window's first token: the clean point before the last one
+        self._clean = 0  # the last token after which the decoded text ended cleanly
+        self._sent = ""  # the window's text already in `text`
 
     def push(self, token: int) -> str:
         """Add a token; returns the text it completes ("" while a character is unfinished)."""
@@ -463,13 +470,17 @@ class TextStream:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        before = self.decode(self.ids[self._prefix : self._read])
         window = self.decode(self.ids[self._prefix :])
-        if len(window) <= len(before) or (window.endswith("\ufffd") and not final):
-            return ""
-        new = window[len(before) :]
+        marks = len(window) - len(window.rstrip("\ufffd"))
+        if not final and marks and not window.startswith(self._sent):
+            return ""  # a decode that changed what it gave: wait for the character to finish
+        end = len(window) if final else len(window) - min(marks, self.PENDING)
+        new = window[len(self._sent) : end]
         self.text += new
-        self._prefix, self._read = self._read, len(self.ids)
+        self._sent += new
+        if end == len(window):  # clean: the next window starts at the previous clean point
+            self._prefix, self._clean = self._clean, len(self.ids)
+            self._sent = self.decode(self.ids[self._prefix :])
         return new
 
 
