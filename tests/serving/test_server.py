@@ -170,6 +170,11 @@ def test_chat_uses_the_template(client, reference):
         model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+    two = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, n=2
+    )
+    assert [c.message.content for c in two.choices] == [expected, expected]
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 32
 
 
 @pytest.mark.parametrize(
