@@ -225,11 +225,11 @@ class _Server:
             logprobs=logprobs,
             prompt_logprobs=logprobs is not None and getattr(body, "echo", False),
         )
+        lease = self.lease(len(prompts) * body.n)  # first: it bounds n
         configs = [
             config if body.seed is None else dataclasses.replace(config, seed=body.seed + j)
             for j in range(body.n)
         ]
-        lease = self.lease(len(prompts) * body.n)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         completions = [
             self.engine.submit(i * body.n + j, ids, configs[j], queue)

@@ -188,6 +188,26 @@ def test_sampling_probs_of_a_tiny_temperature_are_one_hot():
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
 
 
+def test_prompt_and_token_logprobs_equal_a_forward_of_the_row_alone():
+    model = tiny()
+    config = GenerationConfig(max_new_tokens=4, temperature=0, logprobs=2, prompt_logprobs=True)
+    decoder = Decoder(model, *left_pad(PROMPTS[:3]), config)
+    decoder.cancel(0)  # before the first step: the other rows still score their own prompts
+    while not decoder.done:
+        decoder.step()
+    assert decoder.prompt_logprobs[0] == [] and decoder.logprobs[0] == []
+    for row in (1, 2):
+        sequence = torch.tensor([PROMPTS[row] + decoder.tokens[row]])
+        with torch.no_grad():
+            logprobs = model(sequence)[0].float().log_softmax(dim=-1)[:-1]
+        expected = logprobs.gather(1, sequence[0, 1:, None])[:, 0]
+        entries = decoder.prompt_logprobs[row] + decoder.logprobs[row]
+        assert [e.token for e in entries] == sequence[0, 1:].tolist()
+        assert torch.allclose(torch.tensor([e.logprob for e in entries]), expected, atol=1e-5)
+        top = logprobs.topk(2, dim=-1).indices.tolist()
+        assert [[t for t, _ in e.top] for e in entries] == top
+
+
 def test_text_stream_adds_whole_characters_only():
     tokenizer = train_bpe(["hello world"], vocab_size=300)  # no merges: é is 2 tokens, 😀 4
     ids = tokenizer.encode("é€😀 gu").ids

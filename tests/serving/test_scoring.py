@@ -105,6 +105,7 @@ def test_n_choices_per_prompt(served):
         ({"echo": True, "logprobs": 1, "stream": True}, "served without stream"),
         ({"logprobs": 6}, "logprobs"),
         ({"prompt": [[1, -2]]}, "prompt"),
+        ({"n": 10**9}, "at most 8"),  # refused before anything is built for it
     ]:
         response = client.post("/v1/completions", json={"prompt": "hi", **body})
         assert response.status_code == 400 and message in response.json()["error"]["message"]

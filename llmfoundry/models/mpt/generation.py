@@ -348,7 +348,8 @@ class Decoder:
             cfg = self.configs[row]
             if not cfg.prompt_logprobs:
                 continue
-            ids = self.ids[j] if self.sid is None else self.ids[j][self.sid[j] != 0]
+            prompt = self._next_input[j]  # the rows' prompts, as the first forward read them
+            ids = prompt if self.sid is None else prompt[self.sid[j] != 0]
             lp = logits[j, logits.shape[1] - len(ids) : -1].float().log_softmax(dim=-1)
             self.prompt_logprobs[row] = _entries(lp, ids[1:].tolist(), cfg.logprobs or 0)
 
