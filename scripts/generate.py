@@ -75,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     out = generate(
         model, ids, mask, config, decode=tokenizer.tokenizer.decode, use_cache=not args.no_cache
     )
-    for prompt, text, reason in zip(prompts, out.texts, out.finish_reasons, strict=True):
+    for prompt, text, reason, error in zip(
+        prompts, out.texts, out.finish_reasons, out.errors, strict=True
+    ):
         print(f"--- prompt {prompt!r} ({reason}) ---")
-        print(prompt + text)
-    return 0
+        print(prompt + text if error is None else f"error: {error}")
+    return 1 if any(out.errors) else 0
 
 
 if __name__ == "__main__":

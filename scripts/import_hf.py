@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = from_hf(args.hf_dir)
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
-    url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None)
+    name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)
+    url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None, name)
     overrides = " ".join(
         f"model.{k}={v}" for k, v in dataclasses.asdict(model.config).items() if v is not None
     )

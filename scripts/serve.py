@@ -7,6 +7,8 @@
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
         -d '{"prompt": "def add(", "max_tokens": 32, "temperature": 0}'
 
+The model's id in the API is --served-model-name, else the run_name of the run that trained the
+checkpoint (what `runs.py` lists), else the folder's name (a transformers folder's, say).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: the
 tokenizer folder's or --chat-template FILE), GET /v1/models, GET /health, GET /metrics.
 Concurrent requests decode together (continuous batching). With LLMFOUNDRY_API_KEY set every
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, load_pretrained
+from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, read_pretrained
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
 from llmfoundry.utils import storage
 from llmfoundry.utils.cli import add_storage_argument
@@ -56,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("model", help="checkpoint, save folder, or transformers MPT folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name", help="the model's id in the API (default: the folder name)")
+    p.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        help="the model's id in the API (default: the checkpoint's run name, else the folder's)",
+    )
     p.add_argument("--engine", choices=["llmfoundry", "vllm"], default="llmfoundry")
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
@@ -78,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info")
     add_storage_argument(p)  # (a model on s3://...: scripts/deploy.py renders it for the pods)
     return p.parse_args(argv)
+
+
+def served_model_name(args: argparse.Namespace, run_name: str | None) -> str:
+    """The model's id in the API: the flag, else the run that trained it (every checkpoint of a
+    run sits in a folder named `checkpoints`, so the folder's name says nothing), else the
+    folder's name."""
+    return args.served_model_name or run_name or Path(args.model.rstrip("/")).name
 
 
 def _given(value: int | None, default: int) -> int:
@@ -122,11 +136,10 @@ def serve_vllm(args: argparse.Namespace, name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    name = args.model_name or Path(args.model.rstrip("/")).name
     if args.storage and args.engine != "vllm":  # (vllm_args refuses it)
         storage.configure_settings(storage.load_settings(args.storage))
-    if args.engine == "vllm":
-        serve_vllm(args, name)
+    if args.engine == "vllm":  # a transformers folder: it records no run
+        serve_vllm(args, served_model_name(args, None))
     try:
         import uvicorn
 
@@ -138,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     from llmfoundry.serving.engine import Engine
     from llmfoundry.serving.tokenizer import load_served_tokenizer
 
-    model, found = load_pretrained(args.model)
-    tokenizer_path = args.tokenizer or found
+    loaded = read_pretrained(args.model)
+    model, name = loaded.model, served_model_name(args, loaded.run_name)
+    tokenizer_path = args.tokenizer or loaded.tokenizer
     if tokenizer_path is None:
         sys.exit(f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json")
     tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)

@@ -171,6 +171,10 @@ class _Server:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise HTTPException(400, "a prompt encodes to no tokens; give it some text")
+        return self.check_ids(ids, max_tokens)
+
+    def check_ids(self, ids: list[int], max_tokens: int) -> list[int]:
+        """A prompt's token ids (encoded here, or given as ids), checked against the limits."""
         if len(ids) > self.limits.max_prompt_tokens:
             raise HTTPException(
                 400,
@@ -208,7 +212,9 @@ class _Server:
     def start(
         self, prompts: list[list[int]], body: protocol.Sampling
     ) -> tuple[Lease, asyncio.Queue, list[Completion]]:
-        """Submit the prompts, holding their slots (429 when busy)."""
+        """Submit `body.n` choices of each prompt (choice i * n + j: prompt i's j-th, seeded
+        seed + j), holding their slots (429 when busy)."""
+        logprobs = getattr(body, "logprobs", None)
         config = GenerationConfig(
             max_new_tokens=body.max_tokens,
             temperature=body.temperature,
@@ -216,10 +222,20 @@ class _Server:
             stop=body.stops,
             eos_token_id=self.tokenizer.eos_id,
             seed=body.seed,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs is not None and getattr(body, "echo", False),
         )
-        lease = self.lease(len(prompts))
+        lease = self.lease(len(prompts) * body.n)  # first: it bounds n
+        configs = [
+            config if body.seed is None else dataclasses.replace(config, seed=body.seed + j)
+            for j in range(body.n)
+        ]
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        completions = [self.engine.submit(i, ids, config, queue) for i, ids in enumerate(prompts)]
+        completions = [
+            self.engine.submit(i * body.n + j, ids, configs[j], queue)
+            for i, ids in enumerate(prompts)
+            for j in range(body.n)
+        ]
         return lease, queue, completions
 
 
@@ -327,7 +343,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
         server.check(body)
-        prompts = [server.encode(p, body.max_tokens) for p in body.prompts]
+        prompts = [
+            server.encode(p, body.max_tokens)
+            if isinstance(p, str)
+            else server.check_ids(p, body.max_tokens)
+            for p in body.prompts
+        ]
         lease, queue, running = server.start(prompts, body)
         id_ = protocol.new_id("cmpl")
         events = _events(request, queue, running)
@@ -340,11 +361,14 @@ def create_app(
             usage = _usage_chunk(body, id_, model_name, "text_completion", sum(map(len, prompts)))
             return _streaming(events, lease, [], chunk, usage)
         try:
-            texts, reasons, tokens = await _collect(events, len(prompts))
+            ends = await _collect(events, len(running))
         finally:
             lease.release()
-        usage = protocol.usage(sum(map(len, prompts)), sum(tokens))
-        return protocol.completion_body(id_, model_name, texts, reasons, usage)
+        choices = [
+            _completion_choice(tokenizer, body, prompts[end.index // body.n], end) for end in ends
+        ]
+        usage = protocol.usage(sum(map(len, prompts)), sum(e.completion_tokens for e in ends))
+        return protocol.completion_body(id_, model_name, choices, usage)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
@@ -367,11 +391,12 @@ def create_app(
             usage = _usage_chunk(body, id_, model_name, "chat.completion.chunk", len(prompt))
             return _streaming(events, lease, head, chunk, usage)
         try:
-            texts, reasons, tokens = await _collect(events, 1)
+            ends = await _collect(events, len(running))
         finally:
             lease.release()
-        usage = protocol.usage(len(prompt), tokens[0])
-        return protocol.chat_body(id_, model_name, texts[0], reasons[0], usage)
+        usage = protocol.usage(len(prompt), sum(e.completion_tokens for e in ends))
+        texts, reasons = [e.text for e in ends], [e.finish_reason or "cancelled" for e in ends]
+        return protocol.chat_body(id_, model_name, texts, reasons, usage)
 
     return app
 
@@ -421,17 +446,34 @@ def _streaming(
     )
 
 
-async def _collect(events: AsyncIterator[Event], n: int) -> tuple[list[str], list[str], list[int]]:
-    """Whole answers of `n` completions; an engine error becomes the HTTP error it names."""
-    texts, reasons, tokens = [""] * n, ["cancelled"] * n, [0] * n
+async def _collect(events: AsyncIterator[Event], n: int) -> list[Event]:
+    """Whole answers of `n` completions, in index order: each one's last event with its whole
+    text; an engine error becomes the HTTP error it names."""
+    texts = [""] * n
+    ends = [Event(i, finish_reason="cancelled") for i in range(n)]
     try:
         async for event in events:
             if event.error is not None:
                 raise HTTPException(event.status, event.error)
             texts[event.index] += event.text
-            tokens[event.index] = event.completion_tokens
-            if event.finish_reason is not None:
-                reasons[event.index] = event.finish_reason
+            ends[event.index] = event
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    return texts, reasons, tokens
+    return [dataclasses.replace(end, text=text) for end, text in zip(ends, texts, strict=True)]
+
+
+def _completion_choice(
+    tokenizer: ServedTokenizer, body: protocol.CompletionRequest, prompt: list[int], end: Event
+) -> dict[str, Any]:
+    """A completion's choice: its text (after the prompt's with `echo`) and, when asked, its
+    tokens' log-probabilities (the prompt's too with `echo`)."""
+    reason = end.finish_reason or "cancelled"
+    echoed = tokenizer.decode(prompt) if body.echo else ""
+    if body.logprobs is None:
+        return protocol.completion_choice(end.index, echoed + end.text, reason)
+    ids, entries = list(end.tokens), list(end.logprobs)
+    if body.echo:
+        ids, entries = prompt + ids, [None, *end.prompt_logprobs, *entries]
+    offset = 0 if body.echo else len(tokenizer.decode(prompt))
+    logprobs = protocol.completion_logprobs(ids, entries, tokenizer.decode, offset)
+    return protocol.completion_choice(end.index, echoed + end.text, reason, logprobs)

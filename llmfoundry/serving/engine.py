@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfoundry.models.mpt.generation import Decoder, GenerationConfig
+from llmfoundry.models.mpt.generation import Decoder, GenerationConfig, TokenLogprob
 from llmfoundry.models.mpt.model import MPTForCausalLM
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ class Event:
     """What a completion reports: new `text` (may be ""), and at its end `finish_reason`
     ("eos", "stop", "length", "cancelled") or `error` (a message, with the HTTP `status` it
     deserves: 400 a prompt the model refused, 500 a failed step, 503 shutting down), with the
-    number of tokens generated so far."""
+    number of tokens generated so far. A row that asked for log-probabilities gets them, and
+    its tokens, with its end (`GenerationConfig.logprobs`, `prompt_logprobs`)."""
 
     index: int
     text: str = ""
@@ -47,6 +48,9 @@ class Event:
     error: str | None = None
     completion_tokens: int = 0
     status: int = 200
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False)
@@ -75,16 +79,12 @@ class Completion:
 
 def stream_safe_length(text: str, stops: Sequence[str]) -> int:
     """How much of `text` can be sent before the row ends: not a tail that may still become a
-    stop string (the decoder would cut it), nor a trailing partial UTF-8 character (a lossy
-    decode marks the unfinished bytes at the end with one U+FFFD; only that one may change)."""
-    end = len(text)
+    stop string (the decoder would cut it). The decoder's text holds whole characters only
+    (`TextStream`), so no cut here splits one."""
     for i in range(max(0, len(text) - max(map(len, stops), default=0)), len(text)):
         if any(s.startswith(text[i:]) for s in stops):
-            end = i
-            break
-    if end and text[end - 1] == "\ufffd":  # a lossy decode's one mark for an unfinished tail
-        end -= 1
-    return end
+            return i
+    return len(text)
 
 
 @dataclass
@@ -255,11 +255,20 @@ class Engine:
             delta = text[completion.sent : end]
             completion.sent = max(completion.sent, end)
             tokens = len(decoder.tokens[row])
-            if reason is not None:
+            if reason == "error":  # this row alone failed (non-finite scores); the rest go on
+                del self._rows[row]
+                self.metrics.errors_total += 1
+                error = decoder.errors[row]
+                completion.report(Event(completion.index, delta, None, error, tokens, 500))
+            elif reason is not None:
                 del self._rows[row]
                 if reason == "cancelled":
                     self.metrics.cancelled_total += 1
-                completion.report(Event(completion.index, delta, reason, None, tokens))
+                scored = (tuple(decoder.tokens[row]), tuple(decoder.logprobs[row]))
+                scored += (tuple(decoder.prompt_logprobs[row]),)
+                completion.report(
+                    Event(completion.index, delta, reason, None, tokens, 200, *scored)
+                )
             elif delta:
                 completion.report(Event(completion.index, delta, completion_tokens=tokens))
         self.metrics.active = len(self._rows)

@@ -3,16 +3,23 @@
 Requests are pydantic models that forbid unknown fields, so a misspelt `max_token` is a 400
 naming it rather than a silently ignored setting. Responses are plain dicts in OpenAI's shape
 (`text_completion`, `chat.completion` and their streamed `.chunk` forms), which the `openai`
-client parses.
+client parses. Completions also take token-id prompts, `echo` (the prompt before the answer)
+and `logprobs` (OpenAI's legacy object: with `echo`, the prompt's own tokens too, the first one
+None), and both endpoints `n` choices per prompt: what lm-evaluation-harness's
+`local-completions` client sends to score multiple choice, answered as vLLM answers it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from llmfoundry.models.mpt.generation import TokenLogprob
 
 __all__ = [
     "ChatRequest",
@@ -23,6 +30,7 @@ __all__ = [
 ]
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 # Our Decoder's reasons, as OpenAI names them (an EOS token is a natural stop).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
@@ -40,14 +48,20 @@ class Sampling(BaseModel):
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float = Field(1.0, ge=0, le=2, description="0 or below 1e-5: greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=4)] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 63)  # what torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per prompt")
+    n: int = Field(1, ge=1, description="choices per prompt (more than 1: without stream)")
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _streamable(self) -> Sampling:
+        if self.stream and self.n > 1:
+            raise ValueError("n > 1 is served without stream; set stream to false or n to 1")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -61,11 +75,27 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)]
+    prompt: (
+        NonEmpty
+        | Annotated[list[NonEmpty], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5, description="top alternatives per token")
+
+    @model_validator(mode="after")
+    def _scored_whole(self) -> CompletionRequest:
+        if self.stream and (self.echo or self.logprobs is not None):
+            raise ValueError("echo and logprobs are served without stream; set stream to false")
+        return self
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -101,13 +131,48 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(
-    id_: str, model: str, texts: list[str], reasons: list[str], usage_: dict[str, int]
+def completion_choice(
+    index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    choices = [
-        {"index": i, "text": text, "logprobs": None, "finish_reason": FINISH_REASONS[reason]}
-        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
-    ]
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": FINISH_REASONS[reason],
+    }
+
+
+def completion_logprobs(
+    ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    decode: Callable[[list[int]], str],
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs` object for tokens `ids` with their `entries` (None: the first
+    prompt token, which nothing predicts): each token's text, log-probability, the most likely
+    tokens at its position with its own (as vLLM gives them), and where its text starts in the
+    choice's text (`offset`: the characters before the first token)."""
+    texts = [decode([t]) for t in ids]
+    tops: list[dict[str, float] | None] = []
+    for text, entry in zip(texts, entries, strict=True):
+        if entry is None:
+            tops.append(None)
+            continue
+        top = {text: entry.logprob}
+        for token, logprob in entry.top:
+            top.setdefault(decode([token]), logprob)  # two ids of one text: the likelier
+        tops.append(top)
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": list(itertools.accumulate(map(len, texts), initial=offset))[: len(texts)],
+    }
+
+
+def completion_body(
+    id_: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
     return {
         "id": id_,
         "object": "text_completion",
@@ -137,19 +202,22 @@ def completion_chunk(
 
 
 def chat_body(
-    id_: str, model: str, text: str, reason: str, usage_: dict[str, int]
+    id_: str, model: str, texts: list[str], reasons: list[str], usage_: dict[str, int]
 ) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": FINISH_REASONS[reason],
-    }
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": FINISH_REASONS[reason],
+        }
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
+    ]
     return {
         "id": id_,
         "object": "chat.completion",
         "created": now(),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_,
     }
 

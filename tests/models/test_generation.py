@@ -6,11 +6,13 @@ import pytest
 import torch
 import transformers
 
+from llmfoundry.data.prep.tokenizer import train_bpe
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.cache import KVCache
 from llmfoundry.models.mpt.generation import (
     Decoder,
     GenerationConfig,
+    TextStream,
     apply_repetition_penalty,
     generate,
     left_pad,
@@ -134,6 +136,99 @@ def test_sampling_seeds_are_per_row_and_reproducible():
     top1 = GenerationConfig(max_new_tokens=10, temperature=2.0, top_k=1)
     greedy = GenerationConfig(max_new_tokens=10, temperature=0)
     assert generate(model, ids, mask, top1).tokens == generate(model, ids, mask, greedy).tokens
+
+
+@pytest.mark.parametrize("temperature", [1.18e-38, 1e-40])
+def test_a_tiny_temperature_is_greedy_and_fails_no_other_row(temperature):
+    """Dividing by such a temperature overflowed to inf and torch.multinomial raised for the
+    whole batch; it is greedy now, in a batch from the start and when it joins one."""
+    model = tiny()
+    normal = GenerationConfig(max_new_tokens=12, temperature=1.0, seed=3)
+    cold = GenerationConfig(max_new_tokens=12, temperature=temperature)
+    alone = generate(model, torch.tensor([PROMPTS[0]]), None, normal).tokens[0]
+    greedy = generate(model, torch.tensor([PROMPTS[1]]), None, GREEDY).tokens[0]
+    ids, mask = left_pad(PROMPTS[:2])
+    out = generate(model, ids, mask, [normal, cold])
+    assert out.tokens == [alone, greedy] and out.finish_reasons == ["length", "length"]
+    decoder = Decoder(model, torch.tensor([PROMPTS[0]]), None, normal)
+    decoder.step()
+    decoder.add(PROMPTS[1], cold)
+    while not decoder.done:
+        decoder.step()
+    assert decoder.output().tokens == [alone, greedy]
+
+
+@pytest.mark.parametrize(("poison", "temperature"), [(float("nan"), 0.0), (float("inf"), 1.0)])
+def test_a_row_with_non_finite_scores_fails_alone(poison, temperature):
+    """A row whose logits turn NaN (greedy) or +inf (sampled: softmax makes NaN) ends with
+    "error" and a message; the other row decodes exactly as it would alone."""
+    model = tiny()
+    config = GenerationConfig(max_new_tokens=12, temperature=temperature, seed=1)
+    alone = generate(model, torch.tensor([PROMPTS[0]]), None, config).tokens[0]
+
+    def poison_second_row(module, args, logits):
+        if logits.shape[0] == 2:
+            logits = logits.clone()
+            logits[1, :, :5] = poison
+        return logits
+
+    handle = model.register_forward_hook(poison_second_row)
+    try:
+        out = generate(model, *left_pad(PROMPTS[:2]), config)
+    finally:
+        handle.remove()
+    assert out.tokens[0] == alone and out.finish_reasons == ["length", "error"]
+    assert out.tokens[1] == [] and out.errors[0] is None
+    assert "not finite" in out.errors[1] and "probability tensor" not in out.errors[1]
+
+
+def test_sampling_probs_of_a_tiny_temperature_are_one_hot():
+    logits = torch.tensor([[1.0, 3.0, -2.0], [5.0, 5.0, 0.0]])
+    probs = sampling_probs(logits, [GenerationConfig(temperature=1e-30)] * 2)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+
+
+def test_prompt_and_token_logprobs_equal_a_forward_of_the_row_alone():
+    model = tiny()
+    config = GenerationConfig(max_new_tokens=4, temperature=0, logprobs=2, prompt_logprobs=True)
+    decoder = Decoder(model, *left_pad(PROMPTS[:3]), config)
+    decoder.cancel(0)  # before the first step: the other rows still score their own prompts
+    while not decoder.done:
+        decoder.step()
+    assert decoder.prompt_logprobs[0] == [] and decoder.logprobs[0] == []
+    for row in (1, 2):
+        sequence = torch.tensor([PROMPTS[row] + decoder.tokens[row]])
+        with torch.no_grad():
+            logprobs = model(sequence)[0].float().log_softmax(dim=-1)[:-1]
+        expected = logprobs.gather(1, sequence[0, 1:, None])[:, 0]
+        entries = decoder.prompt_logprobs[row] + decoder.logprobs[row]
+        assert [e.token for e in entries] == sequence[0, 1:].tolist()
+        assert torch.allclose(torch.tensor([e.logprob for e in entries]), expected, atol=1e-5)
+        top = logprobs.topk(2, dim=-1).indices.tolist()
+        assert [[t for t, _ in e.top] for e in entries] == top
+
+
+def test_text_stream_adds_whole_characters_only():
+    tokenizer = train_bpe(["hello world"], vocab_size=300)  # no merges: é is 2 tokens, 😀 4
+    ids = tokenizer.encode("é€😀 gu").ids
+    stream = TextStream(tokenizer.decode)
+    pieces = [stream.push(i) for i in ids]
+    assert pieces[:2] == ["", "é"] and not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == stream.text == tokenizer.decode(ids)
+    # Bytes that never form a character are U+FFFD, as in the whole decode, once that is known.
+    broken = TextStream(tokenizer.decode)
+    assert [broken.push(i) for i in [*ids[2:4], *tokenizer.encode(" g").ids]] == [
+        "",
+        "",
+        "\ufffd ",
+        "g",
+    ]
+    cut = TextStream(tokenizer.decode)
+    assert cut.push(ids[0]) == "" and cut.flush() == "\ufffd" == cut.text  # ended mid-character
+    # A run of stray continuation bytes is sent as it goes: only the last 3 may still change.
+    stray = TextStream(tokenizer.decode)
+    pieces = [stray.push(ids[1]) for _ in range(6)]  # é's second byte, alone, six times
+    assert "".join(pieces) == "\ufffd" * 3 and stray.flush() == "\ufffd" * 3
 
 
 def test_repetition_penalty_changes_greedy_output():

@@ -23,6 +23,7 @@ from tests.conftest import _free_port
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 1024
 API_KEY = "test-key-0123456789"
+RUN_NAME = "tiny-run"  # what the checkpoint records: the served model's id
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -37,7 +38,8 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def served_model(tmp_path_factory) -> Path:
-    """A weights-only checkpoint with its tokenizer.json, and a chat template beside it.
+    """A weights-only checkpoint (of run RUN_NAME) with its tokenizer.json, and a chat template
+    beside it.
 
     The EOS embedding row is zero, so the (tied) EOS logit is 0 while the others are spread
     around it: greedy decoding never picks EOS, and a request runs its whole max_tokens.
@@ -54,7 +56,7 @@ def served_model(tmp_path_factory) -> Path:
     model = MPTForCausalLM(config)
     with torch.no_grad():
         model.transformer.wte.weight[tokenizer.eos_id] = 0
-    save_weights(model, str(tmp / "ckpt"), tmp / "tokenizer.json")
+    save_weights(model, str(tmp / "ckpt"), tmp / "tokenizer.json", run_name=RUN_NAME)
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
     return tmp
 

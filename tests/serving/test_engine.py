@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models
 
+from llmfoundry.data.prep.tokenizer import EOS_TOKEN, train_bpe
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.generation import GenerationConfig, generate
 from llmfoundry.serving.engine import Engine, Event
@@ -112,3 +114,94 @@ def test_a_refused_prompt_and_a_failed_step_end_only_their_requests(model, monke
     assert failed[-1].status == 500 and "device lost" in failed[-1].error
     assert ok[-1].finish_reason == "length"
     assert "".join(e.text for e in ok) == alone(model, [1, 2], config)
+
+
+def test_a_bad_row_fails_alone_and_a_tiny_temperature_is_greedy(model):
+    """Issue 20: a tiny temperature made the whole batch's step raise ("generation failed" for
+    every stream); a row whose scores are NaN now fails alone, with a message and a 500."""
+    engine = Engine(model, decode, max_rows=4, max_len=128)
+    normal = GenerationConfig(20, temperature=1.0, seed=5)
+    cold = GenerationConfig(20, temperature=1.18e-38)
+    greedy = GenerationConfig(20, temperature=0)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+
+    def poison_third_row(module, args, logits):
+        if logits.shape[0] == 3:
+            logits = logits.clone()
+            logits[2] = float("nan")
+        return logits
+
+    async def together():
+        configs = [normal, cold, greedy]
+        return await asyncio.gather(
+            *(answer(engine, p, c) for p, c in zip(prompts, configs, strict=True))
+        )
+
+    handle = model.register_forward_hook(poison_third_row)
+    try:
+        ok, cold_events, failed = run(engine, together())
+    finally:
+        handle.remove()
+    assert "".join(e.text for e in ok) == alone(model, prompts[0], normal)
+    assert "".join(e.text for e in cold_events) == alone(model, prompts[1], greedy)
+    assert ok[-1].finish_reason == cold_events[-1].finish_reason == "length"
+    assert failed[-1].status == 500 and "not finite" in failed[-1].error
+    assert engine.metrics.max_rows_in_step == 3 and engine.metrics.errors_total == 1
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """Llama's kind: a token per byte (<0xE2>), decoded one U+FFFD per byte until they form a
+    character (a partial character of 3 bytes is 3 marks, not 1)."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"▁gu": 256, "a": 257, "</s>": 258}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tokenizer.add_special_tokens(["</s>"])
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    return tokenizer
+
+
+def scripted(vocab: int, script: list[int], eos: int) -> MPTForCausalLM:
+    """A model that continues each token of `script` with the next one (then EOS): its logits
+    are replaced by a bigram table, so a test decides which tokens it generates."""
+    torch.manual_seed(0)
+    config = MPTConfig(d_model=16, n_heads=2, n_layers=1, max_seq_len=64, vocab_size=vocab)
+    model = MPTForCausalLM(config).eval()
+    table = torch.full((vocab,), eos)
+    table[torch.tensor(script[:-1])] = torch.tensor(script[1:])
+
+    def bigram(module, args, logits):
+        return torch.nn.functional.one_hot(table[args[0]], vocab).float() * 10
+
+    model.register_forward_hook(bigram)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_streamed_text_never_splits_a_character(kind):
+    """Issue 24: a token ending inside a multi-byte character was streamed as U+FFFD (and with
+    byte fallback the completed character was then lost). Each event holds whole characters,
+    and a stop string that is such a character cuts the text before it."""
+    answer_text = "€ gu😀é"
+    if kind == "byte_level":
+        tokenizer = train_bpe(["hello world"], vocab_size=300)
+        prompt, eos = tokenizer.token_to_id("a"), tokenizer.token_to_id(EOS_TOKEN)
+        generated = tokenizer.encode(answer_text).ids
+    else:
+        tokenizer, prompt, eos = byte_fallback_tokenizer(), 257, 258
+        generated = [0xE2, 0x82, 0xAC, 256, 0xF0, 0x9F, 0x98, 0x80, 0xC3, 0xA9]
+    assert tokenizer.decode(generated) == answer_text and len(generated) > 7  # split characters
+    model = scripted(tokenizer.get_vocab_size(), [prompt, *generated], eos)
+    engine = Engine(model, tokenizer.decode, max_rows=2, max_len=64)
+    whole = GenerationConfig(30, temperature=0, eos_token_id=eos)
+    stopped = GenerationConfig(30, temperature=0, eos_token_id=eos, stop=("😀",))
+
+    async def both():
+        return await asyncio.gather(
+            answer(engine, [prompt], whole), answer(engine, [prompt], stopped)
+        )
+
+    for events, text, reason in zip(
+        run(engine, both()), [answer_text, "€ gu"], ["eos", "stop"], strict=True
+    ):
+        assert all("\ufffd" not in e.text for e in events), [e.text for e in events]
+        assert "".join(e.text for e in events) == text and events[-1].finish_reason == reason

@@ -6,6 +6,7 @@ or template checks the chat refusal and draining on SIGTERM.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import threading
@@ -18,13 +19,13 @@ from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.serving.engine import stream_safe_length
-from tests.serving.conftest import API_KEY, CONTEXT, running_server
+from tests.serving.conftest import API_KEY, CONTEXT, ROOT, RUN_NAME, running_server
 
 pytestmark = pytest.mark.slow  # each server start loads torch in a subprocess
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-MODEL = "ckpt"  # the served model's id: the checkpoint folder's name
+MODEL = RUN_NAME  # the served model's id: the run the checkpoint records, not its folder's name
 MAX_CONCURRENT = 3
 LIMITS = ["--max-concurrent", "3", "--max-prompt-tokens", "64", "--max-tokens", "1000"]
 LIMITS += ["--max-body-bytes", "4096"]
@@ -54,6 +55,13 @@ def reference(served_model):
         return generate(model, ids, mask, config, decode=tokenizer.tokenizer.decode).texts
 
     return continue_
+
+
+def eval_script():
+    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def post(
@@ -162,6 +170,11 @@ def test_chat_uses_the_template(client, reference):
         model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+    two = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, n=2
+    )
+    assert [c.message.content for c in two.choices] == [expected, expected]
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 32
 
 
 @pytest.mark.parametrize(
@@ -175,9 +188,10 @@ def test_chat_uses_the_template(client, reference):
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": "hi", "seed": 1 << 70}, 400, "seed: Input should be less than"),
         ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-        ({"prompt": "hi", "n": 2}, 400, "n: Input should be less than or equal to 1"),
+        ({"prompt": "hi", "n": 2, "stream": True}, 400, "n > 1 is served without stream"),
         ({"max_tokens": 2}, 400, "prompt: Field required"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+        ({"prompt": "hi", "model": "ckpt"}, 404, f"use {RUN_NAME!r}"),  # not the folder's name
         ('{"prompt": "hi",', 400, "not valid JSON"),
         ({"prompt": "x" * 5000}, 413, "larger than the limit of 4096 bytes"),
     ],
@@ -268,7 +282,6 @@ def test_concurrent_requests_decode_in_one_batch(server, client, reference):
 def test_stream_safe_length_holds_back_what_may_still_change():
     assert stream_safe_length("abc\n", ["\n\n"]) == 3  # "\n" may start the stop string
     assert stream_safe_length("abc\nd", ["\n\n"]) == 5
-    assert stream_safe_length("a\ufffdb\ufffd", []) == 3  # half a UTF-8 character at the end
     assert stream_safe_length("abcST", ["STOP", "x"]) == 3
 
 
@@ -292,3 +305,88 @@ def test_chat_without_template_is_refused_and_sigterm_drains(served_model):
         assert proc.wait(60) in (0, -signal.SIGTERM)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
+
+
+MC_QUERIES = [
+    "the quick brown fox jumps over the",
+    "hello world, hello",
+    "import os\nimport",
+    "def add(a, b):\n    return a +",
+    "the lazy",
+    "hello server, hello",
+    "import sys\n",
+    "jumps over the",
+]
+MC_CHOICES = [" fox", " dog", " lazy", " quick", " world", " server", " batch", " return"]
+LM_EVAL_TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{query}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_path, monkeypatch):
+    """Issue 24: lm-evaluation-harness's own client, against this server, on a local multiple
+    choice task, scores what scripts/eval.py scores on the same checkpoint (both exactly 0.5:
+    the gold answers are the model's own picks for half the questions, set here)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from llmfoundry.data.prep.tokenizer import load_tokenizer
+    from llmfoundry.eval.icl import Task, score_example
+
+    model, tokenizer_path = load_pretrained(str(served_model / "ckpt"))
+    tokenizer = load_tokenizer(tokenizer_path)
+    lengths = {len(tokenizer.encode(c).ids) for c in MC_CHOICES}
+    assert lengths == {3}  # eval.py's mean loss and lm-eval's summed logprob pick alike
+    examples = [
+        {"query": q, "choices": MC_CHOICES[i % 5 : i % 5 + 4], "gold": 0}
+        for i, q in enumerate(MC_QUERIES)
+    ]
+    task = Task("tiny_mc", "multiple_choice", examples)
+    for i, example in enumerate(examples):
+        _, picked = score_example(lambda ids: model(ids), tokenizer, task, i, "", CONTEXT)
+        example["gold"] = picked if i % 2 == 0 else (picked + 1) % 4
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    hf_tokenizer = tmp_path / "hf_tokenizer"  # lm-eval tokenizes with transformers
+    hf_tokenizer.mkdir()
+    (hf_tokenizer / "tokenizer.json").write_text(tokenizer.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    (hf_tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+
+    out = tmp_path / "eval.json"
+    assert eval_script().main([str(served_model / "ckpt"), str(data), "--out", str(out)]) == 0
+    ours = json.loads(out.read_text())["tasks"]["tiny_mc"]["accuracy"]
+    model_args = {
+        "model": MODEL,
+        "base_url": f"{server}/v1/completions",
+        "tokenizer": str(hf_tokenizer),
+        "tokenizer_backend": "huggingface",
+        "max_length": CONTEXT,
+        "max_retries": 1,
+    }
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=["tiny_mc"],
+        task_manager=TaskManager(include_path=str(tasks)),
+        num_fewshot=0,
+    )
+    assert ours == 0.5
+    assert results["results"]["tiny_mc"]["acc,none"] == ours

@@ -18,6 +18,10 @@ real token. ALiBi needs nothing: it depends only on the distance between query a
 Each row has its own sampling settings (`GenerationConfig`): temperature (0 is greedy), top-k,
 top-p, a repetition penalty, stop strings, an EOS id, a token budget and a seed; the order in
 which they act on the logits is transformers' (repetition penalty, temperature, top-k, top-p).
+A row's `texts` grows by whole characters only (`TextStream`): a token that ends inside a
+multi-byte UTF-8 character is held back until the character completes, so a server can stream
+the text as it grows, and stop strings are matched on it. One bad row never ends the others: a row whose next-token scores are not finite (a model that
+overflowed on its prompt) ends alone with finish reason "error" and a message in `errors`.
 
 With `use_cache=False` every step reruns the whole sequence instead of reading the cache: the
 reference the cache is tested against, and the baseline of `bench/generation.py`.
@@ -39,18 +43,26 @@ from llmfoundry.models.mpt.model import MPTForCausalLM
 
 Decode = Callable[[list[int]], str]
 
+# Temperatures below this are greedy: dividing logits by them overflows float32, and the
+# distribution they describe is the most likely token already.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to continue one prompt.
 
-    `temperature=0` picks the most likely token (greedy); otherwise tokens are sampled after
-    dividing the logits by it, keeping the `top_k` most likely tokens and the smallest set whose
+    `temperature=0` picks the most likely token (greedy), and so does any temperature below
+    `GREEDY_BELOW` (1e-5); otherwise tokens are sampled after dividing the logits by it, keeping the `top_k` most likely tokens and the smallest set whose
     probability reaches `top_p`. `repetition_penalty` > 1 makes tokens already in the row (prompt
     included) less likely (CTRL's rule: positive logits divided, negative ones multiplied).
     Generation of a row ends after `max_new_tokens`, at `eos_token_id` (kept in the tokens), or
     when the decoded text contains one of `stop` (the text is cut before it). `seed` makes the
     row's samples reproducible whatever else is in the batch (None: the global torch RNG).
+    `logprobs` (k >= 0) records each new token's log-probability under the model (before the
+    sampling settings) with the k most likely tokens', and `prompt_logprobs` those of every
+    prompt token after the first, from the same forward that reads the prompt (scoring, as
+    OpenAI's `echo`); both are in `Decoder.logprobs` and `Decoder.prompt_logprobs`.
     """
 
     max_new_tokens: int = 64
@@ -61,6 +73,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     eos_token_id: int | None = None
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,16 +96,29 @@ class GenerationConfig:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its log-probability under the model, and the `top` most likely (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class GenerationOutput:
-    """Per row: the new tokens, why generation ended ("eos", "stop", "length" or
-    "cancelled"), and the decoded new text (cut before a stop string) when `decode` was given."""
+    """Per row: the new tokens, why generation ended ("eos", "stop", "length", "cancelled" or
+    "error", whose message is in `errors`), and the decoded new text (cut before a stop string)
+    when `decode` was given."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     texts: list[str] | None = field(default=None)
+    errors: list[str | None] = field(default_factory=list)
 
 
 def left_pad(
@@ -188,7 +215,13 @@ class Decoder:
         self.cache = KVCache.for_model(model, self.max_len) if use_cache else None
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish_reasons: list[str | None] = [None] * batch
+        self.errors: list[str | None] = [None] * batch  # why a row ended with "error"
         self.texts: list[str] = [""] * batch
+        self._streams = [TextStream(decode) for _ in range(batch)] if decode else []
+        # Rows' log-probabilities, when their config asks (GenerationConfig.logprobs).
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(batch)]
+        self.prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in range(batch)]
+        self._read_prompts = False  # whether the first forward (the prompts) has run
         self._generators = [
             None if c.seed is None else torch.Generator(device).manual_seed(c.seed) for c in configs
         ]
@@ -226,7 +259,11 @@ class Decoder:
         row = len(self.tokens)
         self.tokens += newcomer.tokens
         self.finish_reasons += newcomer.finish_reasons
+        self.errors += newcomer.errors
         self.texts += newcomer.texts
+        self._streams += newcomer._streams
+        self.logprobs += newcomer.logprobs
+        self.prompt_logprobs += newcomer.prompt_logprobs
         self.configs += newcomer.configs
         self._generators += newcomer._generators
         if newcomer.done:
@@ -260,11 +297,22 @@ class Decoder:
         # Eager even if the blocks are compiled: every step has new shapes (one more key), and
         # recompiling per step would cost far more than it saves.
         with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
-            logits = self._forward()
-        chosen = self._choose(logits.float()).tolist()
+            every = self._forward()
+        if not self._read_prompts:
+            self._score_prompts(every)
+            self._read_prompts = True
+        logits = every[:, -1]
+        chosen_, failed = self._choose(logits.float())
+        chosen = chosen_.tolist()
         new: list[int | None] = [None] * len(self.tokens)
-        for row, token in zip(self._active, chosen, strict=True):
+        for j, (row, token) in enumerate(zip(self._active, chosen, strict=True)):
+            if j in failed:  # ends alone; its placeholder token leaves with it at the next step
+                self.finish_reasons[row], self.errors[row] = "error", failed[j]
+                continue
             new[row] = token
+            if self.configs[row].logprobs is not None:
+                lp = logits[j].float().log_softmax(dim=-1)
+                self.logprobs[row] += _entries(lp[None], [token], self.configs[row].logprobs)
             self._accept(row, token)
         feed = torch.tensor(chosen, device=self.ids.device, dtype=torch.long)[:, None]
         if self._seen is not None:
@@ -278,10 +326,11 @@ class Decoder:
     def output(self) -> GenerationOutput:
         reasons = [r or "length" for r in self.finish_reasons]
         texts = None if self.decode is None else list(self.texts)
-        return GenerationOutput([list(t) for t in self.tokens], reasons, texts)
+        tokens = [list(t) for t in self.tokens]
+        return GenerationOutput(tokens, reasons, texts, list(self.errors))
 
     def _forward(self) -> torch.Tensor:
-        """Last-position logits [batch, vocab] of the sequence so far."""
+        """Logits [batch, new positions, vocab] of the sequence so far (the last one: next)."""
         ids = self._next_input
         if self.cache is not None and self.cache.length > 0:  # new tokens are real (id 1)
             sid = None if self.cache.sequence_id is None else torch.ones_like(ids)
@@ -290,7 +339,19 @@ class Decoder:
         else:
             grown = ids.shape[1] - self.sid.shape[1]
             sid = torch.cat([self.sid, self.sid.new_ones(ids.shape[0], grown)], dim=1)
-        return self.model(ids, sid, cache=self.cache)[:, -1]
+        return self.model(ids, sid, cache=self.cache)
+
+    def _score_prompts(self, logits: torch.Tensor) -> None:
+        """Each asking row's prompt log-probabilities, from the logits of the first forward
+        [active rows, prompt positions, vocab] (a row's prompt is its last real tokens)."""
+        for j, row in enumerate(self._active):
+            cfg = self.configs[row]
+            if not cfg.prompt_logprobs:
+                continue
+            prompt = self._next_input[j]  # the rows' prompts, as the first forward read them
+            ids = prompt if self.sid is None else prompt[self.sid[j] != 0]
+            lp = logits[j, logits.shape[1] - len(ids) : -1].float().log_softmax(dim=-1)
+            self.prompt_logprobs[row] = _entries(lp, ids[1:].tolist(), cfg.logprobs or 0)
 
     def _drop_finished(self) -> None:
         """Take finished (or cancelled) rows out of the batch, so they cost no more compute."""
@@ -308,25 +369,40 @@ class Decoder:
         if self.cache is not None:
             self.cache.select(index)
 
-    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token of every active row from its last logits [active rows, vocab]."""
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, str]]:
+        """The next token of every active row from its last logits [active rows, vocab], and
+        the rows (positions among the active ones) that have none, with why."""
         if self._seen is not None:
             logits = apply_repetition_penalty(logits, self._seen, self._penalty)
         chosen = logits.argmax(dim=-1)
-        sampled = [j for j, row in enumerate(self._active) if self.configs[row].temperature > 0]
+        failed = {j: NOT_FINITE for j in logits.isnan().any(dim=-1).nonzero()[:, 0].tolist()}
+        sampled = [
+            j
+            for j, row in enumerate(self._active)
+            if self.configs[row].temperature >= GREEDY_BELOW and j not in failed
+        ]
         if not sampled:
-            return chosen
+            return chosen, failed
         rows = [self._active[j] for j in sampled]
         probs = sampling_probs(logits[sampled], [self.configs[row] for row in rows])
-        for j, row, p in zip(sampled, rows, probs, strict=True):
-            chosen[j] = torch.multinomial(p, 1, generator=self._generators[row])[0]
-        return chosen
+        drawable = probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)
+        for j, row, p, ok in zip(sampled, rows, probs, drawable.tolist(), strict=True):
+            if ok:
+                chosen[j] = torch.multinomial(p, 1, generator=self._generators[row])[0]
+            else:
+                failed[j] = NOT_FINITE
+        return chosen, failed
 
     def _accept(self, row: int, token: int) -> None:
         cfg, tokens = self.configs[row], self.tokens[row]
         tokens.append(token)
         if self.decode is not None:
-            text = self.decode([t for t in tokens if t != cfg.eos_token_id])
+            stream = self._streams[row]
+            if token != cfg.eos_token_id:
+                stream.push(token)
+            if token == cfg.eos_token_id or len(tokens) >= cfg.max_new_tokens:
+                stream.flush()  # the row ends: a character it left unfinished ends too
+            text = stream.text
             hits = [text.find(s) for s in cfg.stop if s in text]
             if hits:
                 self.texts[row] = text[: min(hits)]
@@ -339,6 +415,76 @@ class Decoder:
             self.finish_reasons[row] = "length"
 
 
+NOT_FINITE = (
+    "generation failed for this prompt: the model's next-token scores are not finite (NaN or "
+    "inf), so no token can be chosen; other requests are unaffected"
+)
+
+
+def _entries(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """TokenLogprobs of `tokens` from log-probabilities [len(tokens), vocab], top `k` each."""
+    if not tokens:
+        return []
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0]
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    return [
+        TokenLogprob(t, lp, tuple(zip(ids, lps, strict=True)))
+        for t, lp, ids, lps in zip(
+            tokens, chosen.tolist(), top_ids.long().tolist(), top_lp.tolist(), strict=True
+        )
+    ]
+
+
+class TextStream:
+    """The text of a growing token sequence, by whole characters.
+
+    A byte-level tokenizer can split one character over tokens; decoding a prefix that ends
+    inside it gives U+FFFD marks (one for a ByteLevel decoder, one per byte with byte fallback)
+    that the next tokens replace. So `push` holds back the decoded text's trailing marks, up to
+    `PENDING` of them (a character's unfinished part is at most 3 bytes; marks before those are
+    bytes that never form a character, and stay U+FFFD as in a decode of the whole sequence),
+    until a token ends the text cleanly (and all of them while the window's decode disagrees
+    with what it already gave: byte fallback decodes a run of byte tokens that is not UTF-8 as
+    one mark per byte, the bytes of finished characters included). It decodes a window that starts one clean piece back
+    (TGI's and vLLM's rule), so decoders that strip a leading space see the same context as a
+    decode of everything, at a cost that does not grow with the text. `flush` adds what is held
+    back when the sequence ends.
+    """
+
+    PENDING = 3
+
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # the window's first token: the clean point before the last one
+        self._clean = 0  # the last token after which the decoded text ended cleanly
+        self._sent = ""  # the window's text already in `text`
+
+    def push(self, token: int) -> str:
+        """Add a token; returns the text it completes ("" while a character is unfinished)."""
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character's U+FFFD), now added."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        window = self.decode(self.ids[self._prefix :])
+        marks = len(window) - len(window.rstrip("\ufffd"))
+        if not final and marks and not window.startswith(self._sent):
+            return ""  # a decode that changed what it gave: wait for the character to finish
+        end = len(window) if final else len(window) - min(marks, self.PENDING)
+        new = window[len(self._sent) : end]
+        self.text += new
+        self._sent += new
+        if end == len(window):  # clean: the next window starts at the previous clean point
+            self._prefix, self._clean = self._clean, len(self.ids)
+            self._sent = self.decode(self.ids[self._prefix :])
+        return new
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
 ) -> torch.Tensor:
@@ -349,10 +495,15 @@ def apply_repetition_penalty(
 
 
 def sampling_probs(logits: torch.Tensor, configs: Sequence[GenerationConfig]) -> torch.Tensor:
-    """Probabilities [rows, vocab] after each row's temperature, top-k and top-p."""
+    """Probabilities [rows, vocab] after each row's temperature, top-k and top-p.
+
+    The most likely logit is subtracted before dividing by the temperature, so the top token's
+    scaled logit is 0 and a small temperature sends the others to -inf, never to +inf (which
+    softmax would turn into NaN).
+    """
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([c.temperature for c in configs], device=device)
-    logits = logits / temperature[:, None]
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature[:, None]
     if any(c.top_k is not None for c in configs):
         k = torch.tensor([min(c.top_k or vocab, vocab) for c in configs], device=device)
         ranked = logits.sort(dim=-1, descending=True).values
@@ -404,16 +555,20 @@ def _by_length(
         configs = [configs] * batch
     lengths = attention_mask.sum(dim=1).tolist()
     tokens: list[list[int]] = [[] for _ in range(batch)]
-    reasons, texts = [""] * batch, [""] * batch
+    reasons, texts, errors = [""] * batch, [""] * batch, [None] * batch
     for length in sorted(set(lengths)):
         rows = [i for i, n in enumerate(lengths) if n == length]
         ids = input_ids[rows][:, input_ids.shape[1] - length :]
         out = generate(model, ids, None, [configs[i] for i in rows], decode, use_cache)
         for j, row in enumerate(rows):
-            tokens[row], reasons[row] = out.tokens[j], out.finish_reasons[j]
+            tokens[row], reasons[row], errors[row] = (
+                out.tokens[j],
+                out.finish_reasons[j],
+                out.errors[j],
+            )
             if out.texts is not None:
                 texts[row] = out.texts[j]
-    return GenerationOutput(tokens, reasons, None if decode is None else texts)
+    return GenerationOutput(tokens, reasons, None if decode is None else texts, errors)
 
 
 @contextlib.contextmanager

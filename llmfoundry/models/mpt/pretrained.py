@@ -8,6 +8,8 @@
 - a transformers MPT folder (config.json + weights), converted by `hf.from_hf`;
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
 `tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
+`read_pretrained(path)` also gives the name of that run (`run_name` in the checkpoint's
+recorded config), which a server uses as the model's id.
 
 `save_weights(model, folder)` writes the other direction: a checkpoint that holds only weights
 (and the model config and tokenizer), for `load_path=` with weights-only loading
@@ -54,13 +56,29 @@ def is_hf_folder(path: str | Path) -> bool:
     return Path(path, "config.json").is_file()
 
 
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A loaded model, where its tokenizer is (None: unknown), and the run that trained it
+    (None: a transformers folder, or a checkpoint that does not record one)."""
+
+    model: MPTForCausalLM
+    tokenizer: str | None
+    run_name: str | None
+
+
 def load_pretrained(path: str) -> tuple[MPTForCausalLM, str | None]:
     """The model at `path` (eval mode, on CPU) and its tokenizer's location (None: unknown)."""
+    loaded = read_pretrained(path)
+    return loaded.model, loaded.tokenizer
+
+
+def read_pretrained(path: str) -> Pretrained:
+    """The model at `path` (eval mode, on CPU), its tokenizer's location and its run's name."""
     if is_hf_folder(path):
         has_tokenizer = any(
             Path(path, f).is_file() for f in (TOKENIZER_FILE, "tokenizer_config.json")
         )
-        return from_hf(path), str(path) if has_tokenizer else None
+        return Pretrained(from_hf(path), str(path) if has_tokenizer else None, None)
     checkpoint = read_checkpoint(path, rank=0)
     config = model_config(checkpoint.state, checkpoint.path)
     weights = checkpoint.model
@@ -75,7 +93,9 @@ def load_pretrained(path: str) -> tuple[MPTForCausalLM, str | None]:
             f"records ({err})"
         ) from None
     model.config = config  # built on meta only to skip the init; the weights are real now
-    return model.eval(), _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
+    tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
+    run_name = (checkpoint.state.get("config") or {}).get("run_name")
+    return Pretrained(model.eval(), tokenizer, run_name if isinstance(run_name, str) else None)
 
 
 def model_config(state: Mapping[str, Any], where: str) -> MPTConfig:
@@ -104,13 +124,17 @@ def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
 
 
 def save_weights(
-    model: MPTForCausalLM, folder: str, tokenizer_file: str | Path | None = None
+    model: MPTForCausalLM,
+    folder: str,
+    tokenizer_file: str | Path | None = None,
+    run_name: str | None = None,
 ) -> str:
     """Write `model` as a weights-only checkpoint in save folder `folder`; return its URL.
 
     It is checkpoint ep0-ba0 with `latest` pointing at it, so `load_path=<folder>` finds it.
     Besides the weights it holds the model config (so `load_pretrained` rebuilds the model) and
-    a copy of `tokenizer_file`; it has no optimizer, schedule or data state.
+    a copy of `tokenizer_file` (and `run_name`, the model's name when served); it has no
+    optimizer, schedule or data state.
     """
     weights = model_weights(model.state_dict())
     refuse_non_finite(
@@ -120,7 +144,10 @@ def save_weights(
         fix="check the model it was built or imported from",
     )
     config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
-    state = {"format_version": FORMAT_VERSION, "config": {"model": config}}
+    recorded: dict[str, Any] = {"model": config}
+    if run_name is not None:
+        recorded["run_name"] = run_name
+    state = {"format_version": FORMAT_VERSION, "config": recorded}
     files = {
         MODEL_FILE: write_tensors(weights),
         STATE_FILE: write_object(state),
