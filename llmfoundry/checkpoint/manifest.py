@@ -38,6 +38,21 @@ class CheckpointError(UserError):
     """A checkpoint folder problem the user can fix; the message is one line naming the path."""
 
 
+def describe(err: BaseException) -> str:
+    """`err` in one line for a message about a file: its type and the first sentence that says
+    what went wrong (torch's refusals to unpickle put theirs after a paragraph of advice)."""
+    text = str(err)
+    if _TORCH_REFUSAL in text:
+        text = text.split(_TORCH_REFUSAL, 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0].split(". ", 1)[0].removesuffix(".") if lines else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+# How torch.load(weights_only=True) introduces the reason it refused a file.
+_TORCH_REFUSAL = "WeightsUnpickler error:"
+
+
 def hash_tree(folder: Path) -> Entries:
     """Size and SHA-256 of every file under `folder`, keyed by its path relative to it.
 
