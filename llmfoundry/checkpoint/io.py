@@ -24,9 +24,9 @@ first save and after each save.
 
 Files are only ever read back as tensors and plain containers: safetensors for weights and
 ``torch.load(weights_only=True)`` for the rest, and sharded/ through dcp_reader.py (DCP's metadata
-with an unpickler that admits only DCP's classes), so a checkpoint cannot run code when loaded;
-each file is checked against the manifest before it is parsed. DeepSpeed's shards are the
-exception: see llmfoundry/distributed/deepspeed.py.
+with an unpickler that admits only DCP's classes), and DeepSpeed's shards with
+``weights_only=True`` too (llmfoundry/distributed/deepspeed.py), so a checkpoint cannot run code
+when loaded; each file is checked against the manifest before it is parsed.
 """
 
 from __future__ import annotations
