@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import latest_checkpoint, resolve
+from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_damage, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
 from llmfoundry.data import build_loaders
@@ -49,6 +49,12 @@ def build_trainer(
     load_path, load_ignore_keys = settings.load_path, settings.load_ignore_keys
     if settings.autoresume and (latest := latest_checkpoint(settings.save_folder)):
         load_path, load_ignore_keys = latest, []
+    elif settings.autoresume and (damage := newest_damage(settings.save_folder)):
+        raise CheckpointError(
+            f"autoresume: save_folder {settings.save_folder} holds no complete checkpoint to "
+            f"continue from: {damage}; copy that checkpoint again if it came from elsewhere, "
+            "or delete it to start the run afresh"
+        )
     elif load_path:
         resolve(load_path)
     device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)

@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"compute.gpus={args.gpus}")
     render, submit = BACKENDS[args.backend]
     try:
-        job = load_job(args.job, overrides)
-        job.train += args.train
+        job = load_job(args.job, overrides, train=args.train)
         rendered = render(job, ROOT)
         # Hydra-only keys are checked by Hydra itself when the run starts.
         check(

@@ -15,6 +15,7 @@ A file that needs anything else is refused with a `CheckpointError` naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections.abc import Mapping
@@ -28,9 +29,10 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
-from llmfoundry.checkpoint.manifest import CheckpointError
+from llmfoundry.checkpoint.manifest import CheckpointError, describe
 from llmfoundry.utils import storage
 
 # Everything a DCP .metadata file refers to by name (torch 2.x); dtypes are checked by value.
@@ -55,12 +57,16 @@ _ALLOWED = {
 }
 
 
+class _NotAllowed(pickle.UnpicklingError):
+    """The metadata names something outside `_ALLOWED`: what a payload does."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"it refers to {module}.{name}")
+            raise _NotAllowed(f"it refers to {module}.{name}")
         return super().find_class(module, name)
 
 
@@ -68,8 +74,14 @@ def read_metadata(data: bytes, url: str) -> dcp_metadata.Metadata:
     """The DCP metadata in `data` (the bytes of `url`), unpickled with only DCP's classes."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as err:  # noqa: BLE001 - whatever the bytes make the unpickler raise
-        raise _refused(url, f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}") from None
+    except _NotAllowed as err:
+        raise _refused(url, str(err)) from None
+    except Exception as err:  # noqa: BLE001 - whatever damaged bytes make the unpickler raise
+        raise CheckpointError(
+            f"cannot read {url}: it does not parse as DCP checkpoint metadata ({describe(err)}); "
+            "the file matches its checkpoint's manifest, so it was damaged before it was hashed "
+            "or written by another program; load an earlier checkpoint"
+        ) from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise _refused(url, f"it holds a {type(metadata).__name__}, not DCP metadata")
     if not isinstance(metadata.state_dict_metadata, Mapping) or not isinstance(
@@ -97,7 +109,8 @@ def _refused(url: str, why: str) -> CheckpointError:
 class _SafeMetadata:
     """`read_metadata` in place of DCP's ``pickle.load`` (mixed into DCP's readers). Read once
     per reader: `load_shards_state` checks it before ``dcp.load`` asks again (one GET, not two,
-    on an object store)."""
+    on an object store). `read_data` reads one shard file at a time, so a file that does not
+    parse (or a store that stops answering) is an error naming that file."""
 
     _metadata: dcp_metadata.Metadata | None = None
 
@@ -111,6 +124,36 @@ class _SafeMetadata:
             self._metadata = metadata
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except (CheckpointError, AssertionError):  # (DCP's check that a tensor fits)
+                raise
+            except Exception as err:  # noqa: BLE001 - bytes the manifest vouches for, unparsed
+                url = str(self.fs.concat_path(self.path, relative_path))
+                raise _unparsed(url, err) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _unparsed(url: str, err: Exception) -> CheckpointError:
+    if storage.is_unreachable(err) and not storage.is_local(url):
+        return CheckpointError(
+            f"cannot read the shard {url} ({describe(err)}); {storage.UNREACHABLE_FIX}"
+        )
+    return CheckpointError(
+        f"cannot read the shard {url}: {describe(err)}; the file matches its checkpoint's "
+        "manifest but is not a DCP shard: it was damaged before it was hashed, or written by "
+        "another program; load an earlier checkpoint"
+    )
 
 
 class SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):

@@ -24,9 +24,9 @@ first save and after each save.
 
 Files are only ever read back as tensors and plain containers: safetensors for weights and
 ``torch.load(weights_only=True)`` for the rest, and sharded/ through dcp_reader.py (DCP's metadata
-with an unpickler that admits only DCP's classes), so a checkpoint cannot run code when loaded;
-each file is checked against the manifest before it is parsed. DeepSpeed's shards are the
-exception: see llmfoundry/distributed/deepspeed.py.
+with an unpickler that admits only DCP's classes), and DeepSpeed's shards with
+``weights_only=True`` too (llmfoundry/distributed/deepspeed.py), so a checkpoint cannot run code
+when loaded; each file is checked against the manifest before it is parsed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import errno
 import io
 import logging
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -58,12 +57,14 @@ from llmfoundry.checkpoint.manifest import (
     Entries,
     check_bytes,
     check_file,
+    describe,
     hash_tree,
     manifest_bytes,
     missing_files,
     read_manifest,
 )
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import FileWriter, atomic_write, fsync_path, join_url
 
 log = logging.getLogger(__name__)
@@ -409,17 +410,51 @@ class Checkpoint:
 def resolve(path: str) -> str:
     """A checkpoint folder, or a save folder (its checkpoint to continue from) -> the checkpoint
     folder."""
-    fs, root = storage.url_to_fs(path)
-    if fs.exists(join_url(root, STATE_FILE)) or fs.exists(join_url(root, MANIFEST)):
-        return path
-    latest = latest_checkpoint(path) if fs.isdir(root) else None
-    if latest is None:
-        raise FileNotFoundError(
-            f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "
-            f"{STATE_FILE}) nor a save folder with a complete checkpoint; point it at a folder "
-            "like <save_folder>/ep0-ba100 or at the save_folder itself"
+    with _reading(path):
+        fs, root = storage.url_to_fs(path)
+        if fs.exists(join_url(root, STATE_FILE)) or fs.exists(join_url(root, MANIFEST)):
+            return path
+        latest = latest_checkpoint(path) if fs.isdir(root) else None
+    if latest is not None:
+        return latest
+    if damage := newest_damage(path):
+        raise CheckpointError(
+            f"load_path {path} holds no complete checkpoint: {damage}; copy that checkpoint "
+            "again if it came from elsewhere, or point load_path at an earlier checkpoint folder"
         )
-    return latest
+    raise MissingInput(
+        f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "
+        f"{STATE_FILE}) nor a save folder with a complete checkpoint; point it at a folder "
+        "like <save_folder>/ep0-ba100 or at the save_folder itself"
+    )
+
+
+def newest_damage(folder: str) -> str | None:
+    """When `folder` holds checkpoints but none is complete: its newest checkpoint's URL and
+    what is wrong with it (for an error that names the file to fix); None otherwise."""
+    names = checkpoint_names(folder)
+    if not names or newest_complete(folder) is not None:
+        return None
+    url = join_url(folder, names[-1])
+    fs, root = storage.url_to_fs(url)
+    return f"its newest, {url}, {_damage(fs, root, read_manifest(fs, root))}"
+
+
+def _damage(fs: fsspec.AbstractFileSystem, root: str, files: Entries | None) -> str | None:
+    """What keeps the checkpoint folder `root` from loading, from its manifest `files` and a
+    listing of it (no file is read), or None when every file is there."""
+    if files is None:
+        return (
+            f"has no {MANIFEST}: its save was cut short, it was copied in part, or an llmfoundry "
+            "older than manifests saved it"
+        )
+    # A sharded checkpoint keeps its weights in SHARDED_DIR (read by the strategy), not MODEL_FILE.
+    sharded = any(name.startswith(f"{SHARDED_DIR}/") for name in files)
+    required = (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE)
+    problems = missing_files(fs, root, files) + [
+        f"{f} (missing)" for f in required if f not in files
+    ]
+    return f"is incomplete: {', '.join(problems[:4])}" if problems else None
 
 
 def read_checkpoint(path: str, rank: int) -> Checkpoint:
@@ -429,36 +464,38 @@ def read_checkpoint(path: str, rank: int) -> Checkpoint:
     rest (other ranks' files) shared out between the ranks, so a corrupt file is named on load.
     """
     path = resolve(path)
-    fs, root = storage.url_to_fs(path)
-    files = read_manifest(fs, root)
-    if files is None:
-        raise CheckpointError(
-            f"checkpoint {path} has no {MANIFEST}: its save was cut short, it was copied in "
-            "part, or an llmfoundry older than manifests saved it; load an earlier checkpoint "
-            "(or the save folder, which finds the newest complete one)"
+    with _reading(path):
+        fs, root = storage.url_to_fs(path)
+        files = read_manifest(fs, root)
+        if damage := _damage(fs, root, files):
+            raise CheckpointError(
+                f"checkpoint {path} {damage}; load an earlier checkpoint (or the save folder, "
+                "which finds the newest complete one)"
+            )
+        own = [MODEL_FILE, STATE_FILE, rng_file(rank)]
+        world = dist.get_world_size() if _distributed() else 1
+        others = sorted(set(files) - set(own))
+        for name in others[rank % world :: world]:
+            check_file(fs, join_url(root, name), files[name])
+        return Checkpoint(
+            path=path,
+            model=_load_tensors(fs, root, files) if MODEL_FILE in files else None,  # sharded
+            state=_load_object(fs, root, STATE_FILE, files),
+            rng=_load_object(fs, root, rng_file(rank), files) if rng_file(rank) in files else None,
         )
-    # A sharded checkpoint keeps its weights in SHARDED_DIR (read by the strategy), not MODEL_FILE.
-    sharded = any(name.startswith(f"{SHARDED_DIR}/") for name in files)
-    required = (STATE_FILE,) if sharded else (MODEL_FILE, STATE_FILE)
-    problems = missing_files(fs, root, files) + [
-        f"{f} (missing)" for f in required if f not in files
-    ]
-    if problems:
+
+
+@contextlib.contextmanager
+def _reading(url: str) -> Iterator[None]:
+    """An object store or web server that does not answer is one line naming `url`."""
+    try:
+        yield
+    except Exception as err:
+        if storage.is_local(url) or not storage.is_unreachable(err):
+            raise
         raise CheckpointError(
-            f"checkpoint {path} is incomplete: {', '.join(problems[:4])}; load an earlier "
-            "checkpoint (or the save folder, which finds the newest complete one)"
-        )
-    own = [MODEL_FILE, STATE_FILE, rng_file(rank)]
-    world = dist.get_world_size() if _distributed() else 1
-    others = sorted(set(files) - set(own))
-    for name in others[rank % world :: world]:
-        check_file(fs, join_url(root, name), files[name])
-    return Checkpoint(
-        path=path,
-        model=_load_tensors(fs, root, files) if MODEL_FILE in files else None,  # None: sharded
-        state=_load_object(fs, root, STATE_FILE, files),
-        rng=_load_object(fs, root, rng_file(rank), files) if rng_file(rank) in files else None,
-    )
+            f"cannot read the checkpoint at {url} ({describe(err)}); {storage.UNREACHABLE_FIX}"
+        ) from None
 
 
 def _verified(fs: fsspec.AbstractFileSystem, root: str, name: str, files: Entries) -> Any:
@@ -477,7 +514,7 @@ def _load_tensors(fs: fsspec.AbstractFileSystem, root: str, files: Entries) -> d
         if isinstance(source, str):
             return safetensors.torch.load_file(source)
         return safetensors.torch.load(source.getvalue())
-    except (safetensors.SafetensorError, ValueError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001 - bytes the manifest vouches for that do not parse
         raise _unreadable(fs, join_url(root, MODEL_FILE), err) from None
 
 
@@ -485,16 +522,16 @@ def _load_object(fs: fsspec.AbstractFileSystem, root: str, name: str, files: Ent
     source = _verified(fs, root, name, files)
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+    except Exception as err:  # noqa: BLE001 - bytes the manifest vouches for that do not parse
         raise _unreadable(fs, join_url(root, name), err) from None
 
 
 def _unreadable(fs: fsspec.AbstractFileSystem, path: str, err: Exception) -> CheckpointError:
-    first_line = (str(err).splitlines() or [""])[0]
     return CheckpointError(
-        f"cannot read {fs.unstrip_protocol(path)}: {type(err).__name__}: {first_line} "
-        "(checkpoints hold only tensors and plain containers; this file is corrupt or holds "
-        "objects that loading refuses to unpickle)"
+        f"cannot read {fs.unstrip_protocol(path)}: {describe(err)}; the file matches its "
+        "checkpoint's manifest but is not what llmfoundry saves (tensors and plain containers): "
+        "it was damaged before it was hashed, or holds objects that loading refuses to "
+        "unpickle; load an earlier checkpoint"
     )
 
 

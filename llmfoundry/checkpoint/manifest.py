@@ -38,6 +38,22 @@ class CheckpointError(UserError):
     """A checkpoint folder problem the user can fix; the message is one line naming the path."""
 
 
+def describe(err: BaseException) -> str:
+    """`err` in one line for a message about a file: its type and the first sentence that says
+    what went wrong (torch's refusals to unpickle put theirs after a paragraph of advice)."""
+    text = str(err)
+    if text.startswith(_TORCH_REFUSAL):  # "<refusal>. <advice>\n\n<the reason>\n\n<docs>"
+        text = text.split("\n\n", 1)[-1].split(_TORCH_REASON, 1)[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0].split(". ", 1)[0].removesuffix(".") if lines else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
+# How torch.load(weights_only=True) refuses a file, and introduces some of its reasons.
+_TORCH_REFUSAL = "Weights only load failed"
+_TORCH_REASON = "WeightsUnpickler error:"
+
+
 def hash_tree(folder: Path) -> Entries:
     """Size and SHA-256 of every file under `folder`, keyed by its path relative to it.
 

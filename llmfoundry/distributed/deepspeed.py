@@ -22,23 +22,78 @@ Checkpoints: DeepSpeed's own (each rank's partitions in the checkpoint's ``shard
 plus our trainer state; they resume with the same stage on the same number of ranks. Full
 (safetensors) checkpoints load model weights into any stage. Auto-microbatching is refused:
 ZeRO reduces gradients inside backward, and DeepSpeed offers no way to abandon that mid-step.
+
+DeepSpeed reads its files with ``torch.load(weights_only=False)`` (its TorchCheckpointEngine,
+zero_to_fp32), which would run code pickled into a checkpoint. `load_shards` reads them with
+``weights_only=True`` instead (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument
+for every load in `weights_only_loads`), admitting besides tensors and plain containers only
+the few DeepSpeed classes its files hold (`CHECKPOINT_CLASSES`: the loss scaler, the ZeRO
+stage, fragment addresses), so a DeepSpeed checkpoint is as safe to load as ours: a file that
+needs anything else is refused with a `CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import contextlib
+import importlib
+import os
+import pickle
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.manifest import CheckpointError, describe
 from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
+# torch.load reads with weights_only=True while this is set, whatever its caller passes.
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+# What DeepSpeed's checkpoint files hold besides tensors and plain containers (0.19, ZeRO 1-3):
+# module path -> class names. Unpickling one only sets its attributes (or, for the enum, looks
+# up a member); nothing of it runs code.
+CHECKPOINT_CLASSES = {
+    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
+    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
+    "deepspeed.utils.tensor_fragment": ("fragment_address",),
+}
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every ``torch.load`` of this process within the block reads with ``weights_only=True``,
+    admitting `CHECKPOINT_CLASSES` too (see the module docstring)."""
+    classes = [
+        getattr(importlib.import_module(module), name)
+        for module, names in CHECKPOINT_CLASSES.items()
+        for name in names
+    ]
+    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(classes):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = previous
+
+
+def _refused_file(folder: Path) -> Path | None:
+    """The first file of a DeepSpeed checkpoint `folder` that weights-only loading refuses."""
+    with weights_only_loads():
+        for path in sorted(folder.glob("*.pt")):
+            try:
+                torch.load(path, map_location="cpu", mmap=True)
+            except pickle.UnpicklingError:
+                return path
+    return None
 
 
 def _import_deepspeed() -> Any:
@@ -184,13 +239,21 @@ class DeepSpeed(ProcessGroupStrategy):
                 "DeepSpeed's zero_to_fp32.py)"
             )
         folder = Path(path)
-        loaded, _ = self.engine.load_checkpoint(
-            str(folder.parent),
-            tag=folder.name,
-            load_optimizer_states="optimizer" in keys,
-            load_lr_scheduler_states=False,
-            load_module_only="optimizer" not in keys,
-        )
+        try:
+            with weights_only_loads():
+                loaded, _ = self.engine.load_checkpoint(
+                    str(folder.parent),
+                    tag=folder.name,
+                    load_optimizer_states="optimizer" in keys,
+                    load_lr_scheduler_states=False,
+                    load_module_only="optimizer" not in keys,
+                )
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                f"refusing to load {_refused_file(folder) or folder}: it holds objects that "
+                f"loading refuses to unpickle ({describe(err)}); loading it could run code "
+                "written into the checkpoint: load a checkpoint from a source you trust"
+            ) from None
         if loaded is None:
             raise UserError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -39,6 +40,8 @@ from llmfoundry.launch.command import (
 )
 from llmfoundry.launch.job import Job
 from llmfoundry.launch.layout import Layout, plan
+
+_CONTROL_OR_BACKSLASH = re.compile(r"[\x00-\x1f\x7f\\]")
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +79,42 @@ def render_local(job: Job, checkout: Path) -> Rendered:
     return Rendered(f"{job.name}.sh", "#!/bin/bash\n" + body, layout)
 
 
+def slurm_log_dir(job: Job, checkout: Path) -> str:
+    """Where Slurm writes the job's log: the run folder, or (outputs on an object store, which
+    Slurm cannot write) the launching checkout's .launch/<name>."""
+    if is_url(job.outputs):
+        return f"{checkout}/.launch/{job.name}"
+    folder = run_folder(job)
+    workdir = str(clone_dir(job, checkout)) if job.code.repo else str(checkout)
+    return folder if folder.startswith("/") else f"{workdir}/{folder}"
+
+
+def sbatch_path(folder: str, name: str) -> str:
+    """The file `name` (a Slurm file name pattern, e.g. slurm-%j.log) in `folder` as one
+    argument of an #SBATCH line, in double quotes: sbatch splits its lines at spaces and ends
+    them at an unquoted '#', reads backslash escapes, and expands '%' patterns in file names
+    ('%%' is a '%'). A backslash left in a file name turns the patterns off, so it is refused,
+    as are control characters."""
+    if _CONTROL_OR_BACKSLASH.search(folder):
+        raise ConfigError(
+            "outputs",
+            f"the Slurm log folder {folder!r} holds a backslash or a control character, which "
+            "sbatch cannot take in a file name; use another outputs folder or checkout path",
+        )
+    return '"' + folder.replace('"', '\\"').replace("%", "%%") + f'/{name}"'
+
+
 def render_slurm(job: Job, checkout: Path) -> Rendered:
     slurm = job.slurm
     layout = plan(job.compute, slurm.gpus_per_node)
     # The code is fetched once, on the first node, into the shared disk; nodes cd there.
     clone = str(clone_dir(job, checkout))
     workdir = clone if job.code.repo else str(checkout)
-    folder = run_folder(job)
-    if is_url(job.outputs):
-        log_dir = f"{checkout}/.launch/{job.name}"
-    else:
-        log_dir = folder if folder.startswith("/") else f"{workdir}/{folder}"
     directives = [
         f"--job-name={job.name}",
         f"--nodes={layout.nodes}",
         "--ntasks-per-node=1",
-        f"--output={log_dir}/slurm-%j.log",
+        f"--output={sbatch_path(slurm_log_dir(job, checkout), 'slurm-%j.log')}",
         "--open-mode=append",
         "--requeue",
         f"--signal=TERM@{slurm.grace_s}",
@@ -285,9 +308,7 @@ def submit_slurm(path: Path, job: Job, checkout: Path) -> int:
     if missing:
         raise ConfigError("secrets", f"{', '.join(missing)} not set in this environment")
     # Slurm opens the log file before the script runs, so its folder must exist already.
-    for line in Path(path).read_text().splitlines():
-        if line.startswith("#SBATCH --output="):
-            Path(line.split("=", 1)[1]).parent.mkdir(parents=True, exist_ok=True)
+    Path(slurm_log_dir(job, checkout)).mkdir(parents=True, exist_ok=True)
     result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")

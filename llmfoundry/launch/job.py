@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config import ConfigError, check_keys, check_type
-from llmfoundry.utils.secrets import SECRET_WORDS
+from llmfoundry.utils.secrets import SECRET_WORDS, redact_urls
 
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -42,6 +42,45 @@ _SLURM_TIME = re.compile(
 )
 _MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|[kmgtpe])?\Z")  # 512G (Slurm), 512Gi (Kubernetes)
 _DIRECTIVE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\x00-\x1f\x7f]*)?\Z")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A URL's user-info: scheme://user[:password]@host (group 1: the scheme, 2: the user-info).
+_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://([^/@]*)@")
+# A training override whose value is read from the environment when the run starts.
+_FROM_ENV = re.compile(r"\$\{oc\.env:[A-Za-z_][A-Za-z0-9_]*(,[^}]*)?\}\Z")
+
+
+def _repo_credentials(url: str) -> bool:
+    """Whether a git URL carries a password or token: ``https://user:pw@``, or over HTTP(S) any
+    user-info at all (``https://ghp_x@github.com``: a token alone reads as a user name). A
+    plain SSH user (``ssh://git@host``) is not a secret."""
+    found = _USERINFO.match(url)
+    return bool(found) and (":" in found[2] or found[1].lower() in ("http", "https"))
+
+
+def _secret_named(key: str) -> bool:
+    """Whether an override key (``+storage.options.secret``) or variable name is a secret's."""
+    return bool(_SECRET_PARTS & set(re.split(r"[._-]", key.lstrip("+~").lower())))
+
+
+def check_train_override(override: str) -> None:
+    """A training override that would write credentials in clear into the rendered script and
+    manifest (a URL's user-info, a secret-named key's value) is refused, naming `secrets:`."""
+    if "=" not in override or override.startswith("-"):
+        raise ValueError(f"train: {override!r} is not a key=value override")
+    key, _, value = override.partition("=")
+    if redact_urls(override) != override:
+        raise ValueError(
+            f"train: {redact_urls(override)!r} holds credentials in a URL, which would be "
+            "written in clear into the rendered script and manifest; give the URL without them "
+            "and the credentials through secrets: (e.g. secrets: [AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY], which the storage backend reads)"
+        )
+    if _secret_named(key) and not _FROM_ENV.match(value.strip("'\"")):
+        raise ValueError(
+            f"train: {key}=... is named like a secret, and training overrides are written in "
+            f"clear into the rendered script and manifest; list an environment variable under "
+            f"secrets: and read it in the override: {key}='${{oc.env:NAME}}'"
+        )
 
 
 @dataclass
@@ -86,7 +125,7 @@ class Code:
     workdir: str = "/workspace/llmfoundry"
 
     def __post_init__(self) -> None:
-        if self.repo and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*:[^/@]*@", self.repo):
+        if self.repo and _repo_credentials(self.repo):
             raise ValueError(
                 "repo: the URL holds a password or token, which would be written into the "
                 "rendered script and manifest; give the URL without it and the credentials "
@@ -156,7 +195,8 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     # Names of secret environment variables; values never appear in rendered files.
     secrets: list[str] = field(default_factory=list)
-    # Training overrides for scripts/train.py, as on its command line.
+    # Training overrides for scripts/train.py, as on its command line; they are rendered in
+    # clear, so credentials in them are refused (`check_train_override`).
     train: list[str] = field(default_factory=list)
     script: str = "scripts/train.py"
     # Where runs write (a folder, relative to the code, or an fsspec URL): the run's checkpoints
@@ -178,7 +218,7 @@ class Job:
         for key, value in self.env.items():
             if not _ENV_NAME.match(key):
                 raise ValueError(f"env.{key}: not a valid environment variable name")
-            if key not in self.secrets and _SECRET_PARTS & set(key.lower().split("_")):
+            if key not in self.secrets and _secret_named(key):
                 raise ValueError(
                     f"env.{key}: named like a secret, and env values are written into the "
                     f"rendered script and manifest; list {key} under secrets: instead (its value "
@@ -195,12 +235,24 @@ class Job:
                     "comes from the environment or a Kubernetes Secret, never from the job file)"
                 )
         for override in self.train:
-            if "=" not in override or override.startswith("-"):
-                raise ValueError(f"train: {override!r} is not a key=value override")
+            check_train_override(override)
+        if not self.outputs or _CONTROL.search(self.outputs):
+            raise ValueError(
+                f"outputs: {self.outputs!r} is not a folder or URL; write it on one line, "
+                "without control characters (e.g. outputs or s3://bucket/runs)"
+            )
+        if redact_urls(self.outputs) != self.outputs:
+            raise ValueError(
+                f"outputs: {redact_urls(self.outputs)!r} holds credentials, which would be "
+                "written in clear into the rendered script and manifest; give the URL without "
+                "them and the credentials through secrets: (e.g. AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY)"
+            )
 
 
-def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
-    """Read a job file, apply ``key=value`` overrides, and check it (raises ConfigError)."""
+def load_job(path: str | Path, overrides: Sequence[str] = (), train: Sequence[str] = ()) -> Job:
+    """Read a job file, apply ``key=value`` overrides, add the training overrides `train`
+    (``--train``) to its own, and check it all (raises ConfigError)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"no job file at {path}; see conf/job/tiny.yaml for an example")
@@ -219,6 +271,9 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
         ) from None
     if not isinstance(values, dict):
         raise ConfigError("", f"{path} must hold a mapping of job fields, e.g. name: my-run")
+    if train:
+        own = values.get("train") or []
+        values["train"] = [*own, *train] if isinstance(own, list) else own
     return build_dataclass("", values, Job)
 
 

@@ -22,6 +22,8 @@ files, never in these settings on a command line (shells and experiment trackers
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 import uuid
 from collections.abc import Iterator, Mapping
@@ -40,6 +42,7 @@ __all__ = [
     "configure_settings",
     "falling_back_to",
     "is_local",
+    "is_unreachable",
     "load_settings",
     "local_path",
     "open_url",
@@ -208,6 +211,39 @@ def _refuse_credentials(url: str) -> None:
             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), a credentials profile "
             "(storage.options.profile) or fsspec's config, and give the URL without them"
         )
+
+
+# The fix for a read that `is_unreachable`, in messages that name the URL.
+UNREACHABLE_FIX = (
+    "check the URL, the network, and the storage settings (storage.options.endpoint_url, the "
+    "credentials)"
+)
+
+
+def is_unreachable(err: BaseException) -> bool:
+    """Whether `err` is a store or web server that did not answer, or answered with an error
+    status (a refused connection, an unknown host, a timeout, a denied request), as opposed to
+    a path that is not there (`FileNotFoundError`, which callers report themselves) or a bug."""
+    if isinstance(err, FileNotFoundError):
+        return False
+    return isinstance(err, (OSError, *_backend_errors()))
+
+
+@functools.cache
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    """The base classes of the errors of the backends fsspec's object stores and HTTP use
+    (boto for s3://, aiohttp for http(s):// and gs://), those installed."""
+    found: list[type[BaseException]] = []
+    for module, names in (
+        ("botocore.exceptions", ("BotoCoreError", "ClientError")),
+        ("aiohttp", ("ClientError",)),
+    ):
+        try:
+            imported = importlib.import_module(module)
+        except ImportError:
+            continue
+        found += [getattr(imported, name) for name in names]
+    return tuple(found)
 
 
 def probe_writable(folder: str, what: str, fix: str, error: type[UserError] = UserError) -> None:

@@ -30,6 +30,7 @@ from llmfoundry.loggers import ConsoleLogger
 from llmfoundry.optim import CosineWithWarmup, DecoupledAdamW
 from llmfoundry.rng import load_rng_state, rng_state
 from llmfoundry.trainer import Callback, Trainer
+from llmfoundry.utils.errors import UserError
 
 from ..trainer.conftest import tiny_model, token_batches
 from .helpers import Batches
@@ -238,8 +239,9 @@ def test_bad_ignore_keys(tmp_path, keys, message):
 
 
 def test_load_path_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder") as err:
         make_trainer(tmp_path, token_batches(1, 2), load_path=str(tmp_path / "nothing"))
+    assert isinstance(err.value, UserError)  # scripts/train.py: one line, exit 2
     make_trainer(tmp_path, token_batches(1, 2), saver=CheckpointSaver(str(tmp_path / "c"))).fit()
     other = Trainer(
         model=tiny_model(vocab_size=80),

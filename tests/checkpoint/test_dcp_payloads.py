@@ -116,3 +116,49 @@ def test_a_payload_in_an_optimizer_value_of_the_shards_is_refused_and_never_runs
         train(tmp_path, load_path=str(checkpoint))
     assert "\n" not in str(err.value)
     assert not marker.exists()
+
+
+def test_a_truncated_shard_is_named_whether_loaded_by_its_save_folder_or_its_folder(
+    genuine, tmp_path
+):
+    checkpoint = tmp_path / "copy" / "ep0-ba2"
+    shutil.copytree(genuine, checkpoint)
+    shard = next((checkpoint / "sharded").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a partial copy; the manifest is the original
+    damage = rf"sharded/{shard.name} \(100 bytes, the manifest says"
+    for load_path, named in (
+        (checkpoint.parent, rf"its newest, {checkpoint}, is incomplete: {damage}"),
+        (checkpoint, rf"checkpoint {checkpoint} is incomplete: {damage}"),
+    ):
+        with pytest.raises(CheckpointError, match=named) as err:
+            train(tmp_path, load_path=str(load_path))
+        assert "\n" not in str(err.value) and "an earlier checkpoint" in str(err.value)
+    with pytest.raises(CheckpointError, match=rf"{checkpoint}, is incomplete: {damage}"):
+        load_pretrained(str(checkpoint.parent))  # generate.py, serve.py, export_hf.py
+
+
+@pytest.mark.parametrize("junk", [b"x" * 64, b"PK\x03\x04" + bytes(60)], ids=["bytes", "zip"])
+def test_a_shard_that_matches_its_manifest_but_does_not_parse_is_one_line_naming_it(
+    genuine, tmp_path, junk
+):
+    """Damaged before it was hashed (or written by another program): DCP's traceback before."""
+    checkpoint = forged(
+        genuine, tmp_path, lambda shards: next(shards.glob("*.distcp")).write_bytes(junk)
+    )
+    named = rf"cannot read the shard {checkpoint}/sharded/__0_0\.distcp: \w+Error[:;] "
+    for load in (
+        lambda: train(tmp_path, load_path=str(checkpoint)),
+        lambda: load_pretrained(str(checkpoint)),
+    ):
+        with pytest.raises(CheckpointError, match=named) as err:
+            load()
+        assert "\n" not in str(err.value) and "load an earlier checkpoint" in str(err.value)
+
+
+def test_metadata_that_does_not_parse_is_named_as_damaged_not_as_a_payload(genuine, tmp_path):
+    checkpoint = forged(genuine, tmp_path, lambda shards: (shards / ".metadata").write_bytes(b"x"))
+    with pytest.raises(
+        CheckpointError, match=r"sharded/\.metadata: it does not parse as DCP"
+    ) as err:
+        load_pretrained(str(checkpoint))
+    assert "could run code" not in str(err.value) and "load an earlier checkpoint" in str(err.value)

@@ -4,7 +4,9 @@ partial checkpoints, NaN weights, a full disk, what killed saves leave behind.""
 import errno
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -23,6 +25,7 @@ from llmfoundry.checkpoint import (
     read_latest,
 )
 from llmfoundry.checkpoint import io as ckpt_io
+from llmfoundry.checkpoint.manifest import hash_tree, manifest_bytes
 from llmfoundry.trainer import Callback
 
 from ..trainer.conftest import token_batches
@@ -228,3 +231,61 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_counts(tmp_path, store, 
         "ep0-ba1",
         "latest",
     ]
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    return saved_run(tmp_path_factory.mktemp("one"), batches=1) / "ep0-ba1"
+
+
+@pytest.mark.parametrize("name", ["state.pt", "rng-rank0.pt", "model.safetensors"])
+@pytest.mark.parametrize(
+    "junk", [b"garbage" * 9, b"PK\x03\x04\x00\x00\x08\x08" + bytes(56)], ids=["bytes", "cut-zip"]
+)
+def test_a_file_that_matches_its_manifest_but_does_not_parse_is_one_line_naming_it(
+    one_checkpoint, tmp_path, name, junk
+):
+    """Damaged before it was hashed: whatever torch.load or safetensors raise (an OSError from a
+    cut zip archive escaped before) is one line with the file and the reason."""
+    checkpoint = tmp_path / "ep0-ba1"
+    shutil.copytree(one_checkpoint, checkpoint)
+    (checkpoint / name).write_bytes(junk)
+    entries = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    (checkpoint / "manifest.json").write_bytes(
+        manifest_bytes({**entries, name: hash_tree(checkpoint)[name]})
+    )
+    with pytest.raises(
+        CheckpointError, match=rf"cannot read file://{checkpoint}/{name}: \w+"
+    ) as err:
+        read_checkpoint(str(checkpoint), 0)
+    message = str(err.value)
+    assert "\n" not in message and "load an earlier checkpoint" in message
+    assert "In PyTorch 2.6" not in message  # torch's advice, not the reason
+
+
+def closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_checkpoint_url_is_one_line_naming_it(monkeypatch):
+    from llmfoundry.models.mpt.pretrained import load_pretrained
+    from llmfoundry.utils import storage
+
+    port = closed_port()
+    url = f"https://127.0.0.1:{port}/runs/a/ckpt"
+    for load in (lambda: read_checkpoint(url, 0), lambda: load_pretrained(url)):
+        with pytest.raises(CheckpointError) as err:
+            load()
+        message = str(err.value)
+        assert message.startswith(f"cannot read the checkpoint at {url} (ClientConnectorError: ")
+        assert "\n" not in message and "check the URL, the network" in message
+    pytest.importorskip("s3fs")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    endpoint = f"http://127.0.0.1:{port}"
+    retries = {"retries": {"max_attempts": 1}, "connect_timeout": 1}
+    storage.configure({"endpoint_url": endpoint, "config_kwargs": retries})
+    with pytest.raises(CheckpointError, match=r"^cannot read the checkpoint at s3://b/ckpt \(End"):
+        read_checkpoint("s3://b/ckpt", 0)

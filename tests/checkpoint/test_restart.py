@@ -50,6 +50,20 @@ def test_autoresume_without_latest_continues_from_the_newest_complete_checkpoint
     assert read_latest(str(folder)) == "ep0-ba4"
 
 
+def test_autoresume_when_the_only_checkpoint_is_damaged_names_it_and_the_file(tmp_path, mds):
+    build(tmp_path, mds, "max_duration=1ba").fit()
+    checkpoint = tmp_path / "run" / "ckpt" / "ep0-ba1"
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])  # a partial copy
+    with pytest.raises(CheckpointError) as err:
+        build(tmp_path, mds, "autoresume=true")
+    message = str(err.value)
+    assert "\n" not in message and "set autoresume=true" not in message
+    assert f"its newest, {checkpoint}, is incomplete: model.safetensors (64 bytes," in message
+    assert "delete it to start the run afresh" in message
+    assert weights.exists()  # nothing was cleaned away
+
+
 def test_a_rerun_without_autoresume_is_refused_and_the_checkpoints_stay(tmp_path, mds):
     build(tmp_path, mds).fit()
     folder = tmp_path / "run" / "ckpt"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -255,6 +256,23 @@ def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:
     return resume_run(SingleDevice("cpu"), mds, folder, **kwargs)
 
 
+def forge_deepspeed_payload(saved: str, forged: str, marker: str) -> None:
+    """Copy the save folder `saved` to `forged`, a payload that creates `marker` added to each
+    DeepSpeed file of its checkpoint, the manifest recomputed."""
+    from llmfoundry.checkpoint import latest_checkpoint
+    from llmfoundry.checkpoint.manifest import MANIFEST, hash_tree, manifest_bytes
+    from tests.checkpoint.test_dcp_payloads import Payload
+
+    shutil.copytree(saved, forged)
+    checkpoint = Path(latest_checkpoint(forged))
+    for path in (checkpoint / "sharded").rglob("*.pt"):
+        state = torch.load(path, weights_only=False)  # the author's own files
+        state["payload"] = Payload(marker)
+        torch.save(state, path)
+    (checkpoint / MANIFEST).unlink()
+    (checkpoint / MANIFEST).write_bytes(manifest_bytes(hash_tree(checkpoint)))
+
+
 def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
     trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, one
@@ -283,6 +301,17 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
     ):
         recorder = resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/{name}", **kwargs)
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    # A copy of the ZeRO-3 checkpoint with a payload pickled into every DeepSpeed file (and its
+    # manifest recomputed, as its author would): refused by both ranks, the payload never runs.
+    forged = f"{out}/zero3_forged"
+    if rank == 0:
+        forge_deepspeed_payload(f"{out}/zero3_saved", forged, f"{out}/payload-ran")
+    torch.distributed.barrier()
+    try:
+        resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/zero3_refused", load=forged)
+        result["zero3_forged"] = {"error": ""}
+    except Exception as err:  # noqa: BLE001 - what each rank ended with is the result
+        result["zero3_forged"] = {"error": f"{type(err).__name__}: {err}"}
     # Only rank 1's partition of a weight turns NaN: both ranks refuse the save.
     error = diverged_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/zero3_diverged", 1)
     result["zero3_diverged"] = {"error": error}

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO 1-3 with two processes (gloo, CPU, fp32): the same global batch gives the same
 losses as one process (tolerance and why: test_fsdp.py); a ZeRO-3 checkpoint (DeepSpeed's own
-plus our trainer state) resumes exactly; a diverged ZeRO-3 run saves no NaN checkpoint."""
+plus our trainer state) resumes exactly, read without unpickling code (a payload in it is
+refused); a diverged ZeRO-3 run saves no NaN checkpoint."""
 
 import importlib.util
 
@@ -54,6 +55,17 @@ def test_zero3_checkpoint_resumes_the_same_run(runs):
             rank["zero3_straight"]["losses"][STOP_AT:], rel=RTOL
         )
         assert rank["zero3_resumed"]["ids"] == rank["zero3_straight"]["ids"][STOP_AT:]
+
+
+def test_a_payload_in_a_deepspeed_checkpoint_is_refused_and_never_runs(runs):
+    """DeepSpeed loads its files with weights_only=False; `DeepSpeed.load_shards` does not."""
+    out, _, ranks, _ = runs
+    for rank in ranks:
+        message = rank["zero3_forged"]["error"]
+        assert message.startswith(f"CheckpointError: refusing to load {out}/zero3_forged/"), message
+        assert "_model_states.pt: it holds objects that loading refuses to unpickle" in message
+        assert "GLOBAL posix.system" in message and "\n" not in message
+    assert not (out / "payload-ran").exists()
 
 
 def test_full_checkpoint_weights_load_into_zero3(runs):

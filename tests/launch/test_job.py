@@ -74,6 +74,18 @@ def test_example_job_loads_and_overrides_apply():
             [],
             "code.repo: the URL holds a password",
         ),
+        # A token alone reads as the user name of an https URL.
+        ("name: a\ncode: {repo: 'https://ghp_x@github.com/o/r'}", [], "secrets: [GIT_TOKEN]"),
+        (
+            "name: a\ntrain: ['load_path=s3://AKIA:pw@b/x']",
+            [],
+            "train: 'load_path=s3://<redacted>@b/x' holds credentials in a URL",
+        ),
+        ("name: a\ntrain: [+storage.options.secret=pw]", [], "read it in the override"),
+        ("name: a\ntrain: ['data.remote=https://tok@host/d']", [], "through secrets: (e.g."),
+        ('name: a\noutputs: "runs\\nid"', [], "outputs: 'runs\\nid' is not a folder or URL"),
+        ("name: a\noutputs: ''", [], "outputs: '' is not a folder or URL"),
+        ("name: a\noutputs: 's3://k:pw@b/r'", [], "outputs: 's3://<redacted>@b/r' holds"),
     ],
 )
 def test_bad_job_files_get_one_line_errors(tmp_path, text, overrides, message):
@@ -93,6 +105,10 @@ def test_slurm_fields_in_their_usual_forms_load(tmp_path):
     plain = load_job(write(tmp_path, "name: a\nenv: {TOKENIZERS_PARALLELISM: 'false'}"))
     assert plain.env == {"TOKENIZERS_PARALLELISM": "false"}
     assert load_job(write(tmp_path, "name: a\ncode: {repo: 'https://github.com/o/r'}")).code.repo
+    ssh = load_job(write(tmp_path, "name: a\ncode: {repo: 'ssh://git@github.com/o/r'}"))
+    assert ssh.code.repo == "ssh://git@github.com/o/r"  # a user name, no secret
+    from_env = "+storage.options.secret='${oc.env:S3_SECRET}'"
+    assert load_job(write(tmp_path, "name: a"), train=[from_env]).train == [from_env]
     for time in ("1-12", "1-12:30", "UNLIMITED"):  # (30:00 unquoted is YAML 1.1 for 1800)
         assert load_job(write(tmp_path, "name: a"), [f"slurm.time={time}"]).slurm.time == time
 

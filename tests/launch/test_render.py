@@ -29,14 +29,16 @@ def load_script(name: str):
 
 
 def sbatch_directives(text: str) -> dict[str, str]:
-    """#SBATCH lines as sbatch reads them: only before the first command."""
+    """#SBATCH lines as sbatch reads them: only before the first command, split into words at
+    unquoted spaces, quotes and backslash escapes removed, an unquoted '#' starting a comment."""
     directives = {}
     for line in text.splitlines()[1:]:
         if not line.startswith("#"):
             break
         if line.startswith("#SBATCH "):
-            key, _, value = line.removeprefix("#SBATCH ").partition("=")
-            directives[key] = value
+            for word in shlex.split(line.removeprefix("#SBATCH "), comments=True):
+                key, _, value = word.partition("=")
+                directives[key] = value
     return directives
 
 
@@ -71,6 +73,18 @@ def test_slurm_script_three_nodes_of_eight(tmp_path, monkeypatch):
     assert SECRET_VALUE not in text
     for script in (text, node):
         subprocess.run(["bash", "-n"], input=script, text=True, check=True, timeout=30)
+
+
+def test_the_slurm_log_path_is_one_sbatch_argument_whatever_its_characters(tmp_path):
+    """Unquoted, sbatch split a folder with a space into two arguments ('#' ended the line)."""
+    outputs = tmp_path / "my runs #1" / '50% "final"'
+    text = render_slurm(load_job(EXAMPLE, [f"outputs='{outputs}'"]), ROOT).text
+    # sbatch reads %% as one % in a file name; %j is the job id.
+    log = sbatch_directives(text)["--output"].replace("%%", "%")
+    assert log == f"{outputs}/mpt-tiny-demo/slurm-%j.log"
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True, timeout=30)
+    with pytest.raises(ConfigError, match=r"outputs: the Slurm log folder .* holds a backslash"):
+        render_slurm(load_job(EXAMPLE, [f"outputs='{tmp_path}/a\\b'"]), ROOT)
 
 
 def fake_commands(folder: Path, srun_exit: int) -> Path:
@@ -185,6 +199,17 @@ def test_launch_cli_renders_and_reports_errors_in_one_line(tmp_path, capsys):
     assert (
         "Job error: model.n_layer: unknown key; did you mean 'n_layers'?" in capsys.readouterr().err
     )
+
+
+def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them(tmp_path, capsys):
+    launch = load_script("launch")
+    for override in ("load_path=s3://AKIA:SUPERSECRET@bucket/x", "hf_token=SUPERSECRET"):
+        argv = ["render", "slurm", str(EXAMPLE), "--train", override, "--out", str(tmp_path)]
+        assert launch.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Job error: train: ") and "secrets:" in err
+        assert "SUPERSECRET" not in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing rendered
 
 
 def test_kubernetes_submit_creates_service_and_job_and_explains_a_clash(monkeypatch, tmp_path):
