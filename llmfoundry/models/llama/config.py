@@ -177,7 +177,9 @@ class LlamaConfig:
             )
         if self.attn_impl not in ATTN_IMPLS:
             allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
-            raise ValueError(f"LlamaConfig.attn_impl={self.attn_impl!r} is not known; allowed: {allowed}")
+            raise ValueError(
+                f"LlamaConfig.attn_impl={self.attn_impl!r} is not known; allowed: {allowed}"
+            )
         if self.attn_impl == "flash" and (problem := flash.missing_package()):
             raise ValueError(f"LlamaConfig.{problem}")
         if self.init_device not in INIT_DEVICES:
@@ -195,9 +197,7 @@ class LlamaConfig:
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
         if name not in PRESETS:
-            raise ValueError(
-                f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}"
-            )
+            raise ValueError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
         return cls(**{**PRESETS[name], **overrides})
 
 

@@ -99,7 +99,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for integer `positions` [batch or 1, seq]."""
         if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, positions.device)
+            self._inv_freq = rope_inv_freq(
+                self.head_dim, self.theta, self.scaling, positions.device
+            )
         angles = positions[..., None].float() * self._inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
