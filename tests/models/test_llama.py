@@ -47,8 +47,15 @@ def tiny(**overrides) -> LlamaConfig:
 
 
 def build(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A tiny model whose norm weights are random too (at init they are 1, which would hide a
+    norm that ignores its weight, or two norms swapped by the HF adapter)."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny(**overrides)).eval()
+    model = LlamaForCausalLM(tiny(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def imported(back: LlamaConfig, cfg: LlamaConfig) -> bool:
@@ -149,8 +156,22 @@ def test_a_packed_document_sees_what_it_sees_alone(attn_impl):
         in_pack = model(packed, sequence_id)
         assert (in_pack[:, 10:] - model(second)).abs().max() < 1e-5
         assert (in_pack[:, :10] - model(first)).abs().max() < 1e-5
-        # Without the ids the second document attends to the first (and its positions shift).
+        # Without the ids the second document attends to the first.
         assert (model(packed)[:, 10:] - model(second)).abs().max() > 1e-3
+
+
+def test_rope_positions_restart_at_each_document():
+    """RoPE is relative, so a document's logits barely show a shift of all its positions; the
+    positions themselves must still be the document's own (as transformers gives a document
+    alone, and as a cache joined from rows of other lengths needs)."""
+    model = build()
+    seen = []
+    model.transformer.rope.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        model(random_ids(1, 24), torch.tensor([[0] * 10 + [1] * 14]))
+        model(random_ids(1, 5))
+    assert seen[0].tolist() == [list(range(10)) + list(range(14))]
+    assert seen[1].tolist() == [list(range(5))]
 
 
 @pytest.mark.parametrize("name", ["llama3-1b", "llama3-8b", "llama3-70b"])
@@ -256,7 +277,8 @@ def test_meta_model_materialises_with_real_rope():
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     model.init_weights()
-    reference = build(seed=0)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny())
     ids = random_ids(1, 16)
     with torch.no_grad():
         assert torch.equal(model(ids), reference(ids))
