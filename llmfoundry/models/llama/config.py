@@ -205,7 +205,7 @@ _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, n_kv_h
 
 # Meta's published configurations (params.json of the released checkpoints).
 PRESETS: dict[str, dict[str, Any]] = {
-    # For tests and the demo: about 4M parameters, the demo's 8192-token vocabulary.
+    # For tests and the demo: 7.3M parameters, the demo's 8192-token vocabulary.
     "llama-tiny": dict(
         d_model=256,
         n_heads=4,
