@@ -185,16 +185,15 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> LlamaConfig:
 
 
 def to_hf_model(model: LlamaForCausalLM, dtype: torch.dtype | None = None):
-    """A transformers LlamaForCausalLM holding copies of `model`'s weights (cast to `dtype`)."""
+    """A transformers LlamaForCausalLM with `model`'s weights: its CPU tensors themselves (no
+    second copy of a large model), cast copies when `dtype` differs."""
     state = model.state_dict()
     if any(t.is_meta for t in state.values()):
         raise ValueError(
             "the model is on the meta device; materialise it (to_empty + init_weights, or load "
             "a checkpoint) before exporting"
         )
-    state = {
-        k: t.detach().to(device="cpu", dtype=dtype or t.dtype).clone() for k, t in state.items()
-    }
+    state = {k: t.detach().to(device="cpu", dtype=dtype or t.dtype) for k, t in state.items()}
     with torch.device("meta"):
         hf_model = transformers.LlamaForCausalLM(to_hf_config(model.config))
     hf_model.load_state_dict(to_hf_state_dict(state, model.config), strict=True, assign=True)
