@@ -1,0 +1,252 @@
+"""LlamaConfig: the shape and options of a Llama 3 style decoder, validated when it is built.
+
+Like `MPTConfig`, every mistake a user can type is caught here, before any weight is allocated,
+with a message that names the field and what is allowed. The published shapes (Llama 3.2 1B,
+Llama 3.1 8B and 70B) and a tiny one for tests are named presets (`LlamaConfig.preset`), not
+`conf/model/*.yaml` files yet: that group and `build.py` build MPT only until the family spec
+(issue 22) lets them ask which family a config belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from llmfoundry.models.mpt import flash
+from llmfoundry.models.mpt.kernels import ATTN_IMPLS
+
+INIT_DEVICES = ("cpu", "meta")
+SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len", "multiple_of")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (transformers' rope_type "llama3").
+
+    A model pretrained at `original_max_seq_len` positions is stretched to longer contexts by
+    dividing the rotation frequencies whose wavelength exceeds original_max_seq_len /
+    low_freq_factor by `factor`, keeping those whose wavelength is under original_max_seq_len /
+    high_freq_factor, and interpolating smoothly between the two. Llama 3.1: factor 8, low 1,
+    high 4, original 8192; Llama 3.2 1B/3B: factor 32.
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"LlamaConfig.rope_scaling.{name} must be > 0, got {value!r}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
+            )
+        value = self.original_max_seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling.original_max_seq_len must be a positive integer, "
+                f"got {value!r}"
+            )
+
+
+def _rope_scaling(value: Any) -> RopeScaling | None:
+    """`LlamaConfig.rope_scaling` from YAML (a mapping) or code (a RopeScaling); None when off."""
+    if value is None or isinstance(value, RopeScaling):
+        return value
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    allowed = [f.name for f in fields(RopeScaling)]
+    if not isinstance(value, Mapping) or set(value) - set(allowed) or "factor" not in value:
+        raise ValueError(
+            f"LlamaConfig.rope_scaling must be null or a mapping with factor and optionally "
+            f"{allowed[1:]}, got {value!r}"
+        )
+    return RopeScaling(**value)
+
+
+def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """The SwiGLU hidden width by Meta's Llama rule: 2/3 of 4 * d_model (so the three matrices
+    cost what a 4x GELU MLP's two do), times `ffn_dim_multiplier`, rounded up to `multiple_of`.
+
+    Llama 3 8B: d_model 4096, multiplier 1.3, multiple_of 1024 -> 14336.
+    """
+    hidden = int(2 * (4 * d_model) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * -(-hidden // multiple_of)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class LlamaConfig:
+    """Hyperparameters of a Llama causal language model (Llama 2 and 3 are this architecture).
+
+    Blocks are pre-RMSNorm (`rms_norm_eps`), with rotary position embeddings (`rope_theta`, and
+    Llama 3.1's `rope_scaling` if set) on queries and keys, grouped-query attention (`n_kv_heads`
+    key/value heads, each shared by n_heads // n_kv_heads query heads; unset: one per query head)
+    and a SwiGLU MLP of width `ffn_hidden_size` (unset: Meta's rule from `multiple_of` and
+    `ffn_dim_multiplier`, see `ffn_hidden_size`). `tie_word_embeddings` makes the output head the
+    token embedding (Llama 3.2 1B/3B); otherwise it is its own matrix. `attn_impl` picks one of
+    the MPT package's kernels (`llmfoundry.models.mpt.kernels`); all of them do document masking.
+
+    `max_seq_len` is the context the model is meant for (transformers' max_position_embeddings);
+    RoPE has no position table, so nothing is sized by it.
+
+    Initialisation: every matrix and the embedding from N(0, init_std), the projections that write
+    into the residual stream (attention out_proj, MLP down_proj) divided by sqrt(2 * n_layers),
+    norms at 1. `init_device="meta"` builds without memory (then `to_empty` and `init_weights`).
+    """
+
+    d_model: int
+    n_heads: int
+    n_layers: int
+    n_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    vocab_size: int = 128256
+    max_seq_len: int = 8192
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attn_impl: str = "sdpa"
+    init_std: float = 0.02
+    init_device: str = "cpu"
+
+    # Asked of every config by the decoding code shared with MPT (models/mpt/generation.py and
+    # cache.py) until the family spec answers for it: Llama has no infini-attention memory and no
+    # learned position table (so generation is not capped at max_seq_len).
+    infini: ClassVar[None] = None
+    learned_pos_emb: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        for name in SIZE_FIELDS:
+            _positive_int(name, getattr(self, name))
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.d_model ({self.d_model}) must be divisible by LlamaConfig.n_heads "
+                f"({self.n_heads}); pick n_heads among the divisors of d_model"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"LlamaConfig head dimension d_model / n_heads = {self.d_model // self.n_heads} "
+                "must be even: RoPE rotates pairs of dimensions"
+            )
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if (
+            isinstance(self.n_kv_heads, bool)
+            or not isinstance(self.n_kv_heads, int)
+            or self.n_kv_heads <= 0
+            or self.n_heads % self.n_kv_heads != 0
+        ):
+            raise ValueError(
+                f"LlamaConfig.n_kv_heads must be a positive divisor of n_heads ({self.n_heads}), "
+                f"got {self.n_kv_heads!r}; null means one key/value head per query head"
+            )
+        if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
+            raise ValueError(
+                f"LlamaConfig.ffn_dim_multiplier must be null or > 0, got {self.ffn_dim_multiplier!r}"
+            )
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = ffn_hidden_size(
+                self.d_model, self.multiple_of, self.ffn_dim_multiplier
+            )
+        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
+        for name in ("rope_theta", "rms_norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be > 0, got {value!r}")
+        self.rope_scaling = _rope_scaling(self.rope_scaling)
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"LlamaConfig.tie_word_embeddings must be true or false, "
+                f"got {self.tie_word_embeddings!r}"
+            )
+        if self.attn_impl not in ATTN_IMPLS:
+            allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
+            raise ValueError(
+                f"LlamaConfig.attn_impl={self.attn_impl!r} is not known; allowed: {allowed}"
+            )
+        if self.attn_impl == "flash" and (problem := flash.missing_package()):
+            raise ValueError(f"LlamaConfig.{problem}")
+        if self.init_device not in INIT_DEVICES:
+            raise ValueError(
+                f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
+                f"got {self.init_device!r}; to place the model on an accelerator build it on "
+                "'meta', then call to_empty(device=...) and init_weights()"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """The published shape `name` (see `PRESETS`), with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, n_kv_heads=8)
+
+# Meta's published configurations (params.json of the released checkpoints).
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and the demo: 7.3M parameters, the demo's 8192-token vocabulary.
+    "llama-tiny": dict(
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=4,
+        vocab_size=8192,
+        max_seq_len=256,
+        rope_theta=10000.0,
+    ),
+    # Llama 3.2 1B: 1,235,814,400 parameters (output head tied).
+    "llama3-1b": dict(
+        _LLAMA3,
+        d_model=2048,
+        n_heads=32,
+        n_layers=16,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(factor=32.0),
+        tie_word_embeddings=True,
+    ),
+    # Llama 3.1 8B: 8,030,261,248 parameters.
+    "llama3-8b": dict(
+        _LLAMA3,
+        d_model=4096,
+        n_heads=32,
+        n_layers=32,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(factor=8.0),
+    ),
+    # Llama 3.1 70B: 70,553,706,496 parameters.
+    "llama3-70b": dict(
+        _LLAMA3,
+        d_model=8192,
+        n_heads=64,
+        n_layers=80,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        max_seq_len=131072,
+        rope_scaling=RopeScaling(factor=8.0),
+    ),
+}
