@@ -20,8 +20,9 @@ top-p, a repetition penalty, stop strings, an EOS id, a token budget and a seed;
 which they act on the logits is transformers' (repetition penalty, temperature, top-k, top-p).
 A row's `texts` grows by whole characters only (`TextStream`): a token that ends inside a
 multi-byte UTF-8 character is held back until the character completes, so a server can stream
-the text as it grows, and stop strings are matched on it. One bad row never ends the others: a row whose next-token scores are not finite (a model that
-overflowed on its prompt) ends alone with finish reason "error" and a message in `errors`.
+the text as it grows, and stop strings are matched on it. One bad row never ends the others: a
+row whose next-token scores are not finite (a model that overflowed on its prompt) ends alone
+with finish reason "error" and a message in `errors`.
 
 With `use_cache=False` every step reruns the whole sequence instead of reading the cache: the
 reference the cache is tested against, and the baseline of `bench/generation.py`.
@@ -53,8 +54,9 @@ class GenerationConfig:
     """How to continue one prompt.
 
     `temperature=0` picks the most likely token (greedy), and so does any temperature below
-    `GREEDY_BELOW` (1e-5); otherwise tokens are sampled after dividing the logits by it, keeping the `top_k` most likely tokens and the smallest set whose
-    probability reaches `top_p`. `repetition_penalty` > 1 makes tokens already in the row (prompt
+    `GREEDY_BELOW` (1e-5); otherwise tokens are sampled after dividing the logits by it,
+    keeping the `top_k` most likely tokens and the smallest set whose probability reaches
+    `top_p`. `repetition_penalty` > 1 makes tokens already in the row (prompt
     included) less likely (CTRL's rule: positive logits divided, negative ones multiplied).
     Generation of a row ends after `max_new_tokens`, at `eos_token_id` (kept in the tokens), or
     when the decoded text contains one of `stop` (the text is cut before it). `seed` makes the
@@ -445,10 +447,10 @@ class TextStream:
     bytes that never form a character, and stay U+FFFD as in a decode of the whole sequence),
     until a token ends the text cleanly (and all of them while the window's decode disagrees
     with what it already gave: byte fallback decodes a run of byte tokens that is not UTF-8 as
-    one mark per byte, the bytes of finished characters included). It decodes a window that starts one clean piece back
-    (TGI's and vLLM's rule), so decoders that strip a leading space see the same context as a
-    decode of everything, at a cost that does not grow with the text. `flush` adds what is held
-    back when the sequence ends.
+    one mark per byte, the bytes of finished characters included). It decodes a window that
+    starts one clean piece back (TGI's and vLLM's rule), so decoders that strip a leading space
+    see the same context as a decode of everything, at a cost that does not grow with the text.
+    `flush` adds what is held back when the sequence ends.
     """
 
     PENDING = 3
