@@ -10,8 +10,10 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: the
 tokenizer folder's or --chat-template FILE), GET /v1/models, GET /health, GET /metrics.
 Concurrent requests decode together (continuous batching). With LLMFOUNDRY_API_KEY set every
-route but /health needs `Authorization: Bearer <key>`. SIGTERM (or Ctrl-C) stops accepting,
-finishes the requests in flight (up to --drain-timeout seconds), then exits.
+route but /health needs `Authorization: Bearer <key>`; without it the server binds loopback only,
+and a key that is set but empty is refused. SIGTERM (or Ctrl-C) stops accepting, finishes the
+requests in flight (up to --drain-timeout seconds), then exits. A wrong path or option ends
+with one line and status 2 (--debug: the traceback).
 Needs the `serve` extra: pip install 'llmfoundry[serve]'.
 """
 
@@ -26,9 +28,11 @@ from pathlib import Path
 import torch
 
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, load_pretrained
+from llmfoundry.serving.auth import api_key_from_env
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
-API_KEY = "LLMFOUNDRY_API_KEY"
 MAX_BODY_BYTES = 1 << 20
 MAX_CONCURRENT = 32
 # Our flags vLLM has under another name; the limits vLLM lacks are refused with --engine vllm.
@@ -46,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", help="checkpoint, save folder, or transformers MPT folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--model-name", help="the model's id in the API (default: the folder name)")
     p.add_argument("--engine", choices=["llmfoundry", "vllm"], default="llmfoundry")
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
@@ -67,7 +71,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
     p.add_argument("--log-level", default="info")
+    add_script_arguments(p)
     return p.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
 
 
 def _given(value: int | None, default: int) -> int:
@@ -91,45 +103,54 @@ def vllm_args(args: argparse.Namespace, name: str) -> list[str]:
     return command
 
 
-def serve_vllm(args: argparse.Namespace, name: str) -> None:
+def serve_vllm(args: argparse.Namespace, name: str, api_key: str | None) -> None:
     """Replace this process with vLLM serving the transformers folder."""
     if not is_hf_folder(args.model):
-        sys.exit(
-            f"error: --engine vllm serves a transformers folder and {args.model} is not one; "
+        raise UserError(
+            f"--engine vllm serves a transformers folder and {args.model} is not one; "
             "export the checkpoint first with scripts/export_hf.py"
         )
     command = vllm_args(args, name)
     try:
         require_vllm()
     except ImportError as err:
-        sys.exit(f"error: {err}")
+        raise UserError(str(err)) from None
     env = dict(os.environ)
-    if API_KEY in env:  # through the environment: the command line is visible to `ps`
-        env[API_KEY_ENV] = env[API_KEY]
+    env.pop(API_KEY_ENV, None)  # vLLM gets our checked key (as VLLM_API_KEY) or none
+    if api_key is not None:  # through the environment: the command line is visible to `ps`
+        env[API_KEY_ENV] = api_key
     os.execvpe(command[0], command, env)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    api_key = api_key_from_env(args.host, os.environ)  # before any work: auth fails closed
     name = args.model_name or Path(args.model.rstrip("/")).name
     if args.engine == "vllm":
-        serve_vllm(args, name)
+        serve_vllm(args, name, api_key)
     try:
         import uvicorn
 
         from llmfoundry.serving.app import Limits, create_app
     except ImportError as err:
-        sys.exit(
-            f"error: serving needs FastAPI and uvicorn ({err}): pip install 'llmfoundry[serve]'"
-        )
+        raise UserError(
+            f"serving needs FastAPI and uvicorn ({err}): pip install 'llmfoundry[serve]'"
+        ) from None
     from llmfoundry.serving.engine import Engine
     from llmfoundry.serving.tokenizer import load_served_tokenizer
 
     model, found = load_pretrained(args.model)
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
-        sys.exit(f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json")
+        raise UserError(
+            f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
+        )
     tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)
     model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
     context = model.config.max_seq_len
@@ -142,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     # A batch keeps admitting newcomers while its cache stays within two contexts.
     rows = _given(args.max_batch_rows, limits.max_concurrent)
     engine = Engine(model, tokenizer.decode, max_rows=rows, max_len=2 * context)
-    app = create_app(engine, tokenizer, name, limits, context, os.environ.get(API_KEY) or None)
+    app = create_app(engine, tokenizer, name, limits, context, api_key)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -155,7 +176,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

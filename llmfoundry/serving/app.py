@@ -7,8 +7,9 @@
     GET  /metrics               the engine's counters (JSON)
 
 Hardening, in the order a request meets it: with an API key, every route but /health needs
-`Authorization: Bearer <key>` (compared in constant time, never logged), checked before the
-body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; the body
+`Authorization: Bearer <key>` (compared in constant time, never logged; websockets, /docs and
+/openapi.json too), checked before the body is read (`auth`: an empty key, or none on a
+non-loopback host, is refused at start); a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; the body
 must match the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`,
 a `max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
 `max_concurrent` prompts in flight is a 429. A streaming client that goes away cancels its rows
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmfoundry.models.mpt.generation import GenerationConfig
 from llmfoundry.serving import protocol
+from llmfoundry.serving.auth import BearerAuth
 from llmfoundry.serving.engine import Completion, Engine, Event
 from llmfoundry.serving.tokenizer import ServedTokenizer
 
@@ -100,31 +101,6 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Callable, send: Callable) -> None:
         message = f"request body larger than the limit of {self.max_bytes} bytes"
         response = JSONResponse(protocol.error_body(message), status_code=413)
-        await response(scope, receive, send)
-
-
-class BearerAuth:
-    """ASGI middleware: every path but the public ones needs `Authorization: Bearer <key>`.
-
-    It runs before the body is read or parsed, so a client without the key learns nothing
-    about the API but that it needs one. The comparison takes the same time whatever matches.
-    """
-
-    PUBLIC = frozenset({"/health"})
-
-    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] in self.PUBLIC:
-            return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
-            return await self.app(scope, receive, send)
-        message = "missing or wrong API key: send Authorization: Bearer <key>"
-        body = protocol.error_body(message, "authentication_error")
-        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
