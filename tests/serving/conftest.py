@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,9 +123,16 @@ def in_process_app(served_checkpoint):
 
     @contextlib.contextmanager
     def make(
-        chat_template: str | None = CHAT_TEMPLATE, api_key: str | None = None, **limits: int
+        chat_template: str | None = CHAT_TEMPLATE,
+        api_key: str | None = None,
+        wrap_tokenizer: Callable[[Any], Any] | None = None,
+        **limits: int,
     ) -> Iterator[TestClient]:
-        tokenizer = ServedTokenizer(prepare_tokenizer(tokenizer_path), chat_template)
+        """`wrap_tokenizer` replaces the Rust tokenizer by what it returns (a spy, say)."""
+        prepared = prepare_tokenizer(tokenizer_path)
+        if wrap_tokenizer is not None:
+            prepared = dataclasses.replace(prepared, tokenizer=wrap_tokenizer(prepared.tokenizer))
+        tokenizer = ServedTokenizer(prepared, chat_template)
         limits = Limits(**{"max_prompt_tokens": 64, "max_tokens": 64, **limits})
         engine = Engine(model, tokenizer.decode, max_rows=limits.max_concurrent, max_len=CONTEXT)
         app = create_app(engine, tokenizer, "ckpt", limits, CONTEXT, api_key)
