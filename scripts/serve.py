@@ -25,8 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
+from llmfoundry.distributed.base import resolve_device
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, load_pretrained
 from llmfoundry.serving.auth import api_key_from_env
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
@@ -35,6 +34,7 @@ from llmfoundry.utils.errors import UserError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_CONCURRENT = 32
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
 # Our flags vLLM has under another name; the limits vLLM lacks are refused with --engine vllm.
 VLLM_FLAGS = {
     "tokenizer": "--tokenizer",
@@ -58,19 +58,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for chat requests")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights' dtype (default fp32)")
-    p.add_argument("--max-prompt-tokens", type=int, help="default: the model's context - 1")
-    p.add_argument("--max-tokens", type=int, help="max_tokens limit (default: context - 1)")
-    p.add_argument("--max-body-bytes", type=int, help=f"default {MAX_BODY_BYTES}")
+    p.add_argument("--max-prompt-tokens", type=_positive, help="default: the model's context - 1")
+    p.add_argument("--max-tokens", type=_positive, help="max_tokens limit (default: context - 1)")
+    p.add_argument("--max-body-bytes", type=_positive, help=f"default {MAX_BODY_BYTES}")
     p.add_argument(
         "--max-concurrent",
-        type=int,
+        type=_positive,
         help=f"prompts in flight, 429 above (default {MAX_CONCURRENT})",
     )
     p.add_argument(
-        "--max-batch-rows", type=int, help="prompts decoded together (default: --max-concurrent)"
+        "--max-batch-rows",
+        type=_positive,
+        help="prompts decoded together (default: --max-concurrent)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_script_arguments(p)
     return p.parse_args(argv)
 
@@ -82,8 +84,15 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _given(value: int | None, default: int) -> int:
-    """A flag's value, or its default when absent (0 is a value, which Limits refuses)."""
+    """A flag's value, or its default when absent."""
     return default if value is None else value
 
 
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()  # trace: uvicorn's
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     api_key = api_key_from_env(args.host, os.environ)  # before any work: auth fails closed
     name = args.model_name or Path(args.model.rstrip("/")).name
     if args.engine == "vllm":
@@ -145,6 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     from llmfoundry.serving.engine import Engine
     from llmfoundry.serving.tokenizer import load_served_tokenizer
 
+    device = resolve_device(args.device, "--device")
     model, found = load_pretrained(args.model)
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
@@ -152,7 +163,7 @@ def serve(args: argparse.Namespace) -> int:
             f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
         )
     tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)
-    model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
+    model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
     context = model.config.max_seq_len
     limits = Limits(
         max_prompt_tokens=_given(args.max_prompt_tokens, context - 1),
