@@ -327,6 +327,12 @@ def create_app(
         )
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, err: Exception) -> JSONResponse:  # logged with its traceback
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        body = protocol.error_body("internal error (logged by the server)", "server_error")
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         problems = []

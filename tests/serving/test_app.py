@@ -166,3 +166,25 @@ def test_a_template_that_does_not_parse_is_refused_at_start(served_model, tmp_pa
     loops = tmp_path / "loops.jinja"
     loops.write_text(NESTED_LOOPS)
     assert load_served_tokenizer(str(served_model / "tokenizer.json"), chat_template=loops)
+
+
+def test_a_lone_surrogate_in_a_message_is_a_400(in_process_app):
+    body = '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    with in_process_app() as client:
+        headers = {"content-type": "application/json"}
+        response = client.post("/v1/chat/completions", content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        assert "lone surrogate" in response.json()["error"]["message"]
+
+
+class BrokenTokenizer(SlowTokenizer):
+    def encode_batch(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+
+def test_a_bug_is_a_500_in_the_error_shape(in_process_app):
+    with in_process_app(wrap_tokenizer=BrokenTokenizer) as client:
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error"
+        assert "a bug" not in response.text  # the traceback goes to the log, not the client
