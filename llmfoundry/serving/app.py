@@ -198,6 +198,12 @@ class _Server:
 
     async def encode(self, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
         """Each text's ids, tokenized off the event loop and checked against the limits."""
+        if len(texts) > self.limits.max_concurrent:  # before any work on them
+            raise HTTPException(
+                400,
+                f"{len(texts)} prompts in one request; this server takes at most "
+                f"{self.limits.max_concurrent}",
+            )
         for text in texts:
             self.check_chars("a prompt has", len(text))
         encoded = await self.off_loop(functools.partial(self.tokenizer.encode_batch, texts))
@@ -225,11 +231,6 @@ class _Server:
         return ids
 
     def lease(self, n: int) -> Lease:
-        if n > self.limits.max_concurrent:
-            raise HTTPException(
-                400,
-                f"{n} prompts in one request; this server takes at most {self.limits.max_concurrent}",
-            )
         if self.in_flight + n > self.limits.max_concurrent:
             raise HTTPException(
                 429,

@@ -80,7 +80,10 @@ def test_text_longer_than_its_tokens_could_hold_is_refused_untokenized(in_proces
         response = client.post("/v1/chat/completions", json=many)
         assert response.status_code == 400
         assert "the messages have 3012 characters" in response.json()["error"]["message"]
-        assert spy[0].calls == 0  # refused before the tokenizer saw it
+        response = client.post("/v1/completions", json={"prompt": ["hi"] * 40})
+        assert response.status_code == 400
+        assert "40 prompts in one request" in response.json()["error"]["message"]
+        assert spy[0].calls == 0  # each refused before the tokenizer saw it
         ok = client.post("/v1/completions", json={"prompt": "hello " * 10, "max_tokens": 2})
         assert ok.status_code == 200 and spy[0].calls == 1
 
