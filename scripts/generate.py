@@ -7,7 +7,8 @@
 All prompts go in one batch (left-padded), decoded with a KV cache (--no-cache recomputes the
 whole sequence at every step instead). Sampling: --temperature (0: greedy), --top-k, --top-p,
 --repetition-penalty, --seed; a row ends at EOS, at a --stop string (cut from the output) or
-after --max-new-tokens. Each prompt is printed with its continuation and why it ended.
+after --max-new-tokens. Each prompt is printed with its continuation and why it ended. A wrong
+path or option ends with one line and status 2 (--debug: the traceback).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.distributed.base import resolve_device
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,24 +44,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", choices=WEIGHT_DTYPES, default="fp32", help="weights' dtype (default fp32)"
     )
     p.add_argument("--no-cache", action="store_true", help="recompute instead of a KV cache")
+    add_script_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return run(args)
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The non-empty lines of a prompts file."""
+    try:
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+    except OSError as err:
+        raise UserError(f"cannot read --prompts-file {path} ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"--prompts-file {path} is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line]
+        prompts += read_prompts(args.prompts_file)
     if not prompts:
-        sys.exit("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+        raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    device = resolve_device(args.device, "--device")
     model, found = load_pretrained(args.model)
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
-        sys.exit(f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json")
+        raise UserError(
+            f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
+        )
     tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
     encoded = [tokenizer.tokenizer.encode(p).ids for p in prompts]
     if any(not ids for ids in encoded):
-        sys.exit("a prompt encodes to no tokens; give every prompt some text")
+        raise UserError("a prompt encodes to no tokens; give every prompt some text")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -70,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_id=tokenizer.eos_id,
         seed=args.seed,
     )
-    model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype])
+    model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype])
     ids, mask = left_pad(encoded)
     out = generate(
         model, ids, mask, config, decode=tokenizer.tokenizer.decode, use_cache=not args.no_cache
@@ -84,7 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

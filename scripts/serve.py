@@ -12,8 +12,10 @@ checkpoint (what `runs.py` lists), else the folder's name (a transformers folder
 Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: the
 tokenizer folder's or --chat-template FILE), GET /v1/models, GET /health, GET /metrics.
 Concurrent requests decode together (continuous batching). With LLMFOUNDRY_API_KEY set every
-route but /health needs `Authorization: Bearer <key>`. SIGTERM (or Ctrl-C) stops accepting,
-finishes the requests in flight (up to --drain-timeout seconds), then exits.
+route but /health needs `Authorization: Bearer <key>`; without it the server binds loopback only,
+and a key that is set but empty is refused. SIGTERM (or Ctrl-C) stops accepting, finishes the
+requests in flight (up to --drain-timeout seconds), then exits. A wrong path or option ends
+with one line and status 2 (--debug: the traceback).
 Needs the `serve` extra: pip install 'llmfoundry[serve]'.
 """
 
@@ -25,16 +27,16 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
+from llmfoundry.distributed.base import resolve_device
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, read_pretrained
+from llmfoundry.serving.auth import api_key_from_env
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
-from llmfoundry.utils import storage
-from llmfoundry.utils.cli import add_storage_argument
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
-API_KEY = "LLMFOUNDRY_API_KEY"
 MAX_BODY_BYTES = 1 << 20
 MAX_CONCURRENT = 32
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # uvicorn's
 # Our flags vLLM has under another name; the limits vLLM lacks are refused with --engine vllm.
 VLLM_FLAGS = {
     "tokenizer": "--tokenizer",
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model", help="checkpoint, save folder, or transformers MPT folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
         "--served-model-name",
         "--model-name",
@@ -70,20 +72,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for chat requests")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, help="weights' dtype (default fp32)")
-    p.add_argument("--max-prompt-tokens", type=int, help="default: the model's context - 1")
-    p.add_argument("--max-tokens", type=int, help="max_tokens limit (default: context - 1)")
-    p.add_argument("--max-body-bytes", type=int, help=f"default {MAX_BODY_BYTES}")
+    p.add_argument("--max-prompt-tokens", type=_positive, help="default: the model's context - 1")
+    p.add_argument("--max-tokens", type=_positive, help="max_tokens limit (default: context - 1)")
+    p.add_argument("--max-body-bytes", type=_positive, help=f"default {MAX_BODY_BYTES}")
     p.add_argument(
         "--max-concurrent",
-        type=int,
+        type=_positive,
         help=f"prompts in flight, 429 above (default {MAX_CONCURRENT})",
     )
     p.add_argument(
-        "--max-batch-rows", type=int, help="prompts decoded together (default: --max-concurrent)"
+        "--max-batch-rows",
+        type=_positive,
+        help="prompts decoded together (default: --max-concurrent)",
     )
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to finish on SIGTERM")
-    p.add_argument("--log-level", default="info")
-    add_storage_argument(p)  # (a model on s3://...: scripts/deploy.py renders it for the pods)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_script_arguments(p)  # --storage: a model on s3://... (scripts/deploy.py renders it)
     return p.parse_args(argv)
 
 
@@ -92,6 +96,20 @@ def served_model_name(args: argparse.Namespace, run_name: str | None) -> str:
     run sits in a folder named `checkpoints`, so the folder's name says nothing), else the
     folder's name."""
     return args.served_model_name or run_name or Path(args.model.rstrip("/")).name
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def _given(value: int | None, default: int) -> int:
@@ -115,49 +133,58 @@ def vllm_args(args: argparse.Namespace, name: str) -> list[str]:
     return command
 
 
-def serve_vllm(args: argparse.Namespace, name: str) -> None:
+def serve_vllm(args: argparse.Namespace, name: str, api_key: str | None) -> None:
     """Replace this process with vLLM serving the transformers folder."""
     if not is_hf_folder(args.model):
-        sys.exit(
-            f"error: --engine vllm serves a transformers folder and {args.model} is not one; "
+        raise UserError(
+            f"--engine vllm serves a transformers folder and {args.model} is not one; "
             "export the checkpoint first with scripts/export_hf.py"
         )
     command = vllm_args(args, name)
     try:
         require_vllm()
     except ImportError as err:
-        sys.exit(f"error: {err}")
+        raise UserError(str(err)) from None
     env = dict(os.environ)
-    if API_KEY in env:  # through the environment: the command line is visible to `ps`
-        env[API_KEY_ENV] = env[API_KEY]
+    env.pop(API_KEY_ENV, None)  # vLLM gets our checked key (as VLLM_API_KEY) or none
+    if api_key is not None:  # through the environment: the command line is visible to `ps`
+        env[API_KEY_ENV] = api_key
     os.execvpe(command[0], command, env)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.storage and args.engine != "vllm":  # (vllm_args refuses it)
-        storage.configure_settings(storage.load_settings(args.storage))
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()  # trace: uvicorn's
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    api_key = api_key_from_env(args.host, os.environ)  # before any work: auth fails closed
     if args.engine == "vllm":  # a transformers folder: it records no run
-        serve_vllm(args, served_model_name(args, None))
+        serve_vllm(args, served_model_name(args, None), api_key)
     try:
         import uvicorn
 
         from llmfoundry.serving.app import Limits, create_app
     except ImportError as err:
-        sys.exit(
-            f"error: serving needs FastAPI and uvicorn ({err}): pip install 'llmfoundry[serve]'"
-        )
+        raise UserError(
+            f"serving needs FastAPI and uvicorn ({err}): pip install 'llmfoundry[serve]'"
+        ) from None
     from llmfoundry.serving.engine import Engine
     from llmfoundry.serving.tokenizer import load_served_tokenizer
 
+    device = resolve_device(args.device, "--device")
     loaded = read_pretrained(args.model)
     model, name = loaded.model, served_model_name(args, loaded.run_name)
     tokenizer_path = args.tokenizer or loaded.tokenizer
     if tokenizer_path is None:
-        sys.exit(f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json")
+        raise UserError(
+            f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
+        )
     tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)
-    model.to(device=torch.device(args.device), dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
+    model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
     context = model.config.max_seq_len
     limits = Limits(
         max_prompt_tokens=_given(args.max_prompt_tokens, context - 1),
@@ -168,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     # A batch keeps admitting newcomers while its cache stays within two contexts.
     rows = _given(args.max_batch_rows, limits.max_concurrent)
     engine = Engine(model, tokenizer.decode, max_rows=rows, max_len=2 * context)
-    app = create_app(engine, tokenizer, name, limits, context, os.environ.get(API_KEY) or None)
+    app = create_app(engine, tokenizer, name, limits, context, api_key)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -181,7 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

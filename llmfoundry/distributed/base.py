@@ -36,14 +36,27 @@ if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
+def resolve_device(device: str, setting: str = "strategy.device") -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device.
+
+    A name torch does not know, or a CUDA device this machine lacks, is a UserError naming
+    `setting` (the config key, or a script's flag).
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise UserError(
+            f"{setting}={device!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or 'auto'"
+        ) from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UserError(
-            f"strategy.device={device!r} but no CUDA device is available; use 'cpu' or 'auto'"
+            f"{setting}={device!r} but no CUDA device is available; use 'cpu' or 'auto'"
+        )
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        raise UserError(
+            f"{setting}={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
     return resolved
 

@@ -7,11 +7,19 @@
     GET  /metrics               the engine's counters (JSON)
 
 Hardening, in the order a request meets it: with an API key, every route but /health needs
-`Authorization: Bearer <key>` (compared in constant time, never logged), checked before the
-body is read; a body larger than `Limits.max_body_bytes` is a 413 before it is parsed; the body
-must match the pydantic model (400 naming the field); prompts longer than `max_prompt_tokens`,
-a `max_tokens` above the limit or a prompt the model's context cannot hold are 400s; more than
-`max_concurrent` prompts in flight is a 429. A streaming client that goes away cancels its rows
+`Authorization: Bearer <key>` (compared in constant time, never logged; websockets, /docs and
+/openapi.json too), checked before the body is read (`auth`: an empty key, or none on a
+non-loopback host, is refused at start); a body larger than `Limits.max_body_bytes` is a 413
+before it is parsed; the body must match the pydantic model (400 naming the field); a prompt
+(or chat messages) of more than `Limits.max_prompt_chars` characters is a 400 before anything
+tokenizes or renders it; prompts longer than `max_prompt_tokens`, a `max_tokens` above the limit
+or a prompt the model's context cannot hold are 400s; a chat template that fails on the messages
+(or runs out of steps) is a 400; more than `max_concurrent` prompts in flight is a 429.
+
+The event loop never waits on a tokenizer or a template: both run in a few worker threads
+(`PROMPT_WORKERS`), bounded before they start (characters) and while they run (the template's
+step budget), and a request whose prompt is not ready within `PREPARE_TIMEOUT_S` is a 503, so
+/health and every stream keep answering while a bad request is refused. A streaming client that goes away cancels its rows
 (they leave the batch at the next step) and frees its slots; so does one waiting for a whole
 answer. Draining on SIGTERM is uvicorn's graceful shutdown: it stops accepting, finishes the
 requests in flight, then the lifespan stops the engine.
@@ -22,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +47,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmfoundry.models.mpt.generation import GenerationConfig
 from llmfoundry.serving import protocol
+from llmfoundry.serving.auth import BearerAuth
 from llmfoundry.serving.engine import Completion, Engine, Event
-from llmfoundry.serving.tokenizer import ServedTokenizer
+from llmfoundry.serving.tokenizer import ChatTemplateError, ServedTokenizer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Limits", "create_app"]
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+# Characters a token may stand for, on average over a prompt, before the prompt is refused
+# untokenized: generous (text averages ~4), so only what could never fit is refused this way.
+CHARS_PER_TOKEN = 32
+PROMPT_WORKERS = 4  # threads that tokenize prompts and render chat templates
+PREPARE_TIMEOUT_S = 10.0  # a prompt not tokenized (and rendered) by then is a 503
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,12 @@ class Limits:
         for name, value in dataclasses.asdict(self).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest prompt (or messages, in all) tokenized at all: longer ones could not
+        hold `max_prompt_tokens` tokens, and tokenizing them would cost seconds."""
+        return CHARS_PER_TOKEN * self.max_prompt_tokens
 
 
 class BodyLimit:
@@ -103,31 +124,6 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-class BearerAuth:
-    """ASGI middleware: every path but the public ones needs `Authorization: Bearer <key>`.
-
-    It runs before the body is read or parsed, so a client without the key learns nothing
-    about the API but that it needs one. The comparison takes the same time whatever matches.
-    """
-
-    PUBLIC = frozenset({"/health"})
-
-    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["path"] in self.PUBLIC:
-            return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key):
-            return await self.app(scope, receive, send)
-        message = "missing or wrong API key: send Authorization: Bearer <key>"
-        body = protocol.error_body(message, "authentication_error")
-        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
 class Lease:
     """Slots held by one request among `max_concurrent`; released once, however it ends."""
 
@@ -155,6 +151,7 @@ class _Server:
         self.limits, self.context = limits, context
         self.vocab_size = engine.model.config.vocab_size
         self.in_flight = 0
+        self.workers = ThreadPoolExecutor(PROMPT_WORKERS, thread_name_prefix="llmfoundry-prompt")
 
     def check(self, body: protocol.Sampling) -> None:
         if body.model is not None and body.model != self.model_name:
@@ -167,11 +164,59 @@ class _Server:
                 f"max_tokens {body.max_tokens} is above this server's limit of {self.limits.max_tokens}",
             )
 
-    def encode(self, text: str, max_tokens: int) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        if not ids:
+    def check_chars(self, what: str, chars: int) -> None:
+        """Refuse text too long to tokenize, before anything reads it."""
+        if chars > self.limits.max_prompt_chars:
+            raise HTTPException(
+                400,
+                f"{what} {chars} characters, more than this server's {self.limits.max_prompt_tokens} "
+                f"tokens could hold (at most {self.limits.max_prompt_chars} characters); shorten it",
+            )
+
+    async def off_loop(self, work: Callable[[], Any]) -> Any:
+        """`work()` in a worker thread: the event loop answers other requests meanwhile. A 503
+        when it has not finished (or started: the workers are busy) in PREPARE_TIMEOUT_S."""
+        future = asyncio.get_running_loop().run_in_executor(self.workers, work)
+        try:
+            return await asyncio.wait_for(future, PREPARE_TIMEOUT_S)
+        except TimeoutError:
+            raise HTTPException(
+                503,
+                f"preparing the prompt took more than {PREPARE_TIMEOUT_S:g} s (the server is "
+                "busy); retry later",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    async def render(self, messages: list[dict[str, str]]) -> str:
+        """The chat prompt of `messages`, rendered off the event loop (400 when it cannot be)."""
+        chars = sum(len(value) for m in messages for value in m.values())
+        self.check_chars("the messages have", chars)
+        try:
+            return await self.off_loop(functools.partial(self.tokenizer.render_chat, messages))
+        except ChatTemplateError as err:
+            raise HTTPException(400, str(err)) from None
+
+    async def encode(self, prompts: Sequence[str | list[int]], max_tokens: int) -> list[list[int]]:
+        """Each prompt's ids (texts tokenized off the event loop, ids as given), checked
+        against the limits."""
+        if len(prompts) > self.limits.max_concurrent:  # before any work on them
+            raise HTTPException(
+                400,
+                f"{len(prompts)} prompts in one request; this server takes at most "
+                f"{self.limits.max_concurrent}",
+            )
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:
+            self.check_chars("a prompt has", len(text))
+        encoded = iter(
+            await self.off_loop(functools.partial(self.tokenizer.encode_batch, texts))
+            if texts
+            else []
+        )
+        ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        if not all(ids):
             raise HTTPException(400, "a prompt encodes to no tokens; give it some text")
-        return self.check_ids(ids, max_tokens)
+        return [self.check_ids(i, max_tokens) for i in ids]
 
     def check_ids(self, ids: list[int], max_tokens: int) -> list[int]:
         """A prompt's token ids (encoded here, or given as ids), checked against the limits."""
@@ -194,11 +239,6 @@ class _Server:
         return ids
 
     def lease(self, n: int) -> Lease:
-        if n > self.limits.max_concurrent:
-            raise HTTPException(
-                400,
-                f"{n} prompts in one request; this server takes at most {self.limits.max_concurrent}",
-            )
         if self.in_flight + n > self.limits.max_concurrent:
             raise HTTPException(
                 429,
@@ -293,6 +333,7 @@ def create_app(
             yield
         finally:
             engine.stop()
+            server.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llmfoundry", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
@@ -306,6 +347,12 @@ def create_app(
             str(err.detail), kind.get(err.status_code, "invalid_request_error")
         )
         return JSONResponse(body, status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, err: Exception) -> JSONResponse:  # logged with its traceback
+        log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+        body = protocol.error_body("internal error (logged by the server)", "server_error")
+        return JSONResponse(body, status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -343,12 +390,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
         server.check(body)
-        prompts = [
-            server.encode(p, body.max_tokens)
-            if isinstance(p, str)
-            else server.check_ids(p, body.max_tokens)
-            for p in body.prompts
-        ]
+        prompts = await server.encode(body.prompts, body.max_tokens)
         lease, queue, running = server.start(prompts, body)
         id_ = protocol.new_id("cmpl")
         events = _events(request, queue, running)
@@ -373,11 +415,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
         server.check(body)
-        try:
-            text = tokenizer.render_chat([m.model_dump(exclude_none=True) for m in body.messages])
-        except ValueError as err:
-            raise HTTPException(400, str(err)) from None
-        prompt = server.encode(text, body.max_tokens)
+        text = await server.render([m.model_dump(exclude_none=True) for m in body.messages])
+        [prompt] = await server.encode([text], body.max_tokens)
         lease, queue, running = server.start([prompt], body)
         id_ = protocol.new_id("chatcmpl")
         events = _events(request, queue, running)

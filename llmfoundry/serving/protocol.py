@@ -17,7 +17,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from llmfoundry.models.mpt.generation import TokenLogprob
 
@@ -31,6 +38,22 @@ __all__ = [
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _unicode(text: str) -> str:
+    """Refuse a lone surrogate (JSON's "\\ud800" escape): no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"holds {text[err.start]!r} at character {err.start}, half of a UTF-16 pair (a lone "
+            "surrogate); send whole characters"
+        ) from None
+    return text
+
+
+# Text a template renders (constrained strings, such as NonEmpty, already refuse surrogates).
+Text = Annotated[str, AfterValidator(_unicode)]
 # Our Decoder's reasons, as OpenAI names them (an EOS token is a natural stop).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 
@@ -102,8 +125,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: NonEmpty
-    content: str
-    name: str | None = None
+    content: Text
+    name: Text | None = None
 
 
 class ChatRequest(Sampling):

@@ -5,18 +5,76 @@ and the command line continue a prompt the same way. Chat needs a chat template 
 transformers): the one of a transformers tokenizer folder (`tokenizer_config.json` or
 `chat_template.jinja`), or a file given with `--chat-template`. transformers renders it, so a
 template written for transformers works unchanged.
+
+A template is a program, and the server runs it on every chat request, so its work is bounded:
+transformers renders it in jinja2's `ImmutableSandboxedEnvironment` (a `SecurityError` for
+attributes and methods a template must not reach), and `_StepBudget` stops a rendering after
+`TEMPLATE_STEPS` lines of the template's compiled code (nested loops end in a fraction of a
+second, not never). Whatever a template raises for given messages (`raise_exception` when roles
+do not alternate, the sandbox's refusal, a step budget spent) is a `ChatTemplateError`, which the
+server answers with a 400. A template that does not parse is refused at start.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jinja2
 
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
+from llmfoundry.utils.errors import UserError
 
-__all__ = ["ServedTokenizer", "load_served_tokenizer"]
+__all__ = ["TEMPLATE_STEPS", "ChatTemplateError", "ServedTokenizer", "load_served_tokenizer"]
+
+# Lines of a template's compiled code one rendering may run: a template over 32 long messages
+# runs a few thousand; a million take ~0.2 s.
+TEMPLATE_STEPS = 1_000_000
+TEMPLATE_FILENAME = "<template>"  # the code jinja2 compiles from a string, as transformers does
+PROBE = [{"role": "user", "content": "hi"}]  # what a template is tried on at start
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not render these messages: its own error, or a bound."""
+
+
+class _StepsSpent(Exception):
+    """Raised inside a template's code when its step budget is spent."""
+
+
+class _StepBudget:
+    """Stops template code in this thread after `steps` lines (`sys.settrace`, which traces
+    only the template's frames: the filters and transformers' code it calls run untraced).
+
+    Counting lines, not time, makes the bound deterministic: the same messages fail the same
+    way under any load.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def __enter__(self) -> _StepBudget:
+        self.previous = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.previous)
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename == TEMPLATE_FILENAME else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.left -= 1
+            if self.left < 0:
+                raise _StepsSpent
+        return self._line
 
 
 @dataclass(frozen=True)
@@ -30,6 +88,11 @@ class ServedTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.prepared.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of each text, as `encode` gives them. The Rust tokenizer releases the GIL
+        here and not in `encode`, so a server tokenizing in a worker thread keeps answering."""
+        return [encoding.ids for encoding in self.prepared.tokenizer.encode_batch(list(texts))]
 
     def decode(self, ids: list[int]) -> str:
         return self.prepared.tokenizer.decode(ids)
@@ -46,18 +109,53 @@ class ServedTokenizer:
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt for `messages` under the chat template, ending where the assistant's
-        answer starts (`add_generation_prompt`)."""
+        answer starts (`add_generation_prompt`); a ChatTemplateError when it cannot render them."""
         if self.chat_template is None:
-            raise ValueError(
+            raise ChatTemplateError(
                 "this model's tokenizer has no chat template; use /v1/completions, or start the "
                 "server with --chat-template FILE.jinja"
             )
-        return self._hf.apply_chat_template(
-            list(messages),
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        try:
+            return self._render(messages)
+        except _StepsSpent:
+            raise ChatTemplateError(
+                f"the chat template ran more than {TEMPLATE_STEPS} steps on these messages (loops "
+                "within loops?); send fewer messages or fix the template"
+            ) from None
+        except jinja2.exceptions.SecurityError as err:
+            raise ChatTemplateError(
+                f"the chat template did something the sandbox forbids: {err}"
+            ) from None
+        except jinja2.TemplateError as err:  # raise_exception's, e.g. roles that do not alternate
+            raise ChatTemplateError(f"the chat template refused these messages: {err}") from None
+        except Exception as err:  # a template is a program: its errors are not the server's
+            raise ChatTemplateError(
+                f"the chat template failed on these messages ({type(err).__name__}: {err})"
+            ) from None
+
+    def _render(self, messages: Sequence[dict[str, str]]) -> str:
+        with _StepBudget(TEMPLATE_STEPS):
+            return self._hf.apply_chat_template(
+                list(messages),
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+
+    def check_template(self, where: str) -> None:
+        """Refuse, at start, a chat template that does not parse (a UserError naming `where`
+        and the line). Its answer to the probe message does not matter: requests report that."""
+        if self.chat_template is None:
+            return
+        try:
+            self._render(PROBE)
+        except jinja2.TemplateSyntaxError as err:
+            raise UserError(
+                f"the chat template of {where} does not parse: {err.message} (line {err.lineno}); "
+                "fix it or pass another --chat-template FILE.jinja"
+            ) from None
+        except Exception:
+            pass  # the probe's own refusal; each request gets the template's answer to its messages
 
 
 def load_served_tokenizer(
@@ -67,7 +165,9 @@ def load_served_tokenizer(
     `chat_template` (a Jinja file) overrides the folder's."""
     prepared = prepare_tokenizer(path, eos_token=eos_token)
     if chat_template is not None:
-        return ServedTokenizer(prepared, Path(chat_template).read_text(encoding="utf-8"))
+        served = ServedTokenizer(prepared, _read_template(Path(chat_template)))
+        served.check_template(str(chat_template))
+        return served
     template = None
     if Path(path).is_dir() and (
         Path(path, "tokenizer_config.json").is_file() or Path(path, "chat_template.jinja").is_file()
@@ -75,4 +175,19 @@ def load_served_tokenizer(
         from transformers import AutoTokenizer
 
         template = AutoTokenizer.from_pretrained(str(path), local_files_only=True).chat_template
-    return ServedTokenizer(prepared, template if isinstance(template, str) else None)
+    served = ServedTokenizer(prepared, template if isinstance(template, str) else None)
+    served.check_template(str(path))
+    return served
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise UserError(
+            f"cannot read chat template {path} ({err.strerror}); fix --chat-template"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"chat template {path} is not UTF-8 text ({err.reason} at byte {err.start})"
+        ) from None

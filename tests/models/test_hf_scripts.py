@@ -152,5 +152,5 @@ def test_bad_input_is_one_line_error(tmp_path):
         text=True,
         timeout=120,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.startswith("error: load_path") and result.stderr.count("\n") == 1

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,3 +101,44 @@ def running_server(
                 proc.kill()
                 proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(served_model):
+    """The served model loaded once in this process, with its tokenizer's path."""
+    from llmfoundry.models.mpt.pretrained import load_pretrained
+
+    return load_pretrained(str(served_model / "ckpt"))
+
+
+@pytest.fixture
+def in_process_app(served_checkpoint):
+    """A factory of the app in this process (no subprocess, no port): `with in_process_app(...)
+    as client` runs its lifespan (the engine's thread) and yields a starlette TestClient."""
+    from starlette.testclient import TestClient
+
+    from llmfoundry.serving.app import Limits, create_app
+    from llmfoundry.serving.engine import Engine
+    from llmfoundry.serving.tokenizer import ServedTokenizer
+
+    model, tokenizer_path = served_checkpoint
+
+    @contextlib.contextmanager
+    def make(
+        chat_template: str | None = CHAT_TEMPLATE,
+        api_key: str | None = None,
+        wrap_tokenizer: Callable[[Any], Any] | None = None,
+        **limits: int,
+    ) -> Iterator[TestClient]:
+        """`wrap_tokenizer` replaces the Rust tokenizer by what it returns (a spy, say)."""
+        prepared = prepare_tokenizer(tokenizer_path)
+        if wrap_tokenizer is not None:
+            prepared = dataclasses.replace(prepared, tokenizer=wrap_tokenizer(prepared.tokenizer))
+        tokenizer = ServedTokenizer(prepared, chat_template)
+        limits = Limits(**{"max_prompt_tokens": 64, "max_tokens": 64, **limits})
+        engine = Engine(model, tokenizer.decode, max_rows=limits.max_concurrent, max_len=CONTEXT)
+        app = create_app(engine, tokenizer, "ckpt", limits, CONTEXT, api_key)
+        with TestClient(app, raise_server_exceptions=False) as client:
+            yield client
+
+    return make

@@ -162,9 +162,19 @@ def test_server_binds_loopback_unless_told():
     assert parse(["ckpt"]).host == "127.0.0.1"
 
 
-def test_serve_engine_vllm_refusals(tmp_path):
-    with pytest.raises(SystemExit, match="is not one; export the checkpoint first"):
-        script("serve")([str(tmp_path), "--engine", "vllm"])
+def refused(argv: list[str], capsys) -> str:
+    """serve.py's one-line refusal (exit 2) of `argv`."""
+    with pytest.raises(SystemExit) as exit_:
+        script("serve")(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_serve_engine_vllm_refusals(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLMFOUNDRY_API_KEY", raising=False)
+    assert "is not one; export the checkpoint first" in refused(
+        [str(tmp_path), "--engine", "vllm"], capsys
+    )
     (tmp_path / "config.json").write_text("{}")
     try:
         import vllm  # noqa: F401
@@ -172,8 +182,7 @@ def test_serve_engine_vllm_refusals(tmp_path):
         pytest.skip("vLLM is installed here")
     except ImportError:
         pass
-    with pytest.raises(SystemExit, match=r"pip install 'llmfoundry\[vllm\]'"):
-        script("serve")([str(tmp_path), "--engine", "vllm"])
+    assert "pip install 'llmfoundry[vllm]'" in refused([str(tmp_path), "--engine", "vllm"], capsys)
 
 
 def test_serve_engine_vllm_command_maps_our_flags_and_refuses_the_rest():
