@@ -239,6 +239,12 @@ class _Server:
         return ids
 
     def lease(self, n: int) -> Lease:
+        if n > self.limits.max_concurrent:  # prompts x n choices: never servable, so not a 429
+            raise HTTPException(
+                400,
+                f"{n} rows (prompts x n) in one request; this server takes at most "
+                f"{self.limits.max_concurrent}",
+            )
         if self.in_flight + n > self.limits.max_concurrent:
             raise HTTPException(
                 429,
