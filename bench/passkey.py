@@ -62,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2500, help="training batches per side")
+    parser.add_argument("--steps", type=int, default=4000, help="training batches per side")
     parser.add_argument("--batch", type=int, default=32, help="rows per batch (32)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--val-rows", type=int, default=1000, help="rows scored per side")
