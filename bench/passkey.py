@@ -13,8 +13,9 @@ Rows are `--seq-len` tokens, several windows, and the key lies anywhere before t
 the evaluator's depths (query - key, in windows) run from 0 to seq_len / window - 1. Stacked
 sliding-window layers reach n_layers * (window - 1) tokens back, so the plain model can beat
 chance at depths below about n_layers; beyond that only a memory can. Chance is
-10^-n_digits. The table goes to stdout (and to `--json`); `--keep` keeps the data, checkpoints
-and training logs.
+10^-n_digits. The table (stdout; the scores also in `--json`) has accuracy per depth for both
+sides and summed over the depths beyond one window and beyond the plain model's reach; `--keep`
+keeps the data, checkpoints and training logs (train.log, metrics.jsonl).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/passkey.py                  # bench/RESULTS.md
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/passkey.py --steps 40 --val-rows 50   # smoke
@@ -141,8 +142,15 @@ def train_and_score(side: str, args: argparse.Namespace, task: PasskeyTask, root
     return scores
 
 
-def table(results: dict[str, dict], task: PasskeyTask) -> list[str]:
-    """Markdown rows: accuracy per depth for both sides, and over every depth >= 1."""
+def plain_reach_depth(window: int, n_layers: int) -> int:
+    """The first depth no key of which the plain model can see: its layers reach
+    n_layers * (window - 1) tokens back, and depth d holds distances from d * window on."""
+    return n_layers * (window - 1) // window + 1
+
+
+def table(results: dict[str, dict], task: PasskeyTask, n_layers: int) -> list[str]:
+    """Markdown rows: accuracy per depth for both sides, over every depth beyond one window,
+    and over every depth beyond the plain model's reach."""
     window = results["infini"]["window"]
     lines = [
         "| depth (windows back) | key distance (tokens) | rows | infini | plain |",
@@ -154,12 +162,18 @@ def table(results: dict[str, dict], task: PasskeyTask) -> list[str]:
         lo, hi = int(depth) * window, (int(depth) + 1) * window - 1
         acc = " | ".join(f"{c['accuracy']:.3f}" for c in cells)
         lines.append(f"| {depth} | {lo}-{hi} | {cells[0]['rows']} | {acc} |")
-    beyond = []
-    for side in SIDES:
-        far = [v for d, v in results[side]["depths"].items() if int(d) >= 1]
-        beyond.append((sum(v["correct"] for v in far), sum(v["rows"] for v in far)))
-    acc = " | ".join(f"**{c / n:.3f}**" for c, n in beyond)
-    lines.append(f"| >= 1 (beyond one window) | >= {window} | {beyond[0][1]} | {acc} |")
+    sums = [(1, "beyond one window")]
+    if (reach := plain_reach_depth(window, n_layers)) > 1:  # else the same rows as the first
+        sums.append((reach, "beyond the plain model's reach"))
+    for first, label in sums:
+        if first > int(depths[-1]):
+            continue  # no rows that far back
+        summed = []
+        for side in SIDES:
+            far = [v for d, v in results[side]["depths"].items() if int(d) >= first]
+            summed.append((sum(v["correct"] for v in far), sum(v["rows"] for v in far)))
+        acc = " | ".join(f"**{c / n:.3f}** ({c}/{n})" for c, n in summed)
+        lines.append(f"| >= {first} ({label}) | >= {first * window} | {summed[0][1]} | {acc} |")
     lines.append(f"| chance | | | {10.0**-task.n_digits:.3f} | {10.0**-task.n_digits:.3f} |")
     return lines
 
@@ -181,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-    lines = table(results, task)
+    lines = table(results, task, args.n_layers)
     print(
         f"\n== passkey retrieval, {args.val_rows} val rows of {args.seq_len} tokens "
         f"({args.seq_len // args.window} windows of {args.window}), {args.n_digits}-digit key; "

@@ -75,3 +75,25 @@ def test_a_keep_folder_with_files_is_refused(bench, tmp_path, capsys):
         bench["main"]([*TINY, "--keep", str(tmp_path)])
     assert exit_info.value.code == 2 and "is not empty" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["old.txt"]
+
+
+def test_the_table_sums_beyond_the_window_and_beyond_the_plain_model_s_reach(bench):
+    def side(correct):  # depth -> correct of 10 rows
+        return {"window": 4, "depths": {str(d): {"correct": c, "rows": 10, "accuracy": c / 10}
+                                        for d, c in enumerate(correct)}}  # fmt: skip
+
+    results = {"infini": side([9, 8, 7, 6]), "plain": side([10, 5, 1, 0])}
+    task = bench["PasskeyTask"](seq_len=16, n_digits=1)
+    # Two layers of a 4-token window reach 6 tokens back: depth 1 (4-7) in part, 2 on never.
+    lines = bench["table"](results, task, n_layers=2)
+    assert lines[2:] == [
+        "| 0 | 0-3 | 10 | 0.900 | 1.000 |",
+        "| 1 | 4-7 | 10 | 0.800 | 0.500 |",
+        "| 2 | 8-11 | 10 | 0.700 | 0.100 |",
+        "| 3 | 12-15 | 10 | 0.600 | 0.000 |",
+        "| >= 1 (beyond one window) | >= 4 | 30 | **0.700** (21/30) | **0.200** (6/30) |",
+        "| >= 2 (beyond the plain model's reach) | >= 8 | 20 | **0.650** (13/20) | **0.050** (1/20) |",
+        "| chance | | | 0.100 | 0.100 |",
+    ]
+    # One layer reaches only inside the window: the two sums would be the same rows.
+    assert not any("reach" in line for line in bench["table"](results, task, n_layers=1))
