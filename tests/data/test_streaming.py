@@ -424,3 +424,33 @@ def test_argument_errors_name_the_argument(data: Path):
         StreamingDataset()
     with pytest.raises(ValueError, match="validate_hash='nope'"):
         StreamingDataset(str(data), split="train", validate_hash="nope")
+
+
+# -- metadata once per machine (node.py) -------------------------------------------------------
+
+
+def test_local_ranks_read_the_leaders_copy_of_this_launch_only(data, tmp_path, monkeypatch):
+    """A follower reads the index local rank 0 fetched in this launch; a copy from another
+    launch is never read (it times out with the fix), and the leader's error reaches it."""
+    from llmfoundry.data.streaming import node
+
+    monkeypatch.setattr(node, "WAIT_S", 0.3)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    leader = StreamingDataset(str(data), cache, split="train")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    follower = StreamingDataset(str(data), cache, split="train")
+    assert follower.caches[0].shards == leader.caches[0].shards
+    monkeypatch.setattr(node, "_launch_key", lambda: "another-launch")
+    with pytest.raises(TimeoutError, match="local rank 1 waited 0 s for local rank 0"):
+        StreamingDataset(str(data), cache, split="train")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(FileNotFoundError, match="no MDS dataset"):
+        StreamingDataset(str(data), str(tmp_path / "c2"), split="nope")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no MDS dataset"):
+        StreamingDataset(str(data), str(tmp_path / "c2"), split="nope")
+    assert time.monotonic() - started < 0.3  # the leader's error, not a timeout

@@ -82,3 +82,39 @@ def test_s3_endpoint_from_the_environment(s3_env, tmp_path):
     ds = StreamingDataset("s3://envbucket/ds", str(tmp_path / "cache"), split="val")
     assert [int(s["id"]) for s in ds] == list(range(30))
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_metadata_is_fetched_once_per_machine(bucket, tmp_path, monkeypatch):
+    """Two machines x 3 local ranks: only each machine's local rank 0 asks S3 for index.json,
+    the listing and meta.json; the others read its copy and agree with it."""
+    from llmfoundry.data import StreamingTextDataset
+
+    url, options = bucket
+    s3 = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    s3.pipe(url.removeprefix("s3://") + "/meta.json", b'{"eos_id": 0, "vocab_size": 512}')
+    calls: list[str] = []
+    call_s3 = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        calls.append(method)
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    for node in range(2):
+        requests, made = [], []
+        for local_rank in range(3):
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+            before = len(calls)
+            made.append(
+                StreamingTextDataset(
+                    url, str(tmp_path / f"node{node}"), split="train", storage_options=options
+                )
+            )
+            requests.append(calls[before:])
+        assert requests[0] and requests[1:] == [[], []], requests
+        assert all(ds.meta == {"eos_id": 0, "vocab_size": 512} for ds in made)
+        assert all(ds.caches[0].shards == made[0].caches[0].shards for ds in made)
+        assert all(ds.caches[0]._versions == made[0].caches[0]._versions for ds in made)
+        assert made[0].caches[0]._versions  # the listing itself was shared, not skipped
