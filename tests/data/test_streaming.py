@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -454,3 +455,38 @@ def test_local_ranks_read_the_leaders_copy_of_this_launch_only(data, tmp_path, m
     with pytest.raises(FileNotFoundError, match="no MDS dataset"):
         StreamingDataset(str(data), str(tmp_path / "c2"), split="nope")
     assert time.monotonic() - started < 0.3  # the leader's error, not a timeout
+
+
+# -- caches that do not thrash (pins.py) -------------------------------------------------------
+
+
+def count_downloads(monkeypatch) -> list[int]:
+    """Shard numbers fetched from the remote, in order (every ShardCache download)."""
+    from llmfoundry.data.streaming.cache import ShardCache
+
+    fetched: list[int] = []
+    fetch = ShardCache._fetch
+
+    def counting(self, j):
+        fetched.append(j)
+        return fetch(self, j)
+
+    monkeypatch.setattr(ShardCache, "_fetch", counting)
+    return fetched
+
+
+def test_predownload_never_evicts_a_shard_still_to_be_read(data, tmp_path, monkeypatch):
+    """A cache of 2 shards under a 40-sample (~6 shard) predownload window: least recently
+    used alone evicts predownloaded shards before they are read and fetches them again; with
+    the window pinned every shard is downloaded once (the cache overflows, with a warning)."""
+    fetched = count_downloads(monkeypatch)
+    shard_size = max(p.stat().st_size for p in (data / "train").glob("shard.*"))
+    ds = StreamingDataset(
+        str(data), str(tmp_path / "c"), split="train", cache_limit=2 * shard_size, predownload=40
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ids_of(ds) == list(range(60))
+    assert sorted(fetched) == list(range(len(ds.caches[0].shards)))
+    assert any("over cache_limit" in str(w.message) for w in caught)
+    assert not list((tmp_path / "c" / "train" / ".pins").glob("*"))  # unpinned at the end

@@ -17,7 +17,7 @@ a DataLoader worker, so a dataset object can be built once and handed to any Dat
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +30,7 @@ from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.epochs import EpochDataset
 from llmfoundry.data.streaming.eviction import CacheLimiter
+from llmfoundry.data.streaming.pins import Pins
 from llmfoundry.data.streaming.predownload import Predownloader
 from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
@@ -259,22 +260,41 @@ class StreamingDataset(EpochDataset):
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         readers = self._readers()
         worker = Predownloader(readers.fetch)
-        ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        # With a cache limit, the window's shards and the batch being read are pinned, so no
+        # reader sharing the cache evicts them before they are read (pins.py).
+        pins = Pins(self.caches) if self.limiter is not None else None
+        needed: Counter[int] = Counter()
+        ahead: deque[tuple[tuple[np.ndarray, np.ndarray], list[int]]] = deque()
         ahead_samples = 0
+
+        def hand_out() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal ahead_samples
+            pair, shards = ahead.popleft()
+            ahead_samples -= len(pair[0])
+            yield pair
+            needed.subtract(shards)  # the caller has read the batch when it asks for the next
+            if pins is not None:
+                pins.set(frozenset(+needed))
+
         try:
             for pair in pairs:
                 shards, _ = self.locate(pair[0])
-                for shard in dict.fromkeys(shards.tolist()):  # unique, in order of first use
+                unique = list(dict.fromkeys(shards.tolist()))  # in order of first use
+                needed.update(unique)
+                if pins is not None:
+                    pins.set(frozenset(+needed))
+                for shard in unique:
                     worker.request(shard)
-                ahead.append(pair)
+                ahead.append((pair, unique))
                 ahead_samples += len(pair[0])
-                while ahead and ahead_samples - len(ahead[0][0]) >= self.predownload:
-                    ahead_samples -= len(ahead[0][0])
-                    yield ahead.popleft()
+                while ahead and ahead_samples - len(ahead[0][0][0]) >= self.predownload:
+                    yield from hand_out()
             while ahead:
-                yield ahead.popleft()
+                yield from hand_out()
         finally:
             worker.close()
+            if pins is not None:
+                pins.close()
 
     def __iter__(self) -> Iterator[Any]:
         """This process's samples of the current epoch, one at a time, as stored (not collated

@@ -7,7 +7,8 @@ so with a warning rather than silently deleting data, the failure this design ex
 
 Eviction is cooperative across processes sharing the cache: last use is the file's mtime (see
 cache.py), each process evicts after its own downloads, and a shard being downloaded (its lock
-held) is skipped. Concurrent evictors may together free a little more than needed; that costs
+held) or pinned by a reader that has yet to read it (its predownload window, pins.py) is
+skipped. Concurrent evictors may together free a little more than needed; that costs
 a re-download, never a wrong sample. When every remaining shard is in use the limit cannot be
 met (the rest are being downloaded); the cache then grows past it with a warning instead of
 failing the run.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from llmfoundry.data.streaming.cache import ShardCache
+from llmfoundry.data.streaming.pins import pinned
 from llmfoundry.utils.files import parse_size
 
 __all__ = ["CacheLimiter"]
@@ -60,8 +62,11 @@ class CacheLimiter:
         evicted: list[tuple[ShardCache, int]] = []
         if total <= self.limit:
             return evicted
+        spared = {id(c): pinned(c) for c in self.caches}  # a reader still needs them (pins.py)
         for _, _, cache, j in sorted(entries, key=lambda e: e[0]):
             if keep is not None and keep[0] is cache and keep[1] == j:
+                continue
+            if j in spared[id(cache)]:
                 continue
             freed = cache.evict(j)
             if freed:
@@ -73,8 +78,9 @@ class CacheLimiter:
             self._warned = True
             warnings.warn(
                 f"shard cache holds {total} bytes, over cache_limit={self.limit}: the shards "
-                "left are being downloaded right now; raise cache_limit (it should hold the "
-                "shards of a few shuffle blocks for every reader sharing the cache)",
+                "left are being downloaded or still to be read by a reader sharing the cache; "
+                "raise cache_limit (it should hold the shards of a shuffle block plus the "
+                "predownload window for every reader sharing the cache)",
                 stacklevel=2,
             )
         return evicted
