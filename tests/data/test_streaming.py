@@ -490,3 +490,30 @@ def test_predownload_never_evicts_a_shard_still_to_be_read(data, tmp_path, monke
     assert sorted(fetched) == list(range(len(ds.caches[0].shards)))
     assert any("over cache_limit" in str(w.message) for w in caught)
     assert not list((tmp_path / "c" / "train" / ".pins").glob("*"))  # unpinned at the end
+
+
+def test_a_cache_limit_below_the_working_set_is_reported_at_start(data, tmp_path, monkeypatch):
+    """The start warning names the working set; a cache of that size reads the epoch with
+    every shard downloaded once and never grows past it."""
+    import logging
+    import re
+
+    fetched = count_downloads(monkeypatch)
+    args = dict(split="train", shuffle=True, shuffle_block_size=20, predownload=8)
+    shard_size = max(p.stat().st_size for p in (data / "train").glob("shard.*"))
+    logger = "llmfoundry.data.streaming.dataset"
+    with pytest.MonkeyPatch.context() as m:
+        records: list[str] = []
+        m.setattr(logging.getLogger(logger), "warning", lambda msg, *a: records.append(msg % a))
+        StreamingDataset(str(data), str(tmp_path / "c1"), cache_limit=shard_size, **args)
+        (message,) = records
+        need = int(re.search(r"cache_limit to at least (\d+)", message).group(1))
+        total = sum(p.stat().st_size for p in (data / "train").glob("shard.*"))
+        assert shard_size < need < total / 2  # a block plus the window, not the dataset
+        records.clear()
+        ds = StreamingDataset(str(data), str(tmp_path / "c2"), cache_limit=need, **args)
+        assert records == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "over cache_limit" would fail here
+        assert sorted(ids_of(ds)) == list(range(60))
+    assert sorted(fetched) == list(range(len(ds.caches[0].shards)))

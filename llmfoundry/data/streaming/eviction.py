@@ -17,12 +17,15 @@ failing the run.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+
+import numpy as np
 
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.pins import pinned
 from llmfoundry.utils.files import parse_size
 
-__all__ = ["CacheLimiter"]
+__all__ = ["CacheLimiter", "working_set_bytes"]
 
 
 class CacheLimiter:
@@ -84,3 +87,31 @@ class CacheLimiter:
                 stacklevel=2,
             )
         return evicted
+
+
+def working_set_bytes(
+    steps: Sequence[np.ndarray], shard_bytes: np.ndarray, window_steps: int, complete: bool
+) -> int:
+    """The most bytes of shards that readers sharing a cache need at once.
+
+    ``steps[t]`` are the shards the readers read at step ``t`` (together, in any order). A shard
+    is needed from ``window_steps`` steps before its first use (predownload) until its last, so
+    at step ``t`` the cache must hold every shard whose interval covers ``t``. With a shuffle,
+    those are the shards of the readers' current blocks plus the predownload window. When the
+    steps are only the first part of the epoch (``complete`` False), the last uses near their
+    end are unknown, so only the first half of the steps counts.
+    """
+    if not steps:
+        return 0
+    n = len(shard_bytes)
+    first = np.full(n, len(steps), np.int64)
+    last = np.full(n, -1, np.int64)
+    for t, shards in enumerate(steps):
+        first[shards] = np.minimum(first[shards], t)
+        last[shards] = t
+    used = last >= 0
+    live = np.zeros(len(steps) + 1, np.int64)
+    np.add.at(live, np.maximum(first[used] - window_steps, 0), shard_bytes[used])
+    np.add.at(live, last[used] + 1, -shard_bytes[used])
+    counted = len(steps) if complete else max(1, len(steps) // 2)
+    return int(np.cumsum(live)[:counted].max())
