@@ -3,11 +3,14 @@
 - Random access: ``ds[i]`` for ``0 <= i < ds.num_samples`` (sample ids number the shards of
   all streams in order) downloads the sample's shard if it is not local yet.
 - Iteration: this rank's and DataLoader worker's share of the epoch, in the global order of
-  sampling.py, with shards predownloaded ahead of the reader by a background thread.
+  sampling.py, with shards predownloaded ahead of the reader by a background thread. The
+  order is cut into ``canonical_nodes`` spans and each node reads only its own, so a node
+  downloads about its share of the shards.
 - Epochs and resumption: call ``set_epoch(e)`` before iterating epoch ``e``; a checkpoint
   stores ``state_dict(num_samples)`` where ``num_samples`` counts the global samples consumed
   in the current epoch (all ranks together); ``load_state_dict`` makes the next iteration of
-  that epoch continue with exactly the remaining global order, on any world size.
+  that epoch continue with exactly the remaining global order, on any number of ranks per node
+  and any node count that divides ``canonical_nodes``.
 - Cache sharing, locking and eviction: cache.py and eviction.py.
 
 Runtime state (open shard readers) is per process and rebuilt after the dataset is copied into
@@ -84,8 +87,11 @@ class StreamingDataset(EpochDataset):
         data_parallel: (rank, size) of this process among the data-parallel readers, from the
             trainer's strategy; default torchrun's RANK and WORLD_SIZE (world.py).
         evaluation: read every sample of the split once in storage order (``shuffle``,
-            ``epoch_size`` and the streams' shares shape training only); batches carry
-            ``sample_mask`` (epochs.py).
+            ``epoch_size``, ``canonical_nodes`` and the streams' shares shape training only);
+            batches carry ``sample_mask`` (epochs.py).
+        canonical_nodes: spans the epoch is cut into, one per canonical node (sampling.py):
+            a run resumes on any node count that divides it. None (default): the node count
+            of the first launch, recorded in the data state.
     """
 
     state_checked = ("shuffle", "shuffle_seed", "shuffle_block_size", "epoch_size", "num_samples")
@@ -111,8 +117,14 @@ class StreamingDataset(EpochDataset):
         allow_unsafe: bool = False,
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
+        canonical_nodes: int | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, data_parallel=data_parallel, evaluation=evaluation)
+        super().__init__(
+            batch_size=batch_size,
+            data_parallel=data_parallel,
+            evaluation=evaluation,
+            canonical_nodes=canonical_nodes,
+        )
         for name, value in (("remote", remote), ("local", local), ("split", split)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise UserError(f"{name} must be a path or URL string, got {value!r}")
@@ -307,6 +319,8 @@ class StreamingDataset(EpochDataset):
             self._epoch,
             self.shuffle,
             self.shuffle_block_size,
+            self.canonical_nodes,
+            self.layout_batch(),
         ).ids
 
     def batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:

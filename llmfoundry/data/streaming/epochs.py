@@ -3,11 +3,17 @@
 A dataset numbers the samples of an epoch by *position* ``0 .. epoch_size - 1`` (its global
 order, the same on every world size) and maps positions to sample ids with :meth:`order`;
 sampling.py's :class:`RankPlan` hands each data-parallel rank its positions, padding the epoch
-to a multiple of the world size by wrapping around. The trainer's contract
+to a multiple of the world size with repeats. The trainer's contract
 (``set_epoch``, ``state_dict(num_samples)``, ``load_state_dict``, ``len``) is implemented here
 once, so an MDS dataset and a plain token file resume the same way.
 
-Evaluation datasets (``evaluation=True``) mark the wrapped-around positions: their batches carry
+Canonical nodes (``canonical_nodes``, sampling.py): a dataset whose order is cut into ``C``
+spans, one per canonical node, is read by physical nodes that each take ``C / N`` of them, so
+it runs on ``N`` nodes only where ``N`` divides ``C`` (``C = 1``: one sequence, which any node
+count reads). ``C`` defaults to the node count the dataset is first built on; the data state
+records it (and the global batch the spans were laid out with), and a resumption adopts it.
+
+Evaluation datasets (``evaluation=True``) mark the repeated positions: their batches carry
 ``"sample_mask"`` (bool [B]), False for a sample that repeats one read earlier in the epoch, so
 metrics can count every sample exactly once on any number of ranks.
 """
@@ -25,6 +31,7 @@ from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.sampling import RankPlan
 from llmfoundry.data.streaming.world import World
 from llmfoundry.trainer.metrics import SAMPLE_MASK  # the key the eval metrics read
+from llmfoundry.utils.errors import UserError
 
 __all__ = ["EpochDataset"]
 
@@ -39,6 +46,8 @@ class EpochDataset(IterableDataset):
         data_parallel: (rank, size) of this process among the data-parallel readers; default
             torchrun's RANK and WORLD_SIZE (world.py).
         evaluation: batches carry ``sample_mask`` (module docstring).
+        canonical_nodes: spans of the order, one per canonical node (module docstring); None:
+            the node count of this launch. Evaluation always reads one sequence (1).
     """
 
     state_checked: tuple[str, ...] = ("epoch_size",)
@@ -53,17 +62,24 @@ class EpochDataset(IterableDataset):
         batch_size: int | None = None,
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
+        canonical_nodes: int | None = 1,
     ) -> None:
         super().__init__()
         check_int("batch_size", batch_size, minimum=1, optional=True)
+        check_int("canonical_nodes", canonical_nodes, minimum=1, optional=True)
         if not isinstance(evaluation, bool):
             raise TypeError(f"evaluation must be true or false, got {evaluation!r}")
-        World.detect(data_parallel)  # a bad (rank, size) fails here, not at the first batch
+        world = World.detect(data_parallel)  # a bad (rank, size) fails here, not at a batch
         self.batch_size = batch_size
         self.data_parallel = data_parallel
         self.evaluation = evaluation
+        # Set by the user: a resumption must find it unchanged; defaulted: it adopts the state's.
+        self._canonical_given = canonical_nodes is not None and not evaluation
+        self.canonical_nodes = 1 if evaluation else canonical_nodes or world.num_nodes
+        self._check_nodes(world)
         self._epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, samples consumed)
+        # (epoch, samples consumed, global batch of that epoch's spans or None)
+        self._resume: tuple[int, int, int | None] | None = None
 
     def order(self) -> Callable[[np.ndarray], np.ndarray]:
         """The current epoch's map from global positions to sample ids."""
@@ -105,7 +121,12 @@ class EpochDataset(IterableDataset):
         """
         check_int("num_samples", num_samples, minimum=0)
         consumed = num_samples if from_beginning else self._start() + num_samples
-        state = {"epoch": self._epoch, "sample_in_epoch": consumed}
+        state = {
+            "epoch": self._epoch,
+            "sample_in_epoch": consumed,
+            "canonical_nodes": self.canonical_nodes,
+            "global_batch": self.layout_batch(),
+        }
         return state | {k: getattr(self, k) for k in self.state_checked}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -128,18 +149,54 @@ class EpochDataset(IterableDataset):
             )
         check_int("epoch", state["epoch"], minimum=0)
         check_int("sample_in_epoch", state["sample_in_epoch"], minimum=0)
+        # A state from before canonical nodes existed was read as one sequence.
+        canonical = state.get("canonical_nodes", 1)
+        check_int("canonical_nodes", canonical, minimum=1)
+        layout = state.get("global_batch")
+        check_int("global_batch", layout, minimum=1, optional=True)
+        if self._canonical_given and canonical != self.canonical_nodes:
+            raise UserError(
+                f"cannot resume: the checkpoint's data order has canonical_nodes={canonical}, "
+                f"the config sets {self.canonical_nodes}; set data.canonical_nodes={canonical} "
+                "(or null), or start a fresh run"
+            )
+        if not self.evaluation:
+            self.canonical_nodes = int(canonical)
+            self._check_nodes(World.detect(self.data_parallel))
         self._epoch = int(state["epoch"])
-        self._resume = (self._epoch, int(state["sample_in_epoch"]))
+        self._resume = (self._epoch, int(state["sample_in_epoch"]), layout)
 
     # -- the partition --------------------------------------------------------------------
 
+    def _check_nodes(self, world: World) -> None:
+        """Refuse a node count that cannot read this order's spans node by node."""
+        spans, nodes = self.canonical_nodes, world.num_nodes
+        if spans > 1 and spans % nodes:
+            fits = [n for n in range(1, spans + 1) if spans % n == 0]
+            raise UserError(
+                f"the data order has canonical_nodes={spans} but this run has {nodes} nodes; "
+                f"run on {', '.join(map(str, fits))} nodes (the divisors of {spans}), or start "
+                "a fresh run with data.canonical_nodes set to a multiple of every node count "
+                "it should resume on"
+            )
+
+    def layout_batch(self) -> int:
+        """The global batch this epoch's spans take turns in: the one the state of a resumed
+        epoch recorded, else this run's (samples per rank times ranks)."""
+        if self._resume is not None and self._resume[0] == self._epoch and self._resume[2]:
+            return self._resume[2]
+        return (self.batch_size or 1) * World.detect(self.data_parallel).world_size
+
     def _plan(self, world: World, start: int | None = None, batch_size: int | None = None):
+        self._check_nodes(world)
         return RankPlan(
             self.epoch_size,
             self._start() if start is None else start,
             world.world_size,
             world.rank,
             batch_size or self.batch_size or 1,
+            nodes=world.num_nodes if self.canonical_nodes > 1 else 1,
+            layout_batch=self.layout_batch(),
         )
 
     def __len__(self) -> int:
@@ -170,9 +227,14 @@ def batch_ids(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids, positions) of the rank batches of ``plan`` that ``world``'s worker makes."""
     ks = plan.worker_batches(world.worker, world.num_workers)
+    # On several nodes the last batch is not one run of positions (RankPlan.positions).
+    last = (
+        plan.num_batches - 1 if plan.nodes > 1 and ks and ks[-1] == plan.num_batches - 1 else None
+    )
+    runs = ks[:-1] if last is not None else ks
     per_chunk = max(1, 4096 // plan.batch_size)  # amortise the lookup over many small batches
-    for first in range(0, len(ks), per_chunk):
-        starts, lengths = np.array([plan.span(k) for k in ks[first : first + per_chunk]]).T
+    for first in range(0, len(runs), per_chunk):
+        starts, lengths = np.array([plan.span(k) for k in runs[first : first + per_chunk]]).T
         ends = np.cumsum(lengths)
         # Each batch's positions are consecutive: start, start + 1, ..., start + length - 1.
         positions = np.arange(ends[-1]) + np.repeat(starts - (ends - lengths), lengths)
@@ -181,3 +243,6 @@ def batch_ids(
         for hi in ends.tolist():
             yield ids[lo:hi], positions[lo:hi]
             lo = hi
+    if last is not None:
+        positions = plan.positions(last)
+        yield order(positions), positions

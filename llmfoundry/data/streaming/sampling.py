@@ -120,6 +120,8 @@ class EpochOrder:
         seed, epoch: the randomness; equal arguments give an equal order on every machine.
         shuffle: shuffle shards and blocks; otherwise storage order.
         block_size: samples per shuffle block (I/O locality vs mixing).
+        canonical_nodes, global_batch: the spans and their interleaving (:class:`SpanLayout`);
+            one canonical node is the plain sequence, whatever the global batch.
     """
 
     def __init__(
@@ -130,6 +132,8 @@ class EpochOrder:
         epoch: int,
         shuffle: bool,
         block_size: int,
+        canonical_nodes: int = 1,
+        global_batch: int = 1,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"shuffle_block_size must be positive, got {block_size}")
@@ -159,18 +163,26 @@ class EpochOrder:
         self._ends = np.cumsum(lengths)
         self._starts = self._ends - lengths
         self._len = int(self._ends[-1]) if len(units) else 0
+        self.layout = SpanLayout(self._len, canonical_nodes, global_batch)
+        spans = self.layout.span_starts
+        # Blocks are numbered across the spans: span c's j-th block is block _first_block[c] + j.
+        self._first_block = np.concatenate([[0], np.cumsum(-(-np.diff(spans) // block_size))])
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def __len__(self) -> int:
         return self._len
 
     def _block(self, b: int) -> np.ndarray:
-        """Sample ids at positions [b * block_size, (b + 1) * block_size), shuffled."""
+        """Sample ids of block ``b`` (sequence positions [lo, lo + block_size) of its span,
+        cut at the span's end), shuffled."""
         cached = self._blocks.get(b)
         if cached is not None:
             self._blocks.move_to_end(b)
             return cached
-        lo, hi = b * self.block_size, min((b + 1) * self.block_size, self._len)
+        span = int(np.searchsorted(self._first_block, b, side="right")) - 1
+        spans = self.layout.span_starts
+        lo = int(spans[span]) + (b - int(self._first_block[span])) * self.block_size
+        hi = min(lo + self.block_size, int(spans[span + 1]))
         pieces = []
         i = int(np.searchsorted(self._ends, lo, side="right"))
         while i < len(self._units) and self._starts[i] < hi:
@@ -191,18 +203,76 @@ class EpochOrder:
         return ids
 
     def ids(self, positions: np.ndarray) -> np.ndarray:
-        """Sample ids at ``positions`` (taken modulo the epoch length: padding wraps around)."""
+        """Sample ids at global ``positions`` (taken modulo the epoch length: padding repeats
+        the sample at ``position - len(self)``)."""
         if self._len == 0:
             raise ValueError("the epoch is empty")
-        positions = np.asarray(positions, dtype=np.int64) % self._len
-        blocks = positions // self.block_size
-        out = np.empty_like(positions)
+        span, offset = self.layout.locate(np.asarray(positions, dtype=np.int64) % self._len)
+        blocks = self._first_block[span] + offset // self.block_size
+        within = offset % self.block_size
+        out = np.empty_like(offset)
         # Positions come in long consecutive runs: deduplicating the runs' blocks first makes
         # np.unique sort a handful of values instead of every position.
         for b in np.unique(blocks[np.diff(blocks, prepend=-1) != 0]):
             mask = blocks == b
-            out[mask] = self._block(int(b))[positions[mask] - b * self.block_size]
+            out[mask] = self._block(int(b))[within[mask]]
         return out
+
+
+@dataclass(frozen=True)
+class SpanLayout:
+    """Where each global position of an epoch reads in the sample sequence (module docstring).
+
+    Args:
+        epoch_size: samples in the epoch.
+        canonical_nodes: ``C``, the number of spans.
+        global_batch: ``G``, samples per step over all ranks, which the spans take turns in.
+    """
+
+    epoch_size: int
+    canonical_nodes: int
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        if self.canonical_nodes < 1 or self.global_batch < 1:
+            raise ValueError(
+                f"canonical_nodes ({self.canonical_nodes}) and the global batch "
+                f"({self.global_batch}) must be positive"
+            )
+
+    @cached_property
+    def _cuts(self) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """(full steps K, tail t, chunk starts within a step, chunk starts within the tail)."""
+        full, tail = divmod(self.epoch_size, self.global_batch)
+        c = np.arange(self.canonical_nodes + 1, dtype=np.int64)
+        step = c * self.global_batch // self.canonical_nodes
+        return full, tail, step, c * tail // self.canonical_nodes
+
+    @cached_property
+    def span_starts(self) -> np.ndarray:
+        """The ``C + 1`` sequence positions where the spans start (the last: the epoch's end)."""
+        full, _, step, tail = self._cuts
+        return full * step + tail
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global positions (``< epoch_size``) -> (span, offset within the span)."""
+        full, _, step, tail = self._cuts
+        positions = np.asarray(positions, dtype=np.int64)
+        batch, within = np.divmod(positions, self.global_batch)
+        in_tail = batch >= full
+        within = np.where(in_tail, positions - full * self.global_batch, within)
+        span = np.where(
+            in_tail,
+            np.searchsorted(tail, within, side="right") - 1,
+            np.searchsorted(step, within, side="right") - 1,
+        )
+        chunk = step[span + 1] - step[span]
+        offset = np.where(
+            in_tail,
+            full * chunk + within - tail[span],
+            batch * chunk + within - step[span],
+        )
+        return span, offset
 
 
 @dataclass(frozen=True)
@@ -214,6 +284,11 @@ class RankPlan:
         start: global samples already consumed in this epoch (all ranks together).
         world_size, rank: the ranks sharing the epoch.
         batch_size: samples per rank per step (the DataLoader's batch size).
+        nodes: machines the ranks are on, ``world_size / nodes`` consecutive ranks each; the
+            last step is split by node so that each node reads its own spans' samples. 1: the
+            ranks split it as one machine.
+        layout_batch: the global batch the epoch's spans are laid out with (default
+            ``batch_size * world_size``); where a node's padding comes from.
     """
 
     epoch_size: int
@@ -221,6 +296,8 @@ class RankPlan:
     world_size: int
     rank: int
     batch_size: int
+    nodes: int = 1
+    layout_batch: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -229,6 +306,8 @@ class RankPlan:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.start < 0:
             raise ValueError(f"samples consumed must be >= 0, got {self.start}")
+        if self.nodes < 1 or self.world_size % self.nodes:
+            raise ValueError(f"{self.world_size} ranks cannot be split over {self.nodes} nodes")
 
     @cached_property  # span() needs it for every batch
     def num_samples(self) -> int:
@@ -241,16 +320,62 @@ class RankPlan:
         """Batches this rank reads; all but possibly the last have ``batch_size`` samples."""
         return -(-self.num_samples // self.batch_size)
 
-    def span(self, k: int) -> tuple[int, int]:
-        """Rank batch ``k`` as (first global position, length); positions are consecutive."""
+    def _check(self, k: int) -> None:
         if not 0 <= k < self.num_batches:
             raise IndexError(f"batch {k} out of range for {self.num_batches} batches")
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Rank batch ``k`` as (first global position, length), for batches whose positions
+        are consecutive: all of them on one node; on several, all but the last."""
+        self._check(k)
+        if self.nodes > 1 and k == self.num_batches - 1:
+            raise ValueError("the last batch on several nodes may have two runs; use positions()")
         full = self.num_samples // self.batch_size
         step = self.batch_size * self.world_size
         if k < full:
             return self.start + k * step + self.rank * self.batch_size, self.batch_size
         tail = self.num_samples - full * self.batch_size
         return self.start + full * step + self.rank * tail, tail
+
+    def positions(self, k: int) -> np.ndarray:
+        """Global positions of rank batch ``k``; ``epoch_size + q`` repeats position ``q``."""
+        self._check(k)
+        if self.nodes == 1 or k < self.num_batches - 1:
+            first, length = self.span(k)
+            return np.arange(first, first + length, dtype=np.int64)
+        # The last step: node n reads its floor-share of the step's real positions, then
+        # repeats its own first samples of the epoch to fill its ranks' slots.
+        size = self.num_samples - k * self.batch_size  # this rank's samples in the last step
+        step_start = self.start + k * self.batch_size * self.world_size
+        real = self.epoch_size - step_start
+        per_node = self.world_size // self.nodes
+        node, local = divmod(self.rank, per_node)
+        lo, hi = node * real // self.nodes, (node + 1) * real // self.nodes
+        slots = np.arange(local * size, (local + 1) * size, dtype=np.int64)
+        pad = slots >= hi - lo
+        out = step_start + lo + slots
+        out[pad] = self.epoch_size + self._own(node, slots[pad] - (hi - lo))
+        return out
+
+    def _own(self, node: int, i: np.ndarray) -> np.ndarray:
+        """Global positions of node ``node``'s ``i``-th samples of the epoch (cyclically), in
+        the order it reads them from the epoch's start; a node with none: the epoch's."""
+        g = self.layout_batch or self.batch_size * self.world_size
+        full, tail = divmod(self.epoch_size, g)
+        step_lo = node * g // self.nodes
+        per_step = (node + 1) * g // self.nodes - step_lo
+        tail_lo = node * tail // self.nodes
+        owned = full * per_step + (node + 1) * tail // self.nodes - tail_lo
+        if owned == 0:
+            return i % max(self.epoch_size, 1)
+        i = i % owned
+        body = i < full * per_step
+        steps, within = np.divmod(i, max(per_step, 1))
+        return np.where(
+            body,
+            steps * g + step_lo + within,
+            full * g + tail_lo + (i - full * per_step),
+        )
 
     def worker_batches(self, worker: int, num_workers: int) -> range:
         """The rank batches DataLoader worker ``worker`` of ``num_workers`` produces, in order."""

@@ -1,8 +1,12 @@
-"""Where this process sits: rank among data-parallel ranks and worker among DataLoader workers.
+"""Where this process sits: rank among data-parallel ranks, node among the machines, and worker
+among DataLoader workers.
 
 The trainer passes the data-parallel rank and size its strategy computed (its device mesh), so
 processes that share a batch (a tensor- or pipeline-parallel group) read the same partition;
-without them, torchrun's RANK and WORLD_SIZE are used.
+without them, torchrun's RANK and WORLD_SIZE are used. Nodes come from torchrun's
+LOCAL_WORLD_SIZE: its ranks are numbered node by node, so node ``n`` holds the consecutive
+ranks ``n * per_node ... (n + 1) * per_node - 1``, and the data-parallel ranks are split over the
+same nodes. Without LOCAL_WORLD_SIZE every rank is on one node.
 
 Read at iteration time, never at construction, because a DataLoader builds the dataset once in
 the main process and iterates copies of it in worker processes.
@@ -30,10 +34,10 @@ def _env_int(name: str, default: int) -> int:
 
 @dataclass(frozen=True)
 class World:
-    """Rank and DataLoader worker of the current process.
+    """Rank, node and DataLoader worker of the current process.
 
-    The sample partition depends on the rank alone (see sampling.py), so machines need no
-    special treatment: the local rank fields are only checked for consistency.
+    ``local_world_size`` ranks share a node: the partition (sampling.py) hands each node its own
+    spans of the epoch, so a node downloads about its share of the shards.
     """
 
     rank: int = 0
@@ -59,6 +63,14 @@ class World:
         if not 0 <= self.worker < self.num_workers:
             raise ValueError(f"worker {self.worker} is outside {self.num_workers} workers")
 
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
     @classmethod
     def detect(cls, data_parallel: tuple[int, int] | None = None) -> World:
         """From `data_parallel` (rank, size), else torchrun's RANK, WORLD_SIZE, LOCAL_RANK and
@@ -68,14 +80,23 @@ class World:
             "worker": info.id if info is not None else 0,
             "num_workers": info.num_workers if info is not None else 1,
         }
+        world_size = _env_int("WORLD_SIZE", 1)
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
         if data_parallel is not None:
             rank, size = data_parallel
-            return cls(rank=rank, world_size=size, **workers)
-        world_size = _env_int("WORLD_SIZE", 1)
+            nodes = world_size // local_world_size if local_world_size > 0 else 1
+            per_node = size // nodes if nodes > 0 and size % nodes == 0 else size
+            return cls(
+                rank=rank,
+                world_size=size,
+                local_rank=rank % per_node if per_node > 0 else 0,
+                local_world_size=max(per_node, 1),
+                **workers,
+            )
         return cls(
             rank=_env_int("RANK", 0),
             world_size=world_size,
             local_rank=_env_int("LOCAL_RANK", 0),
-            local_world_size=_env_int("LOCAL_WORLD_SIZE", world_size),
+            local_world_size=local_world_size,
             **workers,
         )
