@@ -244,12 +244,9 @@ class StreamingDataset(EpochDataset):
 
     @staticmethod
     def _machine_ranks(world: World) -> range:
-        """The data-parallel ranks on this process's machine (torchrun's LOCAL_WORLD_SIZE
-        processes, of WORLD_SIZE in all, are machine neighbours; ranks count them in order)."""
-        processes = _env_int("LOCAL_WORLD_SIZE", 1)
-        per_machine = max(1, processes * world.world_size // max(_env_int("WORLD_SIZE", 1), 1))
-        first = world.rank // per_machine * per_machine
-        return range(first, min(first + per_machine, world.world_size))
+        """The data-parallel ranks on this process's node (world.py)."""
+        first = world.node * world.local_world_size
+        return range(first, first + world.local_world_size)
 
     def working_set(self, world: World | None = None, budget: int = 1 << 22) -> int:
         """Bytes of evictable shards this machine's ranks need at once in this epoch: the
@@ -259,13 +256,17 @@ class StreamingDataset(EpochDataset):
         """
         world = world or World.detect(self.data_parallel)
         order = self.order()
-        size = world.world_size
-        plans = [self._plan(World(rank=r, world_size=size)) for r in self._machine_ranks(world)]
+        size, per_node = world.world_size, world.local_world_size
+        plans = [
+            self._plan(
+                World(rank=r, world_size=size, local_rank=r % per_node, local_world_size=per_node)
+            )
+            for r in self._machine_ranks(world)
+        ]
         steps = min(plans[0].num_batches, max(1, budget // sum(p.batch_size for p in plans)))
         shard_steps = []
         for k in range(steps):
-            spans = [p.span(k) for p in plans if k < p.num_batches]
-            positions = np.concatenate([np.arange(a, a + n) for a, n in spans])
+            positions = np.concatenate([p.positions(k) for p in plans if k < p.num_batches])
             shard_steps.append(np.unique(self.locate(order(positions))[0]))
         shard_bytes = np.array(
             [
