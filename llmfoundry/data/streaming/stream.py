@@ -137,7 +137,8 @@ class Stream:
         cache = ShardCache(
             shards, folder, url, storage_options=storage_options, node=node, **options
         )
-        atomic_write(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
+        if node.leader:  # the cache folder is a readable MDS dataset too
+            atomic_write(folder / INDEX_NAME, text)
         return cache
 
 
