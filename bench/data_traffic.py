@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from llmfoundry.data import StreamingTextDataset
-from llmfoundry.data.mds import load_index
+from llmfoundry.data.mds import ShardInfo, load_index
 from llmfoundry.data.prep.text_to_tokens import text_to_tokens
 from llmfoundry.data.prep.tokens_to_mds import tokens_to_mds
 from llmfoundry.data.streaming import StreamingDataLoader
@@ -96,7 +96,7 @@ def write_text(folder: Path, rows: int, seq_len: int) -> None:
     letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
     words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(3000)]
     folder.mkdir(parents=True, exist_ok=True)
-    target = int(rows * seq_len * 3.2)  # bytes per token of a small BPE on this text, about
+    target = int(rows * seq_len * 2.2)  # a small BPE makes ~1.9 bytes of this text a token
     written, doc = 0, 0
     with open(folder / "corpus.txt", "w") as f:
         while written < target:
@@ -106,9 +106,9 @@ def write_text(folder: Path, rows: int, seq_len: int) -> None:
             doc += 1
 
 
-def make_dataset(root: Path, args: argparse.Namespace) -> tuple[str, int, int]:
-    """Write the dataset to s3://bench/ds with about ``--shards`` train shards; returns (url,
-    shards, dataset bytes)."""
+def make_dataset(root: Path, args: argparse.Namespace) -> tuple[str, list[ShardInfo]]:
+    """Write the dataset to s3://bench/ds with about ``--shards`` train shards; returns its URL
+    and the train split's index."""
     rows = args.shards * args.samples_per_shard
     write_text(root / "text", rows, args.seq_len)
     tokens = root / "tokens" / "corpus.bin"
@@ -132,7 +132,7 @@ def make_dataset(root: Path, args: argparse.Namespace) -> tuple[str, int, int]:
     url = f"s3://{BUCKET}/ds"
     tokens_to_mds(tokens, url, args.seq_len, size_limit=limit, progress=False)
     shards = load_index(probe / "train")
-    return url, len(shards), sum((s.zip_data or s.raw_data).bytes for s in shards)
+    return url, shards
 
 
 class Counts:
@@ -263,10 +263,12 @@ def main() -> None:
         s3fs.S3FileSystem().mkdir(BUCKET)
         Counts.install()
         started = time.monotonic()
-        url, shards, data_bytes = make_dataset(root, args)
+        url, index = make_dataset(root, args)
+        data_bytes = sum((s.zip_data or s.raw_data).bytes for s in index)
+        rows = sum(s.samples for s in index)
         print(
-            f"dataset: {shards} train shards, {data_bytes / 2**20:.1f} MiB stored, "
-            f"{args.samples_per_shard} rows of {args.seq_len} tokens per shard; C = "
+            f"dataset: {len(index)} train shards, {data_bytes / 2**20:.1f} MiB stored, "
+            f"{rows} rows of {args.seq_len} tokens ({rows / len(index):.0f} per shard); C = "
             f"{args.canonical_nodes}, global batch {args.global_batch}, {RANKS_PER_NODE} ranks "
             f"per node (made in {time.monotonic() - started:.0f} s)",
             flush=True,
