@@ -84,7 +84,13 @@ class MemmapTokens(EpochDataset):
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
     ) -> None:
-        super().__init__(batch_size=batch_size, data_parallel=data_parallel, evaluation=evaluation)
+        # A local file has no shards to keep apart per node: one sequence, any node count.
+        super().__init__(
+            batch_size=batch_size,
+            data_parallel=data_parallel,
+            evaluation=evaluation,
+            canonical_nodes=1,
+        )
         if not isinstance(remote, str) or not is_local(remote):
             raise UserError(
                 f"memmap data reads a local folder, got remote={remote!r}; copy the token file "

@@ -18,6 +18,7 @@ from llmfoundry.data.mds import MDSWriter, ShardCorruptError
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
 from llmfoundry.data.streaming import download as download_mod
 from llmfoundry.data.streaming.locking import file_lock
+from llmfoundry.utils.errors import UserError
 
 SEQ = 8
 
@@ -373,6 +374,109 @@ def test_loader_resumes_and_drop_last(data: Path):
     assert len(full) == 8 and len(full[-1]) == 4
     loader.load_state_dict(loader.state_dict(16))
     assert torch.equal(next(iter(loader))["id"], full[2])
+
+
+# -- canonical nodes: each node reads its own spans ---------------------------------------------
+
+
+@pytest.fixture
+def nodes(monkeypatch):
+    """Set the variables torchrun gives rank ``rank`` of ``count`` nodes x ``per_node`` ranks."""
+
+    def set_nodes(rank: int, count: int, per_node: int) -> None:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(count * per_node))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % per_node))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+
+    return set_nodes
+
+
+def node_run(data: Path, nodes, count, per_node, batch, state=None, **kwargs):
+    """(the global order all ranks read, step by step, without the repeats; how many repeats;
+    the shards each node read; rank 0's dataset)."""
+    steps, shards, first = [], [set() for _ in range(count)], None
+    for rank in range(count * per_node):
+        nodes(rank, count, per_node)
+        ds = StreamingDataset(
+            str(data), split="train", shuffle=True, shuffle_block_size=8, batch_size=batch,
+            **kwargs,
+        )  # fmt: skip
+        first = first or ds
+        ds.set_epoch(1)
+        if state is not None:
+            ds.load_state_dict(state)
+        steps.append(list(ds.batches()))
+        for ids, _ in steps[-1]:
+            shards[rank // per_node] |= set(ds.locate(ids)[0].tolist())
+    assert len({len(s) for s in steps}) == 1
+    pairs = [pair for step in zip(*steps, strict=True) for pair in step]
+    ids = np.concatenate([i for i, _ in pairs])
+    positions = np.concatenate([p for _, p in pairs])
+    return ids[positions < 60].tolist(), int((positions >= 60).sum()), shards, first
+
+
+def test_nodes_read_their_own_shards_and_resume_on_node_counts_dividing_c(data, nodes):
+    order, repeats, shards, ds = node_run(data, nodes, 4, 2, 2)  # C: this launch's 4 nodes
+    assert ds.canonical_nodes == 4 and sorted(order) == list(range(60)) and repeats == 4
+    total = len(shard_files(data / "train"))
+    # each node reads its part of the shards (before, every node read every shard)
+    assert sum(map(len, shards)) <= total + 3 and max(map(len, shards)) < total
+    state = ds.state_dict(16)  # one step of 4 nodes x 2 ranks x 2
+    assert (state["canonical_nodes"], state["global_batch"]) == (4, 16)
+    for count, per_node, batch in [(2, 2, 4), (1, 4, 4), (4, 1, 4), (1, 1, 16)]:
+        rest, repeats, _, resumed = node_run(data, nodes, count, per_node, batch, state)
+        assert resumed.canonical_nodes == 4  # adopted from the state
+        assert rest == order[16:] and repeats == (-44) % (count * per_node)
+
+
+def test_other_node_counts_are_refused_before_training(data, nodes):
+    nodes(0, 3, 2)
+    with pytest.raises(UserError, match=r"has 3 nodes; run on 1, 2, 4 nodes \(the divisors"):
+        StreamingDataset(str(data), split="train", canonical_nodes=4)
+    ds = StreamingDataset(str(data), split="train", batch_size=2)  # C = 3, this launch's
+    nodes(0, 2, 2)
+    state = ds.state_dict(12)
+    with pytest.raises(UserError, match="canonical_nodes=3 but this run has 2 nodes; run on 1, 3"):
+        StreamingDataset(str(data), split="train", batch_size=3).load_state_dict(state)
+    with pytest.raises(UserError, match="has canonical_nodes=3, the config sets 2"):
+        StreamingDataset(str(data), split="train", canonical_nodes=2).load_state_dict(state)
+    with pytest.raises(UserError, match="canonical_nodes must be an integer >= 1"):
+        StreamingDataset(str(data), split="train", canonical_nodes=0)
+
+
+def test_one_canonical_node_reads_as_before_on_any_node_count(data, nodes, world, caplog):
+    reference = global_order(data, world, 1, 4)[:60]  # epoch 2, one node
+    state = {"epoch": 2, "sample_in_epoch": 0}  # a state from before canonical nodes
+    nodes(0, 1, 1)
+    ds = StreamingDataset(str(data), split="train", shuffle=True, shuffle_block_size=16)
+    state |= {k: getattr(ds, k) for k in ds.state_checked}
+    for count, per_node in [(2, 2), (3, 1)]:
+        steps = []
+        for rank in range(count * per_node):
+            nodes(rank, count, per_node)
+            ds = StreamingDataset(
+                str(data), split="train", shuffle=True, shuffle_block_size=16, batch_size=1
+            )
+            ds.load_state_dict(state)
+            assert ds.canonical_nodes == 1
+            steps.append([int(i[0]) for i, _ in ds.batches()])
+        assert [i for step in zip(*steps, strict=True) for i in step][:60] == reference
+    assert (
+        "canonical_nodes=1 (a one-node run): each of the 3 nodes reads every shard" in caplog.text
+    )
+
+
+def test_evaluation_reads_every_sample_once_whatever_the_nodes(data, nodes):
+    seen = []
+    for rank in range(6):
+        nodes(rank, 3, 2)
+        ds = StreamingDataset(
+            str(data), split="val", batch_size=1, evaluation=True, canonical_nodes=4
+        )
+        assert ds.canonical_nodes == 1
+        seen += [int(s["id"]) for s in ds if bool(s["sample_mask"])]
+    assert sorted(seen) == list(range(1000, 1010))
 
 
 # -- mixing streams, epoch size ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Streaming MDS datasets: object-store caching, deterministic elastic sampling, DataLoader.
 
-Modules: world (rank/worker), sampling (the epoch's order and its partition), download
+Modules: world (rank/node/worker), sampling (the epoch's order and its partition), download
 (fsspec fetches), locking (flock), cache (one stream's local shards), eviction (cache_limit),
 readers (open shards of this process), predownload (background fetches), stream (a source and
 its share), epochs (what every trainer dataset shares: epochs, resumption, the rank partition),
@@ -11,7 +11,7 @@ from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.dataset import StreamingDataset
 from llmfoundry.data.streaming.epochs import EpochDataset
 from llmfoundry.data.streaming.loader import StreamingDataLoader
-from llmfoundry.data.streaming.sampling import EpochOrder, RankPlan, stream_counts
+from llmfoundry.data.streaming.sampling import EpochOrder, RankPlan, SpanLayout, stream_counts
 from llmfoundry.data.streaming.stream import Stream
 from llmfoundry.data.streaming.world import World
 
@@ -19,6 +19,7 @@ __all__ = [
     "EpochDataset",
     "EpochOrder",
     "RankPlan",
+    "SpanLayout",
     "ShardCache",
     "Stream",
     "StreamingDataLoader",

@@ -20,6 +20,7 @@ metrics can count every sample exactly once on any number of ranks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -34,6 +35,8 @@ from llmfoundry.trainer.metrics import SAMPLE_MASK  # the key the eval metrics r
 from llmfoundry.utils.errors import UserError
 
 __all__ = ["EpochDataset"]
+
+log = logging.getLogger(__name__)
 
 
 class EpochDataset(IterableDataset):
@@ -62,7 +65,7 @@ class EpochDataset(IterableDataset):
         batch_size: int | None = None,
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
-        canonical_nodes: int | None = 1,
+        canonical_nodes: int | None = None,
     ) -> None:
         super().__init__()
         check_int("batch_size", batch_size, minimum=1, optional=True)
@@ -161,8 +164,15 @@ class EpochDataset(IterableDataset):
                 "(or null), or start a fresh run"
             )
         if not self.evaluation:
+            world = World.detect(self.data_parallel)
             self.canonical_nodes = int(canonical)
-            self._check_nodes(World.detect(self.data_parallel))
+            self._check_nodes(world)
+            if canonical == 1 and world.num_nodes > 1 and not self._canonical_given:
+                log.warning(
+                    "the checkpoint's data order has canonical_nodes=1 (a one-node run): each "
+                    "of the %d nodes reads every shard until a fresh run",
+                    world.num_nodes,
+                )
         self._epoch = int(state["epoch"])
         self._resume = (self._epoch, int(state["sample_in_epoch"]), layout)
 
