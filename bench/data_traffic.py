@@ -18,6 +18,8 @@ the same global batch, which is what makes the order independent of N.
     nice python bench/data_traffic.py                              # 300 shards, N = 1..32
     nice python bench/data_traffic.py --shards 1000 --nodes 1 32
     nice python bench/data_traffic.py --cache-limit none           # without the limited runs
+    nice python bench/data_traffic.py --canonical-nodes 1 --nodes 32 --cache-limit none
+                                                    # the old partition: every node, every shard
 """
 
 from __future__ import annotations
@@ -242,10 +244,14 @@ def main() -> None:
     args = parse_args()
     if args.canonical_nodes is None:
         args.canonical_nodes = max(args.nodes)
-    bad = [n for n in args.nodes if args.canonical_nodes % n or args.global_batch % (8 * n)]
+    bad = [
+        n
+        for n in args.nodes
+        if (args.canonical_nodes > 1 and args.canonical_nodes % n) or args.global_batch % (8 * n)
+    ]
     if bad:
         raise SystemExit(
-            f"node counts {bad} must divide --canonical-nodes {args.canonical_nodes} and "
+            f"node counts {bad} must divide --canonical-nodes {args.canonical_nodes} (unless 1) and "
             f"--global-batch {args.global_batch} / 8"
         )
     root = Path(args.dir or tempfile.mkdtemp(prefix="data_traffic-"))
