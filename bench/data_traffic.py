@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -283,16 +284,19 @@ def main() -> None:
         print(
             "| cache limit per node | N | total shard bytes / dataset | per node: bytes / "
             "dataset (min-max) | requests per node (min-max) | metadata requests per node | "
-            "downloads per shard per node (max) | global order |"
+            "downloads per shard per node (max) | ranks that went over the limit | global order |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
         reference = None
         for limit in limits:
             for nodes in args.nodes:
                 counts = Counts.current = Counts()
                 shutil.rmtree(root / "caches", ignore_errors=True)
                 t0 = time.monotonic()
-                digest, node_limits = run(url, root / "caches", nodes, args, limit, counts)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    digest, node_limits = run(url, root / "caches", nodes, args, limit, counts)
+                over = sum("over cache_limit" in str(w.message) for w in caught)
                 reference = reference or digest
                 per_node = [counts.bytes[n] / data_bytes for n in range(nodes)]
                 metadata = [counts.calls["metadata"][n] for n in range(nodes)]
@@ -309,7 +313,7 @@ def main() -> None:
                 print(
                     f"| {shown} | {nodes} | {sum(per_node):.3f} | {min(per_node):.3f}-"
                     f"{max(per_node):.3f} | {min(requests)}-{max(requests)} | "
-                    f"{min(metadata)}-{max(metadata)} | {max(repeats):.3f} | "
+                    f"{min(metadata)}-{max(metadata)} | {max(repeats):.3f} | {over} | "
                     f"{'same' if digest == reference else 'DIFFERENT'} |",
                     flush=True,
                 )
