@@ -202,11 +202,12 @@ LAYOUTS_24 = [(1, 1, 24), (1, 4, 6), (2, 3, 4), (3, 2, 4), (4, 6, 1), (6, 2, 2),
 
 
 @pytest.mark.parametrize("canonical", [2, 6, 12])
-def test_every_sample_once_and_one_order_on_every_node_count_dividing_c(canonical):
-    order = canonical_order(canonical, 24)
+@pytest.mark.parametrize("counts", [MIXED_COUNTS, [150, 40]])  # up-sampled, down-sampled
+def test_every_sample_once_and_one_order_on_every_node_count_dividing_c(canonical, counts):
+    order = canonical_order(canonical, 24, counts=counts)
     n = len(order)
-    assert n == 370
-    one_sequence = np.sort(canonical_order(1, 24).ids(np.arange(n)))
+    assert n == sum(counts)
+    one_sequence = np.sort(canonical_order(1, 24, counts=counts).ids(np.arange(n)))
     reference = None
     for nodes, per_node, batch in LAYOUTS_24:
         if canonical % nodes:
@@ -220,6 +221,21 @@ def test_every_sample_once_and_one_order_on_every_node_count_dividing_c(canonica
         if reference is None:
             reference = ids
         assert np.array_equal(ids, reference), (nodes, per_node, batch)
+
+
+def test_a_global_batch_that_c_does_not_divide_splits_each_step_by_floor():
+    order = canonical_order(4, 6)  # 4 spans take 1, 2, 1, 2 samples of each step of 6
+    n = len(order)
+    reference = None
+    for nodes, per_node, batch in [(2, 1, 3), (1, 2, 3), (1, 1, 6), (2, 3, 1)]:
+        seq, by_node = run_positions(n, 0, nodes, per_node, batch)
+        assert np.array_equal(real(seq, n), np.arange(n))
+        if nodes == 2:  # node 0: spans 0 and 1, node 1: spans 2 and 3
+            spans = [set(order.layout.locate(p % n)[0].tolist()) for p in by_node]
+            assert spans == [{0, 1}, {2, 3}]
+        ids = order.ids(real(seq, n))
+        reference = ids if reference is None else reference
+        assert np.array_equal(ids, reference)
 
 
 @pytest.mark.parametrize("nodes, per_node, batch", [(8, 2, 2), (4, 2, 4), (2, 3, 5), (1, 4, 8)])

@@ -424,7 +424,9 @@ def test_nodes_read_their_own_shards_and_resume_on_node_counts_dividing_c(data, 
     assert sum(map(len, shards)) <= total + 3 and max(map(len, shards)) < total
     state = ds.state_dict(16)  # one step of 4 nodes x 2 ranks x 2
     assert (state["canonical_nodes"], state["global_batch"]) == (4, 16)
-    for count, per_node, batch in [(2, 2, 4), (1, 4, 4), (4, 1, 4), (1, 1, 16)]:
+    # the same global batch on other nodes and GPUs per node; then another global batch (24),
+    # which finishes the epoch in the state's layout
+    for count, per_node, batch in [(2, 2, 4), (1, 4, 4), (4, 1, 4), (1, 1, 16), (2, 3, 4)]:
         rest, repeats, _, resumed = node_run(data, nodes, count, per_node, batch, state)
         assert resumed.canonical_nodes == 4  # adopted from the state
         assert rest == order[16:] and repeats == (-44) % (count * per_node)
