@@ -278,7 +278,9 @@ class StreamingDataset(EpochDataset):
             ],
             np.int64,
         )
-        window = -(-self.predownload // plans[0].batch_size) + 1
+        # The predownload window in steps, plus the batch being read and one step of slack
+        # between the node's ranks (they reach a step at slightly different times).
+        window = -(-self.predownload // plans[0].batch_size) + 2
         return working_set_bytes(
             shard_steps, shard_bytes, window, complete=steps == plans[0].num_batches
         )
