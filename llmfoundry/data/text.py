@@ -40,6 +40,7 @@ import torch
 from llmfoundry.data.mds import NDArray, get_encoding
 from llmfoundry.data.streaming import StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
+from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import open_url
@@ -85,7 +86,7 @@ class StreamingTextDataset(StreamingDataset):
         check_int("max_seq_len", max_seq_len, minimum=1, optional=True)
         self.max_seq_len = max_seq_len
         self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
-        self.meta = _read_meta(self.meta_url, self.storage_options)
+        self.meta = _read_meta(self.meta_url, self.storage_options, self.caches[0].node)
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
@@ -277,13 +278,20 @@ def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return is_eos.cumsum(dim=1) - is_eos
 
 
-def _read_meta(url: str | None, storage_options: Mapping[str, Any] | None) -> dict | None:
-    """The JSON at ``url``, or None when there is none (data not from data_prep)."""
+def _read_meta(
+    url: str | None, storage_options: Mapping[str, Any] | None, node: NodeShare | None
+) -> dict | None:
+    """The JSON at ``url``, or None when there is none (data not from data_prep); fetched by
+    the machine's local rank 0 when ``node`` is given (streaming/node.py)."""
     if url is None:
         return None
+
+    def fetch() -> bytes:
+        with open_url(url, "rb", **(storage_options or {})) as f:
+            return f.read()
+
     try:
-        with open_url(url, "r", **(storage_options or {})) as f:
-            return json.load(f)
+        return json.loads(node.get("meta.json", fetch, url) if node is not None else fetch())
     except FileNotFoundError:
         return None
 

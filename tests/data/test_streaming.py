@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -530,3 +531,95 @@ def test_argument_errors_name_the_argument(data: Path):
         StreamingDataset()
     with pytest.raises(ValueError, match="validate_hash='nope'"):
         StreamingDataset(str(data), split="train", validate_hash="nope")
+
+
+# -- metadata once per machine (node.py) -------------------------------------------------------
+
+
+def test_local_ranks_read_the_leaders_copy_of_this_launch_only(data, tmp_path, monkeypatch):
+    """A follower reads the index local rank 0 fetched in this launch; a copy from another
+    launch is never read (it times out with the fix), and the leader's error reaches it."""
+    from llmfoundry.data.streaming import node
+
+    monkeypatch.setattr(node, "WAIT_S", 0.3)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    leader = StreamingDataset(str(data), cache, split="train")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    follower = StreamingDataset(str(data), cache, split="train")
+    assert follower.caches[0].shards == leader.caches[0].shards
+    monkeypatch.setattr(node, "_launch_key", lambda: "another-launch")
+    with pytest.raises(TimeoutError, match="local rank 1 waited 0 s for local rank 0"):
+        StreamingDataset(str(data), cache, split="train")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(FileNotFoundError, match="no MDS dataset"):
+        StreamingDataset(str(data), str(tmp_path / "c2"), split="nope")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no MDS dataset"):
+        StreamingDataset(str(data), str(tmp_path / "c2"), split="nope")
+    assert time.monotonic() - started < 0.3  # the leader's error, not a timeout
+
+
+# -- caches that do not thrash (pins.py) -------------------------------------------------------
+
+
+def count_downloads(monkeypatch) -> list[int]:
+    """Shard numbers fetched from the remote, in order (every ShardCache download)."""
+    from llmfoundry.data.streaming.cache import ShardCache
+
+    fetched: list[int] = []
+    fetch = ShardCache._fetch
+
+    def counting(self, j):
+        fetched.append(j)
+        return fetch(self, j)
+
+    monkeypatch.setattr(ShardCache, "_fetch", counting)
+    return fetched
+
+
+def test_predownload_never_evicts_a_shard_still_to_be_read(data, tmp_path, monkeypatch):
+    """A cache of 2 shards under a 40-sample (~6 shard) predownload window: least recently
+    used alone evicts predownloaded shards before they are read and fetches them again; with
+    the window pinned every shard is downloaded once (the cache overflows, with a warning)."""
+    fetched = count_downloads(monkeypatch)
+    shard_size = max(p.stat().st_size for p in (data / "train").glob("shard.*"))
+    ds = StreamingDataset(
+        str(data), str(tmp_path / "c"), split="train", cache_limit=2 * shard_size, predownload=40
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ids_of(ds) == list(range(60))
+    assert sorted(fetched) == list(range(len(ds.caches[0].shards)))
+    assert any("over cache_limit" in str(w.message) for w in caught)
+    assert not list((tmp_path / "c" / "train" / ".pins").glob("*"))  # unpinned at the end
+
+
+def test_a_cache_limit_below_the_working_set_is_reported_at_start(data, tmp_path, monkeypatch):
+    """The start warning names the working set; a cache of that size reads the epoch with
+    every shard downloaded once and never grows past it."""
+    import logging
+    import re
+
+    fetched = count_downloads(monkeypatch)
+    args = dict(split="train", shuffle=True, shuffle_block_size=20, predownload=8)
+    shard_size = max(p.stat().st_size for p in (data / "train").glob("shard.*"))
+    logger = "llmfoundry.data.streaming.dataset"
+    with pytest.MonkeyPatch.context() as m:
+        records: list[str] = []
+        m.setattr(logging.getLogger(logger), "warning", lambda msg, *a: records.append(msg % a))
+        StreamingDataset(str(data), str(tmp_path / "c1"), cache_limit=shard_size, **args)
+        (message,) = records
+        need = int(re.search(r"cache_limit to at least (\d+)", message).group(1))
+        total = sum(p.stat().st_size for p in (data / "train").glob("shard.*"))
+        assert shard_size < need < 0.75 * total  # a block plus the window, not the dataset
+        records.clear()
+        ds = StreamingDataset(str(data), str(tmp_path / "c2"), cache_limit=need, **args)
+        assert records == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "over cache_limit" would fail here
+        assert sorted(ids_of(ds)) == list(range(60))
+    assert sorted(fetched) == list(range(len(ds.caches[0].shards)))

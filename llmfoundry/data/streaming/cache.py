@@ -10,6 +10,8 @@ workers, a second run), with no shared memory and no coordinator:
     <local>/.locks/<raw basename>.lock  one flock per shard, taken to download or evict it
     <local>/.sources/<raw basename>.json  which remote object a cached shard came from
     <local>/.remote                     the remote this folder caches (refuses reuse for another)
+    <local>/.node/<name>.<launch>       index, listing and meta.json as local rank 0 fetched
+                                        them for this launch's other local ranks (node.py)
 
 A shard file appears only by ``os.replace`` of a finished, size- and hash-checked temp file,
 so readers need no lock: a file that exists is complete. Downloading or evicting a shard holds
@@ -41,6 +43,7 @@ from typing import Any
 from llmfoundry.data.mds import ShardInfo, unpack_shard
 from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
+from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import atomic_write, join_url, temp_name
 
@@ -69,6 +72,7 @@ class ShardCache:
         keep_zip: keep compressed shards next to the raw ones after decompressing them.
         storage_options: fsspec options for ``remote`` (credentials, endpoint_url, ...).
         retries: download attempts after the first.
+        node: fetches the remote's listing once per machine (node.py); None lists here.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class ShardCache:
         keep_zip: bool = False,
         storage_options: dict[str, Any] | None = None,
         retries: int = 2,
+        node: NodeShare | None = None,
     ) -> None:
         self.shards = shards
         self.local = Path(local)
@@ -89,6 +94,7 @@ class ShardCache:
         self.keep_zip = keep_zip
         self.storage_options = storage_options
         self.retries = retries
+        self.node = node if remote is not None else None
         self._verified: set[int] = set()
         if validate_hash is not None:
             lacking = [i for i, s in enumerate(shards) if validate_hash not in s.hashes]
@@ -101,10 +107,22 @@ class ShardCache:
         self._versions: dict[str, str] = {}
         if remote is not None:
             self._claim()
-            self._versions = _list_versions(remote, storage_options)
+            self._versions = self._list_versions()
             self._drop_stale()
         else:
             self._check_complete()
+
+    def _list_versions(self) -> dict[str, str]:
+        """The remote's object versions, listed by the machine's leader when there is one."""
+        remote = self.remote or ""
+        if self.node is None:
+            return _list_versions(remote, self.storage_options)
+        listing = self.node.get(
+            "listing.json",
+            lambda: json.dumps(_list_versions(remote, self.storage_options)).encode(),
+            f"the listing of {remote}",
+        )
+        return json.loads(listing)
 
     def _check_complete(self) -> None:
         """Fail now, not mid-epoch, when an in-place folder lacks a raw shard."""

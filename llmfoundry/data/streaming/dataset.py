@@ -19,6 +19,7 @@ a DataLoader worker, so a dataset object can be built once and handed to any Dat
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,16 +33,20 @@ from llmfoundry.data.mds import is_hash
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.epochs import EpochDataset
-from llmfoundry.data.streaming.eviction import CacheLimiter
+from llmfoundry.data.streaming.eviction import CacheLimiter, working_set_bytes
+from llmfoundry.data.streaming.pins import Pins
 from llmfoundry.data.streaming.predownload import Predownloader
 from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
 from llmfoundry.data.streaming.stream import Stream
+from llmfoundry.data.streaming.world import World, _env_int
 from llmfoundry.trainer.metrics import SAMPLE_MASK
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
 __all__ = ["StreamingDataset"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 1 << 18
 _STREAM_KEYS = ("remote", "local", "proportion", "repeat", "choose")
@@ -68,9 +73,11 @@ class StreamingDataset(EpochDataset):
         epoch_size: samples per epoch over all ranks (up- or down-samples); default: every
             stream's samples once (or as its proportion/repeat/choose says).
         cache_limit: bytes (or ``"10gb"``) of downloaded shards to keep; least recently used
-            ones are evicted. Shards without a remote copy are never evicted. It should hold
-            the shards of a shuffle block plus the predownload window for every reader sharing
-            the cache, or shards are evicted before use and fetched twice.
+            ones are evicted. Shards without a remote copy are never evicted, nor shards a
+            reader sharing the cache still has to read (its predownload window and the rest of
+            its shuffle block): a limit below what the machine reads at once (a block's shards
+            plus the window, :meth:`working_set`) is exceeded rather than fetching shards
+            twice, and a warning at start gives the size that works.
         predownload: samples to download ahead of the reader (default 8 batches, at least 64).
         validate_hash: check downloads against this hash of index.json (``"xxh64"``, ...).
         keep_zip: keep compressed shards after decompressing them.
@@ -202,6 +209,8 @@ class StreamingDataset(EpochDataset):
         )
         self.epoch_size = int(self.stream_counts.sum())
         self._runtime: tuple[int, ShardReaderPool] | None = None
+        if self.limiter is not None and self.limiter.caches and _env_int("LOCAL_RANK", 0) == 0:
+            self._check_cache_limit()  # once per machine, by its local rank 0
 
     # -- per-process state ------------------------------------------------------------------
 
@@ -215,6 +224,66 @@ class StreamingDataset(EpochDataset):
             readers = ShardReaderPool(self.caches, self.limiter, self.allow_unsafe)
             self._runtime = (os.getpid(), readers)
         return self._runtime[1]
+
+    def _check_cache_limit(self) -> None:
+        """Say at start when cache_limit cannot hold what this machine reads at once."""
+        assert self.limiter is not None
+        need = self.working_set()
+        if need > self.limiter.limit:
+            log.warning(
+                "cache_limit=%d bytes is below what this machine reads at once: %d bytes "
+                "(%.1f MiB) of shards, a shuffle block's shards plus the predownload window of "
+                "its %d reader(s); the cache will grow past the limit to hold them. Set "
+                "cache_limit to at least %d (or lower shuffle_block_size or predownload)",
+                self.limiter.limit,
+                need,
+                need / 2**20,
+                len(self._machine_ranks(World.detect(self.data_parallel))),
+                need,
+            )
+
+    @staticmethod
+    def _machine_ranks(world: World) -> range:
+        """The data-parallel ranks on this process's node (world.py)."""
+        first = world.node * world.local_world_size
+        return range(first, first + world.local_world_size)
+
+    def working_set(self, world: World | None = None, budget: int = 1 << 22) -> int:
+        """Bytes of evictable shards this machine's ranks need at once in this epoch: the
+        smallest cache_limit with which no shard is downloaded twice (eviction.py).
+
+        Computed from the ranks' first ``budget`` samples (the block structure repeats).
+        """
+        world = world or World.detect(self.data_parallel)
+        order = self.order()
+        size, per_node = world.world_size, world.local_world_size
+        plans = [
+            self._plan(
+                World(rank=r, world_size=size, local_rank=r % per_node, local_world_size=per_node)
+            )
+            for r in self._machine_ranks(world)
+        ]
+        steps = min(plans[0].num_batches, max(1, budget // sum(p.batch_size for p in plans)))
+        shard_steps = []
+        for k in range(steps):
+            positions = np.concatenate([p.positions(k) for p in plans if k < p.num_batches])
+            shard_steps.append(np.unique(self.locate(order(positions))[0]))
+        shard_bytes = np.array(
+            [
+                (s.raw_data.bytes + (s.zip_data.bytes if c.keep_zip and s.zip_data else 0))
+                if c.evictable
+                else 0
+                for c in self.caches
+                for s in c.shards
+            ],
+            np.int64,
+        )
+        # The predownload window in steps, plus the batch being read and one step of slack
+        # between the node's ranks (they reach a step at slightly different times).
+        window = -(-self.predownload // plans[0].batch_size) + 2
+        return working_set_bytes(
+            shard_steps, shard_bytes, window, complete=steps == plans[0].num_batches
+        )
 
     # -- random access ------------------------------------------------------------------------
 
@@ -273,22 +342,51 @@ class StreamingDataset(EpochDataset):
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         readers = self._readers()
         worker = Predownloader(readers.fetch)
-        ahead: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        # With a cache limit, a shard is pinned from when it enters the predownload window
+        # until the batch that reads it for the last time (the rest of its shuffle block) has
+        # been read, so no reader sharing the cache evicts it before then (pins.py).
+        pins = Pins(self.caches) if self.limiter is not None else None
+        last = self._last_uses() if pins is not None else {}
+        live: set[int] = set()
+        ahead: deque[tuple[tuple[np.ndarray, np.ndarray], list[int], int]] = deque()
         ahead_samples = 0
+
+        def hand_out() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal ahead_samples
+            pair, shards, k = ahead.popleft()
+            ahead_samples -= len(pair[0])
+            yield pair
+            if pins is not None:  # the caller has read the batch when it asks for the next
+                live.difference_update(s for s in shards if last[s] == k)
+                pins.set(frozenset(live))
+
         try:
-            for pair in pairs:
+            for k, pair in enumerate(pairs):
                 shards, _ = self.locate(pair[0])
-                for shard in dict.fromkeys(shards.tolist()):  # unique, in order of first use
+                unique = list(dict.fromkeys(shards.tolist()))  # in order of first use
+                if pins is not None:
+                    live.update(unique)
+                    pins.set(frozenset(live))
+                for shard in unique:
                     worker.request(shard)
-                ahead.append(pair)
+                ahead.append((pair, unique, k))
                 ahead_samples += len(pair[0])
-                while ahead and ahead_samples - len(ahead[0][0]) >= self.predownload:
-                    ahead_samples -= len(ahead[0][0])
-                    yield ahead.popleft()
+                while ahead and ahead_samples - len(ahead[0][0][0]) >= self.predownload:
+                    yield from hand_out()
             while ahead:
-                yield ahead.popleft()
+                yield from hand_out()
         finally:
             worker.close()
+            if pins is not None:
+                pins.close()
+
+    def _last_uses(self) -> dict[int, int]:
+        """Shard -> the index of this process's last batch (this epoch) that reads it."""
+        last: dict[int, int] = {}
+        for k, (ids, _) in enumerate(super().batches()):  # the same batches, from the order
+            for shard in np.unique(self.locate(ids)[0]).tolist():
+                last[shard] = k
+        return last
 
     def __iter__(self) -> Iterator[Any]:
         """This process's samples of the current epoch, one at a time, as stored (not collated

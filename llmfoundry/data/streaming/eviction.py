@@ -7,7 +7,8 @@ so with a warning rather than silently deleting data, the failure this design ex
 
 Eviction is cooperative across processes sharing the cache: last use is the file's mtime (see
 cache.py), each process evicts after its own downloads, and a shard being downloaded (its lock
-held) is skipped. Concurrent evictors may together free a little more than needed; that costs
+held) or pinned by a reader that has yet to read it (its predownload window, pins.py) is
+skipped. Concurrent evictors may together free a little more than needed; that costs
 a re-download, never a wrong sample. When every remaining shard is in use the limit cannot be
 met (the rest are being downloaded); the cache then grows past it with a warning instead of
 failing the run.
@@ -16,11 +17,15 @@ failing the run.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+
+import numpy as np
 
 from llmfoundry.data.streaming.cache import ShardCache
+from llmfoundry.data.streaming.pins import pinned
 from llmfoundry.utils.files import parse_size
 
-__all__ = ["CacheLimiter"]
+__all__ = ["CacheLimiter", "working_set_bytes"]
 
 
 class CacheLimiter:
@@ -60,8 +65,11 @@ class CacheLimiter:
         evicted: list[tuple[ShardCache, int]] = []
         if total <= self.limit:
             return evicted
+        spared = {id(c): pinned(c) for c in self.caches}  # a reader still needs them (pins.py)
         for _, _, cache, j in sorted(entries, key=lambda e: e[0]):
             if keep is not None and keep[0] is cache and keep[1] == j:
+                continue
+            if j in spared[id(cache)]:
                 continue
             freed = cache.evict(j)
             if freed:
@@ -73,8 +81,37 @@ class CacheLimiter:
             self._warned = True
             warnings.warn(
                 f"shard cache holds {total} bytes, over cache_limit={self.limit}: the shards "
-                "left are being downloaded right now; raise cache_limit (it should hold the "
-                "shards of a few shuffle blocks for every reader sharing the cache)",
+                "left are being downloaded or still to be read by a reader sharing the cache; "
+                "raise cache_limit (it should hold the shards of a shuffle block plus the "
+                "predownload window for every reader sharing the cache)",
                 stacklevel=2,
             )
         return evicted
+
+
+def working_set_bytes(
+    steps: Sequence[np.ndarray], shard_bytes: np.ndarray, window_steps: int, complete: bool
+) -> int:
+    """The most bytes of shards that readers sharing a cache need at once.
+
+    ``steps[t]`` are the shards the readers read at step ``t`` (together, in any order). A shard
+    is needed from ``window_steps`` steps before its first use (predownload) until its last, so
+    at step ``t`` the cache must hold every shard whose interval covers ``t``. With a shuffle,
+    those are the shards of the readers' current blocks plus the predownload window. When the
+    steps are only the first part of the epoch (``complete`` False), the last uses near their
+    end are unknown, so only the first half of the steps counts.
+    """
+    if not steps:
+        return 0
+    n = len(shard_bytes)
+    first = np.full(n, len(steps), np.int64)
+    last = np.full(n, -1, np.int64)
+    for t, shards in enumerate(steps):
+        first[shards] = np.minimum(first[shards], t)
+        last[shards] = t
+    used = last >= 0
+    live = np.zeros(len(steps) + 1, np.int64)
+    np.add.at(live, np.maximum(first[used] - window_steps, 0), shard_bytes[used])
+    np.add.at(live, last[used] + 1, -shard_bytes[used])
+    counted = len(steps) if complete else max(1, len(steps) // 2)
+    return int(np.cumsum(live)[:counted].max())

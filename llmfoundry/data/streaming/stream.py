@@ -28,6 +28,7 @@ from typing import Any
 from llmfoundry.data.mds import INDEX_NAME, ShardInfo, load_index, parse_index
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.download import list_dirs, read_bytes
+from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import atomic_write, join_url
 from llmfoundry.utils.storage import is_local, local_path
@@ -124,13 +125,20 @@ class Stream:
         root_local = Path(local) if local is not None else default_cache_dir(remote)
         folder = root_local / split if split else root_local
         url = join_url(remote, split or "")
+        index_url = join_url(url, INDEX_NAME)
+        node = NodeShare(folder)  # local rank 0 fetches the index and listing for the machine
         try:
-            text = read_bytes(join_url(url, INDEX_NAME), storage_options, retries)
+            text = node.get(
+                INDEX_NAME, lambda: read_bytes(index_url, storage_options, retries), index_url
+            )
         except FileNotFoundError:
             raise MissingInput(_missing(url, remote, split, storage_options)) from None
-        shards = parse_index(text, join_url(url, INDEX_NAME))
-        cache = ShardCache(shards, folder, url, storage_options=storage_options, **options)
-        atomic_write(folder / INDEX_NAME, text)  # the cache folder is a readable MDS dataset too
+        shards = parse_index(text, index_url)
+        cache = ShardCache(
+            shards, folder, url, storage_options=storage_options, node=node, **options
+        )
+        if node.leader:  # the cache folder is a readable MDS dataset too
+            atomic_write(folder / INDEX_NAME, text)
         return cache
 
 
