@@ -1,0 +1,60 @@
+"""The Llama family's spec (see llmfoundry/models/family.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmfoundry.models.family import ModelFamily
+from llmfoundry.models.llama.config import LlamaConfig
+from llmfoundry.models.llama.model import LlamaForCausalLM
+from llmfoundry.models.plan import ParallelPlan
+
+
+def parallelize_plan(model: LlamaForCausalLM) -> ParallelPlan:
+    """Its blocks, as MPT's: one layer's weights gathered at a time; the embedding, the final
+    norm and an untied lm_head stay with the root."""
+    return ParallelPlan(blocks=list(model.transformer.blocks))
+
+
+# transformers is imported only when an HF folder is read or written.
+def _from_hf(hf_dir: str | Path) -> LlamaForCausalLM:
+    from llmfoundry.models.llama.hf import from_hf
+
+    return from_hf(hf_dir)
+
+
+def _export_to_hf(model: LlamaForCausalLM, out_dir: str | Path, **kwargs: Any) -> Path:
+    from llmfoundry.models.llama.hf import export_to_hf
+
+    return export_to_hf(model, out_dir, **kwargs)
+
+
+def _check_hf(config: LlamaConfig) -> object:
+    from llmfoundry.models.llama.hf import to_hf_config
+
+    return to_hf_config(config)
+
+
+LLAMA = ModelFamily(
+    name="llama",
+    config_target="llmfoundry.models.llama.LlamaConfig",
+    config_class=LlamaConfig,
+    model_class=LlamaForCausalLM,
+    parallelize=parallelize_plan,
+    hf_model_type="llama",
+    from_hf=_from_hf,
+    export_to_hf=_export_to_hf,
+    check_hf=_check_hf,
+    architecture=(
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "n_layers",
+        "ffn_hidden_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+    ),
+)
