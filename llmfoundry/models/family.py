@@ -11,11 +11,30 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from llmfoundry.models.plan import ParallelPlan
+
+
+class CausalLM(Protocol):
+    """What decoding (models/mpt/generation.py, the serving engine) needs of a family's model:
+    its `config` (vocab_size, n_layers, max_seq_len, read through its family's spec), the token
+    embedding `transformer.wte` (where the model lives), and a forward over new tokens that
+    reads and extends a `KVCache` (models/mpt/cache.py)."""
+
+    config: Any
+    transformer: nn.Module
+
+    def __call__(
+        self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = ..., cache: Any = ...
+    ) -> torch.Tensor: ...
+
+    def eval(self) -> nn.Module: ...
+
+    def train(self, mode: bool = ...) -> nn.Module: ...
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,15 @@ def test_a_recorded_config_comes_back_as_its_family_s_config():
 def test_the_llama_plan_names_its_blocks():
     model = build_model(llama())
     assert parallel_plan(model).blocks == list(model.transformer.blocks)
+
+
+def test_decoding_asks_the_family_not_mpt_fields_on_every_config():
+    from llmfoundry.models.mpt.generation import GenerationConfig, generate
+
+    assert not hasattr(LlamaConfig, "infini") and not hasattr(LlamaConfig, "learned_pos_emb")
+    cfg = LlamaConfig.preset("llama-tiny", d_model=32, n_layers=1, vocab_size=64, max_seq_len=4)
+    out = generate(build_model(cfg), torch.tensor([[1, 2, 3]]), None, GenerationConfig(8, 0))
+    assert len(out.tokens[0]) == 8  # RoPE: no position table caps it at max_seq_len
+    mpt = build_model(MPTConfig(d_model=32, n_heads=2, n_layers=1, max_seq_len=4, alibi=False))
+    with pytest.raises(ValueError, match="more than max_seq_len 4"):
+        generate(mpt, torch.tensor([[1, 2, 3]]), None, GenerationConfig(8, 0))
