@@ -66,6 +66,7 @@ def test_echo_logprobs_are_the_prompts_own(served):
 def test_lm_eval_reads_the_scores(served):
     """lm-eval's own parser of local-completions answers, on ours (lm_eval: a dev extra)."""
     from lm_eval.models import openai_completions as completions
+
     client, model, tokenizer = served
     context, choice = tokenizer.encode("hello world,"), tokenizer.encode(" hello server")
     body = complete(
