@@ -49,6 +49,8 @@ class ModelFamily:
       that refuses, before any work, what transformers' class cannot represent.
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
+    - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
+      backward ("fp32", "amp_bf16", "amp_fp16"), for the memory planner (llmfoundry/planning.py).
     - `load_overrides`: config fields set when a checkpoint is loaded for inference (eager).
     - `position_limit(config)`: the longest sequence decoding may reach (a learned position
       table), None for no limit; `recurrent_memory(config)`: whether decoding keeps a
@@ -65,6 +67,7 @@ class ModelFamily:
     export_to_hf: Callable[..., Path]
     check_hf: Callable[[Any], object]
     architecture: tuple[str, ...]
+    activation_bytes: Callable[[Any, str], int]
     load_overrides: Mapping[str, Any] = field(default_factory=dict)
     position_limit: Callable[[Any], int | None] = lambda config: None
     recurrent_memory: Callable[[Any], bool] = lambda config: False

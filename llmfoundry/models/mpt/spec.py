@@ -30,6 +30,19 @@ def _check_hf(config: MPTConfig) -> object:
     return to_hf_config(config)
 
 
+# Bytes autograd keeps per token per block, in units of d_model, by precision. float32: block
+# input x and norm_1's output (4 + 4), the fused qkv (12), the attention output and its
+# head-merged copy (4 + 4), the residual x2 and norm_2's output (4 + 4), the MLP's up projection
+# and GELU output (16 + 16): 68. amp_bf16/amp_fp16: the residual stream and norm inputs stay
+# float32 (4 + 4), every matmul input is a 2-byte copy (norm outputs 2 + 2, attention 2 + 2,
+# GELU 8), as are qkv (6) and the up projection (8): 38.
+_ACTIVATION_BYTES = {"fp32": 68, "amp_bf16": 38, "amp_fp16": 38}
+
+
+def _activation_bytes(config: MPTConfig, precision: str) -> int:
+    return _ACTIVATION_BYTES[precision] * config.d_model
+
+
 def _position_limit(config: MPTConfig) -> int | None:
     return config.max_seq_len if config.learned_pos_emb else None
 
@@ -56,6 +69,7 @@ MPT = ModelFamily(
         "no_bias",
         "qk_ln",
     ),
+    activation_bytes=_activation_bytes,
     load_overrides={"compile": False},
     position_limit=_position_limit,
     recurrent_memory=lambda config: config.infini is not None,
