@@ -54,7 +54,9 @@ class ModelFamily:
     - `load_overrides`: config fields set when a checkpoint is loaded for inference (eager).
     - `position_limit(config)`: the longest sequence decoding may reach (a learned position
       table), None for no limit; `recurrent_memory(config)`: whether decoding keeps a
-      compressed memory instead of a key/value cache (rows cannot be padded or batched).
+      compressed memory instead of a key/value cache (rows cannot be padded or batched);
+      `attention_window(config)`: how far back one token's attention reaches in a forward
+      (infini-attention's segment, a sliding window), None for the whole row.
     """
 
     name: str
@@ -71,6 +73,7 @@ class ModelFamily:
     load_overrides: Mapping[str, Any] = field(default_factory=dict)
     position_limit: Callable[[Any], int | None] = lambda config: None
     recurrent_memory: Callable[[Any], bool] = lambda config: False
+    attention_window: Callable[[Any], int | None] = lambda config: None
 
     def build(self, config: Any, **overrides: Any) -> nn.Module:
         """A model of this family from `config` (any field replaced by `overrides`)."""

@@ -71,3 +71,15 @@ def test_decoding_asks_the_family_not_mpt_fields_on_every_config():
     mpt = build_model(MPTConfig(d_model=32, n_heads=2, n_layers=1, max_seq_len=4, alibi=False))
     with pytest.raises(ValueError, match="more than max_seq_len 4"):
         generate(mpt, torch.tensor([[1, 2, 3]]), None, GenerationConfig(8, 0))
+
+
+def test_the_attention_window_is_the_family_s():
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "eval_passkey.py"
+    window = runpy.run_path(str(script), run_name="eval_passkey")["attention_window"]
+    assert window(llama(), 512) == 512  # Llama attends over the whole row
+    assert window(MPTConfig(d_model=64, n_heads=2, n_layers=1, sliding_window=32), 512) == 32
+    infini = MPTConfig(d_model=64, n_heads=2, n_layers=1, infini={"segment_len": 16})
+    assert window(infini, 512) == 16

@@ -47,6 +47,12 @@ def _position_limit(config: MPTConfig) -> int | None:
     return config.max_seq_len if config.learned_pos_emb else None
 
 
+def _attention_window(config: MPTConfig) -> int | None:
+    if config.infini is not None:
+        return config.infini.segment_len
+    return config.sliding_window
+
+
 MPT = ModelFamily(
     name="mpt",
     config_target="llmfoundry.models.mpt.MPTConfig",
@@ -73,4 +79,5 @@ MPT = ModelFamily(
     load_overrides={"compile": False},
     position_limit=_position_limit,
     recurrent_memory=lambda config: config.infini is not None,
+    attention_window=_attention_window,
 )
