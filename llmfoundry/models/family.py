@@ -8,6 +8,7 @@ line to `llmfoundry.models.families.FAMILIES`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +78,6 @@ class ModelFamily:
 
     def build(self, config: Any, **overrides: Any) -> nn.Module:
         """A model of this family from `config` (any field replaced by `overrides`)."""
-        import dataclasses
-
         return self.model_class(dataclasses.replace(config, **overrides))
 
     def config_from(self, fields: Mapping[str, Any]) -> Any:
@@ -87,6 +86,4 @@ class ModelFamily:
 
     def recorded_config(self, config: Any) -> dict[str, Any]:
         """`config` as a checkpoint records it (`config_from` reads it back)."""
-        import dataclasses
-
         return {"_target_": self.config_target, **dataclasses.asdict(config)}
