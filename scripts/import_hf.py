@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)
     url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None, name)
-    overrides = " ".join(train_overrides(model.config))
-    print(f"wrote {url}\ntrain it with: python scripts/train.py {overrides} load_path={url}")
+    overrides = shlex.join(train_overrides(model.config))  # quoted for the shell: {a:1,b:2}
+    load = shlex.quote(f"load_path={url}")
+    print(f"wrote {url}\ntrain it with: python scripts/train.py {overrides} {load}")
     loaded, _ = load_pretrained(args.ckpt_dir)
     error = logits_relative_error(loaded, args.hf_dir)
     print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

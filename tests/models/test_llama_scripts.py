@@ -4,6 +4,7 @@ exports to a folder transformers loads without remote code, and greedy generate.
 transformers' generate token for token."""
 
 import runpy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,9 @@ def test_import_round_trip_and_the_printed_overrides_build_that_model(hf_dir, im
     model, tokenizer = pretrained.load_pretrained(str(ckpt))
     assert isinstance(model, LlamaForCausalLM) and Path(tokenizer).is_file()
     command = printed.split("train it with: python scripts/train.py ")[1].splitlines()[0]
-    overrides = command.split()[:-1]  # the last is load_path=
-    assert overrides[0] == "model=llama-tiny" and command.split()[-1].startswith("load_path=")
+    *overrides, load = shlex.split(command)  # as the shell reads it (rope_scaling's braces)
+    assert overrides[0] == "model=llama-tiny" and load == f"load_path={ckpt}/ep0-ba0"
+    assert any(o.startswith("model.rope_scaling={factor:8.0,") for o in overrides)
     composed = instantiate(compose_config(REPO / "conf", overrides).model)
     assert composed == model.config
 
