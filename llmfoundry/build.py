@@ -6,7 +6,6 @@ tests both go through it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
-from llmfoundry.models.mpt import MPTForCausalLM
+from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
 from llmfoundry.trainer.metrics import LanguageMetrics
 from llmfoundry.utils import storage
@@ -63,7 +62,8 @@ def build_trainer(
     model_config = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_config.max_seq_len
     # Built without memory; the strategy materializes it and initializes it from `seed`.
-    model = MPTForCausalLM(dataclasses.replace(model_config, init_device="meta"))
+    # The config's class (its _target_) names the family: conf/model/mpt-* or llama*.
+    model = build_model(model_config, init_device="meta")
 
     data = build_loaders(
         cfg.data,

@@ -2,20 +2,21 @@
 
 Answers "does this config fit, with how large a microbatch, and how long is a step" for a world
 size and a parallel strategy. Parameter count and flops per token come from the model itself
-(`MPTForCausalLM.num_params` and `flops_per_token`, built on the meta device, so nothing is
-allocated), the same numbers the speed monitor's MFU uses. Memory per device is the sum of:
+(any family's `num_params` and `flops_per_token`, built on the meta device, so nothing is
+allocated), the same numbers the speed monitor's MFU uses; the family's spec gives the activation
+bytes its blocks keep (`ModelFamily.activation_bytes`) and its parallel plan the sharded units. Memory per device is the sum of:
 
 - parameters: float32 master weights (autocast keeps parameters in float32), 4 bytes each;
 - gradients: float32, 4 bytes per parameter;
 - optimizer state: 8 bytes per parameter for Adam (two moments), 4 for Lion (one);
 - sharding divides these: DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients;
   FSDP full shard / ZeRO-3 all three; FSDP hybrid all three within a node's `gpus_per_node`.
-  Sharded strategies add the working copy of the largest unit (a block, or the tied embedding)
-  gathered in full, twice (the one in use and the one prefetched);
+  Sharded strategies add the working copy of the largest unit (a block of the family's parallel
+  plan, or the root: the embedding, the final norm and an untied head) gathered in full, twice (the one in use and the one prefetched);
 - CPU offload moves the optimizer state, and under FSDP / ZeRO-3 the sharded parameters and
   gradients, to host memory (left out of the device total);
 - activations: what autograd keeps per block for the backward of our implementation (counted
-  below in `ACTIVATION_BYTES`), per token; with activation checkpointing only each block's input
+  by the family: MPT's in models/mpt/spec.py, Llama's in models/llama/spec.py), per token; with activation checkpointing only each block's input
   plus one block's full activations (recomputed during backward);
 - logits: the [microbatch, seq, vocab] output and its gradient, in the compute dtype.
 
@@ -28,19 +29,15 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models import parallel_plan
+from llmfoundry.models.families import family_of
 from llmfoundry.utils.errors import UserError
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
 
-# Bytes autograd keeps per token per block, in units of d_model, by precision. float32: block
-# input x and norm_1's output (4 + 4), the fused qkv (12), the attention output and its
-# head-merged copy (4 + 4), the residual x2 and norm_2's output (4 + 4), the MLP's up projection
-# and GELU output (16 + 16): 68. amp_bf16/amp_fp16: the residual stream and norm inputs stay
-# float32 (4 + 4), every matmul input is a 2-byte copy (norm outputs 2 + 2, attention 2 + 2,
-# GELU 8), as are qkv (6) and the up projection (8): 38.
-ACTIVATION_BYTES = {"fp32": 68, "amp_bf16": 38, "amp_fp16": 38}
+PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 # What each block saves with activation checkpointing: its float32 input.
 CHECKPOINT_BYTES = 4
 PARAM_BYTES = GRAD_BYTES = 4
@@ -100,7 +97,7 @@ class MemoryPlan:
 class Setup:
     """The run being planned: everything that changes memory per device."""
 
-    model: MPTConfig
+    model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int
     precision: str = "amp_bf16"
     strategy: str = "single"
@@ -112,11 +109,13 @@ class Setup:
     # Counted from the model on the meta device in __post_init__.
     n_params: int = dataclasses.field(init=False)
     flops_per_token: int = dataclasses.field(init=False)
+    largest_unit: int = dataclasses.field(init=False)  # parameters of a sharded unit
+    block_activation_bytes: int = dataclasses.field(init=False)  # per token
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise UserError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
-        if self.precision not in ACTIVATION_BYTES:
+        if self.precision not in PRECISIONS:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.world_size < 1 or self.gpus_per_node < 1:
             raise UserError("world_size and gpus_per_node must be positive")
@@ -124,9 +123,14 @@ class Setup:
             raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
-        model = MPTForCausalLM(dataclasses.replace(self.model, init_device="meta"))
+        family = family_of(self.model)
+        model = family.build(self.model, init_device="meta")
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(self.seq_len)
+        blocks = [sum(p.numel() for p in b.parameters()) for b in parallel_plan(model).blocks]
+        root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+        self.largest_unit = max([root, *blocks])
+        self.block_activation_bytes = family.activation_bytes(self.model, self.precision)
 
 
 def _shards(setup: Setup) -> tuple[int, int, int]:
@@ -159,11 +163,9 @@ def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
             params = grads = 0.0
     working = 0.0
     if sharded_params and p_shards > 1:
-        block = 12 * cfg.d_model**2 + (0 if cfg.no_bias else 13 * cfg.d_model)
-        largest = max(block, cfg.vocab_size * cfg.d_model)
-        working = 2 * largest * PARAM_BYTES
+        working = 2 * setup.largest_unit * PARAM_BYTES
     tokens = microbatch * setup.seq_len
-    per_block = ACTIVATION_BYTES[setup.precision] * cfg.d_model * tokens
+    per_block = setup.block_activation_bytes * tokens
     if setup.activation_checkpointing:
         blocks = cfg.n_layers * CHECKPOINT_BYTES * cfg.d_model * tokens + per_block
     else:

@@ -1,4 +1,4 @@
-"""Score a checkpoint or a transformers MPT folder on in-context-learning tasks (.jsonl files).
+"""Score a checkpoint or a transformers (MPT or Llama) folder on in-context-learning tasks (.jsonl files).
 
     python scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --shots 3 --out eval.json
 
@@ -22,7 +22,9 @@ from llmfoundry.utils.logs import configure_logging
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("model", help="checkpoint, save folder (its latest) or transformers MPT folder")
+    p.add_argument(
+        "model", help="checkpoint, save folder (its latest) or transformers MPT/Llama folder"
+    )
     p.add_argument("tasks", nargs="+", help=".jsonl task files (local paths or URLs)")
     p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")
     p.add_argument("--seed", type=int, default=17, help="seed of the shot choice (default 17)")

@@ -22,14 +22,13 @@ import torch
 from llmfoundry.data.passkey import read_task, score_passkey
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
+from llmfoundry.models.families import family_of
 from llmfoundry.models.mpt.pretrained import load_pretrained
 
 
 def attention_window(config, seq_len: int) -> int:
-    """How far back a token's attention reaches in one forward."""
-    if config.infini is not None:
-        return config.infini.segment_len
-    return config.sliding_window or seq_len
+    """How far back a token's attention reaches in one forward (its family says)."""
+    return family_of(config).attention_window(config) or seq_len
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Export a checkpoint as a Hugging Face transformers MPT folder (weights, config, tokenizer).
+"""Export a checkpoint as a Hugging Face transformers folder (weights, config, tokenizer).
 
     python scripts/export_hf.py outputs/run/checkpoints OUT_DIR            # the latest checkpoint
     python scripts/export_hf.py outputs/run/checkpoints/ep0-ba300 OUT_DIR --dtype bf16
@@ -10,13 +10,13 @@ in this process, no GPU or process group needed), in a local folder or on an obj
 (--storage: the training config's storage: block).
 
 OUT_DIR then loads without trust_remote_code:
-    transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)   # an MptForCausalLM
+    transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)   # MptForCausalLM, LlamaForCausalLM
     transformers.AutoTokenizer.from_pretrained(OUT_DIR)
 
 The tokenizer is the checkpoint's own tokenizer.json or the one its run trained with
-(`tokenizer=`); --tokenizer overrides both. Features transformers' MPT lacks (learned
-positions, biases, grouped key/value heads, qk_ln, sliding window, infini-attention) are refused,
-naming the field. An fp32 export is checked: the folder's logits must equal the checkpoint's
+(`tokenizer=`); --tokenizer overrides both. The checkpoint's model family (its recorded config)
+picks the transformers class; features that class lacks (for MPT: learned positions, biases,
+grouped key/value heads, qk_ln, sliding window, infini-attention) are refused, naming the field. An fp32 export is checked: the folder's logits must equal the checkpoint's
 (relative error at most 1e-5, printed).
 """
 
@@ -26,7 +26,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
-from llmfoundry.models.mpt.hf import export_to_hf, logits_relative_error, to_hf_config
+from llmfoundry.models.families import family_of, logits_relative_error
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def export(args: argparse.Namespace) -> int:
     model, found = load_pretrained(args.checkpoint)
-    to_hf_config(model.config)  # refuses what transformers cannot represent, before any work
+    family = family_of(model)
+    family.check_hf(model.config)  # refuses what transformers cannot represent, before any work
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
         sys.exit(
@@ -62,7 +63,7 @@ def export(args: argparse.Namespace) -> int:
             "no tokenizer recorded by its run); pass --tokenizer PATH/tokenizer.json"
         )
     tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
-    export_to_hf(
+    family.export_to_hf(
         model,
         args.out_dir,
         tokenizer=tokenizer.tokenizer,

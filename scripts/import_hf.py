@@ -1,46 +1,85 @@
-"""Import a Hugging Face transformers MPT folder as a llmfoundry checkpoint, to finetune from.
+"""Import a Hugging Face transformers folder (MPT or Llama) as a llmfoundry checkpoint, to finetune from.
 
     python scripts/import_hf.py HF_DIR CKPT_DIR
-    python scripts/train.py model=<the same shape> load_path=CKPT_DIR \\
+    python scripts/train.py <the printed model=... model.k=v overrides> load_path=CKPT_DIR \\
         load_ignore_keys=[optimizer,scaler,timestamp,algorithms,callbacks,loggers,data,rng]
 
-CKPT_DIR becomes a save folder holding one weights-only checkpoint (ep0-ba0, named by
-`latest`): the weights in float32, the model config (printed, for the training command) and the
-folder's tokenizer.json. Config fields our MPT cannot represent are refused, naming the field.
-The import is checked: the checkpoint's logits must equal the folder's (relative error at most
-1e-5, printed).
+The family comes from config.json's model_type (mpt: MptForCausalLM, llama: LlamaForCausalLM).
+CKPT_DIR becomes a save folder holding one weights-only checkpoint (ep0-ba0, named by `latest`):
+the weights in float32, the model config and the folder's tokenizer.json. The script prints the
+overrides that make scripts/train.py build this exact model: the nearest conf/model size and the
+fields that differ from it. Config fields our model cannot represent are refused, naming the
+field. The import is checked: the checkpoint's logits must equal the folder's (relative error at
+most 1e-5, printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
-from llmfoundry.models.mpt.hf import from_hf, logits_relative_error
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from llmfoundry.config.preflight import compose_config
+from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
 from llmfoundry.models.mpt.pretrained import TOKENIZER_FILE, load_pretrained, save_weights
 
 TOLERANCE = 1e-5
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("hf_dir", help="a transformers MPT folder (config.json and weights)")
+    p.add_argument("hf_dir", help="a transformers MPT or Llama folder (config.json and weights)")
     p.add_argument("ckpt_dir", help="save folder to write the checkpoint into (load_path=)")
     return p.parse_args(argv)
 
 
+def hydra_value(value: Any) -> str:
+    """`value` as a Hydra command-line override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def train_overrides(config: Any, conf_dir: Path = CONF_DIR) -> list[str]:
+    """``model=<size>`` and the ``model.k=v`` that make conf/ compose to exactly `config`: the
+    family's conf/model size that needs the fewest overrides, and those."""
+    family = family_of(config)
+    ours = dataclasses.asdict(config)
+    best: list[str] | None = None
+    base = f"/model_base/{family.name}@_here_"
+    for path in sorted((conf_dir / "model").glob("*.yaml")):
+        if base not in (OmegaConf.load(path).get("defaults") or []):
+            continue  # another family's size
+        node = compose_config(conf_dir, [f"model={path.stem}"]).model
+        theirs = dataclasses.asdict(instantiate(node))
+        changed = [f"model.{k}={hydra_value(v)}" for k, v in ours.items() if theirs[k] != v]
+        if best is None or len(changed) < len(best) - 1:
+            best = [f"model={path.stem}", *changed]
+    if best is None:
+        raise ValueError(f"conf/model has no {family.name} size to train this model from")
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = from_hf(args.hf_dir)
+    model = family_of_hf(args.hf_dir).from_hf(args.hf_dir)
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)
     url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None, name)
-    overrides = " ".join(
-        f"model.{k}={v}" for k, v in dataclasses.asdict(model.config).items() if v is not None
-    )
-    print(f"wrote {url}\nmodel config: {overrides}")
+    overrides = shlex.join(train_overrides(model.config))  # quoted for the shell: {a:1,b:2}
+    load = shlex.quote(f"load_path={url}")
+    print(f"wrote {url}\ntrain it with: python scripts/train.py {overrides} {load}")
     loaded, _ = load_pretrained(args.ckpt_dir)
     error = logits_relative_error(loaded, args.hf_dir)
     print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

@@ -1,4 +1,4 @@
-"""Train an MPT model.
+"""Train a model (MPT or Llama: `model=`).
 
     python scripts/train.py                                  # the demo: mpt-tiny on data/demo/mds
     python scripts/train.py model=mpt-1b data.remote=s3://bucket/mds max_duration=10000ba

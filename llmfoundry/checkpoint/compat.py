@@ -3,8 +3,9 @@
 A checkpoint keeps the config of the run that saved it (``config`` in state.pt). On load it is
 compared with the config of the run that loads it:
 
-- refused, with each key and both values: a different model architecture (`ARCHITECTURE`: the
-  weights would not fit, or would fit and mean something else) and a different optimizer class
+- refused, with each key and both values: a different model family (``model._target_``) or
+  architecture (the family spec's `architecture` keys: the weights would not fit, or would fit
+  and mean something else) and a different optimizer class
   (AdamW moments loaded into Lion). `load_ignore_keys` opts out: with ``model`` (or
   ``optimizer``) ignored, that part starts afresh and may differ;
 - warned about, in one line: keys that are legal to change but make the run differ from an
@@ -19,7 +20,6 @@ compared with the config of the run that loads it:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -30,20 +30,6 @@ from llmfoundry.checkpoint.manifest import CheckpointError
 
 log = logging.getLogger(__name__)
 
-# model.* keys that define the parameters and what they compute.
-ARCHITECTURE = (
-    "_target_",
-    "d_model",
-    "n_heads",
-    "kv_n_heads",
-    "n_layers",
-    "expansion_ratio",
-    "vocab_size",
-    "alibi",
-    "learned_pos_emb",
-    "no_bias",
-    "qk_ln",
-)
 # Top-level keys (and config groups) whose change makes the run differ.
 RUN_CHANGING = (
     "global_train_batch_size",
@@ -57,7 +43,6 @@ RUN_CHANGING = (
     "algorithms",
 )
 _ABSENT = "<absent>"
-_MPT_TARGET = "llmfoundry.models.mpt.MPTConfig"
 
 
 def check_resume(
@@ -69,6 +54,7 @@ def check_resume(
     """
     if not saved or not new:
         return
+    architecture = {"_target_", *_architecture(saved), *_architecture(new)}
     before, after = _flatten(_resolved(saved)), _flatten(_resolved(new))
     changed = sorted(
         key
@@ -80,7 +66,7 @@ def check_resume(
         return f"{key}: {_show(before.get(key, _ABSENT))} -> {_show(after.get(key, _ABSENT))}"
 
     def cannot_change(key: str) -> bool:
-        if key.startswith("model.") and key.removeprefix("model.") in ARCHITECTURE:
+        if key.startswith("model.") and key.split(".")[1] in architecture:
             return "model" not in ignore
         return key == "optimizer._target_" and "optimizer" not in ignore
 
@@ -122,21 +108,43 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["lr"] = lr * group["initial_lr"] / initial
 
 
-def _resolved(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`config` with its MPT model's architecture fields as the model resolves them (null
-    kv_n_heads is n_heads, ...): a checkpoint written by scripts/import_hf.py records them
-    resolved, a training config usually leaves them null, and both mean the same model."""
-    from llmfoundry.models.mpt.config import MPTConfig
+def _family(config: Mapping[str, Any]):
+    """The model family of a recorded config (None: no model, or an unknown _target_, which
+    the model build reports)."""
+    from llmfoundry.models.families import family_of_target
 
     model = config.get("model")
-    if not isinstance(model, Mapping) or model.get("_target_") != _MPT_TARGET:
-        return config
+    if not isinstance(model, Mapping):
+        return None
     try:
-        fields = {k: v for k, v in model.items() if k != "_target_"}
-        resolved = dataclasses.asdict(MPTConfig(**{**fields, "init_device": "meta"}))
+        return family_of_target(model.get("_target_"))
+    except ValueError:
+        return None
+
+
+def _architecture(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys a resume must match: the family's; an unknown family's model is held to the
+    default family's (as before there were families)."""
+    from llmfoundry.models.families import DEFAULT
+
+    return (_family(config) or DEFAULT).architecture
+
+
+def _resolved(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`config` with its model's architecture fields as the model resolves them (MPT's null
+    kv_n_heads is n_heads, Llama's null ffn_hidden_size is Meta's rule...): a checkpoint written
+    by scripts/import_hf.py records them resolved, a training config usually leaves them null,
+    and both mean the same model."""
+    family = _family(config)
+    if family is None or "_target_" not in config["model"]:
+        return config
+    model = config["model"]
+    try:
+        resolved = family.recorded_config(family.config_from({**model, "init_device": "meta"}))
     except (TypeError, ValueError):
         return config  # an invalid model config is reported by the model itself
-    return {**config, "model": {**model, **{k: resolved[k] for k in ARCHITECTURE if k in resolved}}}
+    arch = {k: resolved[k] for k in family.architecture if k in resolved}
+    return {**config, "model": {**model, **arch}}
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

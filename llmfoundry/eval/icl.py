@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from llmfoundry.models.family import CausalLM
 from llmfoundry.models.mpt.generation import GenerationConfig, generate
-from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.utils.jsonl import read_jsonl
 
 __all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]
@@ -131,7 +131,7 @@ def score_example(
     index: int,
     prefix: str,
     max_seq_len: int,
-    model: MPTForCausalLM | None = None,
+    model: CausalLM | None = None,
     max_new_tokens: int = 32,
 ) -> tuple[bool, Any]:
     """Whether the model answers example `index` of `task` right (module docstring: kinds),
@@ -165,7 +165,7 @@ def score_example(
 
 
 def evaluate_tasks(
-    model: MPTForCausalLM,
+    model: CausalLM,
     tokenizer: Tokenizer,
     tasks: Sequence[Task],
     shots: int = 0,

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmfoundry.models.family import CausalLM
 from llmfoundry.models.mpt.generation import Decoder, GenerationConfig, TokenLogprob
-from llmfoundry.models.mpt.model import MPTForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Engine:
 
     def __init__(
         self,
-        model: MPTForCausalLM,
+        model: CausalLM,
         decode: Callable[[list[int]], str],
         max_rows: int,
         max_len: int,

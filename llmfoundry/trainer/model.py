@@ -12,7 +12,7 @@ A trainable model is an ``nn.Module`` with
 - optionally ``eval_metrics(device)``: a fresh `Metrics` for an eval set; default
   `LanguageMetrics`, which reads the outputs as logits [batch, seq, vocab].
 
-`llmfoundry.models.MPTForCausalLM` is one (its forward also takes ``input_ids`` directly, as
+Every model family's model (`llmfoundry.models.families`: MPT, Llama) is one (its forward also takes ``input_ids`` directly, as
 generation calls it). Any other module can be adapted in a few lines: README "Your own model".
 
 An eval set is a plain loader (the model's metrics), or an `EvalSet` naming its own metrics.

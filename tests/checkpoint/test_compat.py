@@ -47,6 +47,29 @@ def test_architecture_or_optimizer_class_is_refused(new, ignored, message):
     assert message in str(err.value)
 
 
+LLAMA = {
+    "_target_": "llmfoundry.models.llama.LlamaConfig",
+    **{"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 128, "n_kv_heads": None},
+}
+
+
+def test_a_llama_resume_is_held_to_the_llama_architecture(caplog):
+    saved = {**SAVED, "model": LLAMA}
+    # Null n_kv_heads / ffn_hidden_size mean the resolved values an imported checkpoint records.
+    resolved = {**LLAMA, "n_kv_heads": 4, "ffn_hidden_size": 256}
+    check_resume(saved, {**SAVED, "model": resolved}, (), "ckpt")
+    assert caplog.text == ""
+    for key, value, message in [
+        ("n_kv_heads", 2, "model.n_kv_heads: 4 -> 2"),
+        ("rope_theta", 10.0, "model.rope_theta: 500000.0 -> 10.0"),
+        ("rope_scaling", {"factor": 8.0}, "model.rope_scaling.factor: <absent> -> 8.0"),
+        ("_target_", "llmfoundry.models.mpt.MPTConfig", "model._target_"),
+    ]:
+        with pytest.raises(CheckpointError, match="cannot continue") as err:
+            check_resume(saved, {**SAVED, "model": {**LLAMA, key: value}}, (), "ckpt")
+        assert message in str(err.value)
+
+
 def test_ignored_parts_opt_out_and_legal_changes_warn(caplog):
     caplog.set_level(logging.WARNING)
     new = changed(model__d_model=128, optimizer___target_="Lion", global_train_batch_size=32)

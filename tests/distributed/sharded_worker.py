@@ -19,6 +19,7 @@ from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.data import StreamingTextDataset
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy, unwrap_model
+from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, sample_ids
@@ -163,10 +164,12 @@ def resume_run(
     callbacks: tuple[Callback, ...] = (),
     save_interval: str | None = None,
     keep: int = -1,
+    family: str = "mpt",
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
-    `algorithms` and `callbacks` are added; `keep` checkpoints are kept (-1: all)."""
+    `algorithms` and `callbacks` are added; `keep` checkpoints are kept (-1: all); `family`
+    "llama" trains a tiny Llama (GQA, untied head) instead of the tiny MPT."""
     recorder = Recorder()
     dataset = StreamingTextDataset(
         mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
@@ -175,7 +178,7 @@ def resume_run(
     )  # fmt: skip
     loader = StreamingDataLoader(dataset)
     Trainer(
-        model=tiny_model(VOCAB, SEQ_LEN),
+        model=tiny_model(VOCAB, SEQ_LEN) if family == "mpt" else tiny_llama(),
         strategy=strategy,
         train_dataloader=loader,
         max_duration=f"{RESUME_BATCHES}ba",
@@ -193,6 +196,15 @@ def resume_run(
         load_ignore_keys=load_ignore_keys,
     ).fit()
     return recorder
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """On meta, as `tiny_model`: the Trainer initializes it after seeding."""
+    config = LlamaConfig(
+        d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN,
+        init_device="meta",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
 
 
 def diverged_run(strategy: Strategy, mds: str, folder: str, poisoned: int | None) -> str:
@@ -245,6 +257,10 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("fsdp_from_single", FSDP, {"load": f"{out}/single_saved"}),
         ("fsdp_preempted", FSDP, {"sigterm_at": STOP_AT}),
         ("fsdp_after_preemption", FSDP, {"load": f"{out}/fsdp_preempted"}),
+        # The Llama family through the same strategies (its plan shards its blocks).
+        ("llama_fsdp_straight", FSDP, {"family": "llama"}),
+        ("llama_fsdp_saved", FSDP, {"family": "llama", "stop_at": STOP_AT}),
+        ("llama_ddp_from_fsdp", DDP, {"family": "llama", "load": f"{out}/llama_fsdp_saved"}),
     ):
         join_env(rank, world, next(ports))
         folder = f"{out}/{name}"

@@ -67,9 +67,16 @@ def runs(tmp_path_factory):
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
         "saved": resume_run(SingleDevice("cpu"), mds, str(out / "single_saved"), stop_at=STOP_AT),
     }
-    ranks = spawn(rank_main, out, mds, n_ports=len(PARITY) + 11)
+    ranks = spawn(rank_main, out, mds, n_ports=len(PARITY) + 14)
     single["from_fsdp"] = resume_run(
         SingleDevice("cpu"), mds, str(out / "single_from_fsdp"), load=str(out / "fsdp_saved")
+    )
+    single["llama_from_fsdp"] = resume_run(
+        SingleDevice("cpu"),
+        mds,
+        str(out / "llama_single_from_fsdp"),
+        load=str(out / "llama_fsdp_saved"),
+        family="llama",
     )
     return single, ranks
 
@@ -132,6 +139,19 @@ def test_resume_at_another_world_size_and_strategy(runs, resumed):
     assert len(losses) == RESUME_BATCHES - STOP_AT
     assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
     assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+@pytest.mark.parametrize("resumed", ["llama_ddp_from_fsdp", "llama_from_fsdp"])
+def test_llama_trains_sharded_and_resumes_at_another_world_size(runs, resumed):
+    single, ranks = runs
+    straight = ranks[0]["llama_fsdp_straight"]
+    assert straight["losses"] != pytest.approx(ranks[0]["fsdp_straight"]["losses"], rel=RTOL)
+    if resumed == "llama_from_fsdp":  # two FSDP ranks -> one process
+        losses = single[resumed].losses
+    else:  # FSDP -> DDP
+        losses = ranks[0][resumed]["losses"]
+    assert len(losses) == RESUME_BATCHES - STOP_AT
+    assert losses == pytest.approx(straight["losses"][STOP_AT:], rel=RTOL)
 
 
 def test_sigterm_on_one_rank_saves_a_sharded_checkpoint_that_resumes(runs):

@@ -89,3 +89,54 @@ def test_train_script_with_overrides(mds_dir, tmp_path):
     assert "saved checkpoint" in log and "--- sample" in log
     assert log.count("\n") <= out.count("\n")
     assert (tmp_path / "ckpt" / "latest").is_file()
+
+
+def test_llama_trains_then_generates_and_evaluates(mds_dir, tmp_path, capsys):
+    """The Llama family through scripts/train.py (model=llama-tiny), then generate.py and
+    eval.py on its checkpoint, as an MPT run."""
+    import json
+    import runpy
+
+    run(
+        str(ROOT / "scripts/train.py"),
+        "model=llama-tiny",
+        f"data.remote={mds_dir}",
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.n_layers=2",
+        "model.max_seq_len=32",
+        "model.vocab_size=512",
+        "global_train_batch_size=4",
+        "max_duration=2ba",
+        "eval_interval=2ba",
+        "scheduler.t_warmup=1ba",
+        "callbacks.generate.max_new_tokens=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"save_folder={tmp_path / 'ckpt'}",
+        cwd=tmp_path,
+    )
+    ckpt = str(tmp_path / "ckpt")
+    from llmfoundry.models.llama import LlamaForCausalLM
+    from llmfoundry.models.mpt.pretrained import load_pretrained
+
+    assert isinstance(load_pretrained(ckpt)[0], LlamaForCausalLM)
+    scripts = {
+        n: runpy.run_path(str(ROOT / f"scripts/{n}.py"), run_name=n) for n in ("generate", "eval")
+    }
+    assert (
+        scripts["generate"]["main"](
+            [ckpt, "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "4"]
+        )
+        == 0
+    )
+    assert "--- prompt 'def ' (" in capsys.readouterr().out
+    task = tmp_path / "mc.jsonl"
+    task.write_text(
+        "".join(
+            json.dumps({"query": "import", "choices": [" os", " re"], "gold": i % 2}) + "\n"
+            for i in range(2)
+        )
+    )
+    out = tmp_path / "results.json"
+    assert scripts["eval"]["main"]([ckpt, str(task), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["tasks"]["mc"]["examples"] == 2

@@ -1,4 +1,8 @@
-"""Every conf/model size: it builds, and its parameter count matches transformers and the papers."""
+"""Every conf/model size: it builds, and its parameter count matches transformers and the papers.
+
+Each family's sizes share its conf/model_base/<family>.yaml; the llama files are the published
+shapes of `llmfoundry.models.llama.PRESETS` (whose counts test_llama.py checks).
+"""
 
 import re
 from pathlib import Path
@@ -12,6 +16,7 @@ from omegaconf import OmegaConf
 from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.models import MPTConfig, MPTForCausalLM
+from llmfoundry.models.llama import PRESETS, LlamaConfig
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFS = sorted((REPO / "conf" / "model").glob("*.yaml"))
@@ -27,6 +32,25 @@ SIZES = [
     "mpt-30b",
     "mpt-70b",
 ]
+LLAMA_SIZES = ["llama-tiny", "llama3-1b", "llama3-8b", "llama3-70b"]
+# What a size file may state on top of its family's base: its shape (and the options of its
+# published release that differ from the base).
+OWN_KEYS = {
+    "mpt": {"d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size"},
+    "llama": {
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "n_layers",
+        "max_seq_len",
+        "vocab_size",
+        "multiple_of",
+        "ffn_dim_multiplier",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+    },
+}
 REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
 
 
@@ -38,8 +62,10 @@ def load(name: str, **overrides) -> MPTConfig:
 def test_sizes_state_only_their_shape_and_share_the_base_options():
     base = OmegaConf.load(REPO / "conf" / "model_base" / "mpt.yaml")
     for path in MODEL_CONFS:
-        own = set(OmegaConf.load(path)) - {"defaults"}
-        assert own <= {"d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size"}, path.name
+        conf = OmegaConf.load(path)
+        family = path.stem.split("-")[0].removesuffix("3")
+        assert list(conf.defaults) == [f"/model_base/{family}@_here_", "_self_"], path.name
+        assert set(conf) - {"defaults"} <= OWN_KEYS[family], path.name
     cfg = compose_config(REPO / "conf", ["model=mpt-1b", "model.alibi=false"]).model
     assert (cfg.d_model, cfg.n_heads, cfg.n_layers) == (2048, 16, 24)
     assert cfg.alibi is False and cfg.max_seq_len == base.max_seq_len == 2048
@@ -49,7 +75,16 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES)
+    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES + LLAMA_SIZES)
+
+
+@pytest.mark.parametrize("name", LLAMA_SIZES)
+def test_llama_sizes_are_the_published_shapes(name):
+    cfg = load(name)
+    assert isinstance(cfg, LlamaConfig)
+    assert cfg == LlamaConfig.preset(name)
+    check(REPO / "conf", [f"model={name}"])
+    assert set(PRESETS) == set(LLAMA_SIZES)
 
 
 def published_counts() -> dict[str, tuple[int, int, int, int]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmfoundry.models.families import FAMILIES
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.planning import (
     Setup,
@@ -56,15 +57,30 @@ def measured_peak(spec: dict) -> int:
             {"d_model": 128, "n_heads": 4, "n_layers": 8, "vocab_size": 32000, "seq": 128},
             "amp_bf16",
         ),
+        # Llama (GQA, SwiGLU, untied head): planned/measured 1.04 when this was written.
+        (
+            {
+                "family": "llama",
+                "d_model": 256,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "n_layers": 4,
+                "vocab_size": 8192,
+                "seq": 256,
+            },
+            "fp32",
+        ),  # fmt: skip
     ],
 )
 def test_plan_is_within_20_percent_of_the_measured_cpu_peak(shape, precision):
     seq = shape["seq"]
-    model = {k: v for k, v in shape.items() if k != "seq"}
+    family = FAMILIES[shape.get("family", "mpt")]
+    model = {k: v for k, v in shape.items() if k not in ("seq", "family")}
     batch = 8
-    measured = measured_peak({**model, "max_seq_len": seq, "batch": batch, "seq": seq,
-                              "precision": precision})  # fmt: skip
-    planned = plan_memory(Setup(MPTConfig(**model, max_seq_len=seq), seq, precision), batch).total
+    measured = measured_peak({**model, "family": family.name, "max_seq_len": seq, "batch": batch,
+                              "seq": seq, "precision": precision})  # fmt: skip
+    config = family.config_class(**model, max_seq_len=seq)
+    planned = plan_memory(Setup(config, seq, precision), batch).total
     assert 0.8 <= planned / measured <= 1.2, (planned, measured)
 
 
@@ -129,6 +145,18 @@ def test_plan_script_reads_hydra_overrides(capsys):
     assert "parameters  : 6,649,024,512" in out
     assert "largest microbatch fitting 80GB (74.51 GiB): " in out
     assert "at 40% MFU of 989.4 TFLOP/s" in out
+
+
+def test_plan_script_counts_a_llama_model(capsys):
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    argv = ["model=llama3-70b", "precision=amp_bf16", "max_seq_len=8192",
+            "global_train_batch_size=512", "--strategy", "fsdp",
+            "--world-size", "64", "--activation-checkpointing", "--device-memory", "80GB",
+            "--device-name", "H100"]  # fmt: skip
+    assert plan_script["main"](argv) == 0
+    out = capsys.readouterr().out
+    assert "model       : LlamaConfig d_model 8192, 80 layers, vocab 128256, seq 8192" in out
+    assert "parameters  : 70,553,706,496" in out  # Meta's published Llama 3.1 70B count
 
 
 def test_plan_script_refuses_a_setup_that_does_not_fit(capsys):

@@ -205,3 +205,22 @@ def test_streamed_text_never_splits_a_character(kind):
     ):
         assert all("\ufffd" not in e.text for e in events), [e.text for e in events]
         assert "".join(e.text for e in events) == text and events[-1].finish_reason == reason
+
+
+def test_a_llama_model_is_served_as_mpt_is():
+    from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig.preset("llama-tiny", d_model=32, n_layers=2, vocab_size=VOCAB)
+    llama = LlamaForCausalLM(config).eval()
+    engine = Engine(llama, decode, max_rows=4, max_len=64)
+    config = GenerationConfig(12, temperature=0)
+    prompts = [[1, 2, 3], [4, 5]]
+
+    async def both():
+        return await asyncio.gather(*(answer(engine, p, config) for p in prompts))
+
+    results = run(engine, both())
+    assert ["".join(e.text for e in r) for r in results] == [
+        alone(llama, p, config) for p in prompts
+    ]

@@ -3,20 +3,19 @@
 Like `MPTConfig`, every mistake a user can type is caught here, before any weight is allocated,
 with a message that names the field and what is allowed. The published shapes (Llama 3.2 1B,
 Llama 3.1 8B and 70B) and a tiny one for tests are named presets (`LlamaConfig.preset`), not
-`conf/model/*.yaml` files yet: that group and `build.py` build MPT only until the family spec
-(issue 22) lets them ask which family a config belongs to.
+and conf/model/llama-tiny.yaml, llama3-{1b,8b,70b}.yaml (on conf/model_base/llama.yaml) give the
+same shapes to `model=`; `llmfoundry.models.llama.spec` is the family's spec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmfoundry.models.mpt import flash
-from llmfoundry.models.mpt.kernels import ATTN_IMPLS
+from llmfoundry.models.mpt.kernels import check_attn_impl
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len", "multiple_of")
@@ -125,12 +124,6 @@ class LlamaConfig:
     init_std: float = 0.02
     init_device: str = "cpu"
 
-    # Asked of every config by the decoding code shared with MPT (models/mpt/generation.py and
-    # cache.py) until the family spec answers for it: Llama has no infini-attention memory and no
-    # learned position table (so generation is not capped at max_seq_len).
-    infini: ClassVar[None] = None
-    learned_pos_emb: ClassVar[bool] = False
-
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
             _positive_int(name, getattr(self, name))
@@ -175,13 +168,7 @@ class LlamaConfig:
                 f"LlamaConfig.tie_word_embeddings must be true or false, "
                 f"got {self.tie_word_embeddings!r}"
             )
-        if self.attn_impl not in ATTN_IMPLS:
-            allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
-            raise ValueError(
-                f"LlamaConfig.attn_impl={self.attn_impl!r} is not known; allowed: {allowed}"
-            )
-        if self.attn_impl == "flash" and (problem := flash.missing_package()):
-            raise ValueError(f"LlamaConfig.{problem}")
+        check_attn_impl(self.attn_impl, owner="LlamaConfig")
         if self.init_device not in INIT_DEVICES:
             raise ValueError(
                 f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "

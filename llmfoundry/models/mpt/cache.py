@@ -1,7 +1,7 @@
-"""The decoding state of an MPT model: what a forward over new tokens needs from earlier ones.
+"""The decoding state of a causal LM (any family): what a forward over new tokens needs from earlier ones.
 
 Decoding one token at a time would otherwise rerun the whole prefix at every step. With a
-`KVCache`, `MPTForCausalLM.forward(new_ids, sequence_id, cache=cache)` projects only the new
+`KVCache`, a model's `forward(new_ids, sequence_id, cache=cache)` projects only the new
 tokens, appends their keys and values to each layer's cache and attends over all of them. The
 attention kernels need nothing more: queries are the last of the key positions (see
 `attention.py`), so ALiBi, causality, the sliding window and document masking line up as in a
@@ -124,8 +124,11 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_len: int) -> KVCache:
-        """An empty cache for `model` (an MPTForCausalLM) holding up to `max_len` positions."""
-        infini = model.config.infini is not None
+        """An empty cache for `model` (any family's) holding up to `max_len` positions: one
+        key/value buffer per layer, or infini-attention's memory where the family keeps one."""
+        from llmfoundry.models.families import family_of  # the families import this module
+
+        infini = family_of(model).recurrent_memory(model.config)
         n_layers = model.config.n_layers
         layers = [InfiniState() if infini else LayerKV(max_len) for _ in range(n_layers)]
         return cls(layers, max_len)

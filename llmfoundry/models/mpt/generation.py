@@ -1,4 +1,4 @@
-"""Text generation from an MPTForCausalLM: batched, left-padded prompts decoded with a KV cache.
+"""Text generation from any family's causal LM (`CausalLM`): batched, left-padded prompts decoded with a KV cache.
 
 The one entry point for callers that want whole answers is
 
@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmfoundry.models.families import family_of
+from llmfoundry.models.family import CausalLM
 from llmfoundry.models.mpt.cache import KVCache
-from llmfoundry.models.mpt.model import MPTForCausalLM
 
 Decode = Callable[[list[int]], str]
 
@@ -169,7 +170,7 @@ class Decoder:
 
     def __init__(
         self,
-        model: MPTForCausalLM,
+        model: CausalLM,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         configs: GenerationConfig | Sequence[GenerationConfig] = GenerationConfig(),
@@ -203,16 +204,17 @@ class Decoder:
         device = model.transformer.wte.weight.device
         self.ids = input_ids.to(device)
         self.sid = None if attention_mask is None else sequence_ids(attention_mask.to(device))
-        if cfg.infini is not None and self.sid is not None:
+        family = family_of(model)
+        if family.recurrent_memory(cfg) and self.sid is not None:
             raise ValueError(
                 "infini-attention counts segments from each row's first token, so its rows cannot "
                 "be padded; decode prompts of different lengths separately (generate() does)"
             )
         self.max_len = prompt_len + max(c.max_new_tokens for c in configs)
-        if cfg.learned_pos_emb and self.max_len > cfg.max_seq_len:
+        if (limit := family.position_limit(cfg)) is not None and self.max_len > limit:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens is {self.max_len} tokens, more "
-                f"than max_seq_len {cfg.max_seq_len} (the learned position table); shorten one"
+                f"than max_seq_len {limit} (the learned position table); shorten one"
             )
         self.cache = KVCache.for_model(model, self.max_len) if use_cache else None
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -254,7 +256,7 @@ class Decoder:
         """
         if self.cache is None or self.cache.length == 0:
             raise ValueError("add() joins a running batch: use_cache=True and step() once first")
-        if self.model.config.infini is not None:
+        if family_of(self.model).recurrent_memory(self.model.config):
             raise ValueError("infini-attention rows cannot be padded, so they cannot join a batch")
         newcomer = Decoder(self.model, torch.tensor([list(prompt)]), None, config, self.decode)
         newcomer.step()
@@ -524,7 +526,7 @@ def sampling_probs(logits: torch.Tensor, configs: Sequence[GenerationConfig]) ->
 
 
 def generate(
-    model: MPTForCausalLM,
+    model: CausalLM,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     configs: GenerationConfig | Sequence[GenerationConfig] = GenerationConfig(),
@@ -532,7 +534,7 @@ def generate(
     use_cache: bool = True,
 ) -> GenerationOutput:
     """Continue every prompt of the batch to its end (see `Decoder` for the arguments)."""
-    if model.config.infini is not None and attention_mask is not None:
+    if family_of(model).recurrent_memory(model.config) and attention_mask is not None:
         lengths = attention_mask.sum(dim=1)
         if bool((lengths != attention_mask.shape[1]).any()):
             return _by_length(model, input_ids, attention_mask, configs, decode, use_cache)
@@ -543,7 +545,7 @@ def generate(
 
 
 def _by_length(
-    model: MPTForCausalLM,
+    model: CausalLM,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     configs: GenerationConfig | Sequence[GenerationConfig],

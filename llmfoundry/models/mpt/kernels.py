@@ -26,14 +26,15 @@ ATTN_IMPLS: dict[str, AttnFn] = {
 }
 
 
-def check_attn_impl(name: str, attn_pdrop: float = 0.0) -> None:
-    """Raise a ValueError that says what to do if `name` is not a usable attention kernel."""
+def check_attn_impl(name: str, attn_pdrop: float = 0.0, owner: str = "MPTConfig") -> None:
+    """Raise a ValueError that says what to do if `name` is not a usable attention kernel;
+    the message names the field as `owner` (the config class, any family's) spells it."""
     if name not in ATTN_IMPLS:
         allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
-        raise ValueError(f"MPTConfig.attn_impl={name!r} is not known; allowed: {allowed}")
+        raise ValueError(f"{owner}.attn_impl={name!r} is not known; allowed: {allowed}")
     if name == "flash" and (problem := flash.missing_package()):
-        raise ValueError(f"MPTConfig.{problem}")
+        raise ValueError(f"{owner}.{problem}")
     if name == "flex" and attn_pdrop > 0:
         raise ValueError(
-            "MPTConfig.attn_impl='flex' has no attention dropout; set attn_pdrop=0 or use sdpa"
+            f"{owner}.attn_impl='flex' has no attention dropout; set attn_pdrop=0 or use sdpa"
         )

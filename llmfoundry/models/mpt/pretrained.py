@@ -1,11 +1,12 @@
-"""A trained MPT for generation, export or finetuning: from our checkpoint or a transformers folder.
+"""A trained model (any family) for generation, export or finetuning: from our checkpoint or a transformers folder.
 
 `load_pretrained(path)` takes either
 - a checkpoint written by training or by scripts/import_hf.py (a checkpoint folder, or a save
   folder whose `latest` one is read, on any filesystem fsspec reaches), full or sharded (its
   shards merged in this process): its weights and the model config its run recorded
-  (`config.model` in state.pt);
-- a transformers MPT folder (config.json + weights), converted by `hf.from_hf`;
+  (`config.model` in state.pt, whose ``_target_`` names the family);
+- a transformers folder (config.json + weights) of a family's ``model_type`` (mpt, llama),
+  converted by that family's `from_hf`;
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
 `tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
 `read_pretrained(path)` also gives the name of that run (`run_name` in the checkpoint's
@@ -39,14 +40,11 @@ from llmfoundry.checkpoint.io import (
 )
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
-from llmfoundry.models.mpt.config import MPTConfig
-from llmfoundry.models.mpt.hf import from_hf
-from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.models.families import config_from_record, family_of, family_of_hf
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import url_to_fs
 
 TOKENIZER_FILE = "tokenizer.json"
-CONFIG_TARGET = "llmfoundry.models.mpt.MPTConfig"
 # The --dtype choices of the scripts that load or export a model.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,12 +59,12 @@ class Pretrained:
     """A loaded model, where its tokenizer is (None: unknown), and the run that trained it
     (None: a transformers folder, or a checkpoint that does not record one)."""
 
-    model: MPTForCausalLM
+    model: torch.nn.Module
     tokenizer: str | None
     run_name: str | None
 
 
-def load_pretrained(path: str) -> tuple[MPTForCausalLM, str | None]:
+def load_pretrained(path: str) -> tuple[torch.nn.Module, str | None]:
     """The model at `path` (eval mode, on CPU) and its tokenizer's location (None: unknown)."""
     loaded = read_pretrained(path)
     return loaded.model, loaded.tokenizer
@@ -78,13 +76,14 @@ def read_pretrained(path: str) -> Pretrained:
         has_tokenizer = any(
             Path(path, f).is_file() for f in (TOKENIZER_FILE, "tokenizer_config.json")
         )
-        return Pretrained(from_hf(path), str(path) if has_tokenizer else None, None)
+        model = family_of_hf(path).from_hf(path)
+        return Pretrained(model, str(path) if has_tokenizer else None, None)
     checkpoint = read_checkpoint(path, rank=0)
     config = model_config(checkpoint.state, checkpoint.path)
     weights = checkpoint.model
     if weights is None:  # sharded: every rank's shards, merged here
         weights = full_model_state(join_url(checkpoint.path, SHARDED_DIR))
-    model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
+    model = family_of(config).build(config, init_device="meta")
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as err:
@@ -98,19 +97,19 @@ def read_pretrained(path: str) -> Pretrained:
     return Pretrained(model.eval(), tokenizer, run_name if isinstance(run_name, str) else None)
 
 
-def model_config(state: Mapping[str, Any], where: str) -> MPTConfig:
-    """The MPTConfig a checkpoint's run recorded (`config.model` of state.pt), for CPU, eager."""
+def model_config(state: Mapping[str, Any], where: str) -> Any:
+    """The model config a checkpoint's run recorded (`config.model` of state.pt), for CPU,
+    eager; its ``_target_`` names the family (none recorded: MPT, as before families)."""
     fields = (state.get("config") or {}).get("model")
     if not isinstance(fields, Mapping):
         raise ValueError(
             f"checkpoint {where!r} does not record its model config (config.model in "
             f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
         )
-    fields = dict(fields)
-    target = fields.pop("_target_", CONFIG_TARGET)
-    if target != CONFIG_TARGET:
-        raise ValueError(f"checkpoint {where!r}: model config _target_ {target!r} is not MPT")
-    return MPTConfig(**{**fields, "init_device": "cpu", "compile": False})
+    try:
+        return config_from_record(fields, init_device="cpu")
+    except ValueError as err:
+        raise ValueError(f"checkpoint {where!r}: {err}") from None
 
 
 def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
@@ -124,7 +123,7 @@ def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
 
 
 def save_weights(
-    model: MPTForCausalLM,
+    model: torch.nn.Module,
     folder: str,
     tokenizer_file: str | Path | None = None,
     run_name: str | None = None,
@@ -143,7 +142,7 @@ def save_weights(
         cause="in the model given",
         fix="check the model it was built or imported from",
     )
-    config = {"_target_": CONFIG_TARGET, **dataclasses.asdict(model.config)}
+    config = family_of(model).recorded_config(model.config)
     recorded: dict[str, Any] = {"model": config}
     if run_name is not None:
         recorded["run_name"] = run_name

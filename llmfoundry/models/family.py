@@ -1,0 +1,89 @@
+"""What the code outside a model family asks of it: one `ModelFamily` per family (its spec.py).
+
+Build, resume checks, pretrained loading, HF import/export, planning and decoding take the
+family from the model config (`family_of`: its class, or the ``_target_`` a run recorded) and
+ask the spec; none of them names a family. A third family writes its ``spec.py`` and adds one
+line to `llmfoundry.models.families.FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from llmfoundry.models.plan import ParallelPlan
+
+
+class CausalLM(Protocol):
+    """What decoding (models/mpt/generation.py, the serving engine) needs of a family's model:
+    its `config` (vocab_size, n_layers, max_seq_len, read through its family's spec), the token
+    embedding `transformer.wte` (where the model lives), and a forward over new tokens that
+    reads and extends a `KVCache` (models/mpt/cache.py)."""
+
+    config: Any
+    transformer: nn.Module
+
+    def __call__(
+        self, input_ids: torch.Tensor, sequence_id: torch.Tensor | None = ..., cache: Any = ...
+    ) -> torch.Tensor: ...
+
+    def eval(self) -> nn.Module: ...
+
+    def train(self, mode: bool = ...) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family's answers.
+
+    - `config_target`: the ``_target_`` of its conf/model nodes and of the model config a
+      checkpoint records; `config_class` / `model_class`: built from it.
+    - `parallelize`: its `ParallelPlan` (blocks to shard and recompute).
+    - `hf_model_type`: transformers' ``model_type`` in config.json; `from_hf(folder)`,
+      `export_to_hf(model, out_dir, tokenizer=, dtype=, eos_token=)`, and `check_hf(config)`
+      that refuses, before any work, what transformers' class cannot represent.
+    - `architecture`: model config keys a resume must match (the weights would not fit, or
+      would mean something else).
+    - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
+      backward ("fp32", "amp_bf16", "amp_fp16"), for the memory planner (llmfoundry/planning.py).
+    - `load_overrides`: config fields set when a checkpoint is loaded for inference (eager).
+    - `position_limit(config)`: the longest sequence decoding may reach (a learned position
+      table), None for no limit; `recurrent_memory(config)`: whether decoding keeps a
+      compressed memory instead of a key/value cache (rows cannot be padded or batched);
+      `attention_window(config)`: how far back one token's attention reaches in a forward
+      (infini-attention's segment, a sliding window), None for the whole row.
+    """
+
+    name: str
+    config_target: str
+    config_class: type
+    model_class: type[nn.Module]
+    parallelize: Callable[[Any], ParallelPlan]
+    hf_model_type: str
+    from_hf: Callable[[str | Path], nn.Module]
+    export_to_hf: Callable[..., Path]
+    check_hf: Callable[[Any], object]
+    architecture: tuple[str, ...]
+    activation_bytes: Callable[[Any, str], int]
+    load_overrides: Mapping[str, Any] = field(default_factory=dict)
+    position_limit: Callable[[Any], int | None] = lambda config: None
+    recurrent_memory: Callable[[Any], bool] = lambda config: False
+    attention_window: Callable[[Any], int | None] = lambda config: None
+
+    def build(self, config: Any, **overrides: Any) -> nn.Module:
+        """A model of this family from `config` (any field replaced by `overrides`)."""
+        return self.model_class(dataclasses.replace(config, **overrides))
+
+    def config_from(self, fields: Mapping[str, Any]) -> Any:
+        """The config object from recorded `fields` (``_target_`` dropped)."""
+        return self.config_class(**{k: v for k, v in fields.items() if k != "_target_"})
+
+    def recorded_config(self, config: Any) -> dict[str, Any]:
+        """`config` as a checkpoint records it (`config_from` reads it back)."""
+        return {"_target_": self.config_target, **dataclasses.asdict(config)}
