@@ -24,6 +24,7 @@ import transformers
 from tokenizers import Tokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from llmfoundry.models.hf_folder import save_hf_folder
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
 from llmfoundry.models.llama.model import LlamaForCausalLM
 
@@ -228,18 +229,7 @@ def export_to_hf(
     token of `tokenizer`) becomes the tokenizer's and the model's EOS.
     """
     hf_model = to_hf_model(model, dtype)
-    if isinstance(tokenizer, Tokenizer):
-        tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, eos_token=eos_token
-        )
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        hf_model.config.eos_token_id = tokenizer.eos_token_id
-        hf_model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out_dir = Path(out_dir)
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_hf_folder(hf_model, out_dir, tokenizer, eos_token)
 
 
 def from_hf(hf_dir: str | Path) -> LlamaForCausalLM:

@@ -24,6 +24,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
+from llmfoundry.models.hf_folder import save_hf_folder
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import LAYER_NORM_EPS, MPTForCausalLM
 
@@ -107,18 +108,7 @@ def export_to_hf(
         hf_model = transformers.MptForCausalLM(hf_config)
     hf_model.load_state_dict(state, strict=True, assign=True)
     hf_model.tie_weights()
-    if isinstance(tokenizer, Tokenizer):
-        tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, eos_token=eos_token
-        )
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        hf_model.config.eos_token_id = tokenizer.eos_token_id
-        hf_model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out_dir = Path(out_dir)
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_hf_folder(hf_model, out_dir, tokenizer, eos_token)
 
 
 def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
