@@ -15,16 +15,16 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import requests
+import schemathesis  # the dev extras' (a missing one fails here, never skips the fuzz)
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+
+from tests.conftest import _free_port
+from tests.serving.conftest import API_KEY
 
 pytestmark = pytest.mark.slow  # ~1k requests through the model
-schemathesis = pytest.importorskip("schemathesis")
-uvicorn = pytest.importorskip("uvicorn")
-requests = pytest.importorskip("requests")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis.errors import Unsatisfiable  # noqa: E402
-
-from tests.conftest import _free_port  # noqa: E402
-from tests.serving.conftest import API_KEY  # noqa: E402
 
 EXAMPLES = 60  # per operation and generation mode
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
