@@ -9,6 +9,7 @@ line to `llmfoundry.models.families.FAMILIES`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,9 +46,11 @@ class ModelFamily:
     - `config_target`: the ``_target_`` of its conf/model nodes and of the model config a
       checkpoint records; `config_class` / `model_class`: built from it.
     - `parallelize`: its `ParallelPlan` (blocks to shard and recompute).
-    - `hf_model_type`: transformers' ``model_type`` in config.json; `from_hf(folder)`,
-      `export_to_hf(model, out_dir, tokenizer=, dtype=, eos_token=)`, and `check_hf(config)`
-      that refuses, before any work, what transformers' class cannot represent.
+    - `hf_model_type`: transformers' ``model_type`` in config.json; `hf_adapter`: the module
+      (imported only when an HF folder is read or written, as it imports transformers) with
+      `from_hf(folder)`, `export_to_hf(model, out_dir, tokenizer=, dtype=, eos_token=)` and
+      `to_hf_config(config)`, which refuses, before any work, what transformers' class cannot
+      represent (`check_hf`).
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
     - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
@@ -66,15 +69,22 @@ class ModelFamily:
     model_class: type[nn.Module]
     parallelize: Callable[[Any], ParallelPlan]
     hf_model_type: str
-    from_hf: Callable[[str | Path], nn.Module]
-    export_to_hf: Callable[..., Path]
-    check_hf: Callable[[Any], object]
+    hf_adapter: str
     architecture: tuple[str, ...]
     activation_bytes: Callable[[Any, str], int]
     load_overrides: Mapping[str, Any] = field(default_factory=dict)
     position_limit: Callable[[Any], int | None] = lambda config: None
     recurrent_memory: Callable[[Any], bool] = lambda config: False
     attention_window: Callable[[Any], int | None] = lambda config: None
+
+    def from_hf(self, hf_dir: str | Path) -> nn.Module:
+        return importlib.import_module(self.hf_adapter).from_hf(hf_dir)
+
+    def export_to_hf(self, model: nn.Module, out_dir: str | Path, **kwargs: Any) -> Path:
+        return importlib.import_module(self.hf_adapter).export_to_hf(model, out_dir, **kwargs)
+
+    def check_hf(self, config: Any) -> None:
+        importlib.import_module(self.hf_adapter).to_hf_config(config)
 
     def build(self, config: Any, **overrides: Any) -> nn.Module:
         """A model of this family from `config` (any field replaced by `overrides`)."""

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.llama.config import LlamaConfig
 from llmfoundry.models.llama.model import LlamaForCausalLM
@@ -17,33 +14,15 @@ def parallelize_plan(model: LlamaForCausalLM) -> ParallelPlan:
     return ParallelPlan(blocks=list(model.transformer.blocks))
 
 
-# transformers is imported only when an HF folder is read or written.
-def _from_hf(hf_dir: str | Path) -> LlamaForCausalLM:
-    from llmfoundry.models.llama.hf import from_hf
-
-    return from_hf(hf_dir)
-
-
-def _export_to_hf(model: LlamaForCausalLM, out_dir: str | Path, **kwargs: Any) -> Path:
-    from llmfoundry.models.llama.hf import export_to_hf
-
-    return export_to_hf(model, out_dir, **kwargs)
-
-
-def _check_hf(config: LlamaConfig) -> object:
-    from llmfoundry.models.llama.hf import to_hf_config
-
-    return to_hf_config(config)
-
-
 def activation_bytes(config: LlamaConfig, precision: str) -> int:
     """Bytes autograd keeps per token per block (counted as MPT's, models/mpt/spec.py), with d
     = d_model, kv = n_kv_heads * head_dim, f = ffn_hidden_size. float32: block input and
     attn_norm's output (4d + 4d); the rotated queries and keys and the values, SDPA's inputs
     (4d + 8kv; RoPE's backward needs only cos/sin); the attention output and its head-merged
     copy (4d + 4d); the residual and mlp_norm's output (4d + 4d); SwiGLU's gate and up outputs,
-    silu(gate) and the product fed to down_proj (16f): 28d + 8kv + 16f. Mixed precision: the residual stream
-    stays float32 (4d + 4d), every other saved tensor is a 2-byte copy: 18d + 4kv + 8f."""
+    silu(gate) and the product fed to down_proj (16f): 28d + 8kv + 16f. Mixed precision: the
+    residual stream stays float32 (4d + 4d), every other saved tensor is a 2-byte copy:
+    18d + 4kv + 8f."""
     d, f = config.d_model, config.ffn_hidden_size
     kv = config.n_kv_heads * config.head_dim
     if precision == "fp32":
@@ -58,9 +37,7 @@ LLAMA = ModelFamily(
     model_class=LlamaForCausalLM,
     parallelize=parallelize_plan,
     hf_model_type="llama",
-    from_hf=_from_hf,
-    export_to_hf=_export_to_hf,
-    check_hf=_check_hf,
+    hf_adapter="llmfoundry.models.llama.hf",
     architecture=(
         "d_model",
         "n_heads",

@@ -2,33 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.mpt.parallelize import parallelize_plan
-
-
-# transformers is imported only when an HF folder is read or written.
-def _from_hf(hf_dir: str | Path) -> MPTForCausalLM:
-    from llmfoundry.models.mpt.hf import from_hf
-
-    return from_hf(hf_dir)
-
-
-def _export_to_hf(model: MPTForCausalLM, out_dir: str | Path, **kwargs: Any) -> Path:
-    from llmfoundry.models.mpt.hf import export_to_hf
-
-    return export_to_hf(model, out_dir, **kwargs)
-
-
-def _check_hf(config: MPTConfig) -> object:
-    from llmfoundry.models.mpt.hf import to_hf_config
-
-    return to_hf_config(config)
-
 
 # Bytes autograd keeps per token per block, in units of d_model, by precision. float32: block
 # input x and norm_1's output (4 + 4), the fused qkv (12), the attention output and its
@@ -60,9 +37,7 @@ MPT = ModelFamily(
     model_class=MPTForCausalLM,
     parallelize=parallelize_plan,
     hf_model_type="mpt",
-    from_hf=_from_hf,
-    export_to_hf=_export_to_hf,
-    check_hf=_check_hf,
+    hf_adapter="llmfoundry.models.mpt.hf",
     architecture=(
         "d_model",
         "n_heads",
