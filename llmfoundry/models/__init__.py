@@ -5,22 +5,14 @@ Names are imported on first use (`llmfoundry.utils.lazy`): the config check read
 `MPTConfig` without loading torch.
 """
 
-from typing import TYPE_CHECKING
-
 from llmfoundry.utils.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-    from llmfoundry.models.plan import ParallelPlan
-    from llmfoundry.models.plans import parallel_plan
-
-__all__ = ["MPTConfig", "MPTForCausalLM", "ParallelPlan", "parallel_plan"]
-__getattr__, __dir__ = lazy_exports(
+__getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        "MPTConfig": ".mpt.config",
-        "MPTForCausalLM": ".mpt.model",
-        "ParallelPlan": ".plan",
-        "parallel_plan": ".plans",
+        ".mpt.config": ("MPTConfig",),
+        ".mpt.model": ("MPTForCausalLM",),
+        ".plan": ("ParallelPlan",),
+        ".plans": ("parallel_plan",),
     },
 )

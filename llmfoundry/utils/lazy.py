@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["lazy_exports"]
 
 
 def lazy_exports(
-    package: str, exports: Mapping[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for `package`, whose names ``exports`` maps to the submodule
-    (relative, e.g. ``".engine"``) that defines each; a name is imported once, then cached."""
+    package: str, modules: Mapping[str, Sequence[str]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """``(__getattr__, __dir__, __all__)`` for `package`, whose names ``modules`` lists by the
+    submodule (relative, e.g. ``".engine"``) that defines them; a name is imported once, then
+    cached."""
+    exports = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
@@ -35,4 +37,4 @@ def lazy_exports(
     def __dir__() -> list[str]:
         return sorted({*vars(sys.modules[package]), *exports})
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(exports)
