@@ -54,6 +54,9 @@ from hydra.utils import instantiate
 from llmfoundry.build import build_trainer
 from llmfoundry.callbacks.peak_flops import device_peak_flops, measure_cpu_peak_flops
 from llmfoundry.config.preflight import compose_config
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.precision import Precision
+from llmfoundry.core.state import State
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.hf import to_hf_config
@@ -61,9 +64,6 @@ from llmfoundry.models.mpt.kernels import check_attn_impl
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.planning import Setup, largest_microbatch
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.precision import Precision
-from llmfoundry.trainer.state import State
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 LR, CLIP = 1e-3, 1.0

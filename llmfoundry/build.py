@@ -17,13 +17,13 @@ from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_damage, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import validate_config
+from llmfoundry.core.metrics import LanguageMetrics
 from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
 from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
-from llmfoundry.trainer.metrics import LanguageMetrics
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 

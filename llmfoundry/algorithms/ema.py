@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, Timestamp, TimeString, TimeUnit
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeString, TimeUnit
 
 
 class EMA(Algorithm):

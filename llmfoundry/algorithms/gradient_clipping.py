@@ -6,10 +6,10 @@ from typing import Literal
 
 import torch
 
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import DeviceScalar
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.metrics import DeviceScalar
+from llmfoundry.core.state import State
 
 
 class GradientClipping(Algorithm):

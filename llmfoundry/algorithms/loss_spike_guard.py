@@ -14,9 +14,9 @@ import statistics
 from collections import deque
 from typing import Any
 
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.state import State
 
 log = logging.getLogger(__name__)
 

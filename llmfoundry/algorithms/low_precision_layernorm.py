@@ -16,11 +16,11 @@ import warnings
 import torch
 from torch import nn
 
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.state import State
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.mpt.model import LayerNorm
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.state import State
 
 
 def to_low_precision(module: nn.LayerNorm) -> LayerNorm:

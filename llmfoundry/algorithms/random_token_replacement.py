@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.state import State
 
 
 class RandomTokenReplacement(Algorithm):

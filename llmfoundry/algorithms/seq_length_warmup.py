@@ -13,10 +13,10 @@ intervals) takes more batches, and a warmup `duration` in tokens counts trained 
 
 from __future__ import annotations
 
-from llmfoundry.trainer.engine import Algorithm, Logger
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, TimeString
+from llmfoundry.core.engine import Algorithm, Logger
+from llmfoundry.core.events import Event
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, TimeString
 
 
 class SeqLengthWarmup(Algorithm):

@@ -33,9 +33,9 @@ from llmfoundry.checkpoint import (
     prune,
     save_checkpoint,
 )
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, Timestamp, TimeUnit
 
 log = logging.getLogger(__name__)
 

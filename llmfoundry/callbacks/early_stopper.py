@@ -17,9 +17,9 @@ import logging
 import math
 from typing import Any, Literal
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeString
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 

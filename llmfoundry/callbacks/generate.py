@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
 from llmfoundry.utils.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.eval.icl import evaluate_tasks, load_task
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
 
 
 class ICLEval(Callback):

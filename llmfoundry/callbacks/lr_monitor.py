@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 
 
 class LRMonitor(Callback):

@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 
 _GIB = 1024**3
 

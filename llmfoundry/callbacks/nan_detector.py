@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 
 
 class NaNDetector(Callback):

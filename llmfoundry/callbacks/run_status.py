@@ -29,9 +29,9 @@ import sys
 import time
 from typing import Any
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import TimeUnit
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import TimeUnit
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import is_local, local_path, open_url, url_to_fs

@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 from time import perf_counter
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 
 log = logging.getLogger(__name__)
 

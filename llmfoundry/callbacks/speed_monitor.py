@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 
 from llmfoundry.callbacks.peak_flops import device_peak_flops
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from llmfoundry.trainer.engine import Callback, Logger
-from llmfoundry.trainer.state import State
+from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.state import State
 
 
 class TokenIdCheck(Callback):

@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from llmfoundry.checkpoint.io import probe_writable
 from llmfoundry.checkpoint.manifest import CheckpointError
-from llmfoundry.trainer.engine import Callback
+from llmfoundry.core.engine import Callback
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 

@@ -63,8 +63,8 @@ from llmfoundry.utils.files import join_url
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
-    from llmfoundry.trainer.engine import Logger
-    from llmfoundry.trainer.state import State
+    from llmfoundry.core.engine import Logger
+    from llmfoundry.core.state import State
 
 FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors

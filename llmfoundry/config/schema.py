@@ -50,7 +50,7 @@ def check_keys(path: str, given: list[str], allowed: list[str]) -> None:
 
 def check_type(key: str, value: Any, annotation: Any) -> None:
     """The value has the annotated type, and passes the checks an ``Annotated`` type carries
-    (e.g. `llmfoundry.trainer.time.TimeString` parses the time string)."""
+    (e.g. `llmfoundry.core.time.TimeString` parses the time string)."""
     if not _matches(value, annotation):
         raise ConfigError(
             key, f"expected {_describe(annotation)}, got {value!r} ({type(value).__name__})"

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmfoundry.checkpoint import check_ignore_keys
-from llmfoundry.trainer.time import Time, TimeUnit
+from llmfoundry.core.time import Time, TimeUnit
 from llmfoundry.utils.storage import parse_settings
 
 # Config groups under conf/, each selected in train.yaml's defaults list.

@@ -29,7 +29,7 @@ from llmfoundry.checkpoint.dcp_reader import load_shards_state
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
-    from llmfoundry.trainer.precision import Precision
+    from llmfoundry.core.precision import Precision
 
 # Whole tensors on the CPU: what full (single-file) checkpoints hold. With a sharded model,
 # torch gathers them on rank 0 only; the other ranks get an empty dict.

@@ -17,8 +17,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from llmfoundry.callbacks.run_status import read_status
+from llmfoundry.core.state import State
 from llmfoundry.loggers.plot import Series, read_metrics
-from llmfoundry.trainer.state import State
 
 
 def objective(state: State) -> float:

@@ -1,6 +1,6 @@
 """Destinations that write metrics in batches, so the training loss stays on the device.
 
-The trainer logs each batch's loss as a `DeviceScalar` (llmfoundry/trainer/metrics.py): reading it
+The trainer logs each batch's loss as a `DeviceScalar` (llmfoundry/core/metrics.py): reading it
 on the host waits for the device to finish the work queued before it. A destination that wrote
 every call would force that wait every batch; these keep the records and write them every
 `flush_interval`, at each evaluation's end, at the end of training, at close (also after an
@@ -14,10 +14,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
-from llmfoundry.trainer.metrics import read_all
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeString
+from llmfoundry.core.engine import Logger, LoggerDestination
+from llmfoundry.core.metrics import read_all
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, Timestamp, TimeString
 
 
 class BufferedDestination(LoggerDestination):

@@ -9,9 +9,9 @@ import copy
 import logging
 from typing import Any
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, Timestamp, TimeString
+from llmfoundry.core.engine import Logger, LoggerDestination
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, Timestamp, TimeString
 
 log = logging.getLogger(__name__)
 

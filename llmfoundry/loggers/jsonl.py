@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from llmfoundry.core.engine import Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import TimeString
 from llmfoundry.loggers.buffered import BufferedDestination
-from llmfoundry.trainer.engine import Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_secrets
 
 

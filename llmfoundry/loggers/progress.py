@@ -14,9 +14,9 @@ from time import perf_counter
 
 from tqdm import tqdm
 
-from llmfoundry.trainer.engine import Logger, LoggerDestination
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import TimeUnit
+from llmfoundry.core.engine import Logger, LoggerDestination
+from llmfoundry.core.state import State
+from llmfoundry.core.time import TimeUnit
 
 # Seconds between reads of the loss for a terminal's bar (tqdm redraws up to 10 times a second).
 _LOSS_REFRESH_S = 1.0

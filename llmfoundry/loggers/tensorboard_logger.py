@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmfoundry.core.engine import Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import TimeString
 from llmfoundry.loggers.buffered import BufferedDestination
-from llmfoundry.trainer.engine import Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_secrets
 
 

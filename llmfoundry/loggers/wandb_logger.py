@@ -12,10 +12,10 @@ import os
 import sys
 from typing import Any
 
+from llmfoundry.core.engine import Logger
+from llmfoundry.core.state import State
+from llmfoundry.core.time import TimeString
 from llmfoundry.loggers.buffered import BufferedDestination
-from llmfoundry.trainer.engine import Logger
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import TimeString
 from llmfoundry.utils.secrets import redact_argv, redact_secrets
 
 

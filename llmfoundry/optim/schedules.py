@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, TimeString
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, TimeString
 
 
 class WarmupSchedule:

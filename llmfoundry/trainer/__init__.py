@@ -1,7 +1,9 @@
-"""The event-driven trainer: events, time, state, engine and the fit loop.
+"""The training loop (`Trainer`), with the vocabulary a user's plug-in needs beside it.
 
-Names are imported on first use (`llmfoundry.utils.lazy`): ``llmfoundry.trainer.time`` stays
-free of torch for the config check.
+The vocabulary itself lives in `llmfoundry.core`; it is re-exported here so that a user's
+``from llmfoundry.trainer import Callback, Event, State, Trainer`` is one line. Code inside the
+package imports it from `llmfoundry.core`. Names are imported on first use
+(`llmfoundry.utils.lazy`).
 """
 
 from llmfoundry.utils.lazy import lazy_exports
@@ -9,11 +11,17 @@ from llmfoundry.utils.lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        ".engine": ("Algorithm", "Callback", "Engine", "Logger", "LoggerDestination"),
-        ".events": ("Event",),
-        ".model": ("EvalSet",),
-        ".state": ("State",),
-        ".time": ("Time", "Timestamp", "TimeUnit"),
+        "llmfoundry.core.engine": (
+            "Algorithm",
+            "Callback",
+            "Engine",
+            "Logger",
+            "LoggerDestination",
+        ),
+        "llmfoundry.core.events": ("Event",),
+        "llmfoundry.core.model": ("EvalSet",),
+        "llmfoundry.core.state": ("State",),
+        "llmfoundry.core.time": ("Time", "Timestamp", "TimeUnit"),
         ".trainer": ("Trainer",),
     },
 )

@@ -1,7 +1,7 @@
 """The fit loop. It names its events and leaves every optional feature to algorithms and callbacks.
 
 Reading order: `fit` (epochs and batches), `_train_batch` (microbatches, backward, optimizer
-step), `evaluate` (each eval set). Where each event fires is listed in `events.md`.
+step), `evaluate` (each eval set). Where each event fires is listed in `llmfoundry/core/events.md`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from llmfoundry.checkpoint import Preemption, load_checkpoint
+from llmfoundry.core.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
+from llmfoundry.core.events import Event
+from llmfoundry.core.metrics import SAMPLE_MASK, DeviceScalar, loss_token_count
+from llmfoundry.core.model import EvalSet, eval_set, loss_fn, metrics_factory
+from llmfoundry.core.precision import Precision
+from llmfoundry.core.state import State
+from llmfoundry.core.time import Time, TimeUnit
 from llmfoundry.distributed import OutOfMemoryElsewhere, SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
-from llmfoundry.trainer.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import SAMPLE_MASK, DeviceScalar, loss_token_count
-from llmfoundry.trainer.model import EvalSet, eval_set, loss_fn, metrics_factory
-from llmfoundry.trainer.precision import Precision
-from llmfoundry.trainer.state import State
-from llmfoundry.trainer.time import Time, TimeUnit
 from llmfoundry.utils.host_memory import reuse_freed_host_memory
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ Schedule = Callable[[State], float]
 
 class Trainer:
     """Trains `model` on batches of ``{"input_ids", "labels"}``: ``outputs = model(batch)``,
-    then ``model.loss(outputs, batch)`` (the contract: `llmfoundry.trainer.model`).
+    then ``model.loss(outputs, batch)`` (the contract: `llmfoundry.core.model`).
 
     Each value of `eval_dataloaders` is a loader, scored by the model's metrics (default
     `LanguageMetrics`), or an `EvalSet` carrying its own.

@@ -1,8 +1,8 @@
 """Package namespaces whose names are imported on first use (PEP 562 ``__getattr__``).
 
 A package ``__init__`` that imports its submodules eagerly makes every light submodule as heavy
-as the heaviest: ``llmfoundry.trainer.time`` (Time strings, needed to check a config) would load
-torch through ``llmfoundry.trainer.engine``. The packages on the config check's path
+as the heaviest: ``llmfoundry.core.time`` (Time strings, needed to check a config) would load
+torch through ``llmfoundry.core.engine``. The packages on the config check's path
 (`llmfoundry.config`) export their names lazily instead, so a config error is reported before
 torch is imported (scripts/train.py answers it in about a second); ``from package import Name``
 works as before and imports only the submodule that defines ``Name``.

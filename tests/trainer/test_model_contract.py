@@ -1,4 +1,4 @@
-"""The trainer's model contract (llmfoundry/trainer/model.py): forward(batch), loss(outputs,
+"""The trainer's model contract (llmfoundry/core/model.py): forward(batch), loss(outputs,
 batch), eval_metrics(device); eval sets may bring their own metrics."""
 
 import functools

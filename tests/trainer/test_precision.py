@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from llmfoundry.core.precision import Precision
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.trainer import Callback, Trainer
-from llmfoundry.trainer.precision import Precision
 
 from .conftest import tiny_model, token_batches
 

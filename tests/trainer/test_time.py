@@ -1,6 +1,6 @@
 import pytest
 
-from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
+from llmfoundry.core.time import Time, Timestamp, TimeUnit
 
 
 @pytest.mark.parametrize(

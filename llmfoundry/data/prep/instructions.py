@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
+from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
-from llmfoundry.trainer.metrics import IGNORE_INDEX
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.jsonl import MAX_LINE_BYTES, read_jsonl

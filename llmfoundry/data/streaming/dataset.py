@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from llmfoundry.core.metrics import SAMPLE_MASK
 from llmfoundry.data.mds import is_hash
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.checks import check_int
@@ -40,7 +41,6 @@ from llmfoundry.data.streaming.reader_pool import ShardReaderPool
 from llmfoundry.data.streaming.sampling import EpochOrder, stream_counts
 from llmfoundry.data.streaming.stream import Stream
 from llmfoundry.data.streaming.world import World, _env_int
-from llmfoundry.trainer.metrics import SAMPLE_MASK
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from llmfoundry.core.metrics import SAMPLE_MASK  # the key the eval metrics read
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.sampling import RankPlan
 from llmfoundry.data.streaming.world import World
-from llmfoundry.trainer.metrics import SAMPLE_MASK  # the key the eval metrics read
 from llmfoundry.utils.errors import UserError
 
 __all__ = ["EpochDataset"]

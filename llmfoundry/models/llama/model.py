@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         The arguments are `MPTForCausalLM.forward`'s: `sequence_id` [batch, seq] marks packed
         documents (each attends only within itself, and its positions start at 0); a `cache`
         (`llmfoundry.models.mpt.cache.KVCache`) holds the earlier tokens' keys and values;
-        `input_ids` may be the trainer's whole batch (`llmfoundry.trainer.model`).
+        `input_ids` may be the trainer's whole batch (`llmfoundry.core.model`).
         """
         if isinstance(input_ids, Mapping):
             if sequence_id is not None or cache is not None:

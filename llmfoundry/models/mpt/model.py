@@ -286,7 +286,7 @@ class MPTForCausalLM(nn.Module):
         is extended with them (decoding; `llmfoundry.models.mpt.generation`).
 
         `input_ids` may instead be a whole batch, the trainer's ``model(batch)``
-        (`llmfoundry.trainer.model`): its ``input_ids`` and ``sequence_id`` (if any) are used.
+        (`llmfoundry.core.model`): its ``input_ids`` and ``sequence_id`` (if any) are used.
         """
         if isinstance(input_ids, Mapping):
             if sequence_id is not None or cache is not None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from llmfoundry.trainer.metrics import DeviceScalar
-from llmfoundry.trainer.precision import Precision
-from llmfoundry.trainer.time import Time, Timestamp, TimeUnit
+from llmfoundry.core.metrics import DeviceScalar
+from llmfoundry.core.precision import Precision
+from llmfoundry.core.time import Time, Timestamp, TimeUnit
 
 
 @dataclass

@@ -16,9 +16,9 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from llmfoundry.trainer.events import Event
-from llmfoundry.trainer.metrics import DeviceScalar
-from llmfoundry.trainer.state import State
+from llmfoundry.core.events import Event
+from llmfoundry.core.metrics import DeviceScalar
+from llmfoundry.core.state import State
 
 
 class Algorithm:
@@ -123,7 +123,7 @@ def check_event_methods(callback: Callback) -> None:
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ValueError(
                 f"{type(callback).__name__}.{name}(state, logger) matches no event and would "
-                f"never be called; {hint}events are listed in llmfoundry/trainer/events.md "
+                f"never be called; {hint}events are listed in llmfoundry/core/events.md "
                 "(rename it, or make it private with a leading underscore)"
             )
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llmfoundry.trainer.metrics import LanguageMetrics
+from llmfoundry.core.metrics import LanguageMetrics
 from llmfoundry.utils.errors import UserError
 
 Batch = Mapping[str, torch.Tensor]
@@ -64,7 +64,7 @@ def loss_fn(model: torch.nn.Module) -> Callable[[Any, Batch], torch.Tensor]:
     if not callable(loss):
         raise UserError(
             f"{type(model).__name__} has no loss(outputs, batch) method, which the trainer "
-            "calls after forward(batch); add one (see llmfoundry/trainer/model.py)"
+            "calls after forward(batch); add one (see llmfoundry/core/model.py)"
         )
     return loss
 
