@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -57,14 +57,12 @@ from llmfoundry.checkpoint.sharded import (
     split_shards,
     write_shards,
 )
+from llmfoundry.core.engine import Logger
+from llmfoundry.core.state import State
 from llmfoundry.rng import rng_state
 from llmfoundry.utils.files import join_url
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
-    from llmfoundry.core.engine import Logger
-    from llmfoundry.core.state import State
 
 FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,10 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.checkpoint.dcp_reader import load_shards_state
+from llmfoundry.core.precision import Precision
 from llmfoundry.utils.errors import UserError
-
-if TYPE_CHECKING:  # the trainer imports this package, so only for annotations
-    from llmfoundry.core.precision import Precision
 
 # Whole tensors on the CPU: what full (single-file) checkpoints hold. With a sharded model,
 # torch gathers them on rank 0 only; the other ranks get an empty dict.
