@@ -99,12 +99,19 @@ def _shot(task: Task, example: dict[str, Any]) -> str:
     return f"Q: {example['question']}\nA: {example['answer'][0]}{SEPARATOR}"
 
 
-def _prefix(task: Task, index: int, shots: int, seed: int) -> str:
-    others = [i for i in range(len(task.examples)) if i != index]
-    if shots > len(others):
+def _check_shots(task: Task, shots: int) -> None:
+    """Each query's shots are other examples of its task, so a task needs `shots` + 1 of them."""
+    if shots >= len(task.examples):
         raise ValueError(
-            f"task {task.name} has {len(task.examples)} examples, too few for {shots} shots"
+            f"task {task.name} has {len(task.examples)} examples, too few for {shots} shots "
+            f"(each query's shots are other examples of its task); use --shots "
+            f"{len(task.examples) - 1} or fewer, or add examples"
         )
+
+
+def _prefix(task: Task, index: int, shots: int, seed: int) -> str:
+    _check_shots(task, shots)
+    others = [i for i in range(len(task.examples)) if i != index]
     chosen = random.Random(f"{seed}:{task.name}:{index}").sample(others, shots)
     return "".join(_shot(task, task.examples[i]) for i in chosen)
 
@@ -184,6 +191,8 @@ def evaluate_tasks(
             f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )
+    for task in tasks:  # before scoring any: a short task would otherwise fail after the others
+        _check_shots(task, shots)
     logits_fn = logits_fn or model
     was_training = model.training
     model.eval()

@@ -78,6 +78,24 @@ def test_shots_are_seeded_per_example_and_never_the_query(tmp_path):
         _prefix(task, 0, 5, 1)
 
 
+def test_a_task_too_short_for_the_shots_is_refused_before_any_is_scored(tmp_path):
+    long = load_task(
+        write(tmp_path / "long.jsonl", [{"context": w, "continuation": " e"} for w in WORDS])
+    )
+    short = load_task(write(tmp_path / "short.jsonl", [{"context": "a", "continuation": " b"}] * 2))
+    calls = []
+
+    def logits_fn(ids):
+        calls.append(ids)
+        return torch.zeros(*ids.shape, len(WORDS))
+
+    with pytest.raises(
+        ValueError, match="short has 2 examples, too few for 3 shots.*--shots 1 or fewer"
+    ):
+        evaluate_tasks(tiny_model(), word_tokenizer(), [long, short], 3, logits_fn=logits_fn)
+    assert calls == []
+
+
 def tiny_model() -> MPTForCausalLM:
     torch.manual_seed(0)
     return MPTForCausalLM(
