@@ -1,8 +1,8 @@
 """List runs and follow their logs, from their status files (local folders or fsspec URLs).
 
     python scripts/runs.py                      # every run under outputs/
-    python scripts/runs.py s3://bucket/runs     # or under a URL
-    python scripts/runs.py s3://bucket/runs --storage '{options: {endpoint_url: http://localhost:9000}}'
+    python scripts/runs.py s3://bucket/outputs  # or under a URL (the runs' outputs=)
+    python scripts/runs.py s3://bucket/outputs --storage '{options: {endpoint_url: http://localhost:9000}}'
     python scripts/runs.py logs NAME -f         # print a run's log and follow it while it runs
 
 Each run's checkpoints are read with the storage settings the run saved (its config's storage:
@@ -16,7 +16,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfoundry.launch.monitor import STALE_S, find_run, find_runs, follow, log_file, table
+from llmfoundry.launch.monitor import (
+    STALE_S,
+    find_run,
+    find_runs,
+    follow,
+    log_file,
+    save_folders_without_runs,
+    table,
+)
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 
@@ -44,8 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        print(table(runs) if runs else f"no runs under {args.root}")
+        print(table(runs) if runs else no_runs(args.root))
     return 0
+
+
+def no_runs(root: str) -> str:
+    """What to say when `root` holds no run: a root of save folders is a common mistake."""
+    folders = save_folders_without_runs(root)
+    if not folders:
+        return f"no runs under {root}"
+    return (
+        f"no runs under {root}, but checkpoints in {', '.join(folders[:3])}"
+        f"{' ...' if len(folders) > 3 else ''}: a save folder holds checkpoints only; list the "
+        "runs' outputs folder instead (outputs/ by default, or the URL the run's outputs= named)"
+    )
 
 
 def logs(args: argparse.Namespace) -> int:

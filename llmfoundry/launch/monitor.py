@@ -67,6 +67,16 @@ def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> 
     return sorted(runs, key=lambda r: -(r.updated or 0))
 
 
+def save_folders_without_runs(root: str) -> list[str]:
+    """Save folders (a ``latest`` file) up to two levels below `root`: checkpoints of runs whose
+    run folder, with its status, is elsewhere (``save_folder=s3://...`` beside local outputs)."""
+    fs, path = url_to_fs(root)
+    protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
+    base = path.rstrip("/")
+    found = fs.glob(f"{base}/*/latest") + fs.glob(f"{base}/*/*/latest")
+    return sorted(protocol + f.rsplit("/", 1)[0] for f in found)
+
+
 def saved_storage(folder: str) -> dict[str, Any] | None:
     """The ``storage:`` block of the run's saved config (resolved), or None without one."""
     try:

@@ -271,3 +271,15 @@ def test_a_bad_storage_setting_is_one_line_and_exit_2(tmp_path, capsys):
         _runs_script()([str(tmp_path), "--storage", "{options: ["])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith("error: --storage '{options: [': not a YAML/JSON")
+
+
+def test_a_root_of_save_folders_says_where_the_runs_are(tmp_path, capsys):
+    """`runs.py <the save folders' URL>` names the checkpoints it found instead of only 'no runs'."""
+    (tmp_path / "runs/mine/ep0-ba2").mkdir(parents=True)
+    (tmp_path / "runs/mine/latest").write_text("ep0-ba2")
+    assert _runs_script()([str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints in {tmp_path / 'runs/mine'}" in out and "outputs folder" in out
+    (tmp_path / "empty").mkdir()
+    assert _runs_script()([str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out.strip() == f"no runs under {tmp_path / 'empty'}"
