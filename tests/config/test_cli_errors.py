@@ -47,7 +47,7 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 def test_missing_data_folder(tmp_path):
     line = one_line_error(train(tmp_path, f"data.remote={tmp_path / 'nowhere'}"))
     assert line.startswith(f"error: data folder {tmp_path / 'nowhere'} does not exist") and (
-        "To fix" in line
+        "To fix" in line and "`make demo` writes the default config's data/demo/mds" in line
     )
     # The run never started: no run folder for `make plot` to pick as the latest run.
     assert not (tmp_path / "outputs" / "failing").exists()

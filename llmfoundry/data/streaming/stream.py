@@ -38,7 +38,8 @@ __all__ = ["Stream", "default_cache_dir"]
 log = logging.getLogger(__name__)
 
 _HOW_TO_MAKE = (
-    "write MDS shards there first with the data_prep/ scripts (text -> tokens -> MDS), "
+    "write MDS shards there first with the data_prep/ scripts (text -> tokens -> MDS; "
+    "`make demo` writes the default config's data/demo/mds), "
     "or point remote (data.remote in a training config) at an existing MDS folder"
 )
 
