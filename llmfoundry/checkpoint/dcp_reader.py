@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -203,7 +204,10 @@ def load_shards_state(
     reader = reader or shard_reader(folder)
     reader.read_metadata()
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # asked for: torch's "assuming ... a single process" tells the user nothing
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as err:
         for failure in err.failures.values():
             cause = failure[0]  # (exception, traceback)

@@ -162,3 +162,19 @@ def test_metadata_that_does_not_parse_is_named_as_damaged_not_as_a_payload(genui
     ) as err:
         load_pretrained(str(checkpoint))
     assert "could run code" not in str(err.value) and "load an earlier checkpoint" in str(err.value)
+
+
+def test_reading_shards_in_one_process_warns_nothing(tmp_path):
+    """convert_checkpoint.py and export read a sharded checkpoint without a process group on
+    purpose: torch's 'assuming ... a single process' warning must not reach the user."""
+    import warnings
+
+    from llmfoundry.checkpoint.sharded import full_model_state
+
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": weights}, checkpoint_id=str(tmp_path), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(full_model_state(str(tmp_path))["w"], weights["w"])
