@@ -20,7 +20,6 @@ parameter; only one parameter is ever whole at a time.
 
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -36,9 +35,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
+from llmfoundry.distributed.parallelize import _checkpointing, checkpoint_blocks
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -48,14 +47,6 @@ _MIXED_PRECISION = {
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
-# What selective activation checkpointing keeps: matrix multiplies' outputs (linear layers
-# dispatch to these); everything else in a block is recomputed in backward.
-_SAVED_BY_SELECTIVE = (
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-)
 # In-place random initializers (what torch.nn.init calls) that must see the whole tensor.
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,
@@ -202,35 +193,6 @@ class FSDP(ProcessGroupStrategy):
         flag = torch.zeros(1, device=self.device)
         if self.all_reduce_sum(flag).item() > 0:
             raise OutOfMemoryElsewhere("out of memory on another rank (agreed at a collective)")
-
-
-def checkpoint_blocks(blocks: list[torch.nn.Module], every: int, selective: bool) -> None:
-    """Recompute the activations of every `every`-th block in backward (0: none) instead of
-    keeping them. `selective` keeps the outputs of the matrix multiplies (the ops that cost
-    the flops) and recomputes the rest (norms, activations, attention softmax inputs), which
-    cuts most of a block's activation memory for a few percent more compute."""
-    options: dict[str, Any] = {"use_reentrant": False}
-    if selective:
-        options["context_fn"] = functools.partial(
-            create_selective_checkpoint_contexts, list(_SAVED_BY_SELECTIVE)
-        )
-    for index, block in enumerate(blocks):
-        if every and index % every == 0:
-            block.forward = functools.partial(checkpoint, block.forward, **options)
-
-
-def _checkpointing(value: str | int) -> tuple[int, bool]:
-    """(every k-th block, selective) of an `activation_checkpointing` setting."""
-    if value == "none":
-        return 0, False
-    if value in ("full", "selective"):
-        return 1, value == "selective"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value, False
-    raise UserError(
-        f"strategy.activation_checkpointing={value!r}: use 'none', 'full', 'selective' or a "
-        "positive integer k (every k-th block)"
-    )
 
 
 @contextmanager

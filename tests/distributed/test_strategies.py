@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmfoundry.build import per_rank_batch
 from llmfoundry.data.streaming import World
 from llmfoundry.distributed import FSDP
-from llmfoundry.distributed.fsdp import checkpoint_blocks
+from llmfoundry.distributed.parallelize import checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
 
