@@ -7,7 +7,8 @@ keeps the averaged gradient of its own shard, and its optimizer steps only that 
 blocks come from the model's parallelization plan (llmfoundry/models/plan.py); the root module
 (embeddings, final norm) is sharded last.
 
-Hybrid sharding (`replicate=R`): a 2-D device mesh of R replicas of world_size/R ranks each;
+Hybrid sharding (`replicate=R`): a 2-D device mesh (llmfoundry/distributed/mesh.py:
+dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
@@ -25,19 +26,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    fully_shard,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
-from llmfoundry.distributed.parallelize import _checkpointing, checkpoint_blocks
+from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.parallelize import _checkpointing, apply_ac, apply_fsdp
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -108,44 +108,34 @@ class FSDP(ProcessGroupStrategy):
             raise UserError(
                 f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
             )
-        self.checkpoint_every, self.selective = _checkpointing(activation_checkpointing)
+        _checkpointing(activation_checkpointing)  # refused here, before any process waits
+        self.activation_checkpointing = activation_checkpointing
         self.replicate = replicate
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.mesh: DeviceMesh | None = None
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
 
     def setup(self) -> None:
         super().setup()
-        shard = self.world_size // self.replicate
-        if self.replicate > 1:
-            self.mesh = init_device_mesh(
-                self.device.type, (self.replicate, shard), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            self.mesh = init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
         if self.async_save:  # (see Strategy.save_group)
             self.save_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         plan = parallel_plan(model)
-        checkpoint_blocks(plan.blocks, self.checkpoint_every, self.selective)
+        apply_ac(plan.blocks, self.activation_checkpointing)
         options: dict[str, Any] = {
-            "mesh": self.mesh,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": _MIXED_PRECISION[self.mixed_precision],
             "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        for block in plan.blocks:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-        self._units = [*plan.blocks, model]
+        self._units = apply_fsdp(model, plan.blocks, self.mesh.dp_mesh, **options)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
             with self.rank0_generator(), _WholeTensorInit():

@@ -1,11 +1,24 @@
-"""Applying parallelism to a model from outside: activation checkpointing (more to follow)."""
+"""Parallelism applied to a model from outside, one function per technique, as torchtitan does.
+
+A strategy's `prepare` calls them in this order on the blocks of the model family's plan
+(llmfoundry/models/plan.py): `apply_ac` (activation checkpointing wraps each block's forward),
+`apply_compile` (compiles each block, its checkpointing inside), then `apply_fsdp` or
+`apply_ddp` over the data-parallel part of the mesh (llmfoundry/distributed/mesh.py). The
+model code knows nothing of any of them. DeepSpeed is the exception: its engine wraps the
+model itself (llmfoundry/distributed/deepspeed.py).
+"""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from llmfoundry.utils.errors import UserError
@@ -18,6 +31,62 @@ _SAVED_BY_SELECTIVE = (
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
 )
+
+
+# No buffer sync inside forward (see apply_ddp); newer torch names it forward_sync_buffers.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def apply_ac(blocks: list[torch.nn.Module], setting: str | int) -> None:
+    """Activation checkpointing of `blocks` by an `activation_checkpointing` setting: "none",
+    "full" (every block), an integer k (every k-th block: 0, k, 2k, ...) or "selective"
+    (every block, keeping its matrix multiplies' outputs: `checkpoint_blocks`)."""
+    every, selective = _checkpointing(setting)
+    checkpoint_blocks(blocks, every, selective)
+
+
+def apply_compile(blocks: list[torch.nn.Module]) -> None:
+    """Compile each block with torch.compile. Per block: each compiles once and is reused by
+    every block of the same shape; `Module.compile` keeps parameter names, so checkpoints do
+    not change."""
+    for block in blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], mesh: DeviceMesh, **options: Any
+) -> list[torch.nn.Module]:
+    """Shard each block as one unit, then the root (what remains: embeddings, final norm),
+    over `mesh`: one axis shards, two axes replicate across the first and shard within the
+    second (hybrid). `options`: fully_shard's (reshard_after_forward, mp_policy,
+    offload_policy). Returns the sharded units, blocks first."""
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return [*blocks, model]
+
+
+def apply_ddp(
+    model: torch.nn.Module,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    find_unused_parameters: bool = False,
+) -> DistributedDataParallel:
+    """DistributedDataParallel over `group` (None: every process); it copies the group's first
+    rank's weights to the others. Buffers are not synced on every forward: the models here hold
+    only constant buffers, and a forward with no collective inside means an out-of-memory error
+    on one rank cannot leave another waiting mid-forward."""
+    return DistributedDataParallel(
+        model,
+        process_group=group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        **_NO_FORWARD_BUFFER_SYNC,
+        find_unused_parameters=find_unused_parameters,
+    )
 
 
 def checkpoint_blocks(blocks: list[torch.nn.Module], every: int, selective: bool) -> None:
