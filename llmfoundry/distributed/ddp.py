@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.mesh import ParallelDims
-from llmfoundry.distributed.parallelize import apply_ddp
+from llmfoundry.distributed.parallelize import apply_ddp, apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 
 
@@ -43,6 +43,7 @@ class DDP(ProcessGroupStrategy):
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Materialize on this rank's device and replicate over the data-parallel group."""
+        apply_plan(model)
         model = materialize(model, self.device)
         return apply_ddp(model, self.dp_group, self.device, self.find_unused_parameters)
 

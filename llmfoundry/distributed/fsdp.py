@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.mesh import ParallelDims
-from llmfoundry.distributed.parallelize import _checkpointing, apply_ac, apply_fsdp
+from llmfoundry.distributed.parallelize import _checkpointing, apply_fsdp, apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -126,8 +126,8 @@ class FSDP(ProcessGroupStrategy):
             self.save_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        plan = parallel_plan(model)
-        apply_ac(plan.blocks, self.activation_checkpointing)
+        # A model of no family has no blocks to shard: parallel_plan refuses it, naming those that do.
+        plan = apply_plan(model, self.activation_checkpointing) or parallel_plan(model)
         options: dict[str, Any] = {
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": _MIXED_PRECISION[self.mixed_precision],

@@ -1,11 +1,11 @@
 """Parallelism applied to a model from outside, one function per technique, as torchtitan does.
 
 A strategy's `prepare` calls them in this order on the blocks of the model family's plan
-(llmfoundry/models/plan.py): `apply_ac` (activation checkpointing wraps each block's forward),
-`apply_compile` (compiles each block, its checkpointing inside), then `apply_fsdp` or
-`apply_ddp` over the data-parallel part of the mesh (llmfoundry/distributed/mesh.py). The
-model code knows nothing of any of them. DeepSpeed is the exception: its engine wraps the
-model itself (llmfoundry/distributed/deepspeed.py).
+(llmfoundry/models/plan.py): `apply_ac` (activation checkpointing wraps each block's forward)
+and `apply_compile` (compiles each block, its checkpointing inside), both through `apply_plan`,
+then `apply_fsdp` or `apply_ddp` over the data-parallel part of the mesh
+(llmfoundry/distributed/mesh.py). The model code knows nothing of any of them. DeepSpeed is the
+exception: its engine wraps the model itself (llmfoundry/distributed/deepspeed.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from llmfoundry.models import find_plan, parallel_plan
+from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
 # What selective activation checkpointing keeps: matrix multiplies' outputs (linear layers
@@ -39,6 +41,21 @@ _NO_FORWARD_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else {"broadcast_buffers": False}
 )
+
+
+def apply_plan(
+    model: torch.nn.Module, activation_checkpointing: str | int = "none"
+) -> ParallelPlan | None:
+    """What every strategy applies first, in order, to the blocks of the model family's plan:
+    activation checkpointing, then compile (when the plan asks). Returns the plan, or None for
+    a model of no family (nothing to apply; checkpointing one is refused: no blocks known)."""
+    plan = find_plan(model) if activation_checkpointing == "none" else parallel_plan(model)
+    if plan is None:
+        return None
+    apply_ac(plan.blocks, activation_checkpointing)
+    if plan.compile:
+        apply_compile(plan.blocks)
+    return plan
 
 
 def apply_ac(blocks: list[torch.nn.Module], setting: str | int) -> None:

@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmfoundry.build import per_rank_batch
 from llmfoundry.data.streaming import World
-from llmfoundry.distributed import FSDP
-from llmfoundry.distributed.parallelize import checkpoint_blocks
+from llmfoundry.distributed import FSDP, SingleDevice
+from llmfoundry.distributed.parallelize import apply_plan, checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
 
@@ -109,3 +109,20 @@ def test_selective_activation_checkpointing_recomputes_all_but_the_matmuls():
     assert count(selective, matmuls) == count(plain, matmuls)
     norms = [name for name in full if "layer_norm" in name]
     assert norms and count(selective, norms) == count(full, norms) > count(plain, norms)
+
+
+def test_blocks_are_compiled_by_the_strategy_after_activation_checkpointing():
+    """The model only records `compile`; preparing applies it, to the plan's blocks, after
+    activation checkpointing has wrapped their forward (torch.compile traces it lazily)."""
+    model = tiny_model(compile=True)
+    assert all(block._compiled_call_impl is None for block in model.transformer.blocks)
+    plan = apply_plan(model, "full")
+    assert plan.compile and plan.blocks == list(model.transformer.blocks)
+    for block in plan.blocks:
+        assert block._compiled_call_impl is not None
+        assert block.forward.func is torch.utils.checkpoint.checkpoint
+    prepared = SingleDevice("cpu").prepare(tiny_model(compile=True))
+    assert all(b._compiled_call_impl is not None for b in prepared.transformer.blocks)
+    assert apply_plan(torch.nn.Linear(2, 2)) is None  # no family: nothing to apply
+    with pytest.raises(ValueError, match="no parallelization plan for Linear"):
+        apply_plan(torch.nn.Linear(2, 2), "full")
