@@ -1,14 +1,17 @@
 """Strategy checks that need no second process: bad settings fail early with a clear message."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmfoundry.build import per_rank_batch
 from llmfoundry.data.streaming import World
-from llmfoundry.distributed import FSDP, SingleDevice
+from llmfoundry.distributed import FSDP, ParallelDims, SingleDevice
 from llmfoundry.distributed.parallelize import apply_plan, checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
@@ -30,6 +33,26 @@ def torchrun_env(monkeypatch):
         RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
     ).items():
         monkeypatch.setenv(key, value)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dims"),
+    [
+        (["strategy=fsdp"], ParallelDims(4, dp_shard=4)),
+        (["strategy=fsdp", "strategy.replicate=2"], ParallelDims(4, dp_replicate=2, dp_shard=2)),
+        (["strategy=ddp"], ParallelDims(4, dp_replicate=4, dp_shard=1)),
+        (["strategy=deepspeed_zero2"], ParallelDims(4, dp_shard=4)),
+    ],
+)
+def test_the_strategy_configs_lay_their_processes_out_on_the_mesh(torchrun_env, overrides, dims):
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("train", overrides=[*overrides, "strategy.device=cpu"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy.dims == dims
+    assert (strategy.dp_rank, strategy.dp_size) == (0, 4)
 
 
 @pytest.mark.parametrize(
