@@ -50,7 +50,7 @@ class NaNDetector(Callback):
         self._first = torch.where(new, len(self._batches), self._first)
         self._loss = torch.where(new, loss, self._loss)
         ts = state.timestamp
-        samples = state.batch["labels"].shape[0] * state.world_size
+        samples = state.batch["labels"].shape[0] * state.dp_size
         self._batches.append(
             (ts.batch + 1, ts.epoch, ts.batch_in_epoch + 1, ts.sample, ts.sample + samples - 1)
         )

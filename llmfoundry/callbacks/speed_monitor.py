@@ -133,6 +133,8 @@ class SpeedMonitor(Callback):
         if seconds <= 0:
             return
         tokens_per_sec = (last.tokens - first.tokens) / seconds
+        # Per device: over every process (world_size), not the data-parallel ranks; a tensor-
+        # or pipeline-parallel axis splits one data-parallel rank's work over several devices.
         metrics = {
             "throughput/batches_per_sec": (last.batches - first.batches) / seconds,
             "throughput/samples_per_sec": (last.samples - first.samples) / seconds,

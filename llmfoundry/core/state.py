@@ -29,9 +29,11 @@ class State:
     # Autocast and loss scaling of the step; `precision.name` is the setting ("amp_bf16"), and
     # its state_dict (amp_fp16's grad scaler) is saved in checkpoints under "scaler".
     precision: Precision = field(default_factory=lambda: Precision("fp32", torch.device("cpu")))
-    # This process's place among all training processes (loggers print on rank 0 only).
+    # This process's place among all training processes (loggers print on rank 0 only), and
+    # the data-parallel ranks among them: how many different parts of each batch are read.
     rank: int = 0
     world_size: int = 1
+    dp_size: int = 1
     seed: int = 17
     train_dataloader: Any = None
     eval_dataloaders: dict[str, Any] = field(default_factory=dict)

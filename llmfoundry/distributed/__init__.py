@@ -1,4 +1,8 @@
-"""Distributed strategies: applied to a model from outside; model code knows nothing of them."""
+"""Distributed strategies: applied to a model from outside; model code knows nothing of them.
+
+Each lays the processes out on one device mesh (mesh.py: data-parallel replicas and shards, room
+for tensor and pipeline axes) and applies parallelism with the functions of parallelize.py.
+"""
 
 from llmfoundry.distributed.base import (
     OutOfMemoryElsewhere,
@@ -10,6 +14,7 @@ from llmfoundry.distributed.base import (
 from llmfoundry.distributed.ddp import DDP
 from llmfoundry.distributed.deepspeed import DeepSpeed
 from llmfoundry.distributed.fsdp import FSDP
+from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.single import SingleDevice
 
 __all__ = [
@@ -17,6 +22,7 @@ __all__ = [
     "DeepSpeed",
     "FSDP",
     "OutOfMemoryElsewhere",
+    "ParallelDims",
     "SingleDevice",
     "Strategy",
     "materialize",

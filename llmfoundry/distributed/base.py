@@ -117,6 +117,12 @@ class Strategy:
     def dp_size(self) -> int:
         return self.world_size
 
+    @property
+    def dp_group(self) -> Any:
+        """The processes this one reduces data-parallel counts and losses with (`all_reduce_sum`'s
+        `group`); None: all of them."""
+        return None
+
     def setup(self) -> None:
         """Join the process group (no-op for one process)."""
 
@@ -277,8 +283,10 @@ class Strategy:
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over all processes, in place, and return it."""
+    def all_reduce_sum(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Sum a tensor over the processes of `group` (None: all, e.g. to agree on a flag;
+        `dp_group` for data-parallel totals), in place, and return it."""
+        del group
         return tensor
 
     def barrier(self) -> None:

@@ -1,14 +1,14 @@
 """Data parallelism: one process per device, each holding the whole model (torchrun launches them).
 
 Every process trains on its own slice of the global batch; gradients are averaged across
-processes, so all replicas take the same optimizer step and stay identical. The trainer already
-weights each microbatch by its share of the global batch's loss tokens times the world size,
-which this averaging turns into the exact large-batch gradient.
+processes, so all replicas take the same optimizer step and stay identical. On the mesh
+(llmfoundry/distributed/mesh.py) every process is a replica: dp_replicate = world size. The
+trainer already weights each microbatch by its share of the global batch's loss tokens times the
+data-parallel size, which this averaging turns into the exact large-batch gradient.
 """
 
 from __future__ import annotations
 
-import inspect
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -16,14 +16,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from llmfoundry.distributed.base import materialize
+from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.parallelize import apply_ddp, apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
-
-# No buffer sync inside forward (see DDP.prepare); newer torch names it forward_sync_buffers.
-_NO_FORWARD_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 class DDP(ProcessGroupStrategy):
@@ -44,21 +39,13 @@ class DDP(ProcessGroupStrategy):
     ) -> None:
         super().__init__(device, backend, timeout_s)
         self.find_unused_parameters = find_unused_parameters
+        self.dims = ParallelDims(self.world_size, dp_replicate=self.world_size, dp_shard=1)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Materialize on this rank's device and wrap; DDP copies rank 0's weights to all ranks.
-
-        Buffers are not synced on every forward: the models here hold only constant buffers,
-        and a forward with no collective inside means an out-of-memory error on one rank
-        cannot leave another waiting mid-forward.
-        """
+        """Materialize on this rank's device and replicate over the data-parallel group."""
+        apply_plan(model)
         model = materialize(model, self.device)
-        return DistributedDataParallel(
-            model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            **_NO_FORWARD_BUFFER_SYNC,
-            find_unused_parameters=self.find_unused_parameters,
-        )
+        return apply_ddp(model, self.dp_group, self.device, self.find_unused_parameters)
 
     def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
         if sync or not isinstance(model, DistributedDataParallel):
@@ -73,8 +60,8 @@ class DDP(ProcessGroupStrategy):
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        handles = [dist.all_reduce(p.grad, async_op=True) for p in params]
+        handles = [dist.all_reduce(p.grad, group=self.dp_group, async_op=True) for p in params]
         for handle in handles:
             handle.wait()
         for param in params:
-            param.grad.div_(self.world_size)
+            param.grad.div_(self.dp_size)

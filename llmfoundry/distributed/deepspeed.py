@@ -47,6 +47,7 @@ import torch
 
 from llmfoundry.checkpoint.manifest import CheckpointError, describe
 from llmfoundry.distributed.base import materialize
+from llmfoundry.distributed.parallelize import apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import UserError
 
@@ -161,6 +162,7 @@ class DeepSpeed(ProcessGroupStrategy):
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Materialize with rank 0's generator on every rank (DeepSpeed partitions each rank's
         copy), so the weights equal one process's for the same seed."""
+        apply_plan(model)
         with self.rank0_generator():
             return materialize(model, self.device)
 

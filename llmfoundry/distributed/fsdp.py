@@ -7,7 +7,8 @@ keeps the averaged gradient of its own shard, and its optimizer steps only that 
 blocks come from the model's parallelization plan (llmfoundry/models/plan.py); the root module
 (embeddings, final norm) is sharded last.
 
-Hybrid sharding (`replicate=R`): a 2-D device mesh of R replicas of world_size/R ranks each;
+Hybrid sharding (`replicate=R`): a 2-D device mesh (llmfoundry/distributed/mesh.py:
+dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
@@ -20,25 +21,23 @@ parameter; only one parameter is ever whole at a time.
 
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    fully_shard,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
+from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.parallelize import _checkpointing, apply_fsdp, apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -48,14 +47,6 @@ _MIXED_PRECISION = {
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
-# What selective activation checkpointing keeps: matrix multiplies' outputs (linear layers
-# dispatch to these); everything else in a block is recomputed in backward.
-_SAVED_BY_SELECTIVE = (
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default,
-)
 # In-place random initializers (what torch.nn.init calls) that must see the whole tensor.
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,
@@ -117,44 +108,34 @@ class FSDP(ProcessGroupStrategy):
             raise UserError(
                 f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
             )
-        self.checkpoint_every, self.selective = _checkpointing(activation_checkpointing)
+        _checkpointing(activation_checkpointing)  # refused here, before any process waits
+        self.activation_checkpointing = activation_checkpointing
         self.replicate = replicate
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.mesh: DeviceMesh | None = None
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
 
     def setup(self) -> None:
         super().setup()
-        shard = self.world_size // self.replicate
-        if self.replicate > 1:
-            self.mesh = init_device_mesh(
-                self.device.type, (self.replicate, shard), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            self.mesh = init_device_mesh(self.device.type, (shard,), mesh_dim_names=("shard",))
         if self.async_save:  # (see Strategy.save_group)
             self.save_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        plan = parallel_plan(model)
-        checkpoint_blocks(plan.blocks, self.checkpoint_every, self.selective)
+        # A model of no family has no blocks to shard: parallel_plan refuses it, naming those that do.
+        plan = apply_plan(model, self.activation_checkpointing) or parallel_plan(model)
         options: dict[str, Any] = {
-            "mesh": self.mesh,
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": _MIXED_PRECISION[self.mixed_precision],
             "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        for block in plan.blocks:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
-        self._units = [*plan.blocks, model]
+        self._units = apply_fsdp(model, plan.blocks, self.mesh.dp_mesh, **options)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
             with self.rank0_generator(), _WholeTensorInit():
@@ -202,35 +183,6 @@ class FSDP(ProcessGroupStrategy):
         flag = torch.zeros(1, device=self.device)
         if self.all_reduce_sum(flag).item() > 0:
             raise OutOfMemoryElsewhere("out of memory on another rank (agreed at a collective)")
-
-
-def checkpoint_blocks(blocks: list[torch.nn.Module], every: int, selective: bool) -> None:
-    """Recompute the activations of every `every`-th block in backward (0: none) instead of
-    keeping them. `selective` keeps the outputs of the matrix multiplies (the ops that cost
-    the flops) and recomputes the rest (norms, activations, attention softmax inputs), which
-    cuts most of a block's activation memory for a few percent more compute."""
-    options: dict[str, Any] = {"use_reentrant": False}
-    if selective:
-        options["context_fn"] = functools.partial(
-            create_selective_checkpoint_contexts, list(_SAVED_BY_SELECTIVE)
-        )
-    for index, block in enumerate(blocks):
-        if every and index % every == 0:
-            block.forward = functools.partial(checkpoint, block.forward, **options)
-
-
-def _checkpointing(value: str | int) -> tuple[int, bool]:
-    """(every k-th block, selective) of an `activation_checkpointing` setting."""
-    if value == "none":
-        return 0, False
-    if value in ("full", "selective"):
-        return 1, value == "selective"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value, False
-    raise UserError(
-        f"strategy.activation_checkpointing={value!r}: use 'none', 'full', 'selective' or a "
-        "positive integer k (every k-th block)"
-    )
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from llmfoundry.distributed.base import Strategy, resolve_device
+from llmfoundry.distributed.mesh import Mesh, ParallelDims, build_mesh
 from llmfoundry.utils.errors import UserError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -26,7 +27,8 @@ _GLOO_DRAIN_S = 0.1
 
 class ProcessGroupStrategy(Strategy):
     """A strategy over the processes `torchrun` started (subclasses say how the model is
-    wrapped). `timeout_s` bounds how long a collective waits for a missing rank before failing,
+    wrapped, and lay the processes out on the mesh: `dims`, by default all sharding one
+    batch). `timeout_s` bounds how long a collective waits for a missing rank before failing,
     instead of hanging a crashed job forever."""
 
     name = "ddp"  # as in `strategy=<name>`, for messages
@@ -53,6 +55,20 @@ class ProcessGroupStrategy(Strategy):
             raise UserError(f"strategy.timeout_s must be positive, got {timeout_s}")
         self.timeout = timedelta(seconds=timeout_s)
         self._owns_group = False
+        self.dims = ParallelDims(self.world_size)
+        self.mesh: Mesh | None = None  # built by `setup`, once the process group exists
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.dp_group
 
     def setup(self) -> None:
         if self.device.type == "cuda":
@@ -64,15 +80,16 @@ class ProcessGroupStrategy(Strategy):
                     f"already initialized, but the environment says rank {self.rank} of "
                     f"{self.world_size}"
                 )
-            return
-        dist.init_process_group(
-            backend=self.backend,
-            init_method="env://",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=self.timeout,
-        )
-        self._owns_group = True
+        else:
+            dist.init_process_group(
+                backend=self.backend,
+                init_method="env://",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=self.timeout,
+            )
+            self._owns_group = True
+        self.mesh = build_mesh(self.dims, self.device.type)
 
     @contextmanager
     def rank0_generator(self) -> Iterator[None]:
@@ -94,8 +111,10 @@ class ProcessGroupStrategy(Strategy):
                 torch.cuda.set_rng_state(states[1])
             yield
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    def all_reduce_sum(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return tensor
 
     def barrier(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmfoundry.distributed.base import Strategy, materialize, resolve_device
+from llmfoundry.distributed.parallelize import apply_plan
 
 
 class SingleDevice(Strategy):
@@ -14,4 +15,5 @@ class SingleDevice(Strategy):
         self.device = resolve_device(device)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        apply_plan(model)
         return materialize(model, self.device)

@@ -13,6 +13,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ".mpt.config": ("MPTConfig",),
         ".mpt.model": ("MPTForCausalLM",),
         ".plan": ("ParallelPlan",),
-        ".plans": ("parallel_plan",),
+        ".plans": ("find_plan", "parallel_plan"),
     },
 )

@@ -17,6 +17,11 @@ class ParallelPlan:
     """`blocks`: the repeated layers, input to output. Each is sharded as one unit (gathered
     just before its forward and backward and freed after), and is what activation
     checkpointing recomputes; the rest of the model (embeddings, final norm) is sharded with
-    the root."""
+    the root.
+
+    `compile`: whether the model's config asks for its blocks to be compiled (torch.compile,
+    per block), which the strategy applies after activation checkpointing and before
+    sharding (llmfoundry/distributed/parallelize.py)."""
 
     blocks: list[nn.Module]
+    compile: bool = False

@@ -8,11 +8,19 @@ from llmfoundry.models.families import FAMILIES
 from llmfoundry.models.plan import ParallelPlan
 
 
-def parallel_plan(model: nn.Module) -> ParallelPlan:
-    """The plan of `model`'s family, for strategies that shard or recompute per block."""
+def find_plan(model: nn.Module) -> ParallelPlan | None:
+    """The plan of `model`'s family, or None for a model of no family (nothing to apply)."""
     for family in FAMILIES.values():
         if isinstance(model, family.model_class):
             return family.parallelize(model)
+    return None
+
+
+def parallel_plan(model: nn.Module) -> ParallelPlan:
+    """The plan of `model`'s family, for strategies that shard or recompute per block."""
+    plan = find_plan(model)
+    if plan is not None:
+        return plan
     known = ", ".join(f.model_class.__name__ for f in FAMILIES.values())
     raise ValueError(
         f"no parallelization plan for {type(model).__name__} (plans exist for {known}); add "

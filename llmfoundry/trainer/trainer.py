@@ -110,6 +110,7 @@ class Trainer:
             precision=self.precision,
             rank=self.strategy.rank,
             world_size=self.strategy.world_size,
+            dp_size=self.strategy.dp_size,
             seed=seed,
             train_dataloader=train_dataloader,
             eval_dataloaders=dict(eval_dataloaders or {}),
@@ -248,8 +249,10 @@ class Trainer:
         One process takes the first two from the shape and never waits for the device; a batch
         without loss tokens is recorded on the device and reported at the next evaluation or the
         end of training (`_check_loss_tokens`). Several processes need one all-reduce for the
-        counts anyway: it carries the preemption flag too, and reading it is the step's one host
-        sync (a batch without loss tokens fails right there).
+        counts anyway, over the data-parallel group (the other axes' ranks read the same batch):
+        it carries the preemption flag too, which every process must agree on, so a mesh with
+        more processes than data-parallel ranks agrees on it in an all-reduce of its own.
+        Reading it is the step's one host sync (a batch without loss tokens fails right there).
         """
         state = self.state
         loss_tokens = loss_token_count(labels).double()
@@ -261,7 +264,10 @@ class Trainer:
         local = torch.tensor(
             [labels.shape[0], labels.numel(), signalled], dtype=torch.float64, device=state.device
         )
-        counts = self.strategy.all_reduce_sum(torch.cat([local, loss_tokens[None]]))
+        strategy = self.strategy
+        counts = strategy.all_reduce_sum(torch.cat([local, loss_tokens[None]]), strategy.dp_group)
+        if strategy.dp_size != strategy.world_size:
+            strategy.all_reduce_sum(counts[2:3])
         samples, tokens, signalled, total_loss_tokens = counts.tolist()
         self._signalled = signalled > 0
         if total_loss_tokens == 0:
@@ -284,7 +290,8 @@ class Trainer:
         """One optimizer step over the batch, split into microbatches.
 
         Each microbatch's loss is weighted by its share of the loss tokens of the whole global
-        batch (all ranks), so the update equals the one a single large batch would give.
+        batch (all data-parallel ranks), so the update equals the one a single large batch would
+        give.
 
         With auto-microbatching, an out-of-memory error in any rank's forward or backward
         discards the partial step on every rank (the ranks agree through an all-reduce of an
@@ -319,7 +326,8 @@ class Trainer:
         state.batch = batch
         state.outputs = None
         # On the device: nothing here waits for it (`State.batch_loss`).
-        state.batch_loss = DeviceScalar(self.strategy.all_reduce_sum(loss_sum) / loss_tokens)
+        loss_sum = self.strategy.all_reduce_sum(loss_sum, self.strategy.dp_group)
+        state.batch_loss = DeviceScalar(loss_sum / loss_tokens)
         self.precision.unscale(state.optimizer)
         engine.run_event(Event.AFTER_TRAIN_BATCH)
         self._set_lr()
@@ -355,7 +363,8 @@ class Trainer:
                     state.loss = self.loss_fn(state.outputs, microbatch)
                 engine.run_event(Event.AFTER_LOSS)
                 mb_tokens = loss_token_count(microbatch["labels"])
-                weight = mb_tokens * self.strategy.world_size / divisor
+                # Gradients are averaged over the data-parallel ranks: undo their mean.
+                weight = mb_tokens * self.strategy.dp_size / divisor
                 engine.run_event(Event.BEFORE_BACKWARD)
                 self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
@@ -439,7 +448,7 @@ class Trainer:
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
                 metrics.update(state.outputs, state.batch, sample_mask)
                 engine.run_event(Event.EVAL_BATCH_END)
-            self.strategy.all_reduce_sum(metrics.totals)
+            self.strategy.all_reduce_sum(metrics.totals, self.strategy.dp_group)
             results = {f"eval/{name}/{key}": value for key, value in metrics.compute().items()}
             state.eval_metrics.update(results)
             self.logger.log_metrics(results)

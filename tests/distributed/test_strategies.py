@@ -1,15 +1,18 @@
 """Strategy checks that need no second process: bad settings fail early with a clear message."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmfoundry.build import per_rank_batch
 from llmfoundry.data.streaming import World
-from llmfoundry.distributed import FSDP
-from llmfoundry.distributed.fsdp import checkpoint_blocks
+from llmfoundry.distributed import FSDP, ParallelDims, SingleDevice
+from llmfoundry.distributed.parallelize import apply_plan, checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
 
@@ -30,6 +33,26 @@ def torchrun_env(monkeypatch):
         RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
     ).items():
         monkeypatch.setenv(key, value)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dims"),
+    [
+        (["strategy=fsdp"], ParallelDims(4, dp_shard=4)),
+        (["strategy=fsdp", "strategy.replicate=2"], ParallelDims(4, dp_replicate=2, dp_shard=2)),
+        (["strategy=ddp"], ParallelDims(4, dp_replicate=4, dp_shard=1)),
+        (["strategy=deepspeed_zero2"], ParallelDims(4, dp_shard=4)),
+    ],
+)
+def test_the_strategy_configs_lay_their_processes_out_on_the_mesh(torchrun_env, overrides, dims):
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("train", overrides=[*overrides, "strategy.device=cpu"])
+    strategy = instantiate(cfg.strategy)
+    assert strategy.dims == dims
+    assert (strategy.dp_rank, strategy.dp_size) == (0, 4)
 
 
 @pytest.mark.parametrize(
@@ -109,3 +132,20 @@ def test_selective_activation_checkpointing_recomputes_all_but_the_matmuls():
     assert count(selective, matmuls) == count(plain, matmuls)
     norms = [name for name in full if "layer_norm" in name]
     assert norms and count(selective, norms) == count(full, norms) > count(plain, norms)
+
+
+def test_blocks_are_compiled_by_the_strategy_after_activation_checkpointing():
+    """The model only records `compile`; preparing applies it, to the plan's blocks, after
+    activation checkpointing has wrapped their forward (torch.compile traces it lazily)."""
+    model = tiny_model(compile=True)
+    assert all(block._compiled_call_impl is None for block in model.transformer.blocks)
+    plan = apply_plan(model, "full")
+    assert plan.compile and plan.blocks == list(model.transformer.blocks)
+    for block in plan.blocks:
+        assert block._compiled_call_impl is not None
+        assert block.forward.func is torch.utils.checkpoint.checkpoint
+    prepared = SingleDevice("cpu").prepare(tiny_model(compile=True))
+    assert all(b._compiled_call_impl is not None for b in prepared.transformer.blocks)
+    assert apply_plan(torch.nn.Linear(2, 2)) is None  # no family: nothing to apply
+    with pytest.raises(ValueError, match="no parallelization plan for Linear"):
+        apply_plan(torch.nn.Linear(2, 2), "full")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from llmfoundry.distributed import SingleDevice
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 
 
@@ -11,7 +12,7 @@ def test_compiled_and_eager_losses_agree():
     base = dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64, kv_n_heads=2)
     torch.manual_seed(0)
     eager = MPTForCausalLM(MPTConfig(**base))
-    compiled = MPTForCausalLM(MPTConfig(**base, compile=True))
+    compiled = SingleDevice("cpu").prepare(MPTForCausalLM(MPTConfig(**base, compile=True)))
     compiled.load_state_dict(eager.state_dict())  # same names: compiling keeps the state dict
     ids = torch.randint(0, 64, (2, 16))
     losses = []

@@ -95,7 +95,8 @@ class MPTConfig:
     `sliding_window` lets each token attend to itself and the window - 1 tokens before it.
     `infini` (an `InfiniConfig`, or its fields as a mapping) makes every block's attention
     infini-attention; `conf/model/infini/*.yaml` select it (`+model/infini=linear`).
-    `compile=true` compiles each block with torch.compile (the parameters keep their names).
+    `compile=true` compiles each block with torch.compile (the parameters keep their names);
+    the strategy does, when it prepares the model (its plan: `models/mpt/parallelize.py`).
 
     Initialisation: with `init_std` unset, every matrix and embedding is drawn with
     `kaiming_normal_(fan_in, relu)` (MPT's default); with `init_std` set, from N(0, init_std).

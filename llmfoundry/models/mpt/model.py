@@ -266,11 +266,6 @@ class MPTForCausalLM(nn.Module):
         if config.init_device != "meta":
             self.to_empty(device=config.init_device)
             self.init_weights()
-        if config.compile:
-            # Per block: each compiles once and is reused by every layer of the same shape;
-            # Module.compile keeps parameter names, so checkpoints do not change.
-            for block in self.transformer.blocks:
-                block.compile()
 
     def forward(
         self,

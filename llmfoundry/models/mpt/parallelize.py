@@ -1,4 +1,5 @@
-"""MPT's parallelization plan (see llmfoundry/models/plan.py): its transformer blocks.
+"""MPT's parallelization plan (see llmfoundry/models/plan.py): its transformer blocks, compiled
+when its config says `compile`.
 
 Each block holds 12 d_model^2 weights of a layer's 12 n_layers d_model^2, so sharding per block
 keeps one layer's weights gathered at a time. The token embedding, which is also the output
@@ -12,4 +13,4 @@ from llmfoundry.models.plan import ParallelPlan
 
 
 def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
-    return ParallelPlan(blocks=list(model.transformer.blocks))
+    return ParallelPlan(blocks=list(model.transformer.blocks), compile=model.config.compile)

@@ -1,0 +1,129 @@
+"""The device mesh: how the training processes divide the work, one axis per kind of parallelism.
+
+As torchtitan's ``ParallelDims``: `ParallelDims` says how many processes each axis spans
+(data-parallel replicas `dp_replicate`, data-parallel shards `dp_shard`, and, for what comes
+next, tensor `tp` and pipeline `pp` parallelism), and `build_mesh` lays them out as one
+``DeviceMesh`` in the order pp, dp_replicate, dp_shard, tp (the innermost axis the fastest
+links). The strategies (DDP, FSDP) are settings of these numbers, not separate worlds: DDP is
+dp_replicate = world size, FSDP dp_shard = world size, hybrid sharding both.
+
+Data-parallel ranks read different data; the other axes' ranks of one data-parallel rank read
+the same batch. So the trainer counts tokens, reduces losses and weights microbatches over the
+data-parallel group (`Mesh.dp_group`, `ParallelDims.dp_size`), not over the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmfoundry.utils.errors import UserError
+
+# Outermost first: a pipeline stage spans nodes, tensor parallelism stays within one.
+_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Processes per axis; their product is the world size. `dp_shard=-1`: what the other axes
+    leave of the world. Validated on construction (one-line UserErrors)."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise UserError(f"world size {self.world_size} must be at least 1")
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)} must be at least 1")
+        others = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise UserError(
+                    f"dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {others} "
+                    f"does not divide the {self.world_size} processes"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        elif self.dp_shard < 1:
+            raise UserError(f"dp_shard={self.dp_shard} must be at least 1, or -1 (the rest)")
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise UserError(
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
+                f"pp={self.pp} = {product}, but there are {self.world_size} processes"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many different parts of each global batch are read."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_is_world(self) -> bool:
+        """Whether every process is a data-parallel rank of its own (no tp or pp axis)."""
+        return self.dp_size == self.world_size
+
+    def shape(self) -> dict[str, int]:
+        """The mesh's axes and sizes, outermost first. tp and pp only when used; dp_shard always
+        and dp_replicate whenever it replicates (FSDP shards over a one-axis mesh and replicates
+        across the first axis of a two-axis one, so replicas of unsharded models stay 2-D)."""
+        return {n: getattr(self, n) for n in _ORDER if n == "dp_shard" or getattr(self, n) > 1}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index on each axis of `shape` (row-major, as DeviceMesh lays ranks out)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the {self.world_size} processes")
+        coordinates = {}
+        for name, size in reversed(self.shape().items()):
+            rank, coordinates[name] = divmod(rank, size)
+        return coordinates
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel rank the process `rank` is (what part of the data it reads)."""
+        at = self.coordinates(rank)
+        return at.get("dp_replicate", 0) * self.dp_shard + at["dp_shard"]
+
+    def dp_axes(self) -> tuple[str, ...]:
+        """The mesh axes data parallelism spans (FSDP's mesh: replicate across, shard within)."""
+        return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.shape())
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """`dims` laid out over the joined process group (`build_mesh`). `dp_group`: the processes
+    this one reduces counts, losses and gradients with; None when that is every process (the
+    default group, so nothing new is created)."""
+
+    dims: ParallelDims
+    device_mesh: DeviceMesh
+    dp_group: dist.ProcessGroup | None
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel axes alone: what FSDP shards and replicates over."""
+        return self.device_mesh[self.dims.dp_axes()]
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
+    """The `DeviceMesh` of `dims` over the initialized default process group (of `dims.world_size`
+    processes), and its data-parallel group."""
+    if dist.get_world_size() != dims.world_size:
+        raise RuntimeError(
+            f"the mesh is for {dims.world_size} processes but the process group has "
+            f"{dist.get_world_size()}"
+        )
+    shape = dims.shape()
+    device_mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if dims.dp_is_world:
+        return Mesh(dims, device_mesh, None)
+    axes = dims.dp_axes()
+    dp_mesh = device_mesh[axes]
+    if len(axes) > 1:
+        dp_mesh = dp_mesh._flatten("dp")  # torch has no public flatten (2.13)
+    return Mesh(dims, device_mesh, dp_mesh.get_group())

@@ -1,0 +1,135 @@
+"""Parallelism applied to a model from outside, one function per technique, as torchtitan does.
+
+A strategy's `prepare` calls them in this order on the blocks of the model family's plan
+(llmfoundry/models/plan.py): `apply_ac` (activation checkpointing wraps each block's forward)
+and `apply_compile` (compiles each block, its checkpointing inside), both through `apply_plan`,
+then `apply_fsdp` or `apply_ddp` over the data-parallel part of the mesh
+(llmfoundry/distributed/mesh.py). The model code knows nothing of any of them. DeepSpeed is the
+exception: its engine wraps the model itself (llmfoundry/distributed/deepspeed.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from llmfoundry.models import find_plan, parallel_plan
+from llmfoundry.models.plan import ParallelPlan
+from llmfoundry.utils.errors import UserError
+
+# What selective activation checkpointing keeps: matrix multiplies' outputs (linear layers
+# dispatch to these); everything else in a block is recomputed in backward.
+_SAVED_BY_SELECTIVE = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+)
+
+
+# No buffer sync inside forward (see apply_ddp); newer torch names it forward_sync_buffers.
+_NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def apply_plan(
+    model: torch.nn.Module, activation_checkpointing: str | int = "none"
+) -> ParallelPlan | None:
+    """What every strategy applies first, in order, to the blocks of the model family's plan:
+    activation checkpointing, then compile (when the plan asks). Returns the plan, or None for
+    a model of no family (nothing to apply; checkpointing one is refused: no blocks known)."""
+    plan = find_plan(model) if activation_checkpointing == "none" else parallel_plan(model)
+    if plan is None:
+        return None
+    apply_ac(plan.blocks, activation_checkpointing)
+    if plan.compile:
+        apply_compile(plan.blocks)
+    return plan
+
+
+def apply_ac(blocks: list[torch.nn.Module], setting: str | int) -> None:
+    """Activation checkpointing of `blocks` by an `activation_checkpointing` setting: "none",
+    "full" (every block), an integer k (every k-th block: 0, k, 2k, ...) or "selective"
+    (every block, keeping its matrix multiplies' outputs: `checkpoint_blocks`)."""
+    every, selective = _checkpointing(setting)
+    checkpoint_blocks(blocks, every, selective)
+
+
+def apply_compile(blocks: list[torch.nn.Module]) -> None:
+    """Compile each block with torch.compile. Per block: each compiles once and is reused by
+    every block of the same shape; `Module.compile` keeps parameter names, so checkpoints do
+    not change."""
+    for block in blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], mesh: DeviceMesh, **options: Any
+) -> list[torch.nn.Module]:
+    """Shard each block as one unit, then the root (what remains: embeddings, final norm),
+    over `mesh`: one axis shards, two axes replicate across the first and shard within the
+    second (hybrid). `options`: fully_shard's (reshard_after_forward, mp_policy,
+    offload_policy). Returns the sharded units, blocks first."""
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return [*blocks, model]
+
+
+def apply_ddp(
+    model: torch.nn.Module,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    find_unused_parameters: bool = False,
+) -> DistributedDataParallel:
+    """DistributedDataParallel over `group` (None: every process); it copies the group's first
+    rank's weights to the others. Buffers are not synced on every forward: the models here hold
+    only constant buffers, and a forward with no collective inside means an out-of-memory error
+    on one rank cannot leave another waiting mid-forward."""
+    return DistributedDataParallel(
+        model,
+        process_group=group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        **_NO_FORWARD_BUFFER_SYNC,
+        find_unused_parameters=find_unused_parameters,
+    )
+
+
+def checkpoint_blocks(blocks: list[torch.nn.Module], every: int, selective: bool) -> None:
+    """Recompute the activations of every `every`-th block in backward (0: none) instead of
+    keeping them. `selective` keeps the outputs of the matrix multiplies (the ops that cost
+    the flops) and recomputes the rest (norms, activations, attention softmax inputs), which
+    cuts most of a block's activation memory for a few percent more compute."""
+    options: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        options["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, list(_SAVED_BY_SELECTIVE)
+        )
+    for index, block in enumerate(blocks):
+        if every and index % every == 0:
+            block.forward = functools.partial(checkpoint, block.forward, **options)
+
+
+def _checkpointing(value: str | int) -> tuple[int, bool]:
+    """(every k-th block, selective) of an `activation_checkpointing` setting."""
+    if value == "none":
+        return 0, False
+    if value in ("full", "selective"):
+        return 1, value == "selective"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value, False
+    raise UserError(
+        f"strategy.activation_checkpointing={value!r}: use 'none', 'full', 'selective' or a "
+        "positive integer k (every k-th block)"
+    )

@@ -1,0 +1,65 @@
+"""The device mesh: axis sizes validated against the world, ranks placed on it, and the
+data-parallel group that the trainer reduces over (one process, torch's fake process group
+standing in for the others)."""
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from llmfoundry.distributed.mesh import ParallelDims, build_mesh
+from llmfoundry.utils.errors import UserError
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ({"world_size": 4, "dp_replicate": 3}, "dp_replicate=3 x tp=1 x pp=1 = 3 does not divide"),
+        ({"world_size": 4, "dp_shard": 3}, "= 3, but there are 4 processes"),
+        ({"world_size": 8, "dp_shard": 2, "tp": 2}, "= 4, but there are 8 processes"),
+        ({"world_size": 4, "tp": 0}, "tp=0 must be at least 1"),
+        ({"world_size": 4, "dp_shard": 0}, r"dp_shard=0 must be at least 1, or -1"),
+    ],
+)
+def test_impossible_products_are_refused_in_one_line(dims, message):
+    with pytest.raises(UserError, match=message) as err:
+        ParallelDims(**dims)
+    assert "\n" not in str(err.value)
+
+
+def test_dp_shard_takes_what_the_other_axes_leave():
+    dims = ParallelDims(16, dp_replicate=2, tp=2)
+    assert (dims.dp_shard, dims.dp_size, dims.dp_is_world) == (4, 8, False)
+    assert dims.shape() == {"dp_replicate": 2, "dp_shard": 4, "tp": 2}
+    # DDP keeps a replicate axis of its own; plain sharding is one axis.
+    assert ParallelDims(4, dp_replicate=4, dp_shard=1).shape() == {"dp_replicate": 4, "dp_shard": 1}
+    assert ParallelDims(4).shape() == {"dp_shard": 4}
+
+
+def test_ranks_of_one_tensor_parallel_group_are_one_data_parallel_rank():
+    dims = ParallelDims(8, dp_replicate=2, tp=2)  # tp innermost: ranks 2k, 2k+1 read one batch
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [ParallelDims(4).dp_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.fixture
+def fake_world():
+    """Rank 5 of 8 processes, without the other seven (collectives do nothing)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_mesh_gives_the_data_parallel_group_across_the_other_axes(fake_world):
+    mesh = build_mesh(ParallelDims(8, dp_replicate=2, tp=2), "cpu")
+    assert mesh.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert mesh.dp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert dist.get_process_group_ranks(mesh.dp_group) == [1, 3, 5, 7]
+    assert dist.get_rank(mesh.dp_group) == ParallelDims(8, dp_replicate=2, tp=2).dp_rank(5)
+
+
+def test_without_other_axes_the_data_parallel_group_is_the_world(fake_world):
+    mesh = build_mesh(ParallelDims(8, dp_replicate=2), "cpu")
+    assert mesh.dp_group is None  # the default group: no new one created
+    assert mesh.dp_mesh.shape == (2, 4)
+    with pytest.raises(RuntimeError, match="mesh is for 4 processes but the process group has 8"):
+        build_mesh(ParallelDims(4), "cpu")
