@@ -20,7 +20,7 @@ from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.state import State
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.models.mpt.model import LayerNorm
+from llmfoundry.models.norms import LayerNorm
 
 
 def to_low_precision(module: nn.LayerNorm) -> LayerNorm:

@@ -6,7 +6,7 @@ from torch import nn
 
 from llmfoundry.algorithms import LowPrecisionLayerNorm
 from llmfoundry.algorithms.low_precision_layernorm import to_low_precision
-from llmfoundry.models.mpt.model import LayerNorm
+from llmfoundry.models.norms import LayerNorm
 
 from .helpers import Metrics, make_trainer
 
