@@ -18,6 +18,7 @@ from llmfoundry.algorithms import EMA
 from llmfoundry.build import build_trainer
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.distributed import SingleDevice
+from llmfoundry.models import converters
 from llmfoundry.models.converters import (
     ConversionContext,
     LowPrecisionLayerNorm,
@@ -153,3 +154,45 @@ def test_the_swapped_norm_runs_in_the_autocast_dtype_and_matches_in_fp32():
         out = swapped(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), plain(x), rtol=0.05, atol=0.05)
+
+
+def test_a_checkpoint_of_the_old_algorithm_loads_into_a_converted_run(tmp_path):
+    """Runs before converters saved the algorithm's (empty) state by its class name and the
+    swapped norms' weights under the same keys: both load into a run with the converter."""
+    import functools
+
+    from llmfoundry.algorithms import EMA
+    from llmfoundry.checkpoint.state_dict import load_checkpoint, save_checkpoint
+    from llmfoundry.trainer import Algorithm, Event, Trainer
+    from tests.trainer.conftest import token_batches
+
+    class LowPrecisionLayerNorm(Algorithm):  # the old algorithm: the swap at INIT
+        def match(self, event, state):
+            return event is Event.INIT
+
+        def apply(self, event, state, logger):
+            converters.LowPrecisionLayerNorm().convert(state.model, BF16)
+
+    def trainer(run: str, model: nn.Module, algorithms: list) -> Trainer:
+        return Trainer(
+            model=model,
+            train_dataloader=token_batches(2, 4),
+            max_duration="2ba",
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            run_dir=tmp_path / run,
+            precision="amp_bf16",
+            algorithms=algorithms,
+        )
+
+    old = trainer("old", tiny_model(), [LowPrecisionLayerNorm(), EMA(half_life="1ba")])
+    old.fit()
+    path = save_checkpoint(str(tmp_path / "ckpt"), old.state, old.logger)
+    converted = convert_model(
+        tiny_model(), {"low_precision_layernorm": converters.LowPrecisionLayerNorm()}, BF16
+    )
+    new = trainer("new", converted, [EMA(half_life="1ba")])
+    load_checkpoint(path, new.state, new.logger)
+    for name, tensor in old.state.model.state_dict().items():
+        assert torch.equal(new.state.model.state_dict()[name], tensor), name
+    for name, average in old.state.algorithms[1].averages.items():
+        assert torch.equal(new.state.algorithms[0].averages[name], average), name
