@@ -22,6 +22,7 @@ from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
+from llmfoundry.models.converters import ConversionContext, convert_model
 from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
 from llmfoundry.utils import storage
@@ -64,6 +65,10 @@ def build_trainer(
     # Built without memory; the strategy materializes it and initializes it from `seed`.
     # The config's class (its _target_) names the family: conf/model/mpt-* or llama*.
     model = build_model(model_config, init_device="meta")
+    # The converters group (low-precision LayerNorm, ...) swaps modules before the strategy
+    # materializes and wraps the model, so sharding and the optimizer see the converted ones.
+    converters = {name: instantiate(node) for name, node in (cfg.get("converters") or {}).items()}
+    model = convert_model(model, converters, ConversionContext(settings.precision, strategy.device))
 
     data = build_loaders(
         cfg.data,

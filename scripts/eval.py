@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from llmfoundry.data.prep.tokenizer import load_tokenizer
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
 from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.utils.files import atomic_write
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_path = args.tokenizer or tokenizer_path
         if tokenizer_path is None:
             raise ValueError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
-        tokenizer = load_tokenizer(tokenizer_path)
+        tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
         tasks = [load_task(url) for url in args.tasks]
         results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
     except (ValueError, FileNotFoundError) as err:

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
         )
     tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
-    encoded = [tokenizer.tokenizer.encode(p).ids for p in prompts]
+    encoded = [tokenizer.encode(p) for p in prompts]
     if any(not ids for ids in encoded):
         raise UserError("a prompt encodes to no tokens; give every prompt some text")
     config = GenerationConfig(
@@ -95,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype])
     ids, mask = left_pad(encoded)
-    out = generate(
-        model, ids, mask, config, decode=tokenizer.tokenizer.decode, use_cache=not args.no_cache
-    )
+    out = generate(model, ids, mask, config, decode=tokenizer.decode, use_cache=not args.no_cache)
     for prompt, text, reason, error in zip(
         prompts, out.texts, out.finish_reasons, out.errors, strict=True
     ):

@@ -3,7 +3,6 @@
 from llmfoundry.algorithms.ema import EMA
 from llmfoundry.algorithms.gradient_clipping import GradientClipping
 from llmfoundry.algorithms.loss_spike_guard import LossSpikeGuard
-from llmfoundry.algorithms.low_precision_layernorm import LowPrecisionLayerNorm
 from llmfoundry.algorithms.random_token_replacement import RandomTokenReplacement
 from llmfoundry.algorithms.seq_length_warmup import SeqLengthWarmup
 
@@ -11,7 +10,6 @@ __all__ = [
     "EMA",
     "GradientClipping",
     "LossSpikeGuard",
-    "LowPrecisionLayerNorm",
     "RandomTokenReplacement",
     "SeqLengthWarmup",
 ]

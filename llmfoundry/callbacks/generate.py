@@ -6,7 +6,8 @@ import logging
 
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
-from llmfoundry.data.prep.tokenizer import load_tokenizer
+from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 from llmfoundry.utils.errors import MissingInput, UserError
@@ -19,40 +20,46 @@ class Generate(Callback):
 
     Each prompt's samples come from a generator seeded with `seed`, so they are reproducible and
     leave the training RNG untouched. Every rank generates (a sharded model needs all of them);
-    the samples are logged once, by rank 0.
+    the samples are logged once, by rank 0. `tokenizer`: a tokenizer.json path or URL (the
+    config's), or any `Tokenizer`.
     """
 
     def __init__(
         self,
-        tokenizer: str,
+        tokenizer: str | Tokenizer,
         prompts: list[str],
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: int | None = 40,
         seed: int = 0,
     ) -> None:
-        try:
-            self.tokenizer = load_tokenizer(tokenizer)
-        except FileNotFoundError:
-            raise MissingInput(
-                f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
-                "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
-                "leave out the samples with "
-                "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
-            ) from None
-        except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
-            raise UserError(
-                f"tokenizer={tokenizer!r} is not a readable tokenizer ({err}); point tokenizer= "
-                "at the tokenizer.json data_prep wrote next to the shards"
-            ) from err
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else _load(tokenizer)
         self.prompts = list(prompts)
         self.config = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
         )
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        ids, mask = left_pad([self.tokenizer.encode(p).ids for p in self.prompts])
+        ids, mask = left_pad([self.tokenizer.encode(p) for p in self.prompts])
         model = unwrap_model(state.model)
         out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
         for prompt, text in zip(self.prompts, out.texts, strict=True):
             log.info("--- sample (prompt %r) ---\n%s", prompt, prompt + text)
+
+
+def _load(tokenizer: str) -> Tokenizer:
+    """The tokenizer at `tokenizer`; a missing or unreadable file is a one-line error."""
+    try:
+        return prepare_tokenizer(tokenizer, require_eos=False)  # sampling stops at the length
+    except FileNotFoundError:
+        raise MissingInput(
+            f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
+            "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
+            "leave out the samples with "
+            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
+        ) from None
+    except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
+        raise UserError(
+            f"tokenizer={tokenizer!r} is not a readable tokenizer ({err}); point tokenizer= "
+            "at the tokenizer.json data_prep wrote next to the shards"
+        ) from err

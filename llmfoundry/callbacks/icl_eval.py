@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
-from llmfoundry.data.prep.tokenizer import load_tokenizer
+from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.eval.icl import evaluate_tasks, load_task
 
@@ -13,18 +14,23 @@ class ICLEval(Callback):
     """At ``EVAL_BEFORE_ALL`` (model in eval mode; the trainer restores the RNG after
     evaluation), score the .jsonl `tasks` (llmfoundry/eval/icl.py) and log
     ``icl/<task>/accuracy``. Every rank scores the same examples (a sharded model needs all of
-    them); `limit` keeps it cheap during training.
+    them); `limit` keeps it cheap during training. `tokenizer`: a tokenizer.json path or URL,
+    or any `Tokenizer`.
     """
 
     def __init__(
         self,
-        tokenizer: str,
+        tokenizer: str | Tokenizer,
         tasks: list[str],
         shots: int = 0,
         seed: int = 17,
         limit: int | None = 100,
     ) -> None:
-        self.tokenizer = load_tokenizer(tokenizer)
+        self.tokenizer = (
+            tokenizer
+            if isinstance(tokenizer, Tokenizer)
+            else prepare_tokenizer(tokenizer, require_eos=False)
+        )
         self.tasks = [load_task(url) for url in tasks]
         self.shots, self.seed, self.limit = shots, seed, limit
 

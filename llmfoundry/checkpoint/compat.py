@@ -40,6 +40,7 @@ RUN_CHANGING = (
     "optimizer",
     "scheduler",
     "data",
+    "converters",
     "algorithms",
 )
 _ABSENT = "<absent>"

@@ -33,6 +33,8 @@ _SKIP_FLAGS = {
     "-sc",
 }
 _OVERRIDE_KEY = re.compile(r"Could not (?:override|append to|delete from config\.) '([^']+)'")
+# Hydra's message for an option a group does not have (`converters=[float9]`): several lines.
+_GROUP_OPTION = re.compile(r"Could not (?:find|load) '([\w-]+)/([^']+?)'")
 
 
 def compose_config(
@@ -55,6 +57,10 @@ def check(config_dir: Path, overrides: Sequence[str], config_name: str = "train"
 def _explain(
     err: HydraException, config_dir: Path, overrides: Sequence[str], config_name: str
 ) -> ConfigError:
+    if option := _GROUP_OPTION.search(str(err)):
+        group, name = option.groups()
+        options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+        return ConfigError(group, f"no option '{name}'; {suggest(name, options)}")
     match = _OVERRIDE_KEY.search(str(err))
     if not match:
         return ConfigError("", str(err).strip())

@@ -16,6 +16,7 @@ GROUPS = (
     "strategy",
     "optimizer",
     "scheduler",
+    "converters",
     "algorithms",
     "callbacks",
     "loggers",

@@ -1,5 +1,5 @@
 """The vocabulary every layer shares: events, the engine and its plug-in kinds, state, time,
-precision, the model contract, the batch keys and metric scalars.
+precision, the model contract, the tokenizer protocol, the batch keys and metric scalars.
 
 It sits below everything that uses it (data, models, optim, loggers, distributed, checkpoint,
 algorithms, callbacks, the trainer) and imports nothing of theirs; `tests/test_layers.py` holds
@@ -19,5 +19,6 @@ __getattr__, __dir__, __all__ = lazy_exports(
         ".precision": ("Precision",),
         ".state": ("State",),
         ".time": ("Time", "Timestamp", "TimeUnit"),
+        ".tokenizer": ("Tokenizer",),
     },
 )

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 
+from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.mpt.generation import GenerationConfig, generate
 from llmfoundry.utils.jsonl import read_jsonl
@@ -144,7 +144,7 @@ def score_example(
     """Whether the model answers example `index` of `task` right (module docstring: kinds),
     and its answer: the chosen index, the predicted token ids, or the generated text."""
     ex = task.examples[index]
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     if task.kind == "multiple_choice":
         prompt = encode(prefix + ex["query"])
         losses = []
@@ -186,9 +186,9 @@ def evaluate_tasks(
     """
     if shots < 0:
         raise ValueError(f"shots must be >= 0, got {shots}")
-    if tokenizer.get_vocab_size(with_added_tokens=True) > model.config.vocab_size:
+    if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
-            f"the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more "
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )
     for task in tasks:  # before scoring any: a short task would otherwise fail after the others

@@ -1,7 +1,8 @@
 """The served model's tokenizer: text to ids and back, and chat messages to a prompt.
 
 Encoding and decoding are the ones `scripts/generate.py` uses (`prepare_tokenizer`), so a server
-and the command line continue a prompt the same way. Chat needs a chat template (Jinja, as in
+and the command line continue a prompt the same way; completions take any implementation of
+`llmfoundry.core.tokenizer.Tokenizer`. Chat needs a chat template (Jinja, as in
 transformers): the one of a transformers tokenizer folder (`tokenizer_config.json` or
 `chat_template.jinja`), or a file given with `--chat-template`. transformers renders it, so a
 template written for transformers works unchanged.
@@ -27,6 +28,7 @@ from typing import Any
 
 import jinja2
 
+from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.errors import UserError
 
@@ -79,27 +81,46 @@ class _StepBudget:
 
 @dataclass(frozen=True)
 class ServedTokenizer:
-    prepared: PreparedTokenizer
+    """`prepared`, any `Tokenizer`, with the chat template the server renders. Templates render
+    through transformers, which needs the `tokenizers`-backed `PreparedTokenizer`."""
+
+    prepared: Tokenizer
     chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prepared.eos_id is None:
+            raise UserError(
+                f"the served tokenizer ({type(self.prepared).__name__}) has no EOS token; name "
+                "one with --eos-token"
+            )
+        if self.chat_template is not None and not isinstance(self.prepared, PreparedTokenizer):
+            raise UserError(
+                f"a chat template needs a tokenizer.json tokenizer (transformers renders it), "
+                f"not {type(self.prepared).__name__}; serve completions without the template"
+            )
 
     @property
     def eos_id(self) -> int:
-        return self.prepared.eos_id
+        eos_id = self.prepared.eos_id
+        assert eos_id is not None  # __post_init__
+        return eos_id
 
     def encode(self, text: str) -> list[int]:
-        return self.prepared.tokenizer.encode(text).ids
+        return self.prepared.encode(text)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """The ids of each text, as `encode` gives them. The Rust tokenizer releases the GIL
-        here and not in `encode`, so a server tokenizing in a worker thread keeps answering."""
-        return [encoding.ids for encoding in self.prepared.tokenizer.encode_batch(list(texts))]
+        """The ids of each text, as `encode` gives them (in a worker thread of the server:
+        `PreparedTokenizer`'s releases the GIL, so the server keeps answering)."""
+        return self.prepared.encode_batch(texts)
 
     def decode(self, ids: list[int]) -> str:
-        return self.prepared.tokenizer.decode(ids)
+        return self.prepared.decode(ids)
 
     @functools.cached_property
     def _hf(self):  # the transformers view of the same tokenizer, which renders templates
         from transformers import PreTrainedTokenizerFast
+
+        assert isinstance(self.prepared, PreparedTokenizer)  # __post_init__: with a template
 
         return PreTrainedTokenizerFast(
             tokenizer_object=self.prepared.tokenizer,

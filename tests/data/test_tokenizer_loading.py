@@ -33,9 +33,7 @@ def test_generate_reads_the_tokenizer_from_a_url(tok_file):
     with fsspec.open("memory://gen/tokenizer.json", "w") as f:
         f.write(tok_file.read_text())
     callback = Generate(tokenizer="memory://gen/tokenizer.json", prompts=["def "])
-    assert (
-        callback.tokenizer.encode("def main").ids == load_tokenizer(tok_file).encode("def main").ids
-    )
+    assert callback.tokenizer.encode("def main") == load_tokenizer(tok_file).encode("def main").ids
 
 
 def test_folder_without_endoftext_takes_its_configured_eos(tmp_path):

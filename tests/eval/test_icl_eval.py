@@ -7,7 +7,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from llmfoundry.data.prep import train_bpe
+from llmfoundry.data.prep import PreparedTokenizer, train_bpe
+from llmfoundry.data.prep.tokenizer import prepare
 from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.generation import GenerationConfig, generate
@@ -15,10 +16,10 @@ from llmfoundry.models.mpt.generation import GenerationConfig, generate
 WORDS = ["a", "b", "c", "d", "e"]
 
 
-def word_tokenizer() -> Tokenizer:
+def word_tokenizer() -> PreparedTokenizer:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="a"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tok
+    return prepare(tok, require_eos=False)
 
 
 def bigram(table: torch.Tensor):
@@ -103,13 +104,15 @@ def tiny_model() -> MPTForCausalLM:
     ).eval()
 
 
-def bpe():
-    return train_bpe(["the cat sat on the mat", "a dog ran to the park", "Q: A:"] * 30, 300)
+def bpe() -> PreparedTokenizer:
+    return prepare(
+        train_bpe(["the cat sat on the mat", "a dog ran to the park", "Q: A:"] * 30, 300)
+    )
 
 
 def test_qa_is_exact_match_on_the_greedy_line(tmp_path):
     model, tok = tiny_model(), bpe()
-    prompt = tok.encode("Q: the cat\nA:").ids
+    prompt = tok.encode("Q: the cat\nA:")
     config = GenerationConfig(max_new_tokens=32, temperature=0.0, stop=("\n",))
     text = generate(model, torch.tensor([prompt]), None, config, decode=tok.decode).texts[0]
     task = load_task(
@@ -176,7 +179,7 @@ def test_callback_logs_accuracy_at_every_evaluation(tmp_path):
     from tests.e2e.test_build import CONF, TINY, write_dataset
 
     tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text(word_tokenizer().to_str())
+    tokenizer.write_text(word_tokenizer().json)
     task = write(tmp_path / "lm.jsonl", [{"context": "a", "continuation": " b"}] * 3)
     overrides = [
         *TINY,
@@ -205,7 +208,7 @@ def test_eval_script_scores_a_checkpoint_and_writes_json(tmp_path, capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text(bpe().to_str())
+    tokenizer.write_text(bpe().json)
     save_weights(tiny_model(), str(tmp_path / "ckpt"), tokenizer)
     mc = [{"query": "the cat", "choices": [" sat", " ran"], "gold": i % 2} for i in range(4)]
     task = write(tmp_path / "mc.jsonl", mc)

@@ -9,7 +9,7 @@ from torch import nn
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.attention import positions_in_document
-from llmfoundry.models.mpt.model import LayerNorm
+from llmfoundry.models.norms import LayerNorm
 
 VOCAB = 97
 

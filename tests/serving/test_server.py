@@ -345,12 +345,11 @@ def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_p
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from llmfoundry.data.prep.tokenizer import load_tokenizer
     from llmfoundry.eval.icl import Task, score_example
 
     model, tokenizer_path = load_pretrained(str(served_model / "ckpt"))
-    tokenizer = load_tokenizer(tokenizer_path)
-    lengths = {len(tokenizer.encode(c).ids) for c in MC_CHOICES}
+    tokenizer = prepare_tokenizer(tokenizer_path)
+    lengths = {len(tokenizer.encode(c)) for c in MC_CHOICES}
     assert lengths == {3}  # eval.py's mean loss and lm-eval's summed logprob pick alike
     examples = [
         {"query": q, "choices": MC_CHOICES[i % 5 : i % 5 + 4], "gold": 0}
@@ -367,7 +366,7 @@ def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_p
     (tasks / "tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=data))
     hf_tokenizer = tmp_path / "hf_tokenizer"  # lm-eval tokenizes with transformers
     hf_tokenizer.mkdir()
-    (hf_tokenizer / "tokenizer.json").write_text(tokenizer.to_str())
+    (hf_tokenizer / "tokenizer.json").write_text(tokenizer.json)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
     (hf_tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
 

@@ -197,7 +197,7 @@ class Formatter:
             elif self.template is not None:
                 new = self._special.encode(piece, add_special_tokens=False).ids
             else:
-                new = self.prepared.tokenizer.encode(piece, add_special_tokens=False).ids
+                new = self.prepared.encode(piece, add_special_tokens=False)
             ids += new
             labels += new if trained else [IGNORE] * len(new)
         return np.array(ids, np.int64), np.array(labels, np.int64)

@@ -1,8 +1,10 @@
 """Tokenizers for data prep: train a byte-level BPE, or load an existing one.
 
-Everything downstream works on a ``tokenizers.Tokenizer`` (the fast Rust library): it
-serialises to one JSON string, so worker processes rebuild it cheaply, and a byte-level BPE
-decodes back to exactly the input text, which is what makes the round trip testable.
+Data prep works on a ``tokenizers.Tokenizer`` (the fast Rust library): it serialises to one
+JSON string, so worker processes rebuild it cheaply, and a byte-level BPE decodes back to
+exactly the input text, which is what makes the round trip testable. `PreparedTokenizer` is the
+implementation of the tokenizer protocol (`llmfoundry.core.tokenizer.Tokenizer`) that
+generation, evaluation and serving take.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +38,14 @@ EOS_TOKEN = "<|endoftext|>"
 
 @dataclass(frozen=True)
 class PreparedTokenizer:
-    """A tokenizer plus the ids data prep needs."""
+    """A tokenizer plus the ids data prep needs; `llmfoundry.core.tokenizer.Tokenizer` (made by
+    `prepare`, which has special-token text encode as plain text). `eos_id` is None only when
+    prepared with ``require_eos=False`` (generation and evaluation, which need no EOS)."""
 
     tokenizer: Tokenizer
-    eos_id: int
+    eos_id: int | None
     bos_id: int | None
-    eos_token: str
+    eos_token: str | None
     bos_token: str | None
 
     @property
@@ -49,6 +53,20 @@ class PreparedTokenizer:
         """One more than the largest id the tokenizer can produce."""
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         return max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text. The Rust tokenizer releases the GIL here and not in `encode`,
+        so a server tokenizing in a worker thread keeps answering."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def token_byte_lengths(self) -> np.ndarray | None:
+        return token_byte_lengths(self.tokenizer)
 
     @property
     def json(self) -> str:
@@ -167,14 +185,19 @@ def _parse(text: str, source: str) -> Tokenizer:
 
 
 def prepare_tokenizer(
-    path: str | os.PathLike, eos_token: str | None = None, bos_token: str | None = None
+    path: str | os.PathLike,
+    eos_token: str | None = None,
+    bos_token: str | None = None,
+    *,
+    require_eos: bool = True,
 ) -> PreparedTokenizer:
     """:func:`load_tokenizer` plus the EOS/BOS ids data prep needs (see :func:`prepare`).
 
     The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
     ``eos_token`` a transformers folder's tokenizer_config.json names.
     """
-    return prepare(load_tokenizer(path), eos_token, bos_token, _configured_eos(Path(path)))
+    default_eos = _configured_eos(Path(path))
+    return prepare(load_tokenizer(path), eos_token, bos_token, default_eos, require_eos)
 
 
 def _configured_eos(folder: Path) -> str | None:
@@ -195,15 +218,20 @@ def prepare(
     eos_token: str | None = None,
     bos_token: str | None = None,
     default_eos: str | None = None,
+    require_eos: bool = True,
 ) -> PreparedTokenizer:
     """Resolve EOS/BOS ids and make special-token text in documents encode as plain text.
 
     Without ``encode_special_tokens`` a document containing the literal text
-    ``<|endoftext|>`` would get a real EOS id in the middle, silently splitting it.
+    ``<|endoftext|>`` would get a real EOS id in the middle, silently splitting it. A tokenizer
+    without an EOS is refused unless ``require_eos`` is false (its `eos_id` is then None).
     """
     tok.encode_special_tokens = True
     if eos_token is None:
         eos_token = EOS_TOKEN if tok.token_to_id(EOS_TOKEN) is not None else default_eos
+    if eos_token is None and not require_eos:
+        bos_id = _token_id(tok, bos_token, "--bos-token") if bos_token is not None else None
+        return PreparedTokenizer(tok, None, bos_id, None, bos_token)
     if eos_token is None:
         raise ValueError(
             f"the tokenizer has no {EOS_TOKEN!r} token and no eos_token; name one with --eos-token"

@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from llmfoundry.models.hf_folder import save_hf_folder
 from llmfoundry.models.mpt.config import MPTConfig
-from llmfoundry.models.mpt.model import LAYER_NORM_EPS, MPTForCausalLM
+from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.models.norms import LAYER_NORM_EPS
 
 
 def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:

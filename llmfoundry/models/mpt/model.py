@@ -1,7 +1,8 @@
 """MPT: a decoder-only transformer with ALiBi, tied embeddings and pre-LayerNorm blocks.
 
-Read top to bottom: LayerNorm (with the low-precision option), Attention, MLP, Block, MPTModel
-(embeddings, blocks, final norm), MPTForCausalLM (tied output head, loss, flops, init).
+Read top to bottom: Attention, MLP, Block, MPTModel (embeddings, blocks, final norm),
+MPTForCausalLM (tied output head, loss, flops, init). LayerNorm, with its low-precision option,
+is shared with other families: `llmfoundry/models/norms.py`.
 Decoding with a KV cache (`cache.py`) and sampling live in `generation.py`.
 Parameter names follow transformers' MptForCausalLM (`transformer.blocks.0.attn.Wqkv.weight`, ...)
 so exporting is a state dict copy. The model knows nothing of parallelism or of the trainer.
@@ -22,32 +23,7 @@ from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 from llmfoundry.models.mpt.loss import next_token_loss_sum
-
-LAYER_NORM_EPS = 1e-5
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm that, with `low_precision=True`, runs in the autocast dtype.
-
-    Autocast normally computes LayerNorm in float32; MPT's low-precision LayerNorm casts input,
-    weight and bias to the autocast dtype (bf16) instead, trading a little precision for speed and
-    memory. Outside autocast it is an ordinary LayerNorm.
-    """
-
-    def __init__(self, dim: int, bias: bool, low_precision: bool) -> None:
-        super().__init__(dim, eps=LAYER_NORM_EPS, bias=bias)
-        self.low_precision = low_precision
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        if not (self.low_precision and torch.is_autocast_enabled(device)):
-            return super().forward(x)
-        dtype = torch.get_autocast_dtype(device)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        with torch.autocast(device, enabled=False):
-            return F.layer_norm(
-                x.to(dtype), self.normalized_shape, self.weight.to(dtype), bias, self.eps
-            )
+from llmfoundry.models.norms import LayerNorm
 
 
 class Attention(nn.Module):
