@@ -25,10 +25,8 @@ LAYERS: list[set[str]] = [
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
-# Being removed (issue 22: pretrained loading moves to checkpoint/, DCP I/O leaves distributed/).
+# Being removed (issue 22: pretrained loading moves to checkpoint/).
 PENDING = {
-    "llmfoundry/distributed/base.py (distributed -> checkpoint)",
-    "llmfoundry/distributed/deepspeed.py (distributed -> checkpoint)",
     "llmfoundry/models/mpt/pretrained.py (models -> checkpoint)",
 }
 

@@ -25,7 +25,7 @@ first save and after each save.
 Files are only ever read back as tensors and plain containers: safetensors for weights and
 ``torch.load(weights_only=True)`` for the rest, and sharded/ through dcp_reader.py (DCP's metadata
 with an unpickler that admits only DCP's classes), and DeepSpeed's shards with
-``weights_only=True`` too (llmfoundry/distributed/deepspeed.py), so a checkpoint cannot run code
+``weights_only=True`` too (llmfoundry/checkpoint/deepspeed.py), so a checkpoint cannot run code
 when loaded; each file is checked against the manifest before it is parsed.
 """
 

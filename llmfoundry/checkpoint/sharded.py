@@ -1,8 +1,8 @@
 """Sharded checkpoints: each rank writes and reads its own shard of the model and optimizer.
 
 Strategies that shard the model (``Strategy.sharded_checkpoints``) save model and optimizer
-state into a ``sharded/`` folder of the checkpoint (`Strategy.save_shards`: FSDP through
-torch.distributed.checkpoint (DCP), DeepSpeed through its own checkpoint) instead of rank 0
+state into a ``sharded/`` folder of the checkpoint (`save_shards`: FSDP through
+torch.distributed.checkpoint (DCP), DeepSpeed through its engine's own checkpoint, deepspeed.py) instead of rank 0
 gathering whole tensors into ``model.safetensors``; the rest of the checkpoint (``state.pt``, the
 RNG files) and the atomic `latest` pointer are io.py's, as for full checkpoints. DCP records
 each tensor's global shape and which slice each file holds, so a DCP checkpoint loads into any
@@ -22,17 +22,27 @@ sliced into the loading objects' DTensors (`fit_layout`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from llmfoundry.checkpoint import deepspeed
 from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
+from llmfoundry.distributed import DeepSpeed, Strategy
 from llmfoundry.utils.files import join_url
 
 # What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
@@ -42,13 +52,89 @@ IN_SHARDS = "<in sharded/>"
 
 
 def write_shards(
-    strategy: Any,
+    strategy: Strategy,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     objects: Mapping[str, Any],
 ) -> FileWriter:
-    """A writer of this rank's shards (`Strategy.save_shards`); every rank writes the same path."""
-    return lambda path: strategy.save_shards(path, model, optimizer, objects)
+    """A writer of this rank's shards (`save_shards`); every rank writes the same path."""
+    return lambda path: save_shards(strategy, path, model, optimizer, objects)
+
+
+def save_shards(
+    strategy: Strategy,
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any] | None = None,
+) -> Future | None:
+    """Write this rank's shards of model and optimizer into the folder `path` (a collective:
+    every rank calls it with the same path); torch.distributed.checkpoint, or DeepSpeed's
+    engine. `objects`: other state laid out like the parameters (nested dicts of DTensors, e.g.
+    EMA's averages), saved with them under the key ``objects`` (always empty with DeepSpeed:
+    its parameters are not DTensors, state.pt has all). With ``strategy.async_save`` it
+    returns, once the state is copied, a Future of the write going on in the background (over
+    ``strategy.save_group``)."""
+    if isinstance(strategy, DeepSpeed):
+        deepspeed.save_shards(strategy, path)
+        return None
+    state = _dcp_state(model, optimizer, objects)
+    if strategy.async_save:
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=strategy.save_group)
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+def load_shards(
+    strategy: Strategy,
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    keys: Collection[str] = SHARDED_KEYS,
+    objects: Mapping[str, Any] | None = None,
+) -> None:
+    """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
+    strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
+    local folder or an fsspec URL (read without unpickling objects: `load_shards_state`).
+    `objects` (as for `save_shards`, this run's tensors in its own layout) are filled in
+    place."""
+    if isinstance(strategy, DeepSpeed):
+        deepspeed.load_shards(strategy, path, keys)
+        return
+    state = _dcp_state(model, optimizer, objects, keys)
+    if state:
+        load_shards_state(state, path)
+        load_sharded_state(model, optimizer, state)
+
+
+def _dcp_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any] | None,
+    keys: Collection[str] = SHARDED_KEYS,
+) -> dict[str, Any]:
+    state = {k: v for k, v in sharded_state(model, optimizer).items() if k in keys}
+    return {**state, "objects": objects} if objects else state
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state as this rank holds it, for torch.distributed.checkpoint:
+    shards (DTensors) for sharded models, whole tensors otherwise. Loading such a dict
+    in place through DCP reshards whatever was saved onto this layout."""
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
+
+
+def load_sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Apply what `sharded_state` returned after DCP filled it (either key may be absent)."""
+    if "model" in state:
+        set_model_state_dict(model, state["model"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def split_shards(tree: Any) -> tuple[Any, dict[str, Any]]:

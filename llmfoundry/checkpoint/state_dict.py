@@ -13,8 +13,9 @@ A checkpoint holds, under these keys (any of which `load_ignore_keys` may skip o
 - ``rng``: each rank's python, numpy, torch (and CUDA) generator states, one file per rank;
 - ``config``: the run's config; never loaded, but compared with the loading run's (compat.py).
 
-Model and optimizer state come from the strategy (`Strategy.model_state_dict`, ...), so a
-checkpoint saved by one strategy loads into any other, at any world size.
+Model and optimizer state are read and written as the strategy holds them (state.py for full
+checkpoints, sharded.py for shards), so a checkpoint saved by one strategy loads into any
+other, at any world size.
 
 Finetuning from pretrained weights: ``load_ignore_keys=[optimizer, scaler, timestamp, algorithms,
 callbacks, loggers, data, rng]`` (`WEIGHTS_ONLY`). Checkpoints saved before the ``scheduler``
@@ -53,9 +54,17 @@ from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
     fit_layout,
+    load_shards,
     shard_targets,
     split_shards,
     write_shards,
+)
+from llmfoundry.checkpoint.state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    local_weights,
+    model_state_dict,
+    optimizer_state_dict,
 )
 from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
@@ -98,13 +107,13 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
     """The files this rank writes for a checkpoint of `state` (rank 0 the shared ones).
 
     Gathering whole weights and optimizer state is a collective under a sharding strategy, so
-    every rank asks the strategy for them even though only rank 0 writes them. First the ranks
+    every rank gathers them even though only rank 0 writes them. First the ranks
     agree that the weights are finite (else every rank raises, before anything is written).
     """
     strategy = state.strategy
     refuse_non_finite(
         f"checkpoint {checkpoint_name(state.timestamp.epoch, state.timestamp.batch)}",
-        strategy.local_weights(state.model),
+        local_weights(strategy, state.model),
         strategy.all_reduce_sum,
         strategy.device,
     )
@@ -118,8 +127,8 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
                 objects[key] = shards
         files[SHARDED_DIR] = write_shards(strategy, state.model, state.optimizer, objects)
     else:
-        weights = model_weights(strategy.model_state_dict(state.model))
-        run["optimizer"] = strategy.optimizer_state_dict(state.model, state.optimizer)
+        weights = model_weights(model_state_dict(state.model))
+        run["optimizer"] = optimizer_state_dict(state.model, state.optimizer)
     if state.rank == 0:
         if not strategy.sharded_checkpoints:
             files[MODEL_FILE] = write_tensors(weights)
@@ -180,8 +189,13 @@ def restore(
             if key not in ignore and (targets := shard_targets(saved.get(key), current[key])):
                 in_shards[key] = targets
         try:
-            strategy.load_shards(
-                join_url(where, SHARDED_DIR), state.model, state.optimizer, keys, in_shards
+            load_shards(
+                strategy,
+                join_url(where, SHARDED_DIR),
+                state.model,
+                state.optimizer,
+                keys,
+                in_shards,
             )
         except CheckpointError:  # a shard that is damaged or refused: already names its file
             raise
@@ -201,7 +215,7 @@ def restore(
         )
     if "model" not in ignore:
         try:
-            strategy.load_model_state_dict(state.model, checkpoint.model)
+            load_model_state_dict(strategy, state.model, checkpoint.model)
         except (RuntimeError, KeyError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its weights do not fit this model ({err}); load it "
@@ -210,7 +224,9 @@ def restore(
     if "optimizer" not in ignore:
         try:
             with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
-                strategy.load_optimizer_state_dict(state.model, state.optimizer, saved["optimizer"])
+                load_optimizer_state_dict(
+                    strategy, state.model, state.optimizer, saved["optimizer"]
+                )
         except (ValueError, KeyError, RuntimeError) as err:
             raise ValueError(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "

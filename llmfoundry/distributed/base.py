@@ -1,37 +1,21 @@
 """The strategy interface, and the helpers every strategy shares.
 
 A strategy owns the process group, the device, how a model built on the meta device is
-materialized and wrapped, the training step's backward / optimizer step / zero_grad, and how
-model and optimizer state is read and written. One-process, data-parallel and sharded strategies
-implement the same interface, so neither the trainer nor checkpoints branch on which is in use.
+materialized and wrapped, and the training step's backward / optimizer step / zero_grad.
+One-process, data-parallel and sharded strategies implement the same interface, so the trainer
+does not branch on which is in use. Checkpoints read and write model and optimizer state
+themselves (llmfoundry/checkpoint/state.py, sharded.py), as the strategy's flags below say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
-from llmfoundry.checkpoint.dcp_reader import load_shards_state
 from llmfoundry.core.precision import Precision
 from llmfoundry.utils.errors import UserError
-
-# Whole tensors on the CPU: what full (single-file) checkpoints hold. With a sharded model,
-# torch gathers them on rank 0 only; the other ranks get an empty dict.
-FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def resolve_device(device: str, setting: str = "strategy.device") -> torch.device:
@@ -96,8 +80,9 @@ class Strategy:
     several processes read the same batch.
 
     `sharded_checkpoints`: whether checkpoints hold each rank's shard (torch.distributed.checkpoint)
-    rather than one file of whole tensors written by rank 0. `async_save`: whether `save_shards`
-    returns while its files are still being written (a Future the checkpoint waits for).
+    rather than one file of whole tensors written by rank 0. `async_save`: whether a save of the
+    shards returns while its files are still being written (a Future the checkpoint waits for;
+    llmfoundry/checkpoint/sharded.py).
     """
 
     rank: int = 0
@@ -178,109 +163,6 @@ class Strategy:
         the strategy holds for the step (gathered weights), so the retry starts clean."""
         del model
         self.zero_grad(optimizer)
-
-    # ------------------------------------------------------------------ state for checkpoints
-    def local_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's part of every weight and buffer by name, where it lives (no copy, no
-        communication): whole tensors, or this rank's shard of a sharded (DTensor) one; the
-        same names in the same order on every rank. What a save checks for NaN on all ranks
-        before anything is written (llmfoundry/checkpoint/finite.py)."""
-        return {
-            name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            for name, tensor in unwrap_model(model).state_dict().items()
-        }
-
-    def model_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Whole weights on the CPU by the model's own names (no wrapper prefixes); called on
-        every rank, complete on rank 0."""
-        return get_model_state_dict(model, options=FULL_ON_CPU)
-
-    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
-        """Load whole weights (every rank passes them); sharded models keep their own shard."""
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-    def optimizer_state_dict(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter name, whole tensors on the CPU, so it loads
-        into any strategy; called on every rank, complete on rank 0."""
-        return get_optimizer_state_dict(model, optimizer, options=FULL_ON_CPU)
-
-    def load_optimizer_state_dict(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        # A stateless optimizer (SGD without momentum) has only hyperparameters, which torch
-        # refuses to distribute as "full" state: they load as they are.
-        full = bool(state.get("state"))
-        set_optimizer_state_dict(
-            model, optimizer, state, options=StateDictOptions(full_state_dict=full)
-        )
-
-    def save_shards(
-        self,
-        path: Path,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        objects: Mapping[str, Any] | None = None,
-    ) -> Future | None:
-        """Write this rank's shards of model and optimizer into the folder `path` (a collective:
-        every rank calls it with the same path); torch.distributed.checkpoint by default.
-        `objects`: other state laid out like the parameters (nested dicts of DTensors, e.g.
-        EMA's averages), saved with them under the key ``objects``. With `async_save` it
-        returns, once the state is copied, a Future of the write going on in the background."""
-        state = self._dcp_state(model, optimizer, objects)
-        if self.async_save:
-            return dcp.async_save(state, checkpoint_id=str(path), process_group=self.save_group)
-        dcp.save(state, checkpoint_id=str(path))
-        return None
-
-    def load_shards(
-        self,
-        path: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        keys: Collection[str] = ("model", "optimizer"),
-        objects: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Load `keys` of the shards `save_shards` wrote (on any number of ranks, by any
-        strategy whose state DCP can reshard), onto this rank's current layout; `path` is a
-        local folder or an fsspec URL (read without unpickling objects: `load_shards_state`).
-        `objects` (as for `save_shards`, this run's tensors in its own layout) are filled in
-        place."""
-        state = self._dcp_state(model, optimizer, objects, keys)
-        if state:
-            load_shards_state(state, path)
-            self.load_sharded_state(model, optimizer, state)
-
-    def _dcp_state(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        objects: Mapping[str, Any] | None,
-        keys: Collection[str] = ("model", "optimizer"),
-    ) -> dict[str, Any]:
-        state = {k: v for k, v in self.sharded_state(model, optimizer).items() if k in keys}
-        return {**state, "objects": objects} if objects else state
-
-    def sharded_state(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        """Model and optimizer state as this rank holds it, for torch.distributed.checkpoint:
-        shards (DTensors) for sharded models, whole tensors otherwise. Loading such a dict
-        in place through DCP reshards whatever was saved onto this layout."""
-        return {
-            "model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer),
-        }
-
-    def load_sharded_state(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        """Apply what `sharded_state` returned after DCP filled it (either key may be absent)."""
-        if "model" in state:
-            set_model_state_dict(model, state["model"])
-        if "optimizer" in state:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
     # ------------------------------------------------------------------ collectives
     def all_reduce_sum(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:

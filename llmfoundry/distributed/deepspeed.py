@@ -19,33 +19,18 @@ options rather than written by hand:
 - offload: `offload_optimizer` (stages 1-3) and `offload_params` (stage 3) to CPU memory.
 
 Checkpoints: DeepSpeed's own (each rank's partitions in the checkpoint's ``sharded/`` folder)
-plus our trainer state; they resume with the same stage on the same number of ranks. Full
-(safetensors) checkpoints load model weights into any stage. Auto-microbatching is refused:
-ZeRO reduces gradients inside backward, and DeepSpeed offers no way to abandon that mid-step.
-
-DeepSpeed reads its files with ``torch.load(weights_only=False)`` (its TorchCheckpointEngine,
-zero_to_fp32), which would run code pickled into a checkpoint. `load_shards` reads them with
-``weights_only=True`` instead (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides the argument
-for every load in `weights_only_loads`), admitting besides tensors and plain containers only
-the few DeepSpeed classes its files hold (`CHECKPOINT_CLASSES`: the loss scaler, the ZeRO
-stage, fragment addresses), so a DeepSpeed checkpoint is as safe to load as ours: a file that
-needs anything else is refused with a `CheckpointError` naming it.
+plus our trainer state, read and written by llmfoundry/checkpoint/deepspeed.py through `engine`.
+Auto-microbatching is refused: ZeRO reduces gradients inside backward, and DeepSpeed offers no
+way to abandon that mid-step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-import pickle
-from collections.abc import Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint.manifest import CheckpointError, describe
 from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.parallelize import apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
@@ -53,48 +38,6 @@ from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
-# torch.load reads with weights_only=True while this is set, whatever its caller passes.
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-# What DeepSpeed's checkpoint files hold besides tensors and plain containers (0.19, ZeRO 1-3):
-# module path -> class names. Unpickling one only sets its attributes (or, for the enum, looks
-# up a member); nothing of it runs code.
-CHECKPOINT_CLASSES = {
-    "deepspeed.runtime.fp16.loss_scaler": ("LossScaler", "DynamicLossScaler"),
-    "deepspeed.runtime.zero.config": ("ZeroStageEnum",),
-    "deepspeed.utils.tensor_fragment": ("fragment_address",),
-}
-
-
-@contextlib.contextmanager
-def weights_only_loads() -> Iterator[None]:
-    """Every ``torch.load`` of this process within the block reads with ``weights_only=True``,
-    admitting `CHECKPOINT_CLASSES` too (see the module docstring)."""
-    classes = [
-        getattr(importlib.import_module(module), name)
-        for module, names in CHECKPOINT_CLASSES.items()
-        for name in names
-    ]
-    previous = os.environ.get(FORCE_WEIGHTS_ONLY)
-    os.environ[FORCE_WEIGHTS_ONLY] = "1"
-    try:
-        with torch.serialization.safe_globals(classes):
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
-        else:
-            os.environ[FORCE_WEIGHTS_ONLY] = previous
-
-
-def _refused_file(folder: Path) -> Path | None:
-    """The first file of a DeepSpeed checkpoint `folder` that weights-only loading refuses."""
-    with weights_only_loads():
-        for path in sorted(folder.glob("*.pt")):
-            try:
-                torch.load(path, map_location="cpu", mmap=True)
-            except pickle.UnpicklingError:
-                return path
-    return None
 
 
 def _import_deepspeed() -> Any:
@@ -201,79 +144,3 @@ class DeepSpeed(ProcessGroupStrategy):
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         self.engine.zero_grad()
-
-    # ------------------------------------------------------------------ state for checkpoints
-    def local_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """ZeRO-3 keeps each parameter's partition of this rank in ``ds_tensor`` (the parameter
-        itself is an empty placeholder outside a gather); stages 1-2 hold whole parameters."""
-        if self.stage != 3:
-            return super().local_weights(model)
-        module = self.engine.module
-        return {
-            **{name: param.ds_tensor for name, param in module.named_parameters()},
-            **dict(module.named_buffers()),
-        }
-
-    def save_shards(
-        self,
-        path: Path,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        objects: Mapping[str, Any] | None = None,
-    ) -> None:
-        del objects  # always empty: DeepSpeed's parameters are not DTensors (state.pt has all)
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
-
-    def load_shards(
-        self,
-        path: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        keys: Collection[str] = ("model", "optimizer"),
-        objects: Mapping[str, Any] | None = None,
-    ) -> None:
-        del objects  # always empty, as for save_shards
-        if "model" not in keys:
-            raise UserError(
-                f"strategy={self.name} loads a DeepSpeed checkpoint's model and optimizer "
-                "together; to start the optimizer afresh, convert the checkpoint to weights "
-                "first (scripts/convert_checkpoint.py does not read DeepSpeed's format; use "
-                "DeepSpeed's zero_to_fp32.py)"
-            )
-        folder = Path(path)
-        try:
-            with weights_only_loads():
-                loaded, _ = self.engine.load_checkpoint(
-                    str(folder.parent),
-                    tag=folder.name,
-                    load_optimizer_states="optimizer" in keys,
-                    load_lr_scheduler_states=False,
-                    load_module_only="optimizer" not in keys,
-                )
-        except pickle.UnpicklingError as err:
-            raise CheckpointError(
-                f"refusing to load {_refused_file(folder) or folder}: it holds objects that "
-                f"loading refuses to unpickle ({describe(err)}); loading it could run code "
-                "written into the checkpoint: load a checkpoint from a source you trust"
-            ) from None
-        if loaded is None:
-            raise UserError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
-
-    def load_model_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
-        """Whole weights into the engine: gathered for ZeRO-3, then copied to the optimizer's
-        fp32 partitions, which are what the next step updates."""
-        module = self.engine.module
-        params = list(module.parameters())
-        with self.deepspeed.zero.GatheredParameters(
-            params, modifier_rank=0, enabled=self.stage == 3
-        ):
-            module.load_state_dict(state)
-        self.engine.optimizer.refresh_fp32_params()
-
-    def load_optimizer_state_dict(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> None:
-        raise UserError(
-            f"strategy={self.name} cannot load a full checkpoint's optimizer state into ZeRO's "
-            "partitions; add 'optimizer' to load_ignore_keys to start it afresh"
-        )

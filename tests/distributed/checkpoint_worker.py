@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import EMA
 from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.checkpoint import sharded
+from llmfoundry.checkpoint.state import model_state_dict
 from llmfoundry.distributed import DDP, FSDP, Strategy
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Callback, Trainer
@@ -54,7 +56,7 @@ class GatherAtEnd(Callback):
         self.path = path
 
     def fit_end(self, state, logger) -> None:
-        weights = state.strategy.model_state_dict(state.model)
+        weights = model_state_dict(state.model)
         if state.rank == 0:
             safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, self.path)
 
@@ -135,20 +137,19 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
-class SlowBackgroundSaves(FSDP):
+def slow_background_saves() -> None:
     """Async saves whose background write, after the first, takes a minute longer (a slow
-    store), so the run is killed while one is in flight."""
+    store), so the run is killed while one is in flight (this process's `save_shards`)."""
+    save_shards = sharded.save_shards
+    saves = 0
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, async_save=True, **kwargs)
-        self.saves = 0
-
-    def save_shards(self, path, model, optimizer, objects=None):
-        future = super().save_shards(path, model, optimizer, objects)
+    def slow_save_shards(strategy, path, model, optimizer, objects=None):
+        nonlocal saves
+        future = save_shards(strategy, path, model, optimizer, objects)
         if not isinstance(future, Future):  # the rank exits 1, not killed: the test fails
-            raise TypeError(f"FSDP(async_save=True).save_shards returned {future!r}")
-        self.saves += 1
-        if self.saves == 1:
+            raise TypeError(f"save_shards with FSDP(async_save=True) returned {future!r}")
+        saves += 1
+        if saves == 1:
             return future
         slow: Future = Future()
 
@@ -159,6 +160,8 @@ class SlowBackgroundSaves(FSDP):
 
         threading.Thread(target=finish_later, daemon=True).start()
         return slow
+
+    sharded.save_shards = slow_save_shards
 
 
 class KillAt(Callback):
@@ -177,5 +180,6 @@ def killed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str
     """Saves after every batch in the background; killed at the end of batch 3, while the
     save of batch 2 is still being written."""
     join_env(rank, world, ports[0])
-    strategy = SlowBackgroundSaves("cpu", timeout_s=60)
+    slow_background_saves()
+    strategy = FSDP("cpu", timeout_s=60, async_save=True)
     resume_run(strategy, mds, f"{out}/async_killed", save_interval="1ba", callbacks=(KillAt(3),))

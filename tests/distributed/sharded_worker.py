@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.checkpoint.state import model_state_dict
 from llmfoundry.data import StreamingTextDataset
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy, unwrap_model
@@ -55,7 +56,7 @@ class Recorder(Callback):
 
     def fit_start(self, state, logger) -> None:
         if state.timestamp.batch == 0:  # a collective under FSDP: every rank asks
-            weights = state.strategy.model_state_dict(state.model)  # live tensors unsharded
+            weights = model_state_dict(state.model)  # live tensors unsharded
             self.initial = {name: tensor.clone() for name, tensor in weights.items()}
 
     def after_dataloader(self, state, logger) -> None:

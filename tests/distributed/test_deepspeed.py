@@ -58,7 +58,7 @@ def test_zero3_checkpoint_resumes_the_same_run(runs):
 
 
 def test_a_payload_in_a_deepspeed_checkpoint_is_refused_and_never_runs(runs):
-    """DeepSpeed loads its files with weights_only=False; `DeepSpeed.load_shards` does not."""
+    """DeepSpeed loads its files with weights_only=False; `checkpoint.deepspeed.load_shards` does not."""
     out, _, ranks, _ = runs
     for rank in ranks:
         message = rank["zero3_forged"]["error"]
