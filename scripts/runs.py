@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("-f", "--follow", action="store_true", help="follow while running")
         add_script_arguments(parser)
         args = parser.parse_args(argv[1:])
-        with script_errors(args):
+        with script_errors(args, also=(LookupError, FileNotFoundError)):
             return logs(args)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="folder or URL of runs")
@@ -38,23 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_script_arguments(parser)
     args = parser.parse_args(argv)
-    with script_errors(args):
-        try:
-            runs = find_runs(args.root, stale_s=args.stale_after)
-        except FileNotFoundError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+    with script_errors(args, also=(FileNotFoundError,)):
+        runs = find_runs(args.root, stale_s=args.stale_after)
         print(table(runs) if runs else f"no runs under {args.root}")
     return 0
 
 
 def logs(args: argparse.Namespace) -> int:
-    try:
-        run = find_run(args.root, args.name)
-        path = log_file(run)
-    except (LookupError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    run = find_run(args.root, args.name)
+    path = log_file(run)
     status = f"{run.folder}/status.json" if args.follow else None
     for chunk in follow(path, status):
         sys.stdout.buffer.write(chunk)
