@@ -20,6 +20,8 @@ from pathlib import Path
 
 from llmfoundry.data.prep.docstrings import choice_task, docstring_examples
 from llmfoundry.data.prep.instructions import Formatter
+from llmfoundry.data.prep.interrupt import prep_script
+from llmfoundry.utils.cli import add_script_arguments
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.logs import configure_logging
 
@@ -32,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--choices", type=int, default=4, help="choices per question (default 4)")
     p.add_argument("--limit", type=int, default=200, help="questions at most (default 200)")
     p.add_argument("--seed", type=int, default=17, help="seed of the sample and the choices")
+    add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
-    try:
+    with prep_script(args):
         formatter = Formatter(args.tokenizer)
         examples = []
         for folder in args.folders:
@@ -52,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
             ex["prompt"] = formatter.prompt(messages)
         lines = choice_task(examples, args.choices, args.seed)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out, "".join(json.dumps(line) + "\n" for line in lines))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out, "".join(json.dumps(line) + "\n" for line in lines))
     print(f"{args.out}: {len(lines)} questions of {args.choices} choices")
     return 0
 

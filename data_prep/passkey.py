@@ -16,6 +16,8 @@ import json
 import sys
 
 from llmfoundry.data.passkey import PasskeyTask, write_passkey_dataset
+from llmfoundry.data.prep.interrupt import prep_script
+from llmfoundry.utils.cli import add_script_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-rows", type=int, default=20000)
     parser.add_argument("--val-rows", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
-    try:
+    with prep_script(args):
         task = PasskeyTask(args.seq_len, args.n_digits, args.n_filler)
         meta = write_passkey_dataset(args.out, task, args.train_rows, args.val_rows, args.seed)
-    except ValueError as err:
-        parser.error(str(err))
     print(json.dumps(meta, indent=2, sort_keys=True))
     return 0
 

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from llmfoundry.serving.deploy import ENGINES, load_spec, render, to_yaml
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("overrides", nargs="*", help="key=value overrides")
     r.add_argument("--engine", choices=ENGINES, help="override the config's engine")
     r.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    add_script_arguments(r, storage=False)
     # Overrides may come after --engine too: gather the positionals argparse left over.
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if a.startswith("-")]
@@ -37,9 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return write(args)
+
+
+def write(args: argparse.Namespace) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
-        sys.exit(f"error: overrides are key=value, got {' '.join(bad)}")
+        raise UserError(f"overrides are key=value, got {' '.join(bad)}")
     text = to_yaml(render(load_spec(args.config, args.overrides, args.engine)))
     if args.output is None:
         sys.stdout.write(text)
@@ -50,7 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

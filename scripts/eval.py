@@ -16,6 +16,8 @@ import sys
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
 from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.logs import configure_logging
 
@@ -31,19 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="score only the first N examples of each task")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the model's own)")
     p.add_argument("--out", help="write the results as JSON here")
+    add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
-    try:
-        model, tokenizer_path = load_pretrained(args.model)
-        tokenizer_path = args.tokenizer or tokenizer_path
-        if tokenizer_path is None:
-            raise ValueError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
-        tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
-        tasks = [load_task(url) for url in args.tasks]
-        results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer_path = load_pretrained(args.model)
+    tokenizer_path = args.tokenizer or tokenizer_path
+    if tokenizer_path is None:
+        raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
+    tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
+    tasks = [load_task(url) for url in args.tasks]
+    results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
     print(summary_table(results))
     if args.out:
         report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}

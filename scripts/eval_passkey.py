@@ -24,6 +24,7 @@ from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.families import family_of
 from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 
 def attention_window(config, seq_len: int) -> int:
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="score only the first N rows")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", help="also write the results to this file")
+    add_script_arguments(parser)
     args = parser.parse_args(argv)
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     task = read_task(args.data)
     loader = StreamingDataLoader(
         StreamingTextDataset(args.data, split=args.split, batch_size=args.batch_size)

@@ -29,6 +29,7 @@ from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.families import family_of, logits_relative_error
 from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
 TOLERANCE = 1e-5
 
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with script_errors(args):
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
         return export(args)
 
 
@@ -58,7 +59,7 @@ def export(args: argparse.Namespace) -> int:
     family.check_hf(model.config)  # refuses what transformers cannot represent, before any work
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
-        sys.exit(
+        raise UserError(
             f"no tokenizer found with {args.checkpoint} (no tokenizer.json in the checkpoint and "
             "no tokenizer recorded by its run); pass --tokenizer PATH/tokenizer.json"
         )
@@ -80,7 +81,4 @@ def export(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

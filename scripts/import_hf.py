@@ -25,9 +25,17 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from llmfoundry.checkpoint import resolve
 from llmfoundry.config.preflight import compose_config
 from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
-from llmfoundry.models.mpt.pretrained import TOKENIZER_FILE, load_pretrained, save_weights
+from llmfoundry.models.mpt.pretrained import (
+    TOKENIZER_FILE,
+    is_hf_folder,
+    load_pretrained,
+    save_weights,
+)
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
 TOLERANCE = 1e-5
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -37,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("hf_dir", help="a transformers MPT or Llama folder (config.json and weights)")
     p.add_argument("ckpt_dir", help="save folder to write the checkpoint into (load_path=)")
+    add_script_arguments(p)
     return p.parse_args(argv)
 
 
@@ -67,12 +76,32 @@ def train_overrides(config: Any, conf_dir: Path = CONF_DIR) -> list[str]:
         if best is None or len(changed) < len(best) - 1:
             best = [f"model={path.stem}", *changed]
     if best is None:
-        raise ValueError(f"conf/model has no {family.name} size to train this model from")
+        raise UserError(f"conf/model has no {family.name} size to train this model from")
     return best
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with script_errors(args, also=(ValueError, FileNotFoundError)):
+        return run(args)
+
+
+def refuse_checkpoint(path: str) -> None:
+    """A llmfoundry checkpoint given for the transformers folder: say what to do with it."""
+    if is_hf_folder(path):
+        return
+    try:
+        found = resolve(path)
+    except UserError:
+        return  # not a checkpoint either: family_of_hf says what is missing
+    raise UserError(
+        f"{path} is a llmfoundry checkpoint ({found}), not a transformers folder: train from it "
+        "with load_path= as it is, or export it with scripts/export_hf.py"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    refuse_checkpoint(args.hf_dir)
     model = family_of_hf(args.hf_dir).from_hf(args.hf_dir)
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)
@@ -87,7 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as err:  # bad input: the message says what to fix
-        sys.exit(f"error: {err}")
+    sys.exit(main())

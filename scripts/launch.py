@@ -16,11 +16,11 @@ import logging
 import sys
 from pathlib import Path
 
-from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check
 from llmfoundry.launch import load_job
 from llmfoundry.launch.backends import BACKENDS
 from llmfoundry.launch.command import train_overrides
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,24 +36,25 @@ def main(argv: list[str] | None = None) -> int:
         "--train", action="append", default=[], help="a training override (repeatable)"
     )
     parser.add_argument("--out", type=Path, help="folder for the rendered file")
+    add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with script_errors(args, prefix="Job error"):
+        return launch(args)
 
+
+def launch(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.gpus is not None:
         overrides.append(f"compute.gpus={args.gpus}")
     render, submit = BACKENDS[args.backend]
-    try:
-        job = load_job(args.job, overrides, train=args.train)
-        rendered = render(job, ROOT)
-        # Hydra-only keys are checked by Hydra itself when the run starts.
-        check(
-            ROOT / "conf",
-            [o for o in train_overrides(job, rendered.layout) if not o.startswith("hydra.")],
-        )
-    except ConfigError as err:
-        print(f"Job error: {err}", file=sys.stderr)
-        return 2
+    job = load_job(args.job, overrides, train=args.train)
+    rendered = render(job, ROOT)
+    # Hydra-only keys are checked by Hydra itself when the run starts.
+    check(
+        ROOT / "conf",
+        [o for o in train_overrides(job, rendered.layout) if not o.startswith("hydra.")],
+    )
     out = args.out or ROOT / ".launch" / job.name
     out.mkdir(parents=True, exist_ok=True)
     path = out / rendered.filename
@@ -63,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend}: {layout.nodes} node(s) x {layout.procs_per_node} {units} -> {path}")
     if args.action == "render":
         return 0
-    try:
-        return submit(path, job, ROOT)
-    except ConfigError as err:
-        print(f"Job error: {err}", file=sys.stderr)
-        return 2
+    return submit(path, job, ROOT)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from hydra.errors import HydraException
 from hydra.utils import instantiate
 
 from llmfoundry.callbacks.peak_flops import gpu_peak_flops, number_format
 from llmfoundry.config import validate_config
-from llmfoundry.config.preflight import compose_config
+from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.planning import (
     STRATEGIES,
     Setup,
@@ -33,7 +34,8 @@ from llmfoundry.planning import (
     plan_memory,
     step_seconds,
 )
-from llmfoundry.utils.errors import UserError, exit_on_user_error, split_debug_flag
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -51,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides name)")
     p.add_argument("--mfu", type=float, default=0.4, help="MFU for the step time (default 0.4)")
     p.add_argument("--microbatch", type=int, help="default: the config's microbatch or batch")
+    add_script_arguments(p, storage=False)
     return p.parse_args(argv)
 
 
@@ -83,14 +86,17 @@ def _what_would_fit(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, debug = split_debug_flag(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    with exit_on_user_error(debug):
+    with script_errors(args):
         return plan(args)
 
 
 def plan(args: argparse.Namespace) -> int:
-    cfg = compose_config(CONF_DIR, args.overrides)
+    try:
+        cfg = compose_config(CONF_DIR, args.overrides)
+    except HydraException:
+        check(CONF_DIR, args.overrides)  # raises the ConfigError naming the key and the fix
+        raise
     settings = validate_config(cfg)
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len

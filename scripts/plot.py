@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
+
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(
@@ -22,27 +25,28 @@ def main(argv: list[str] | None = None) -> list[Path]:
         "--labels", nargs="+", help="legend label of each run (default: folder names)"
     )
     parser.add_argument("--out", help="folder for the PNG files (default: <first run>/plots)")
+    add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
+    with script_errors(args, also=(FileNotFoundError, ValueError)):
+        written = plot(args)
+    for path in written:
+        print(path)
+    return written
+
+
+def plot(args: argparse.Namespace) -> list[Path]:
     # Imported after parsing so --help answers without loading torch.
     from llmfoundry.loggers.plot import metrics_file, plot_runs, read_metrics
 
     if args.labels and len(args.labels) != len(args.runs):
-        parser.error(f"--labels gives {len(args.labels)} labels for {len(args.runs)} runs")
-    try:
-        files = [metrics_file(run) for run in args.runs]
-        labels = args.labels or [
-            f.parent.name if f.name == "metrics.jsonl" else f.stem for f in files
-        ]
-        if len(set(labels)) != len(labels):
-            parser.error(f"runs need distinct labels, got {labels}: pass --labels")
-        out = Path(args.out) if args.out else files[0].parent / "plots"
-        runs = {label: read_metrics(f) for label, f in zip(labels, files, strict=True)}
-        written = plot_runs(runs, out)
-    except (FileNotFoundError, ValueError) as err:
-        parser.exit(2, f"plot.py: error: {err}\n")
-    for path in written:
-        print(path)
-    return written
+        raise UserError(f"--labels gives {len(args.labels)} labels for {len(args.runs)} runs")
+    files = [metrics_file(run) for run in args.runs]
+    labels = args.labels or [f.parent.name if f.name == "metrics.jsonl" else f.stem for f in files]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"runs need distinct labels, got {labels}: pass --labels")
+    out = Path(args.out) if args.out else files[0].parent / "plots"
+    runs = {label: read_metrics(f) for label, f in zip(labels, files, strict=True)}
+    return plot_runs(runs, out)
 
 
 if __name__ == "__main__":

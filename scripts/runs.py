@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("-f", "--follow", action="store_true", help="follow while running")
         add_script_arguments(parser)
         args = parser.parse_args(argv[1:])
-        with script_errors(args):
+        with script_errors(args, also=(LookupError, FileNotFoundError)):
             return logs(args)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="folder or URL of runs")
@@ -46,12 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_script_arguments(parser)
     args = parser.parse_args(argv)
-    with script_errors(args):
-        try:
-            runs = find_runs(args.root, stale_s=args.stale_after)
-        except FileNotFoundError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+    with script_errors(args, also=(FileNotFoundError,)):
+        runs = find_runs(args.root, stale_s=args.stale_after)
         print(table(runs) if runs else no_runs(args.root))
     return 0
 
@@ -69,12 +65,8 @@ def no_runs(root: str) -> str:
 
 
 def logs(args: argparse.Namespace) -> int:
-    try:
-        run = find_run(args.root, args.name)
-        path = log_file(run)
-    except (LookupError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    run = find_run(args.root, args.name)
+    path = log_file(run)
     status = f"{run.folder}/status.json" if args.follow else None
     for chunk in follow(path, status):
         sys.stdout.buffer.write(chunk)

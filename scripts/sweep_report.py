@@ -14,6 +14,7 @@ from pathlib import Path
 
 from llmfoundry.launch.sweeps import trials
 from llmfoundry.loggers.plot import plot_runs
+from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,12 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", type=Path, help="the sweep folder (Hydra's sweep.dir)")
     parser.add_argument("--out", type=Path, help="folder for the figures (default <sweep>/plots)")
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
+    add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
-    try:
-        found = trials(args.sweep)
-    except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    with script_errors(args, also=(FileNotFoundError,)):
+        return report(args)
+
+
+def report(args: argparse.Namespace) -> int:
+    found = trials(args.sweep)
     # Overrides every trial shares are the sweep's fixed settings; the rest are what it varied.
     common = set.intersection(*(set(t.overrides) for t in found))
     rows = [("TRIAL", "STATUS", "FINAL LOSS", "TOKENS/S", "OVERRIDES")]

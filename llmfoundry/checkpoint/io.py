@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
+HF_CONFIG = "config.json"  # what a transformers folder has and a checkpoint has not
 SHARDED_DIR = "sharded"
 # Checkpoint names; also what `latest` may contain, so a pointer can never lead outside the folder.
 _NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
@@ -421,6 +422,11 @@ def resolve(path: str) -> str:
         raise CheckpointError(
             f"load_path {path} holds no complete checkpoint: {damage}; copy that checkpoint "
             "again if it came from elsewhere, or point load_path at an earlier checkpoint folder"
+        )
+    if fs.exists(join_url(root, HF_CONFIG)):
+        raise CheckpointError(
+            f"load_path {path} is a transformers folder, not a llmfoundry checkpoint; convert it "
+            f"first with `python scripts/import_hf.py {path} CKPT_DIR` and point load_path at CKPT_DIR"
         )
     raise MissingInput(
         f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "

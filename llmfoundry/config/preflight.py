@@ -17,6 +17,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.config.schema import HYDRA_KEYS, ConfigError, suggest, target_schema
+from llmfoundry.config.static_schema import static_schema
 from llmfoundry.config.train_config import register_resolvers, validate_config
 from llmfoundry.utils.errors import exit_on_user_error
 
@@ -75,8 +76,10 @@ def _explain(
     if not isinstance(parent, DictConfig):
         return ConfigError(key, str(err).strip().splitlines()[0])
     allowed = {str(k) for k in parent.keys()} - HYDRA_KEYS
-    if "_target_" in parent:
-        allowed |= set(target_schema(get_object(parent["_target_"]))[0])
+    if "_target_" in parent:  # from the source if it can be read: torch is not imported yet
+        schema = static_schema(parent["_target_"])
+        hints = schema.hints if schema else target_schema(get_object(parent["_target_"]))[0]
+        allowed |= set(hints)
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmfoundry.config.static_schema import static_schema
 from llmfoundry.utils.errors import UserError
 
 # Keys Hydra's instantiate understands in any node that has a _target_.
@@ -158,21 +159,38 @@ def target_schema(target: Callable) -> tuple[dict[str, Any], bool]:
     return {param.name: annotation for param, annotation in params}, var_kwargs
 
 
-def validate_node(path: str, node: DictConfig, extra: dict[str, Any] | None = None) -> None:
+def validate_node(
+    path: str, node: DictConfig, extra: dict[str, Any] | None = None, static: bool = False
+) -> None:
     """Check one `_target_` node: the target exists, its keys and value types are allowed.
 
     ``extra``: annotations of keys the node may hold besides its target's (those a builder
     reads, e.g. the data group's splits). Dataclass targets are cheap and check their own
     combinations in ``__post_init__``, so they are built here too; other targets are only
-    checked by signature.
+    checked by signature. ``static``: read the signatures from the source instead of importing
+    the targets (`static_schema`); a node whose target it cannot read is left to the full check.
     """
     target_name = node["_target_"]
-    try:
-        target = get_object(target_name)
-    except Exception:
-        raise ConfigError(f"{path}._target_", f"cannot import {target_name!r}") from None
-    params, var_kwargs = _parameters(target)
-    hints = {param.name: annotation for param, annotation in params} | (extra or {})
+    if static:
+        schema = static_schema(target_name)
+        if schema is None:
+            return
+        annotations, required, var_kwargs = schema.hints, schema.required, schema.var_kwargs
+        target = None
+    else:
+        try:
+            target = get_object(target_name)
+        except Exception:
+            raise ConfigError(f"{path}._target_", f"cannot import {target_name!r}") from None
+        params, var_kwargs = _parameters(target)
+        annotations = {param.name: annotation for param, annotation in params}
+        required = [
+            param.name
+            for param, _ in params
+            if param.default is inspect.Parameter.empty
+            and param.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        ]
+    hints = annotations | (extra or {})
     keys = [k for k in node.keys() if k not in HYDRA_KEYS]
     if not var_kwargs:
         check_keys(path, keys, list(hints))
@@ -181,7 +199,7 @@ def validate_node(path: str, node: DictConfig, extra: dict[str, Any] | None = No
         value = node[key]
         child = f"{path}.{key}"
         if isinstance(value, DictConfig) and "_target_" in value:
-            validate_node(child, value)
+            validate_node(child, value, static=static)
             continue
         if key in hints:
             plain = (
@@ -190,17 +208,11 @@ def validate_node(path: str, node: DictConfig, extra: dict[str, Any] | None = No
                 else value
             )
             check_type(child, plain, hints[key])
-        validate_targets(child, value)  # nodes nested in mappings, e.g. {label: dataset node}
-    missing = [
-        param.name
-        for param, _ in params
-        if param.default is inspect.Parameter.empty
-        and param.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
-        and param.name not in keys
-    ]
+        validate_targets(child, value, static=static)  # nested in mappings: {label: node}
+    missing = [name for name in required if name not in keys]
     if missing and not partial:
         raise ConfigError(path, f"missing required key(s) {', '.join(missing)} for {target_name}")
-    if dataclasses.is_dataclass(target):
+    if target is not None and dataclasses.is_dataclass(target):
         values = OmegaConf.to_container(node, resolve=True)
         try:
             target(**{k: v for k, v in values.items() if k not in HYDRA_KEYS})
@@ -208,14 +220,16 @@ def validate_node(path: str, node: DictConfig, extra: dict[str, Any] | None = No
             raise ConfigError(path, str(err)) from None
 
 
-def validate_targets(path: str, node: Any, extra: dict[str, Any] | None = None) -> None:
-    """Validate every `_target_` node below `node` (``extra``: see `validate_node`)."""
+def validate_targets(
+    path: str, node: Any, extra: dict[str, Any] | None = None, static: bool = False
+) -> None:
+    """Validate every `_target_` node below `node` (``extra``, ``static``: see `validate_node`)."""
     if isinstance(node, DictConfig):
         if "_target_" in node:
-            validate_node(path, node, extra)
+            validate_node(path, node, extra, static)
             return
         for key in node.keys():
-            validate_targets(f"{path}.{key}" if path else str(key), node[key])
+            validate_targets(f"{path}.{key}" if path else str(key), node[key], static=static)
     elif isinstance(node, ListConfig):
         for index, item in enumerate(node):
-            validate_targets(f"{path}[{index}]", item)
+            validate_targets(f"{path}[{index}]", item, static=static)

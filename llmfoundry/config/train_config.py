@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -18,6 +19,7 @@ from llmfoundry.config.schema import (
     validate_targets,
 )
 from llmfoundry.config.settings import GROUPS, TrainSettings
+from llmfoundry.config.static_schema import static_fields, static_schema
 from llmfoundry.utils.errors import UserError
 
 
@@ -52,6 +54,12 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     except ValueError as err:
         key, _, message = str(err).partition(": ")
         raise ConfigError(key if message else "", message or str(err)) from None
+    # First from the targets' source, so that an error in any group is reported before the
+    # targets (and torch) are imported; then each node against its imported target.
+    data_hints = _static_data_hints()
+    for group in GROUPS:
+        if group in cfg and cfg[group] is not None and (group != "data" or data_hints):
+            validate_targets(group, cfg[group], data_hints if group == "data" else None, True)
     for group in GROUPS:
         if group in cfg and cfg[group] is not None:
             # The data group's node also holds the keys its builder reads (splits, loader).
@@ -87,6 +95,16 @@ def _data_builder() -> types.ModuleType:
     from llmfoundry.data import builder
 
     return builder
+
+
+def _static_data_hints() -> dict[str, Any] | None:
+    """`llmfoundry.data.builder.group_hints` read from the source (`static_schema`), or None
+    when it cannot be: the data group's own keys, without importing the builder."""
+    splits = static_fields("llmfoundry.data.builder.DataSplits")
+    loader = static_schema("llmfoundry.data.streaming.StreamingDataLoader")
+    if splits is None or loader is None:
+        return None
+    return splits | {key: loader.hints[key] for key in loader.keyword_only}
 
 
 def _check_eval_arguments(data: DictConfig, eval_datasets: dict) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.llama.spec import LLAMA
 from llmfoundry.models.mpt.spec import MPT
+from llmfoundry.utils.errors import MissingInput, UserError
 
 FAMILIES: dict[str, ModelFamily] = {"mpt": MPT, "llama": LLAMA}
 # A model config recorded without a _target_ (checkpoints older than the families) is MPT.
@@ -41,9 +42,7 @@ def family_of_target(target: str | None) -> ModelFamily:
     for family in FAMILIES.values():
         if family.config_target == target:
             return family
-    raise ValueError(
-        f"model _target_ {target!r} is no model family's config; use one of {_known()}"
-    )
+    raise UserError(f"model _target_ {target!r} is no model family's config; use one of {_known()}")
 
 
 def config_from_record(fields: Mapping[str, Any], **overrides: Any) -> Any:
@@ -55,15 +54,17 @@ def config_from_record(fields: Mapping[str, Any], **overrides: Any) -> Any:
 def family_of_hf(hf_dir: str | Path) -> ModelFamily:
     """The family of the transformers folder `hf_dir`, by its config.json's ``model_type``."""
     path = Path(hf_dir, "config.json")
+    if not path.is_file():
+        raise MissingInput(f"{hf_dir} is not a transformers model folder (no {path.name})")
     try:
         model_type = json.loads(path.read_text()).get("model_type")
     except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: not a readable transformers config.json ({err})") from None
+        raise UserError(f"{path}: not a readable transformers config.json ({err})") from None
     for family in FAMILIES.values():
         if family.hf_model_type == model_type:
             return family
     known = ", ".join(repr(f.hf_model_type) for f in FAMILIES.values())
-    raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: {known}")
+    raise UserError(f"{path}: model_type {model_type!r} is not supported; supported: {known}")
 
 
 def build_model(config: Any, **overrides: Any) -> nn.Module:

@@ -234,6 +234,12 @@ def test_config_errors_and_cfg_job_answer_before_torch_is_imported():
         ["max_durationn=10ba"],  # unknown top-level key
         ["max_duration=abc"],  # bad value
         ["model.n_layers=two"],  # bad value of the model
+        ["optimizer.lr=abc"],  # bad value of the optimizer
+        ["data.num_wrkers=2"],  # unknown key of the data group
+        ["+callbacks.speed_monitor.window=3"],  # unknown key of a callback
+        ["loggers.jsonl.flush_interval=abc"],  # bad time string of a logger
+        ["algorithms=[ema]", "algorithms.ema.half_life=abc"],  # ... of an algorithm
+        ["scheduler.alpha_f=x"],  # bad value of the scheduler
         ["--cfg", "job", "model.n_layers=3"],
     ]
     result = subprocess.run(
@@ -248,6 +254,12 @@ def test_config_errors_and_cfg_job_answer_before_torch_is_imported():
         "Config error: max_durationn: unknown key; did you mean 'max_duration'?",
         "Config error: max_duration: cannot parse time 'abc'",
         "Config error: model.n_layers: expected int, got 'two'",
+        "Config error: optimizer.lr: expected float, got 'abc' (str)",
+        "Config error: data.num_wrkers: unknown key; did you mean 'num_workers'?",
+        "Config error: callbacks.speed_monitor.window: unknown key; did you mean 'window_size'?",
+        "Config error: loggers.jsonl.flush_interval: cannot parse time 'abc'",
+        "Config error: algorithms.ema.half_life: cannot parse time 'abc'",
+        "Config error: scheduler.alpha_f: expected float, got 'x' (str)",
     ]
     for (code, err, _, torch_loaded), start in zip(results[:-1], expected, strict=True):
         assert code == 2 and len(err.splitlines()) == 1 and err.startswith(start), err

@@ -220,4 +220,6 @@ def test_eval_script_scores_a_checkpoint_and_writes_json(tmp_path, capsys):
         report["tasks"]["mc"]["correct"] == 2
     )  # one prompt, so one choice: right for half the golds
     assert "mc" in capsys.readouterr().out
-    assert module.main([str(tmp_path / "ckpt"), str(tmp_path / "missing.jsonl")]) == 2
+    with pytest.raises(SystemExit) as exited:
+        module.main([str(tmp_path / "ckpt"), str(tmp_path / "missing.jsonl")])
+    assert exited.value.code == 2

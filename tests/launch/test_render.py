@@ -186,16 +186,17 @@ def test_launch_cli_renders_and_reports_errors_in_one_line(tmp_path, capsys):
     )
     assert "slurm: 2 node(s) x 8 GPUs" in capsys.readouterr().out
     assert sbatch_directives((tmp_path / "mpt-tiny-demo.sbatch").read_text())["--nodes"] == "2"
-    assert (
-        launch.main(["render", "slurm", str(EXAMPLE), "--gpus", "12", "--out", str(tmp_path)]) == 2
-    )
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["render", "slurm", str(EXAMPLE), "--gpus", "12", "--out", str(tmp_path)])
+    assert exited.value.code == 2
     assert (
         "Job error: compute.gpus: 12 GPUs do not fill whole nodes of 8" in capsys.readouterr().err
     )
-    code = launch.main(
-        ["render", "local", str(EXAMPLE), "--train", "model.n_layer=2", "--out", str(tmp_path)]
-    )
-    assert code == 2
+    with pytest.raises(SystemExit) as exited:
+        launch.main(
+            ["render", "local", str(EXAMPLE), "--train", "model.n_layer=2", "--out", str(tmp_path)]
+        )
+    assert exited.value.code == 2
     assert (
         "Job error: model.n_layer: unknown key; did you mean 'n_layers'?" in capsys.readouterr().err
     )
@@ -205,7 +206,9 @@ def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them
     launch = load_script("launch")
     for override in ("load_path=s3://AKIA:SUPERSECRET@bucket/x", "hf_token=SUPERSECRET"):
         argv = ["render", "slurm", str(EXAMPLE), "--train", override, "--out", str(tmp_path)]
-        assert launch.main(argv) == 2
+        with pytest.raises(SystemExit) as exited:
+            launch.main(argv)
+        assert exited.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("Job error: train: ") and "secrets:" in err
         assert "SUPERSECRET" not in err and err.count("\n") == 1

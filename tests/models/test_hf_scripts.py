@@ -94,7 +94,7 @@ def test_bf16_export(run, tmp_path):
         assert f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
 
 
-def test_export_refuses_what_transformers_cannot_represent(tmp_path):
+def test_export_refuses_what_transformers_cannot_represent(tmp_path, capsys):
     config = {"model": {**MODEL, "kv_n_heads": 1}}
     t = trainer(
         tmp_path,
@@ -103,8 +103,11 @@ def test_export_refuses_what_transformers_cannot_represent(tmp_path):
         callbacks=[CheckpointSaver(str(tmp_path / "ckpt"), "2ba", 1)],
     )
     t.fit()
-    with pytest.raises(ValueError, match="cannot export.*kv_n_heads=1"):
+    with pytest.raises(SystemExit) as exited:  # one line, as for every user error
         script("export_hf")([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", "x"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot export" in err and "kv_n_heads=1" in err
 
 
 @pytest.mark.parametrize(

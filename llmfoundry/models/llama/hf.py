@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from llmfoundry.models.hf_folder import save_hf_folder
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
 from llmfoundry.models.llama.model import LlamaForCausalLM
+from llmfoundry.utils.errors import MissingInput, UserError
 
 _TOP = {
     "transformer.wte.weight": "model.embed_tokens.weight",
@@ -59,13 +60,13 @@ def to_hf_name(name: str) -> str:
 
 
 def from_hf_name(name: str) -> str:
-    """Our name for transformers' Llama parameter `name`; ValueError for one we do not have."""
+    """Our name for transformers' Llama parameter `name`; UserError (a ValueError) for one we do not have."""
     if name in _TOP_BACK:
         return _TOP_BACK[name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if match and match[2] in _BLOCK_BACK:
         return f"transformer.blocks.{match[1]}.{_BLOCK_BACK[match[2]]}"
-    raise ValueError(
+    raise UserError(
         f"{name!r} is not a parameter of a transformers LlamaForCausalLM that we can import "
         "(biases, or another architecture?)"
     )
@@ -93,7 +94,7 @@ def from_hf_state_dict(
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state:
-        raise ValueError(
+        raise UserError(
             "the transformers state dict has no lm_head.weight but its config is untied "
             "(tie_word_embeddings=false)"
         )
@@ -138,7 +139,7 @@ def to_hf_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
 
 
 def from_hf_config(hf: transformers.PretrainedConfig) -> LlamaConfig:
-    """Our config for a transformers Llama config; ValueError naming what we cannot represent."""
+    """Our config for a transformers Llama config; UserError (a ValueError) naming what we cannot represent."""
     unsupported = []
     if getattr(hf, "model_type", None) != "llama":
         unsupported.append(f"model_type={getattr(hf, 'model_type', None)!r} (only 'llama')")
@@ -158,7 +159,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> LlamaConfig:
     if rope_type not in ("default", "llama3"):
         unsupported.append(f"rope_parameters.rope_type={rope_type!r} (supported: default, llama3)")
     if unsupported:
-        raise ValueError(
+        raise UserError(
             "cannot import this transformers Llama config, which sets: " + "; ".join(unsupported)
         )
     scaling = None
@@ -236,7 +237,7 @@ def from_hf(hf_dir: str | Path) -> LlamaForCausalLM:
     """The transformers Llama folder `hf_dir` (config.json + weights) as our model, in float32."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} is not a transformers model folder (no config.json)")
+        raise MissingInput(f"{hf_dir} is not a transformers model folder (no config.json)")
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     from_hf_config(hf_config)  # refuse what we cannot represent before reading any weight
     hf_model = transformers.LlamaForCausalLM.from_pretrained(

@@ -28,10 +28,11 @@ from llmfoundry.models.hf_folder import save_hf_folder
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.norms import LAYER_NORM_EPS
+from llmfoundry.utils.errors import MissingInput, UserError
 
 
 def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
-    """The transformers config for `cfg`; ValueError naming any field it cannot represent."""
+    """The transformers config for `cfg`; UserError (a ValueError) naming any field it cannot represent."""
     unsupported = []
     if not cfg.alibi:
         unsupported.append("alibi=false (transformers' MPT always uses ALiBi; set alibi=true)")
@@ -56,7 +57,7 @@ def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
     if cfg.infini is not None:
         unsupported.append("infini (transformers' MPT has no infini-attention memory)")
     if unsupported:
-        raise ValueError(
+        raise UserError(
             "cannot export to transformers' MptForCausalLM, which does not support: "
             + "; ".join(unsupported)
         )
@@ -113,7 +114,7 @@ def export_to_hf(
 
 
 def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
-    """Our config for a transformers MPT config; ValueError naming what we cannot represent.
+    """Our config for a transformers MPT config; UserError (a ValueError) naming what we cannot represent.
 
     Fields that transformers' model ignores (it always uses ALiBi with alibi_bias_max=8, an MLP
     of 4 * d_model, no biases, tied embeddings) are refused unless they say what it does, since
@@ -139,7 +140,7 @@ def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
         if value != supported:
             unsupported.append(f"{name}={value!r} (supported: {supported!r})")
     if unsupported:
-        raise ValueError(
+        raise UserError(
             "cannot import this transformers MPT config, which sets: " + "; ".join(unsupported)
         )
     return MPTConfig(
@@ -161,7 +162,7 @@ def from_hf(hf_dir: str | Path) -> MPTForCausalLM:
     """The transformers MPT folder `hf_dir` (config.json + weights) as our model, in float32."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} is not a transformers model folder (no config.json)")
+        raise MissingInput(f"{hf_dir} is not a transformers model folder (no config.json)")
     hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     config = from_hf_config(hf_config)
     hf_model = transformers.MptForCausalLM.from_pretrained(

@@ -41,6 +41,7 @@ from llmfoundry.checkpoint.io import (
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import url_to_fs
 
@@ -87,7 +88,7 @@ def read_pretrained(path: str) -> Pretrained:
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as err:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {checkpoint.path!r}: its weights do not fit the model config it "
             f"records ({err})"
         ) from None
@@ -102,14 +103,14 @@ def model_config(state: Mapping[str, Any], where: str) -> Any:
     eager; its ``_target_`` names the family (none recorded: MPT, as before families)."""
     fields = (state.get("config") or {}).get("model")
     if not isinstance(fields, Mapping):
-        raise ValueError(
+        raise UserError(
             f"checkpoint {where!r} does not record its model config (config.model in "
             f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
         )
     try:
         return config_from_record(fields, init_device="cpu")
     except ValueError as err:
-        raise ValueError(f"checkpoint {where!r}: {err}") from None
+        raise UserError(f"checkpoint {where!r}: {err}") from None
 
 
 def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
