@@ -53,7 +53,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "scripts/generate.py": ([nowhere, "--prompt", "x"], nowhere),
         "scripts/import_hf.py": ([nowhere, str(tmp / "out")], "not a transformers model folder"),
         "scripts/launch.py": (["render", "local", f"{nowhere}.yaml"], "no job file"),
-        "scripts/plan.py": (["model=nosuch"], "Could not find 'model/nosuch'"),
+        "scripts/plan.py": (["model=nosuch"], "model: no option 'nosuch'"),
         "scripts/plot.py": ([nowhere], "no metrics file"),
         "scripts/runs.py": ([nowhere], "does not exist"),
         "scripts/serve.py": ([nowhere], nowhere),
