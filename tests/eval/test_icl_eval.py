@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
+from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.generation import GenerationConfig, generate
 
 WORDS = ["a", "b", "c", "d", "e"]
 
