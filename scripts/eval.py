@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.data.prep.tokenizer import load_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
-from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.logs import configure_logging
 

@@ -25,9 +25,9 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from llmfoundry.checkpoint.pretrained import TOKENIZER_FILE, load_pretrained, save_weights
 from llmfoundry.config.preflight import compose_config
 from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
-from llmfoundry.models.mpt.pretrained import TOKENIZER_FILE, load_pretrained, save_weights
 
 TOLERANCE = 1e-5
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -29,7 +29,6 @@ LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 PENDING = {
     "llmfoundry/distributed/base.py (distributed -> checkpoint)",
     "llmfoundry/distributed/deepspeed.py (distributed -> checkpoint)",
-    "llmfoundry/models/mpt/pretrained.py (models -> checkpoint)",
 }
 
 

@@ -180,7 +180,7 @@ def test_eval_script_scores_a_checkpoint_and_writes_json(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    from llmfoundry.models.mpt.pretrained import save_weights
+    from llmfoundry.checkpoint.pretrained import save_weights
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "eval.py"
     spec = importlib.util.spec_from_file_location("eval_script", script)
