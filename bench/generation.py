@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
 
 
 def parse_args() -> argparse.Namespace:

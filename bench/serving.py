@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from llmfoundry.checkpoint.pretrained import save_weights
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer, train_bpe
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.pretrained import save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -58,9 +58,9 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.precision import Precision
 from llmfoundry.core.state import State
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.models.layers.kernels import check_attn_impl
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.hf import to_hf_config
-from llmfoundry.models.mpt.kernels import check_attn_impl
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.planning import Setup, largest_microbatch

@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
-from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.data.passkey import read_task, score_passkey
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.families import family_of
-from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.families import family_of, logits_relative_error
-from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 

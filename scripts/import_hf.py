@@ -26,14 +26,14 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from llmfoundry.checkpoint import resolve
-from llmfoundry.config.preflight import compose_config
-from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
-from llmfoundry.models.mpt.pretrained import (
+from llmfoundry.checkpoint.pretrained import (
     TOKENIZER_FILE,
     is_hf_folder,
     load_pretrained,
     save_weights,
 )
+from llmfoundry.config.preflight import compose_config
+from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 

@@ -27,8 +27,8 @@ import os
 import sys
 from pathlib import Path
 
+from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, is_hf_folder, read_pretrained
 from llmfoundry.distributed.base import resolve_device
-from llmfoundry.models.mpt.pretrained import WEIGHT_DTYPES, is_hf_folder, read_pretrained
 from llmfoundry.serving.auth import api_key_from_env
 from llmfoundry.serving.vllm import API_KEY_ENV, require_vllm, vllm_command
 from llmfoundry.utils.cli import add_script_arguments, script_errors

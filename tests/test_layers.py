@@ -25,11 +25,6 @@ LAYERS: list[set[str]] = [
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 
-# Being removed (issue 22: pretrained loading moves to checkpoint/).
-PENDING = {
-    "llmfoundry/models/mpt/pretrained.py (models -> checkpoint)",
-}
-
 
 def _unit(path: Path) -> str:
     """The package (or top-level module) a file belongs to: ``llmfoundry/<unit>/...``."""
@@ -66,8 +61,6 @@ def upward_imports() -> list[str]:
             if imported == unit:
                 continue
             where = f"{path.relative_to(PACKAGE.parent)}:{line} ({unit} -> {imported})"
-            if f"{path.relative_to(PACKAGE.parent)} ({unit} -> {imported})" in PENDING:
-                continue
             if unit not in LAYER or imported not in LAYER:
                 violations.append(f"{where}: give the package a layer in tests/test_layers.py")
             elif LAYER[imported] >= LAYER[unit]:

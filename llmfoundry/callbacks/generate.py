@@ -9,7 +9,7 @@ from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
+from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.utils.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)

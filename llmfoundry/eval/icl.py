@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.models.family import CausalLM
-from llmfoundry.models.mpt.generation import GenerationConfig, generate
+from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.utils.jsonl import read_jsonl
 
 __all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]

@@ -22,10 +22,10 @@ from llmfoundry.models.plan import ParallelPlan
 
 
 class CausalLM(Protocol):
-    """What decoding (models/mpt/generation.py, the serving engine) needs of a family's model:
+    """What decoding (models/generation.py, the serving engine) needs of a family's model:
     its `config` (vocab_size, n_layers, max_seq_len, read through its family's spec), the token
     embedding `transformer.wte` (where the model lives), and a forward over new tokens that
-    reads and extends a `KVCache` (models/mpt/cache.py)."""
+    reads and extends a `KVCache` (models/layers/kv_cache.py)."""
 
     config: Any
     transformer: nn.Module

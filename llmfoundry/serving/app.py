@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmfoundry.models.mpt.generation import GenerationConfig
+from llmfoundry.models.generation import GenerationConfig
 from llmfoundry.serving import protocol
 from llmfoundry.serving.auth import BearerAuth
 from llmfoundry.serving.engine import Completion, Engine, Event

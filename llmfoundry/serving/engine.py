@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from llmfoundry.models.family import CausalLM
-from llmfoundry.models.mpt.generation import Decoder, GenerationConfig, TokenLogprob
+from llmfoundry.models.generation import Decoder, GenerationConfig, TokenLogprob
 
 log = logging.getLogger(__name__)
 

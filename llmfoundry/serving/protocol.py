@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmfoundry.models.mpt.generation import TokenLogprob
+from llmfoundry.models.generation import TokenLogprob
 
 __all__ = [
     "ChatRequest",

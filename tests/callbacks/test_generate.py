@@ -5,7 +5,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.callbacks import Generate
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
+from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from tests.callbacks.conftest import make_trainer
 
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import CheckpointError
 from llmfoundry.checkpoint.manifest import MANIFEST, hash_tree, manifest_bytes
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.distributed import SingleDevice
-from llmfoundry.models.mpt.pretrained import load_pretrained
 from llmfoundry.optim import DecoupledAdamW
 
 from ..trainer.conftest import token_batches

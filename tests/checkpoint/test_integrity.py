@@ -270,7 +270,7 @@ def closed_port():
 
 
 def test_an_unreachable_checkpoint_url_is_one_line_naming_it(monkeypatch):
-    from llmfoundry.models.mpt.pretrained import load_pretrained
+    from llmfoundry.checkpoint.pretrained import load_pretrained
     from llmfoundry.utils import storage
 
     port = closed_port()

@@ -16,12 +16,12 @@ from llmfoundry.checkpoint.io import (
     write_object,
     write_tensors,
 )
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.checkpoint.state_dict import model_weights
 from llmfoundry.data.passkey import PasskeyTask, read_task, score_passkey, write_passkey_dataset
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.pretrained import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmfoundry.build import build_trainer
+from llmfoundry.checkpoint.pretrained import load_pretrained, save_weights
 from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.data.prep import train_bpe
@@ -15,7 +16,6 @@ from llmfoundry.data.prep.instructions import IGNORE, Packer, instructions_to_md
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.pretrained import load_pretrained, save_weights
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB, SEQ = 300, 64

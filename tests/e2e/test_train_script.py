@@ -116,8 +116,8 @@ def test_llama_trains_then_generates_and_evaluates(mds_dir, tmp_path, capsys):
         cwd=tmp_path,
     )
     ckpt = str(tmp_path / "ckpt")
+    from llmfoundry.checkpoint.pretrained import load_pretrained
     from llmfoundry.models.llama import LlamaForCausalLM
-    from llmfoundry.models.mpt.pretrained import load_pretrained
 
     assert isinstance(load_pretrained(ckpt)[0], LlamaForCausalLM)
     scripts = {

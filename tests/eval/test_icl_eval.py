@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
 from llmfoundry.data.prep.tokenizer import prepare
 from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
+from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.generation import GenerationConfig, generate
 
 WORDS = ["a", "b", "c", "d", "e"]
 
@@ -201,7 +201,7 @@ def test_eval_script_scores_a_checkpoint_and_writes_json(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    from llmfoundry.models.mpt.pretrained import save_weights
+    from llmfoundry.checkpoint.pretrained import save_weights
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "eval.py"
     spec = importlib.util.spec_from_file_location("eval_script", script)

@@ -62,7 +62,7 @@ def test_the_llama_plan_names_its_blocks():
 
 
 def test_decoding_asks_the_family_not_mpt_fields_on_every_config():
-    from llmfoundry.models.mpt.generation import GenerationConfig, generate
+    from llmfoundry.models.generation import GenerationConfig, generate
 
     assert not hasattr(LlamaConfig, "infini") and not hasattr(LlamaConfig, "learned_pos_emb")
     cfg = LlamaConfig.preset("llama-tiny", d_model=32, n_layers=1, vocab_size=64, max_seq_len=4)

@@ -8,8 +8,7 @@ import transformers
 
 from llmfoundry.data.prep.tokenizer import train_bpe
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.cache import KVCache
-from llmfoundry.models.mpt.generation import (
+from llmfoundry.models.generation import (
     Decoder,
     GenerationConfig,
     TextStream,
@@ -18,6 +17,7 @@ from llmfoundry.models.mpt.generation import (
     left_pad,
     sampling_probs,
 )
+from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.mpt.hf import export_to_hf
 
 VOCAB = 50

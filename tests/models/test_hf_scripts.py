@@ -14,9 +14,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import WEIGHTS_ONLY
-from llmfoundry.models.mpt import pretrained
-from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
+from llmfoundry.checkpoint import WEIGHTS_ONLY, pretrained
+from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt.hf import from_hf_config, logits_relative_error
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError
 from llmfoundry.config.schema import validate_node
+from llmfoundry.models.generation import Decoder, GenerationConfig, generate, left_pad
 from llmfoundry.models.llama import PRESETS, LlamaConfig, LlamaForCausalLM, RopeScaling
 from llmfoundry.models.llama.hf import (
     export_to_hf,
@@ -23,7 +24,6 @@ from llmfoundry.models.llama.hf import (
     to_hf_model,
     to_hf_state_dict,
 )
-from llmfoundry.models.mpt.generation import Decoder, GenerationConfig, generate, left_pad
 
 VOCAB = 128
 # Llama 3.1-style scaling shrunk to the tiny model: with head_dim 16 and theta 10000 the

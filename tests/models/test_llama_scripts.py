@@ -13,10 +13,10 @@ import transformers
 from hydra.utils import instantiate
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from llmfoundry.checkpoint import pretrained
 from llmfoundry.config.preflight import compose_config
 from llmfoundry.models.families import logits_relative_error
 from llmfoundry.models.llama import LlamaForCausalLM
-from llmfoundry.models.mpt import pretrained
 
 REPO = Path(__file__).resolve().parents[2]
 EOS = 63

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt import flash
-from llmfoundry.models.mpt.attention import AttentionMasks, torch_attention
-from llmfoundry.models.mpt.flex import flex_attention
+from llmfoundry.models.layers import flash
+from llmfoundry.models.layers.attention import AttentionMasks, torch_attention
+from llmfoundry.models.layers.flex import flex_attention
 from llmfoundry.models.mpt.infini import infini_attention
 
 HAS_GPU = torch.cuda.is_available()

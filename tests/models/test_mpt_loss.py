@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.mpt import loss as loss_module
-from llmfoundry.models.mpt.loss import next_token_loss_sum
+from llmfoundry.models.layers import loss as loss_module
+from llmfoundry.models.layers.loss import next_token_loss_sum
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

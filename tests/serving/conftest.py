@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from llmfoundry.checkpoint.pretrained import save_weights
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer, train_bpe
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
-from llmfoundry.models.mpt.pretrained import save_weights
 from tests.conftest import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def running_server(
 @pytest.fixture(scope="session")
 def served_checkpoint(served_model):
     """The served model loaded once in this process, with its tokenizer's path."""
-    from llmfoundry.models.mpt.pretrained import load_pretrained
+    from llmfoundry.checkpoint.pretrained import load_pretrained
 
     return load_pretrained(str(served_model / "ckpt"))
 

@@ -10,8 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 
 from llmfoundry.data.prep.tokenizer import EOS_TOKEN, train_bpe
+from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.generation import GenerationConfig, generate
 from llmfoundry.serving.engine import Engine, Event
 
 VOCAB = 50

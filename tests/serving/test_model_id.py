@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from llmfoundry.checkpoint.pretrained import read_pretrained, save_weights
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
-from llmfoundry.models.mpt.pretrained import read_pretrained, save_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

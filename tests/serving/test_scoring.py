@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmfoundry.models.mpt.pretrained import read_pretrained
+from llmfoundry.checkpoint.pretrained import read_pretrained
 from llmfoundry.serving.tokenizer import load_served_tokenizer
 from tests.serving.conftest import CONTEXT, RUN_NAME
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
-from llmfoundry.models.mpt.generation import GenerationConfig, generate, left_pad
-from llmfoundry.models.mpt.pretrained import load_pretrained
+from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.serving.engine import stream_safe_length
 from tests.serving.conftest import API_KEY, CONTEXT, ROOT, RUN_NAME, running_server
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import MptConfig
 
+from llmfoundry.checkpoint.pretrained import read_pretrained, save_weights
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.hf import from_hf_config
-from llmfoundry.models.mpt.pretrained import read_pretrained, save_weights
 from llmfoundry.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, positions_in_document
+from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
-from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks, positions_in_document
-from llmfoundry.models.mpt.cache import KVCache, LayerKV
-from llmfoundry.models.mpt.kernels import ATTN_IMPLS
 from llmfoundry.models.mpt.model import MPTForCausalLM, compute_dtype
 
 # The dense causal/document bias that `sdpa` and `torch` read is cached for this many positions
@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
 
         The arguments are `MPTForCausalLM.forward`'s: `sequence_id` [batch, seq] marks packed
         documents (each attends only within itself, and its positions start at 0); a `cache`
-        (`llmfoundry.models.mpt.cache.KVCache`) holds the earlier tokens' keys and values;
+        (`llmfoundry.models.layers.kv_cache.KVCache`) holds the earlier tokens' keys and values;
         `input_ids` may be the trainer's whole batch (`llmfoundry.core.model`).
         """
         if isinstance(input_ids, Mapping):
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             return self.transformer.wte.weight
         return self.lm_head.weight
 
-    # The loss is family-neutral: mean next-token cross-entropy, chunked (models/mpt/loss.py).
+    # The loss is family-neutral: mean next-token cross-entropy, chunked (models/layers/loss.py).
     loss = staticmethod(MPTForCausalLM.loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

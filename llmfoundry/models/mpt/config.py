@@ -168,7 +168,7 @@ class MPTConfig:
                 f"integer, got {self.sliding_window!r}"
             )
         # The kernels load torch: imported here, so the config check reads the fields without it.
-        from llmfoundry.models.mpt.kernels import check_attn_impl
+        from llmfoundry.models.layers.kernels import check_attn_impl
 
         check_attn_impl(self.attn_impl, self.attn_pdrop)
         if self.learned_pos_emb is None:

@@ -36,8 +36,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.mpt.attention import AttentionMask, positions_in_document
-from llmfoundry.models.mpt.cache import InfiniState
+from llmfoundry.models.layers.attention import AttentionMask, positions_in_document
+from llmfoundry.models.layers.kv_cache import InfiniState
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
 
@@ -335,7 +335,7 @@ def infini_attention_step(
     """`infini_attention` for new positions only, continuing from `state` (updated in place).
 
     q [B, n_heads, n, D] and k, v [B, kv_heads, n, D] are the next n positions of the rows whose
-    earlier positions `state` summarises (a KV cache, `cache.py`). The new positions are cut where
+    earlier positions `state` summarises (a KV cache, `layers/kv_cache.py`). The new positions are cut where
     segments end: a completed segment is folded into the memory when the next one starts, and
     each piece attends locally to its segment so far (bottom-right aligned, ALiBi included) and
     reads the memory of the segments before. The result equals `infini_attention` over the whole

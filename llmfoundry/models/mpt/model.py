@@ -3,7 +3,8 @@
 Read top to bottom: Attention, MLP, Block, MPTModel (embeddings, blocks, final norm),
 MPTForCausalLM (tied output head, loss, flops, init). LayerNorm, with its low-precision option,
 is shared with other families: `llmfoundry/models/norms.py`.
-Decoding with a KV cache (`cache.py`) and sampling live in `generation.py`.
+Decoding with a KV cache (`models/layers/kv_cache.py`) and sampling live in
+`models/generation.py`.
 Parameter names follow transformers' MptForCausalLM (`transformer.blocks.0.attn.Wqkv.weight`, ...)
 so exporting is a state dict copy. The model knows nothing of parallelism or of the trainer.
 """
@@ -17,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.mpt.attention import AttentionMask, AttentionMasks, positions_in_document
-from llmfoundry.models.mpt.cache import InfiniState, KVCache, LayerKV
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, positions_in_document
+from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
+from llmfoundry.models.layers.loss import next_token_loss_sum
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
-from llmfoundry.models.mpt.kernels import ATTN_IMPLS
-from llmfoundry.models.mpt.loss import next_token_loss_sum
 from llmfoundry.models.norms import LayerNorm
 
 
@@ -252,9 +253,9 @@ class MPTForCausalLM(nn.Module):
         """Logits [batch, seq, vocab] for `input_ids` [batch, seq].
 
         `sequence_id` [batch, seq] marks the documents packed into each row; tokens then attend
-        only to earlier tokens of their own document. With a `cache` (see `cache.py`),
+        only to earlier tokens of their own document. With a `cache` (see `kv_cache.py`),
         `input_ids` are the tokens after the cached ones: they attend to those too, and the cache
-        is extended with them (decoding; `llmfoundry.models.mpt.generation`).
+        is extended with them (decoding; `llmfoundry.models.generation`).
 
         `input_ids` may instead be a whole batch, the trainer's ``model(batch)``
         (`llmfoundry.core.model`): its ``input_ids`` and ``sequence_id`` (if any) are used.
@@ -297,7 +298,9 @@ class MPTForCausalLM(nn.Module):
                 f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
                 f"dimension, {tuple(logits.shape[:-1])}"
             )
-        total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy (loss.py)
+        total = next_token_loss_sum(
+            logits, labels
+        )  # chunked: no full float32 copy (layers/loss.py)
         return total / (labels[:, 1:] != -100).sum().clamp(min=1)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

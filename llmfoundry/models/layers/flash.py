@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmfoundry.models.mpt.attention import AttentionMask
+from llmfoundry.models.layers.attention import AttentionMask
 
 GPU_EXTRA = "pip install 'llmfoundry[gpu]'"
 

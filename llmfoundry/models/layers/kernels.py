@@ -14,9 +14,9 @@ bf16 within 2e-2 relative error of `torch`, forward and gradients (skipped witho
 
 from __future__ import annotations
 
-from llmfoundry.models.mpt import flash
-from llmfoundry.models.mpt.attention import AttnFn, sdpa_attention, torch_attention
-from llmfoundry.models.mpt.flex import flex_attention
+from llmfoundry.models.layers import flash
+from llmfoundry.models.layers.attention import AttnFn, sdpa_attention, torch_attention
+from llmfoundry.models.layers.flex import flex_attention
 
 ATTN_IMPLS: dict[str, AttnFn] = {
     "torch": torch_attention,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.mpt.attention import AttentionMask
+from llmfoundry.models.layers.attention import AttentionMask
 
 # FlexAttention's default block size; on CPU, sequences are padded to a multiple of it.
 _CPU_BLOCK = 128

@@ -41,7 +41,7 @@ import torch
 
 from llmfoundry.models.families import family_of
 from llmfoundry.models.family import CausalLM
-from llmfoundry.models.mpt.cache import KVCache
+from llmfoundry.models.layers.kv_cache import KVCache
 
 Decode = Callable[[list[int]], str]
 
