@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -99,10 +100,10 @@ def counting(strategy: type[Strategy], counter: Counter, **kwargs) -> Strategy:
     """`strategy` whose own all-reduces (not DDP's gradient buckets) are counted."""
 
     class Counting(strategy):
-        def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        def all_reduce_sum(self, tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
             if counter.active:
                 counter.all_reduces += 1
-            return super().all_reduce_sum(tensor)
+            return super().all_reduce_sum(tensor, group)
 
     return Counting(device="cpu", **kwargs)
 
