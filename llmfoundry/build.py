@@ -22,7 +22,7 @@ from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
-from llmfoundry.models.converters import ConversionContext, convert_model
+from llmfoundry.models.converters import ConversionContext, convert_model, resolve_precision
 from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
 from llmfoundry.utils import storage
@@ -65,10 +65,12 @@ def build_trainer(
     # Built without memory; the strategy materializes it and initializes it from `seed`.
     # The config's class (its _target_) names the family: conf/model/mpt-* or llama*.
     model = build_model(model_config, init_device="meta")
-    # The converters group (low-precision LayerNorm, ...) swaps modules before the strategy
-    # materializes and wraps the model, so sharding and the optimizer see the converted ones.
+    # The converters group (low-precision LayerNorm, float8, ...) swaps modules before the
+    # strategy materializes and wraps the model, so sharding and the optimizer see the converted
+    # ones. precision=amp_fp8 is bf16 autocast and the float8 converter (`resolve_precision`).
     converters = {name: instantiate(node) for name, node in (cfg.get("converters") or {}).items()}
-    model = convert_model(model, converters, ConversionContext(settings.precision, strategy.device))
+    precision, converters = resolve_precision(settings.precision, converters)
+    model = convert_model(model, converters, ConversionContext(precision, strategy.device))
 
     data = build_loaders(
         cfg.data,
@@ -115,7 +117,7 @@ def build_trainer(
         algorithms=instantiate_all("algorithms"),
         callbacks=[*locks, *callbacks],
         loggers=instantiate_all("loggers"),
-        precision=settings.precision,
+        precision=precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,
         seed=settings.seed,
         config=OmegaConf.to_container(cfg, resolve=True),

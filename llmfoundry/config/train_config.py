@@ -88,6 +88,16 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     return settings
 
 
+def _float8_setting(cfg: DictConfig, settings: TrainSettings) -> str | None:
+    """The key that asks for float8 matmuls on a GPU, or None: a float8 converter's node
+    unless it emulates them, else precision=amp_fp8 (which adds one: `resolve_precision`)."""
+    for name, node in (cfg.get("converters") or {}).items():
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if target == "llmfoundry.models.converters.Float8Training":
+            return None if node.get("emulate") else f"converters.{name}"
+    return "precision" if settings.precision == "amp_fp8" else None
+
+
 def _data_builder() -> types.ModuleType:
     """`llmfoundry.data.builder`, imported when the data group is checked: it loads torch, which
     the checks before it (top-level keys, the model) do without, so their errors are reported in
@@ -136,14 +146,21 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
 
 
 def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:
-    """amp_fp16 runs only on CUDA; say so now rather than when the trainer is built."""
-    if settings.precision != "amp_fp16":
+    """amp_fp16 runs only on CUDA, float8 (amp_fp8, the float8 converter) only on a GPU of
+    compute capability 8.9+; say so now rather than when the trainer is built."""
+    float8 = _float8_setting(cfg, settings)
+    if settings.precision != "amp_fp16" and float8 is None:
         return
     import torch  # (only here: the rest of the check does not need it)
 
     device = str(OmegaConf.select(cfg, "strategy.device", default="auto"))
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if not on_cuda:
+    if float8 is not None:
+        from llmfoundry.models.converters import float8_refusal
+
+        if reason := float8_refusal(torch.device("cuda" if on_cuda else "cpu")):
+            raise ConfigError(float8, reason)
+    if settings.precision == "amp_fp16" and not on_cuda:
         raise ConfigError(
             "precision",
             f"amp_fp16 needs a CUDA device, but strategy.device={device} runs on the CPU here "

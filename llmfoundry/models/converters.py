@@ -1,9 +1,9 @@
 """Model converters: named transforms of the built model, applied before it is parallelized.
 
 A converter swaps modules of a built model for others that compute the same function another
-way (low-precision LayerNorm now; torchao's Float8Linear next), the shape of torchtitan's
+way (low-precision LayerNorm, torchao's Float8Linear), the shape of torchtitan's
 ``model.converters``. The run names them in its ``converters`` group (conf/converters/,
-``converters=[low_precision_layernorm]``); `llmfoundry.build` builds each from its node and
+``converters=[low_precision_layernorm]``, ``converters=[float8]``); `llmfoundry.build` builds each from its node and
 `convert_model` applies them in that order to the model `build_model` made, still on the meta
 device, before the strategy materializes and wraps it. So FSDP shards, DDP replicates and the
 optimizer sees the converted modules, and a converter never deals with sharded parameters.
@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from llmfoundry.models.families import family_of
 from llmfoundry.models.norms import LayerNorm
 from llmfoundry.utils.errors import UserError
 
@@ -34,8 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ConversionContext:
-    """How the converted model will train: `precision` ("fp32", "amp_bf16", "amp_fp16") and the
-    `device` the strategy puts it on."""
+    """How the converted model will train: `precision` ("fp32", "amp_bf16", "amp_fp16"; the
+    trainer's, so never "amp_fp8": see `resolve_precision`) and the `device` the strategy puts
+    it on."""
 
     precision: str
     device: torch.device
@@ -124,3 +126,125 @@ class LowPrecisionLayerNorm:
             parent = model.get_submodule(parent_name)
             setattr(parent, child, to_low_precision(getattr(parent, child)))
         return targets
+
+
+# torch._scaled_mm, which Float8Linear multiplies with, has float8 kernels from Ada (8.9) on.
+FLOAT8_CAPABILITY = (8, 9)
+# Both dims of each float8 matmul operand must be multiples of 16 (cuBLASLt's float8 kernels).
+FLOAT8_DIM_MULTIPLE = 16
+
+
+def float8_refusal(device: torch.device) -> str | None:
+    """Why float8 matmuls cannot run on `device` (one line), or None when they can: they need a
+    CUDA GPU of compute capability 8.9 or newer (Ada: L4, L40S, RTX 4090; Hopper: H100, H200;
+    Blackwell)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= FLOAT8_CAPABILITY:
+            return None
+        found = f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+    else:
+        found = f"this run is on {device.type} (no CUDA GPU)"
+    return (
+        f"fp8 training needs a CUDA GPU of compute capability >= 8.9 (H100, H200, L4, RTX 4090) "
+        f"and {found}; use precision=amp_bf16 without converters=[float8]"
+    )
+
+
+class Float8Training:
+    """Train the blocks' matmuls in float8: torchao's Float8Linear (dynamic tensorwise scaling).
+
+    Each `nn.Linear` inside the family's plan blocks (`ParallelPlan.blocks`: attention's and the
+    MLP's projections) whose in and out features are both multiples of 16 becomes a
+    `torchao.float8.Float8Linear` on the same parameters. Its forward and backward cast the
+    input, the weight and the output gradient to float8 (e4m3, gradients e5m2), each with one
+    scale from its current absolute maximum, and multiply with ``torch._scaled_mm``; weights,
+    gradients and the optimizer state stay in the parameters' dtype. Parameter names do not
+    change, so checkpoints move between fp8 and bf16 runs. Left as they are:
+
+    - Linears with in or out features that are not multiples of 16: the float8 kernels take no
+      other shapes (torchao would fail at the first forward). They are logged.
+    - The output head. MPT's is the token embedding (tied); Llama's ``lm_head`` is applied as
+      ``F.linear`` on its weight (`output_embedding`, tied or not), so a Float8Linear there
+      would never run. torchtitan keeps it in bf16 as well: the logits go straight into the
+      softmax, and their gradient is the loss's.
+    - Everything outside the blocks (embeddings, norms) and Linears already in float8.
+
+    float8 pays on large matmuls (d_model of 2048 and up) and with torch.compile, which fuses
+    the amax and casts; eager small models run slower than in bf16. Under FSDP the weights are
+    all-gathered in their own dtype (torchao's float8 all-gather is not turned on).
+
+    Args:
+        emulate: run the float8 casts and matmuls emulated (torchao's ``emulate``: dequantized
+            and multiplied in higher precision) on any device, without the GPU check. For tests
+            of the conversion on CPU; no speedup.
+    """
+
+    def __init__(self, emulate: bool = False) -> None:
+        self.emulate = emulate
+
+    def convert(self, model: nn.Module, context: ConversionContext) -> list[str]:
+        if not self.emulate and (reason := float8_refusal(context.device)):
+            raise UserError(f"converters.float8: {reason}")
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            from torchao.float8.float8_linear import Float8Linear
+        except ImportError:
+            raise UserError(
+                "converters.float8 needs torchao: pip install 'llmfoundry[fp8]' (torchao>=0.18)"
+            ) from None
+        names = {module: name for name, module in model.named_modules()}
+        linears = {
+            name: module
+            for block in family_of(model).parallelize(model).blocks
+            for name, module in block.named_modules(prefix=names[block])
+            if isinstance(module, nn.Linear) and not isinstance(module, Float8Linear)
+        }
+        targets = [
+            name
+            for name, module in linears.items()
+            if module.in_features % FLOAT8_DIM_MULTIPLE == 0
+            and module.out_features % FLOAT8_DIM_MULTIPLE == 0
+        ]
+        if not targets:
+            raise UserError(
+                f"converters.float8: {type(model).__name__} has no Linear in its blocks with "
+                "in and out features that are multiples of 16 (float8 matmuls need them); "
+                "make d_model and the MLP width multiples of 16, or remove the converter"
+            )
+        if skipped := [name for name in linears if name not in targets]:
+            log.warning(
+                "converters.float8: %d Linears stay in the autocast dtype (in or out features "
+                "not multiples of 16): %s",
+                len(skipped),
+                ", ".join(skipped),
+            )
+        chosen = set(targets)
+        convert_to_float8_training(
+            model,
+            module_filter_fn=lambda module, name: name in chosen,
+            config=Float8LinearConfig(emulate=self.emulate),
+        )
+        return targets
+
+
+def resolve_precision(
+    precision: str, converters: Mapping[str, object]
+) -> tuple[str, dict[str, object]]:
+    """The trainer's precision and the converters of a run's `precision` setting.
+
+    ``precision=amp_fp8`` is spelled out here as ``precision=amp_bf16 converters=[float8]``,
+    the one place it is: float8 is not a third autocast dtype. Float8Linear casts to float8
+    inside the converted matmuls only; attention, norms, the loss and the unconverted matmuls
+    run in bf16 autocast, as in an amp_bf16 run. So both spellings build the same run: the
+    trainer, its callbacks and checkpoints see amp_bf16 (MFU is measured against the bf16 peak,
+    so fp8's gain shows as a higher MFU), and a converters list that already holds a
+    `Float8Training` (with options of its own) gets no second one. The Trainer itself takes
+    no amp_fp8, since a model handed to it unconverted would train in bf16 without a word.
+    Any other precision passes through unchanged.
+    """
+    if precision != "amp_fp8":
+        return precision, dict(converters)
+    if any(isinstance(converter, Float8Training) for converter in converters.values()):
+        return "amp_bf16", dict(converters)
+    return "amp_bf16", {**converters, "float8": Float8Training()}
