@@ -201,7 +201,9 @@ def test_amp_fp16_on_cpu_is_a_config_error(monkeypatch):
 
 def test_enum_lists_allowed_values():
     message = error_for("precision=bf16")
-    assert message == "precision: expected one of 'fp32', 'amp_bf16', 'amp_fp16', got 'bf16' (str)"
+    assert message == (
+        "precision: expected one of 'fp32', 'amp_bf16', 'amp_fp16', 'amp_fp8', got 'bf16' (str)"
+    )
 
 
 def test_misspelt_top_level_override_gets_a_suggestion():
