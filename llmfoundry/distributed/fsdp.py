@@ -17,11 +17,15 @@ and the model's own `init_weights` fills them. Random initializers get the whole
 from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
 initialization equals the one-process initialization for the same seed, parameter by
 parameter; only one parameter is ever whole at a time.
+
+Pipeline parallelism (`pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
+stages along the mesh's outermost axis first; each stage is then sharded over the data-parallel
+axes as above.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import _checkpointing, apply_fsdp, apply_plan
+from llmfoundry.distributed.pipeline import Pipeline
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -81,6 +86,9 @@ class FSDP(ProcessGroupStrategy):
             memory first (one more copy of the rank's model and optimizer state there). The
             checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
             saver waits for before the next save and at the end of the run.
+        pp: pipeline stages (pipeline.py); each is sharded over world_size / pp processes.
+        pp_schedule: the pipeline schedule, "1f1b" (at least pp microbatches per step) or
+            "gpipe".
     """
 
     name = "fsdp"
@@ -97,8 +105,11 @@ class FSDP(ProcessGroupStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
         async_save: bool = False,
+        pp: int = 1,
+        pp_schedule: str = "1f1b",
     ) -> None:
         super().__init__(device, backend, timeout_s)
+        self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:
             raise UserError(
                 f"strategy.replicate={replicate} must be a positive divisor of the "
@@ -115,7 +126,7 @@ class FSDP(ProcessGroupStrategy):
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate)
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
@@ -135,11 +146,16 @@ class FSDP(ProcessGroupStrategy):
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        self._units = apply_fsdp(model, plan.blocks, self.mesh.dp_mesh, **options)
+        pipeline = self.pipeline
+        blocks = plan.blocks if pipeline is None else pipeline.split(model, plan, self.mesh)
+        self._units = apply_fsdp(model, blocks, self.mesh.dp_mesh, **options)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
-            with self.rank0_generator(), _WholeTensorInit():
+            absent = nullcontext() if pipeline is None else pipeline.absent_restored(model)
+            with self.rank0_generator(), _WholeTensorInit(self.device), absent:
                 model.init_weights()
+        if pipeline is not None:
+            pipeline.build(model, self.device)
         return model
 
     # ------------------------------------------------------------------ the training step
@@ -199,11 +215,21 @@ def _gradient_sync(model: torch.nn.Module, sync: bool):
 
 class _WholeTensorInit(TorchFunctionMode):
     """Random in-place initializers on a sharded parameter draw the whole tensor (same numbers
-    as one process would draw, with the same generator state) and keep this rank's slice."""
+    as one process would draw, with the same generator state) and keep this rank's slice; on a
+    parameter left on the meta device (another pipeline stage's) they draw it and keep nothing,
+    so the generator moves on as in one process."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         target = args[0] if args else None
+        if func in _RANDOM_INPLACE and isinstance(target, torch.Tensor) and target.is_meta:
+            whole = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            func(whole, *args[1:], **kwargs)
+            return target
         if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
             return func(*args, **kwargs)
         local = target.to_local()

@@ -7,9 +7,30 @@ As torchtitan keeps one per model, each model family has its own plan beside its
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+# A pipeline stage's forward: (model, inputs, sequence_id, first=, last=) -> output. The first
+# stage's inputs are token ids, the others' the previous stage's hidden states; the last stage
+# returns logits, the others hidden states. Modules the stage does not hold pass inputs through.
+StageForward = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How the family's model runs as pipeline stages (llmfoundry/distributed/pipeline.py):
+    each stage holds a contiguous run of the plan's blocks; `first` names the modules only the
+    first stage holds (embeddings), `last` those only the last holds (final norm, an untied
+    head), `tied` those both hold (an embedding that is also the output head: the last stage
+    keeps a copy whose gradient is summed with the first's). `forward` is the stage's forward."""
+
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    tied: tuple[str, ...]
+    forward: StageForward
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,10 @@ class ParallelPlan:
 
     `compile`: whether the model's config asks for its blocks to be compiled (torch.compile,
     per block), which the strategy applies after activation checkpointing and before
-    sharding (llmfoundry/distributed/parallelize.py)."""
+    sharding (llmfoundry/distributed/parallelize.py).
+
+    `pipeline`: how to split the model into pipeline stages; None: the family cannot be."""
 
     blocks: list[nn.Module]
     compile: bool = False
+    pipeline: PipelineSplit | None = None

@@ -136,8 +136,11 @@ class OutOfMemoryInBlock(Algorithm):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
 
-def parity_run(strategy: Strategy, rank: int, world: int, **kwargs) -> Recorder:
-    """Three AdamW steps on the shared global batches (this rank's slice of each)."""
+def parity_run(
+    strategy: Strategy, rank: int, world: int, callbacks: tuple[Callback, ...] = (), **kwargs
+) -> Recorder:
+    """Three AdamW steps on the shared global batches (this rank's slice of each); `callbacks`
+    are added to the recorder."""
     batches = global_batches()
     recorder = Recorder()
     Trainer(
@@ -146,7 +149,7 @@ def parity_run(strategy: Strategy, rank: int, world: int, **kwargs) -> Recorder:
         train_dataloader=rank_slice(batches, rank, world),
         max_duration=f"{len(batches)}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
         **kwargs,
     ).fit()

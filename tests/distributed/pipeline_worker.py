@@ -1,0 +1,60 @@
+"""Bodies of the four-process pipeline-parallel tests (spawned children import them by path).
+
+One spawn runs every distributed case in a row (a fresh process group each).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from llmfoundry.distributed import FSDP, unwrap_model
+from llmfoundry.trainer import Callback
+
+from .sharded_worker import STOP_AT, parity_run, resume_run
+from .spawn import join_env
+
+WORLD = 4
+# name -> FSDP options of the parity runs: two stages, each sharded over two processes.
+PARITY = {
+    "pp2_fsdp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp2_fsdp2_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+}
+
+
+class StageWeights(Callback):
+    """The whole weights of this process's stage as training starts, and its gradient-free
+    parameters' names (every process of the stage gathers its shards)."""
+
+    def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def fit_start(self, state, logger) -> None:
+        for name, tensor in unwrap_model(state.model).state_dict().items():
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            self.initial[name] = whole.detach().clone()
+
+
+def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    ports = iter(ports)
+    result: dict[str, dict] = {}
+    for name, options in PARITY.items():
+        join_env(rank, world, next(ports))
+        strategy = FSDP("cpu", timeout_s=60, **options)
+        weights = StageWeights()
+        # One sample per microbatch: each data-parallel rank's two samples are two microbatches.
+        recorder = parity_run(
+            strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+            callbacks=[weights],
+        )  # fmt: skip
+        result[name] = {"losses": recorder.losses, "initial": weights.initial}
+    for name, options, kwargs in (
+        ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
+        ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),
+    ):
+        join_env(rank, world, next(ports))
+        recorder = resume_run(FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
