@@ -1,0 +1,134 @@
+"""Pipeline parallelism composed with FSDP2, four processes (gloo, CPU, fp32): two stages of the
+tiny MPT, each sharded over two processes, give the one-process losses for the same global
+batch under both schedules, initialize as one process does, and a checkpoint saved at
+pp=2 x dp=2 resumes at dp=4 and in one process, continuing the same sample order.
+
+Tolerance: relative 1e-5 on losses, as test_fsdp.py's and for the same reason: the same fp32
+math summed in another order (the tied embedding's gradient is the sum of the first stage's
+embedding gradient and the last stage's head gradient instead of one accumulation; each data
+-parallel half of the batch is reduced by a reduce-scatter), which moves losses by about 1e-7
+relative over three AdamW steps (measured: 1.2e-7 at most). Any real error is far larger: an
+unsummed tied gradient moved the second loss by 2e-4, a microbatch weighted wrongly or a stage
+skipped by 1e-3 or more.
+"""
+
+import pytest
+import torch
+
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
+from llmfoundry.models import parallel_plan
+from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.trainer import Trainer
+from llmfoundry.utils.errors import UserError
+from tests.checkpoint.helpers import write_mds
+from tests.trainer.conftest import tiny_model
+
+from .pipeline_worker import PARITY, WORLD, StageWeights, rank_main
+from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run
+from .spawn import free_port, run_ranks
+
+LIMIT_S, RTOL = 600, 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One-process references, then one spawn of four ranks running every pipeline case."""
+    out = tmp_path_factory.mktemp("pipeline")
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    weights = StageWeights()
+    single = {
+        "parity": parity_run(SingleDevice("cpu"), 0, 1, callbacks=[weights]),
+        "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
+    }
+    ports = [free_port() for _ in range(len(PARITY) + 2)]
+    run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    single["single_from_pp"] = resume_run(
+        SingleDevice("cpu"), mds, str(out / "single_from_pp"), load=str(out / "pp2_fsdp2_saved")
+    )
+    return single, weights.initial, ranks
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
+    single, _, ranks = runs
+    reference = single["parity"].losses
+    assert len(reference) == 3
+    for rank in ranks:  # every stage reports the last stage's loss
+        assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
+
+
+def test_stages_hold_their_blocks_and_initialize_as_one_process(runs):
+    _, initial, ranks = runs
+    # Ranks 0, 1 are the first stage (its two shards), 2, 3 the last.
+    first, last = ranks[0]["pp2_fsdp2_1f1b"]["initial"], ranks[2]["pp2_fsdp2_1f1b"]["initial"]
+    assert {n.split(".")[2] for n in first if ".blocks." in n} == {"0"}
+    assert {n.split(".")[2] for n in last if ".blocks." in n} == {"1"}
+    assert "transformer.norm_f.weight" in last and "transformer.norm_f.weight" not in first
+    # The tied embedding and head: both end stages hold it, initialized alike.
+    assert torch.equal(first["transformer.wte.weight"], last["transformer.wte.weight"])
+    assert {**first, **last}.keys() == initial.keys()
+    for name, value in {**first, **last}.items():
+        assert torch.equal(value, initial[name]), name
+
+
+@pytest.mark.parametrize("resumed", ["fsdp4_from_pp2", "single_from_pp"])
+def test_checkpoint_saved_at_pp2_x_dp2_resumes_at_dp4_and_one_process(runs, resumed):
+    single, _, ranks = runs
+    straight = single["straight"]
+    assert ranks[0]["pp2_fsdp2_saved"]["losses"] == pytest.approx(
+        straight.losses[:STOP_AT], rel=RTOL
+    )
+    if resumed == "single_from_pp":
+        losses, ids = single[resumed].losses, single[resumed].ids
+    else:
+        losses = ranks[0][resumed]["losses"]
+        ids = [sum(step, []) for step in zip(*(r[resumed]["ids"] for r in ranks), strict=True)]
+    assert len(losses) == RESUME_BATCHES - STOP_AT
+    assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
+    assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def test_stages_split_the_blocks_contiguously_and_evenly():
+    assert [list(stage_blocks(5, 2, s)) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(stage_blocks(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_impossible_pipeline_settings_are_refused_in_one_line():
+    with pytest.raises(UserError, match="pp_schedule='nosuch'"):
+        Pipeline(2, "nosuch")
+    with pytest.raises(UserError, match="interleaved_1f1b needs several stages"):
+        Pipeline(2, "interleaved_1f1b")
+    model = tiny_model()  # two blocks
+    with pytest.raises(UserError, match="pp=3 exceeds the model's 2 blocks"):
+        Pipeline(3, "1f1b").split(model, parallel_plan(model), mesh=None)
+    llama = LlamaForCausalLM(
+        LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, init_device="meta")
+    )
+    with pytest.raises(UserError, match="has no pipeline split"):
+        Pipeline(2, "1f1b").split(llama, parallel_plan(llama), mesh=None)
+    with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
+        Pipeline(2, "1f1b")._schedule(1)
+
+
+class _PipelineStrategy(SingleDevice):
+    """A strategy that says it pipelines (the trainer refuses before joining any group)."""
+
+    pipeline = Pipeline(2, "gpipe")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size=auto"),
+        ({"precision": "amp_fp16"}, "precision=amp_fp16"),
+        ({"eval_dataloaders": {"val": []}}, "evaluation is not supported"),
+    ],
+)
+def test_trainer_refuses_what_pipelining_does_not_support(tmp_path, options, message):
+    with pytest.raises(UserError, match=message):
+        Trainer(
+            model=tiny_model(), strategy=_PipelineStrategy("cpu"), train_dataloader=[],
+            max_duration="1ba", optimizer=torch.optim.SGD, run_dir=tmp_path, **options,
+        )  # fmt: skip
