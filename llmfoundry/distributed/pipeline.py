@@ -227,6 +227,25 @@ class Pipeline:
         return self._schedules[n_microbatches]
 
     @torch.no_grad()
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the whole model: the L2 norm of every stage's
+        gradients (the tied weights counted once, the first stage's), each stage's gradients
+        scaled by the same factor; returns the norm (on the device, the same on every stage)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        copies = set() if self.is_first else {id(p) for p in self._tied}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in copies])
+        if isinstance(norm, DTensor):  # this stage's shards: its whole norm, on every rank
+            norm = norm.full_tensor()
+        squared = norm.double().square()
+        dist.all_reduce(squared, group=self._pp_group)
+        total = squared.sqrt().float()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for param in params:
+            grad = param.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale)
+        return total
+
+    @torch.no_grad()
     def _sum_tied_gradients(self) -> None:
         for param in self._tied:
             grad = param.grad

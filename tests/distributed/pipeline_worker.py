@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import FSDP, unwrap_model
 from llmfoundry.trainer import Callback
 
@@ -22,6 +23,8 @@ PARITY = {
     "pp2_fsdp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
     "pp2_fsdp2_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
 }
+# Gradient-norm clipping tight enough to bind at every step: the norm must span both stages.
+CLIP = 0.05
 
 
 class StageWeights(Callback):
@@ -50,6 +53,13 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
             callbacks=[weights],
         )  # fmt: skip
         result[name] = {"losses": recorder.losses, "initial": weights.initial}
+    join_env(rank, world, next(ports))
+    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        algorithms=[GradientClipping(threshold=CLIP)],
+    )  # fmt: skip
+    result["pp2_fsdp2_clipped"] = {"losses": recorder.losses}
     for name, options, kwargs in (
         ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),

@@ -15,6 +15,7 @@ skipped by 1e-3 or more.
 import pytest
 import torch
 
+from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
 from llmfoundry.models import parallel_plan
@@ -24,7 +25,7 @@ from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
-from .pipeline_worker import PARITY, WORLD, StageWeights, rank_main
+from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run
 from .spawn import free_port, run_ranks
 
@@ -39,9 +40,12 @@ def runs(tmp_path_factory):
     weights = StageWeights()
     single = {
         "parity": parity_run(SingleDevice("cpu"), 0, 1, callbacks=[weights]),
+        "clipped": parity_run(
+            SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
+        ),
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
-    ports = [free_port() for _ in range(len(PARITY) + 2)]
+    ports = [free_port() for _ in range(len(PARITY) + 3)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single["single_from_pp"] = resume_run(
@@ -57,6 +61,14 @@ def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
     assert len(reference) == 3
     for rank in ranks:  # every stage reports the last stage's loss
         assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
+
+
+def test_gradient_clipping_takes_the_norm_over_every_stage(runs):
+    single, _, ranks = runs
+    clipped = single["clipped"].losses
+    assert clipped != pytest.approx(single["parity"].losses, rel=1e-3)  # the clipping binds
+    for rank in ranks:
+        assert rank["pp2_fsdp2_clipped"]["losses"] == pytest.approx(clipped, rel=RTOL)
 
 
 def test_stages_hold_their_blocks_and_initialize_as_one_process(runs):
