@@ -66,10 +66,10 @@ def stage_blocks(n_blocks: int, stages: int, stage: int) -> range:
 
 def check_pipeline(pp: int, schedule: str) -> None:
     """Refuse a pipeline setting before any process waits on another."""
-    if schedule.lower() == "interleaved_1f1b":
+    if schedule.lower() == "interleaved":  # the planner's name (llmfoundry/planning.py)
         raise UserError(
-            "strategy.pp_schedule=interleaved_1f1b needs several stages per process, which is not "
-            f"supported yet; use one of {', '.join(SCHEDULES)}"
+            "strategy.pp_schedule=interleaved (1F1B over several stages per process) is not "
+            f"supported in training yet; use one of {', '.join(SCHEDULES)}"
         )
     if schedule.lower() not in SCHEDULES:
         raise UserError(f"strategy.pp_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
@@ -188,8 +188,7 @@ class Pipeline:
         through the pipeline; returns the loss summed over the batch's loss tokens (float64,
         the same on every stage). `loss_weight(labels)`: what a microbatch's mean loss is
         multiplied by for its backward (the trainer's token weighting)."""
-        rows = batch["labels"].shape[0]
-        n_microbatches = -(-rows // (microbatch_size or rows))
+        n_microbatches = self.microbatches(batch["labels"].shape[0], microbatch_size)
         schedule = self._schedule(n_microbatches)
         # Each microbatch's (mean loss, loss tokens); the schedule also calls the loss function
         # on placeholders once, to learn the shapes of the gradients (its first step).
@@ -210,13 +209,20 @@ class Pipeline:
         dist.all_reduce(loss_sum, group=self._pp_group)  # zero on all but the last stage
         return loss_sum
 
-    def _schedule(self, n_microbatches: int) -> PipelineScheduleSingle:
+    def microbatches(self, rows: int, microbatch_size: int | None) -> int:
+        """How many microbatches a device batch of `rows` makes (`microbatch_size` None: one);
+        refused if too few for the schedule (also checked at launch: llmfoundry/build.py)."""
+        n_microbatches = -(-rows // (microbatch_size or rows))
         if n_microbatches < self.pp and self.schedule_name in _NEED_PP_MICROBATCHES:
             raise UserError(
                 f"strategy.pp_schedule={self.schedule_name} needs at least pp={self.pp} "
-                f"microbatches per step, got {n_microbatches}: lower "
+                f"microbatches per step, got {n_microbatches} ({rows} samples per device in "
+                f"microbatches of {microbatch_size or rows}): lower "
                 "device_train_microbatch_size, raise the batch, or use pp_schedule=gpipe"
             )
+        return n_microbatches
+
+    def _schedule(self, n_microbatches: int) -> PipelineScheduleSingle:
         if n_microbatches not in self._schedules:
             self._schedules[n_microbatches] = SCHEDULES[self.schedule_name](
                 self._stage,

@@ -110,8 +110,8 @@ def test_stages_split_the_blocks_contiguously_and_evenly():
 def test_impossible_pipeline_settings_are_refused_in_one_line():
     with pytest.raises(UserError, match="pp_schedule='nosuch'"):
         Pipeline(2, "nosuch")
-    with pytest.raises(UserError, match="interleaved_1f1b needs several stages"):
-        Pipeline(2, "interleaved_1f1b")
+    with pytest.raises(UserError, match="pp_schedule=interleaved .* not supported"):
+        Pipeline(2, "interleaved")
     model = tiny_model()  # two blocks
     with pytest.raises(UserError, match="pp=3 exceeds the model's 2 blocks"):
         Pipeline(3, "1f1b").split(model, parallel_plan(model), mesh=None)
@@ -121,7 +121,9 @@ def test_impossible_pipeline_settings_are_refused_in_one_line():
     with pytest.raises(UserError, match="has no pipeline split"):
         Pipeline(2, "1f1b").split(llama, parallel_plan(llama), mesh=None)
     with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
-        Pipeline(2, "1f1b")._schedule(1)
+        Pipeline(2, "1f1b").microbatches(4, None)
+    assert Pipeline(2, "1f1b").microbatches(4, 2) == 2
+    assert Pipeline(2, "gpipe").microbatches(4, None) == 1
 
 
 class _PipelineStrategy(SingleDevice):
