@@ -214,8 +214,9 @@ def _gradient_sync(model: torch.nn.Module, sync: bool):
 
 
 class _WholeTensorInit(TorchFunctionMode):
-    """Random in-place initializers on a sharded parameter draw the whole tensor (same numbers
-    as one process would draw, with the same generator state) and keep this rank's slice; on a
+    """Random in-place initializers (and torch.nn.init's functions, which would otherwise reach
+    a DTensor's own random ops) on a sharded parameter draw the whole tensor (same numbers as
+    one process would draw, with the same generator state) and keep this rank's slice; on a
     parameter left on the meta device (another pipeline stage's) they draw it and keep nothing,
     so the generator moves on as in one process."""
 
@@ -225,16 +226,24 @@ class _WholeTensorInit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func in _RANDOM_INPLACE and isinstance(target, torch.Tensor) and target.is_meta:
-            whole = torch.empty(target.shape, dtype=target.dtype, device=self.device)
-            func(whole, *args[1:], **kwargs)
-            return target
-        if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
+        # torch.nn.init's functions come here whole (before the in-place op they call), and
+        # may pass their tensor by keyword.
+        initializer = getattr(func, "__module__", None) == "torch.nn.init"
+        target = args[0] if args else kwargs.get("tensor") if initializer else None
+        sharded = isinstance(target, DTensor)
+        absent = isinstance(target, torch.Tensor) and not sharded and target.is_meta
+        if not (initializer or func in _RANDOM_INPLACE) or not (sharded or absent):
             return func(*args, **kwargs)
-        local = target.to_local()
-        whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-        func(whole, *args[1:], **kwargs)
-        shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
-        local.copy_(shard.to_local())
+        local = target.to_local() if sharded else None
+        device = self.device if local is None else local.device
+        whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+        if args:
+            func(whole, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": whole})
+        if sharded:
+            shard = distribute_tensor(
+                whole, target.device_mesh, target.placements, src_data_rank=None
+            )
+            local.copy_(shard.to_local())
         return target

@@ -14,7 +14,7 @@ from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import FSDP, unwrap_model
 from llmfoundry.trainer import Callback
 
-from .sharded_worker import STOP_AT, parity_run, resume_run
+from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
 
 WORLD = 4
@@ -60,6 +60,13 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         algorithms=[GradientClipping(threshold=CLIP)],
     )  # fmt: skip
     result["pp2_fsdp2_clipped"] = {"losses": recorder.losses}
+    join_env(rank, world, next(ports))  # Llama: an untied head, on the last stage only
+    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        model=tiny_llama(),
+    )  # fmt: skip
+    result["llama_pp2_fsdp2"] = {"losses": recorder.losses}
     for name, options, kwargs in (
         ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),

@@ -137,14 +137,19 @@ class OutOfMemoryInBlock(Algorithm):
 
 
 def parity_run(
-    strategy: Strategy, rank: int, world: int, callbacks: tuple[Callback, ...] = (), **kwargs
+    strategy: Strategy,
+    rank: int,
+    world: int,
+    callbacks: tuple[Callback, ...] = (),
+    model: torch.nn.Module | None = None,
+    **kwargs,
 ) -> Recorder:
-    """Three AdamW steps on the shared global batches (this rank's slice of each); `callbacks`
-    are added to the recorder."""
+    """Three AdamW steps of `model` (default: the tiny MPT) on the shared global batches (this
+    rank's slice of each); `callbacks` are added to the recorder."""
     batches = global_batches()
     recorder = Recorder()
     Trainer(
-        model=tiny_model(),
+        model=tiny_model() if model is None else model,
         strategy=strategy,
         train_dataloader=rank_slice(batches, rank, world),
         max_duration=f"{len(batches)}ba",

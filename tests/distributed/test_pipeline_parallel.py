@@ -19,14 +19,14 @@ from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
 from llmfoundry.models import parallel_plan
-from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.trainer import Trainer
 from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
 from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
-from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run
+from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
 
 LIMIT_S, RTOL = 600, 1e-5
@@ -43,9 +43,10 @@ def runs(tmp_path_factory):
         "clipped": parity_run(
             SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
         ),
+        "llama": parity_run(SingleDevice("cpu"), 0, 1, model=tiny_llama()),
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
-    ports = [free_port() for _ in range(len(PARITY) + 3)]
+    ports = [free_port() for _ in range(len(PARITY) + 4)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single["single_from_pp"] = resume_run(
@@ -61,6 +62,13 @@ def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
     assert len(reference) == 3
     for rank in ranks:  # every stage reports the last stage's loss
         assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
+
+
+def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
+    single, _, ranks = runs
+    assert single["llama"].losses != pytest.approx(single["parity"].losses, rel=1e-3)
+    for rank in ranks:
+        assert rank["llama_pp2_fsdp2"]["losses"] == pytest.approx(single["llama"].losses, rel=RTOL)
 
 
 def test_gradient_clipping_takes_the_norm_over_every_stage(runs):
@@ -115,11 +123,8 @@ def test_impossible_pipeline_settings_are_refused_in_one_line():
     model = tiny_model()  # two blocks
     with pytest.raises(UserError, match="pp=3 exceeds the model's 2 blocks"):
         Pipeline(3, "1f1b").split(model, parallel_plan(model), mesh=None)
-    llama = LlamaForCausalLM(
-        LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, init_device="meta")
-    )
-    with pytest.raises(UserError, match="has no pipeline split"):
-        Pipeline(2, "1f1b").split(llama, parallel_plan(llama), mesh=None)
+    with pytest.raises(UserError, match="has no pipeline split"):  # a family without one
+        Pipeline(2, "1f1b").split(model, ParallelPlan(list(model.transformer.blocks)), mesh=None)
     with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
         Pipeline(2, "1f1b").microbatches(4, None)
     assert Pipeline(2, "1f1b").microbatches(4, 2) == 2
