@@ -342,12 +342,12 @@ class Setup:
                 f"--dp-replicate and --dp-shard lay out FSDP's mesh; strategy {self.strategy} "
                 "sets them itself: leave them out or use --strategy fsdp"
             )
-        if self.dp_shard != -1 and self.dp_replicate * self.dp_shard * model_ways != world:
+        product = self.dp_replicate * self.dp_shard * model_ways
+        if self.dp_shard != -1 and product != world:
             raise UserError(
                 f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
-                f"pp={self.pp} = {self.dp_replicate * self.dp_shard * model_ways}, but there are "
-                f"{world} devices: use --world-size {self.dp_replicate * self.dp_shard * model_ways}"
-                " or leave --dp-shard out (the rest)"
+                f"pp={self.pp} = {product}, but there are {world} devices: use --world-size "
+                f"{product} or leave --dp-shard out (the rest)"
             )
         replicate, shard = self.dp_replicate, self.dp_shard
         if self.strategy in ("single", "ddp"):

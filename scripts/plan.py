@@ -99,7 +99,8 @@ def _what_would_fit(args: argparse.Namespace) -> str:
         )
     else:
         options.append(f"more devices than --world-size {args.world_size}")
-        options.append("--recommend (a mesh with tp and pp)")
+        if args.tp == args.pp == 1:
+            options.append("--recommend (a mesh with tp and pp)")
     if not args.activation_checkpointing:
         options.append("--activation-checkpointing")
     if not args.cpu_offload and args.strategy not in ("single", "ddp"):
@@ -167,6 +168,8 @@ def plan(args: argparse.Namespace) -> int:
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
     args.strategy = args.strategy or ("fsdp" if args.recommend else "single")
+    if not args.recommend:
+        args.world_size = args.world_size or 1
     setup = _setup(args, cfg, settings, model_cfg, seq_len)
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
@@ -180,7 +183,8 @@ def plan(args: argparse.Namespace) -> int:
         dims = setup.dims
         print(f"recommended : tp {dims.tp} x pp {dims.pp} x dp_shard {dims.dp_shard} x "
               f"dp_replicate {dims.dp_replicate} on {setup.world_size} devices (fewest tp x pp "
-              f"that fit, then the fastest; tp <= {setup.gpus_per_node} within a node)")  # fmt: skip
+              f"that fit, then the fastest; tp <= {setup.gpus_per_node}, within a node)"
+              )  # fmt: skip
     if settings.global_train_batch_size % setup.dp_size:
         raise UserError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
@@ -197,7 +201,8 @@ def plan(args: argparse.Namespace) -> int:
     print(f"model       : {cfg.model._target_.rsplit('.', 1)[-1]} d_model {model_cfg.d_model}, "
           f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size}, seq {seq_len}")  # fmt: skip
     print(f"run         : {', '.join(flags)}; {settings.precision}; global batch "
-          f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)")  # fmt: skip
+          f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
+          )  # fmt: skip
     print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp "
           f"{dims.tp} x pp {dims.pp}")  # fmt: skip
     print(f"parameters  : {memory_plan.n_params:,}")
@@ -223,7 +228,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"largest microbatch fitting {size} ({gib(memory).strip()}): {fits}")
         if memory_plan.total > memory:
             print(f"note        : microbatch {microbatch} does not fit; the rest is planned at "
-                  f"it: pass --microbatch {fits} (device_train_microbatch_size={fits})")  # fmt: skip
+                  f"it: pass --microbatch {fits} (device_train_microbatch_size={fits})"
+                  )  # fmt: skip
     communication = plan_communication(setup, microbatch)
     print("communication per device per step (sent):")
     for part, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
