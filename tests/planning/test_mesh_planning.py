@@ -100,6 +100,8 @@ def test_communication_bubble_and_step_time():
     [
         ({"tp": 8, "world_size": 16}, "tp=8 does not divide the model's 4 attention heads and "
          "2 key/value heads: use --tp 1 or 2"),
+        ({"tp": 4, "pp": 1, "world_size": 16}, "tp=4 does not divide the model's 4 attention "
+         "heads and 2 key/value heads"),
         ({"pp": 9, "tp": 1, "world_size": 18}, "pp=9 = 9 stages, more than the model's 8 layers: "
          "use --pp 8 or fewer"),
         ({"pp": 3, "world_size": 16}, "tp=2 x pp=3 = 6 does not divide the 16 devices"),
