@@ -1,16 +1,27 @@
-"""Plan a training run's memory and step time before renting the GPUs.
+"""Plan a training run's memory, communication and step time before renting the GPUs.
 
     python scripts/plan.py model=mpt-7b precision=amp_bf16 --strategy fsdp --world-size 8 \\
         --activation-checkpointing --device-memory 80GB
     python scripts/plan.py model=mpt-30b --strategy zero3 --world-size 64 --cpu-offload
+    python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
+        global_train_batch_size=512 --strategy fsdp --world-size 64 --tp 8 --pp 2 \\
+        --activation-checkpointing --device-memory 80GB --device-name H100
+    python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
+        global_train_batch_size=512 --recommend --activation-checkpointing --device-memory 80GB
 
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
-overrides); the flags describe the cluster. Prints parameter count, flops per token, memory per
-device by part at the config's microbatch, the largest microbatch that fits the device memory
-(default: the detected GPU's), and the step time at a given MFU of the device's peak
-(llmfoundry/planning.py says what each number counts). Impossible inputs are one line and exit
-status 2 (`--debug` for the traceback). A setup in which not even one sequence
-fits a device is an error (exit status 2) saying what would fit, with no step time.
+overrides); the flags describe the cluster and the mesh (`--tp`, `--pp`, `--dp-replicate`,
+`--dp-shard` as llmfoundry/distributed/mesh.py's ParallelDims; `--schedule`, `--stages-per-rank`
+for the pipeline). Prints parameter count, flops per token, memory per device by part at the
+config's microbatch (on the pipeline rank that needs the most), the largest microbatch that fits
+the device memory (default: the detected GPU's), the bytes each device sends per step, the
+pipeline bubble and the step time at a given MFU of the device's peak (llmfoundry/planning.py
+says what each number counts and where its formula comes from). `--recommend` plans the smallest
+mesh that fits instead (fewest tp x pp, then the fastest; tp within a node), at `--world-size`
+or at the fewest devices. Impossible inputs (tp not dividing the heads, more stages than
+layers, axes whose product is not the device count) are one line and exit status 2 (`--debug`
+for the traceback). A setup in which not even one sequence fits a device, or in which no mesh
+fits, is an error (exit status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
