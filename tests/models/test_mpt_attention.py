@@ -7,8 +7,9 @@ from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.layers import attention
-from llmfoundry.models.layers.attention import AttentionMasks, alibi_slopes, causal_alibi_bias
+from llmfoundry.models.layers.attention import AttentionMasks
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.position import alibi_slopes, causal_alibi_bias
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])

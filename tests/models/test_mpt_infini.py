@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.layers.attention import AttentionMasks, alibi_slopes, torch_attention
+from llmfoundry.models.layers.attention import AttentionMasks, torch_attention
+from llmfoundry.models.layers.position import alibi_slopes
 from llmfoundry.models.mpt.config import InfiniConfig
 from llmfoundry.models.mpt.infini import infini_attention, memory_attention
 from llmfoundry.optim import DecoupledAdamW, build_param_groups

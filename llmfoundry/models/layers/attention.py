@@ -23,7 +23,6 @@ id is the one of its own position.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,54 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.models.layers.position import alibi_slopes, causal_alibi_bias
+
 AttnFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "AttentionMask", float, float], torch.Tensor
 ]
-
-
-def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
-    """ALiBi slope of each head, float32 [n_heads], exactly as MPT computes them.
-
-    For a head count that is not a power of two, the slopes of the next power of two are
-    interleaved (odd positions first) and truncated, so every head count gets a geometric spread.
-    """
-    n = 2 ** math.ceil(math.log2(n_heads))
-    m = torch.arange(1, n + 1, dtype=torch.float32) * (alibi_bias_max / n)
-    slopes = 1.0 / torch.pow(2, m)
-    if n != n_heads:
-        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
-    return slopes
-
-
-def causal_alibi_bias(
-    n_heads: int,
-    seq_len: int,
-    alibi_bias_max: float | None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
-
-    With a sliding `window`, keys `window` or more positions back are -inf too.
-
-    The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
-    (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
-    relative form keeps the values near the diagonal small, which keeps bf16 scores precise.
-    With `alibi_bias_max=None` (no ALiBi) the result is the causal mask alone, shaped [1, 1, L, L].
-    """
-    pos = torch.arange(seq_len, device=device)
-    distance = pos[:, None] - pos[None, :]  # i - j
-    if alibi_bias_max is None:
-        bias = torch.zeros(1, 1, seq_len, seq_len, device=device, dtype=torch.float32)
-    else:
-        slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
-        bias = -(distance[None, None] * slopes[None, :, None, None])
-    hidden = distance < 0
-    if window is not None:
-        hidden |= distance >= window
-    bias = bias.masked_fill(hidden, float("-inf"))
-    return bias.to(dtype)
 
 
 @dataclass(eq=False)
@@ -201,21 +157,6 @@ class AttentionMasks(nn.Module):
         self, sequence_id: torch.Tensor | None, device: torch.device, dtype: torch.dtype
     ) -> AttentionMask:
         return AttentionMask(self, sequence_id, device, dtype)
-
-
-def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
-    """Position of each token within its document: 0 at each document's first token.
-
-    Packed rows hold several documents; restarting positions at each one gives a learned position
-    table the same view of a document as if it were alone. Documents are contiguous runs of equal
-    `sequence_id`.
-    """
-    seq_len = sequence_id.shape[1]
-    pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)
-    starts = torch.ones_like(sequence_id, dtype=torch.bool)
-    starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
-    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return pos - start_pos
 
 
 def repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
