@@ -159,6 +159,12 @@ class AttentionMasks(nn.Module):
         return AttentionMask(self, sequence_id, device, dtype)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention scores will have: autocast's if it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """[B, kv_heads, L, D] -> [B, n_heads, L, D]: each kv head serves n_heads // kv_heads queries."""
     groups = n_heads // t.shape[1]

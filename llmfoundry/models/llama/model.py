@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
+from llmfoundry.models.layers.loss import next_token_loss
 from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
 from llmfoundry.models.llama.config import LlamaConfig
-from llmfoundry.models.mpt.model import MPTForCausalLM, compute_dtype
 
 # The dense causal/document bias that `sdpa` and `torch` read is cached for this many positions
 # at least (longer inputs rebuild it at their length). A Llama config's max_seq_len (131072 for
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     # The loss is family-neutral: mean next-token cross-entropy, chunked (models/layers/loss.py).
-    loss = staticmethod(MPTForCausalLM.loss)
+    loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied head counted once).

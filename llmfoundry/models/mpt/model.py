@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
-from llmfoundry.models.layers.loss import next_token_loss_sum
+from llmfoundry.models.layers.loss import next_token_loss
 from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
@@ -183,12 +183,6 @@ class Block(nn.Module):
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the attention scores will have: autocast's if it is on, else the input's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 class MPTModel(nn.Module):
     """Token (and optional position) embeddings, the blocks, and the final LayerNorm."""
 
@@ -281,28 +275,7 @@ class MPTForCausalLM(nn.Module):
         h = self.transformer(input_ids, sequence_id, cache)
         return F.linear(h, self.transformer.wte.weight)
 
-    @staticmethod
-    def loss(
-        logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """Mean next-token cross-entropy over positions whose label is not -100.
-
-        Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
-        computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
-        microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
-        them (the trainer's ``model.loss(outputs, batch)``).
-        """
-        if isinstance(labels, Mapping):
-            labels = labels["labels"]
-        if labels.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
-                f"dimension, {tuple(logits.shape[:-1])}"
-            )
-        total = next_token_loss_sum(
-            logits, labels
-        )  # chunked: no full float32 copy (layers/loss.py)
-        return total / (labels[:, 1:] != -100).sum().clamp(min=1)
+    loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (the tied output head counted once).
