@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
+    from llmfoundry.models.llama.config import RopeScaling
 
 
 def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
@@ -106,16 +106,17 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of each position's rotation angles, [batch or 1, seq, head_dim], float32.
+    """cos and sin of each position's rotation angles, [batch or 1, seq, head_dim], float32,
+    for heads of `head_dim` rotated at `rope_inv_freq(head_dim, theta, scaling)`.
 
     The frequencies are derived data, kept as a plain attribute per device (as `AttentionMasks`
     keeps its masks), not a buffer: they stay out of state dicts and sharding, and a model built
     on the meta device gets real ones on its first forward.
     """
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         super().__init__()
-        self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.reset()
 
     def reset(self) -> None:

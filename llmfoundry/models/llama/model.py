@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rope = RotaryEmbedding(cfg)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.masks = AttentionMasks(
             cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN), alibi=False, alibi_bias_max=8
         )
