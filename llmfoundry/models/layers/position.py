@@ -10,13 +10,10 @@ packed document, for learned position tables and RoPE alike.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from llmfoundry.models.llama.config import RopeScaling
 
 
 def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
@@ -77,6 +74,40 @@ def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
     start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
     return pos - start_pos
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (transformers' rope_type "llama3").
+
+    A model pretrained at `original_max_seq_len` positions is stretched to longer contexts by
+    dividing the rotation frequencies whose wavelength exceeds original_max_seq_len /
+    low_freq_factor by `factor`, keeping those whose wavelength is under original_max_seq_len /
+    high_freq_factor, and interpolating smoothly between the two. Llama 3.1: factor 8, low 1,
+    high 4, original 8192; Llama 3.2 1B/3B: factor 32.
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"LlamaConfig.rope_scaling.{name} must be > 0, got {value!r}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
+            )
+        value = self.original_max_seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"LlamaConfig.rope_scaling.original_max_seq_len must be a positive integer, "
+                f"got {value!r}"
+            )
 
 
 def rope_inv_freq(
