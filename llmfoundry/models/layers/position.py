@@ -1,10 +1,16 @@
-"""Position schemes every model family can choose from.
+"""How a model knows where each token is: the position schemes every family can choose from.
 
-ALiBi (`alibi_slopes`, `causal_alibi_bias`): a per-head bias on the attention scores, so it lives
-in the mask description (`attention.AttentionMask`). RoPE (`rope_inv_freq` with Llama 3.1's
-frequency scaling, `RotaryEmbedding`, `apply_rope`): a rotation of queries and keys, applied by
-the family's attention before the kernel. `positions_in_document` numbers tokens within their
-packed document, for learned position tables and RoPE alike.
+- ALiBi (`ALiBi`, `alibi_slopes`, `causal_alibi_bias`): a per-head bias on the attention scores,
+  so it is an option of the mask description (`AttentionMasks(alibi=ALiBi(...))` in
+  attention.py; None there for every other scheme). MPT's default.
+- RoPE (`RotaryEmbedding`, `apply_rope`; `rope_inv_freq` with Llama 3.1's `RopeScaling`): a
+  rotation of queries and keys by their positions, which the family's attention applies before
+  the kernel. Llama's.
+- A learned position table is a family's own `nn.Embedding` (MPT's `learned_pos_emb`).
+
+A family picks by its config (MPT's `alibi`, `alibi_bias_max`, `learned_pos_emb`; Llama's
+`rope_theta`, `rope_scaling`); nothing here names a family. `positions_in_document` numbers the
+tokens of each packed document from 0, for a position table and RoPE alike.
 """
 
 from __future__ import annotations
@@ -28,6 +34,19 @@ def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     if n != n_heads:
         slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
     return slopes
+
+
+@dataclass(frozen=True)
+class ALiBi:
+    """ALiBi (Press et al.): head h adds -slope_h * (i - j) to query i's score for key j, with
+    geometric slopes set by `bias_max` (`alibi_slopes`). Relative, so a KV cache or left
+    padding shifts nothing."""
+
+    bias_max: float = 8
+
+    def slopes(self, n_heads: int) -> torch.Tensor:
+        """float32 [n_heads], on the CPU."""
+        return alibi_slopes(n_heads, self.bias_max)
 
 
 def causal_alibi_bias(
@@ -65,7 +84,7 @@ def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
     """Position of each token within its document: 0 at each document's first token.
 
     Packed rows hold several documents; restarting positions at each one gives a learned position
-    table the same view of a document as if it were alone. Documents are contiguous runs of equal
+    table or RoPE the same view of a document as if it were alone. Documents are contiguous runs of equal
     `sequence_id`.
     """
     seq_len = sequence_id.shape[1]
@@ -96,17 +115,16 @@ class RopeScaling:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"LlamaConfig.rope_scaling.{name} must be > 0, got {value!r}")
+                raise ValueError(f"rope_scaling.{name} must be > 0, got {value!r}")
         if not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
-                f"LlamaConfig.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
                 f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
             )
         value = self.original_max_seq_len
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(
-                f"LlamaConfig.rope_scaling.original_max_seq_len must be a positive integer, "
-                f"got {value!r}"
+                f"rope_scaling.original_max_seq_len must be a positive integer, got {value!r}"
             )
 
 

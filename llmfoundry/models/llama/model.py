@@ -143,9 +143,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.masks = AttentionMasks(
-            cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN), alibi=False, alibi_bias_max=8
-        )
+        self.masks = AttentionMasks(cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 

@@ -22,7 +22,7 @@ from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, co
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
 from llmfoundry.models.layers.loss import next_token_loss
-from llmfoundry.models.layers.position import positions_in_document
+from llmfoundry.models.layers.position import ALiBi, positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.norms import LayerNorm
@@ -193,9 +193,8 @@ class MPTModel(nn.Module):
         if cfg.learned_pos_emb:
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
-        self.masks = AttentionMasks(
-            cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max, cfg.sliding_window
-        )
+        alibi = ALiBi(cfg.alibi_bias_max) if cfg.alibi else None
+        self.masks = AttentionMasks(cfg.n_heads, cfg.max_seq_len, alibi, cfg.sliding_window)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
