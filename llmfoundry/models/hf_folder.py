@@ -1,4 +1,5 @@
-"""Writing a transformers model folder: the one step every family's HF export ends with."""
+"""A transformers model folder, for any family: writing one (the step every family's HF export
+ends with), and how closely it computes what our model does (import and export check it)."""
 
 from __future__ import annotations
 

@@ -6,17 +6,18 @@ The seam between a block and a kernel is one call,
 
 with q shaped [batch, n_heads, q_len, head_dim] and k, v [batch, kv_n_heads, k_len, head_dim]
 (kv_n_heads divides n_heads: grouped-query attention; 1 is multi-query). `mask` is an
-`AttentionMask`: a description of what each query may see (causality, ALiBi slopes if the
-family's position scheme is ALiBi (position.py), sliding window, document ids), not a tensor. Each kernel turns it into what it consumes (a dense additive bias for
-`torch` and `sdpa`, a `score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for
-`flash`) through `mask.cached(key, build)`, so the product is built once per forward and shared by
-every layer; the part that does not depend on the batch is cached across forwards by the
-`AttentionMasks` module that made the mask.
+`AttentionMask`: a description of what each query may see (causality, ALiBi slopes when the
+family's position scheme is ALiBi (position.py), sliding window, document ids), not a tensor.
+Each kernel turns it into what it consumes (a dense additive bias for `torch` and `sdpa`, a
+`score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for `flash`) through
+`mask.cached(key, build)`, so the product is built once per forward and shared by every layer;
+the part that does not depend on the batch is cached across forwards by the `AttentionMasks`
+module that made the mask. RoPE rotates q and k before the kernel; the mask never sees it.
 
 Positions: queries are the last `q_len` of the `k_len` key positions (bottom-right aligned, as
 flash-attn's causal mode). A full forward has q_len == k_len; a decoding step with a cache of
 past keys passes only the new queries and every key, and ALiBi, causality and document masking
-line up without another argument (RoPE rotates q and k before the kernel: the mask never sees it). ALiBi is relative (-slope * (i - j)), so left padding does not
+line up without another argument. ALiBi is relative (-slope * (i - j)), so left padding does not
 shift it either. Document ids (`sequence_id`, [batch, k_len]) cover the key positions; a query's
 id is the one of its own position.
 """

@@ -80,7 +80,8 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def next_token_loss(
     logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over positions whose label is not -100.
+    """Mean next-token cross-entropy over positions whose label is not -100: every family's
+    `loss(outputs, batch)` (the model contract, `llmfoundry.core.model`).
 
     Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
     computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
@@ -94,5 +95,5 @@ def next_token_loss(
             f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
             f"dimension, {tuple(logits.shape[:-1])}"
         )
-    total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy (layers/loss.py)
-    return total / (labels[:, 1:] != -100).sum().clamp(min=1)
+    total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy
+    return total / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)

@@ -84,8 +84,8 @@ def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
     """Position of each token within its document: 0 at each document's first token.
 
     Packed rows hold several documents; restarting positions at each one gives a learned position
-    table or RoPE the same view of a document as if it were alone. Documents are contiguous runs of equal
-    `sequence_id`.
+    table or RoPE the same view of a document as if it were alone. Documents are contiguous runs
+    of equal `sequence_id`.
     """
     seq_len = sequence_id.shape[1]
     pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)

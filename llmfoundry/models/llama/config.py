@@ -64,7 +64,7 @@ class LlamaConfig:
     and a SwiGLU MLP of width `ffn_hidden_size` (unset: Meta's rule from `multiple_of` and
     `ffn_dim_multiplier`, see `ffn_hidden_size`). `tie_word_embeddings` makes the output head the
     token embedding (Llama 3.2 1B/3B); otherwise it is its own matrix. `attn_impl` picks one of
-    the MPT package's kernels (`llmfoundry.models.layers.kernels`); all of them do document masking.
+    the shared kernels (`llmfoundry.models.layers.kernels`); all of them do document masking.
 
     `max_seq_len` is the context the model is meant for (transformers' max_position_embeddings);
     RoPE has no position table, so nothing is sized by it.

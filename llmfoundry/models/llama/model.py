@@ -1,12 +1,12 @@
 """Llama: a decoder-only transformer with RoPE, grouped-query attention, SwiGLU and RMSNorm.
 
-Read top to bottom: RMSNorm, the rotary embedding (Llama 3.1's frequency scaling included),
-Attention, MLP, Block, LlamaModel (embedding, blocks, final norm), LlamaForCausalLM (output
-head, tied or not; loss, flops, init). What is not Llama's own comes from the MPT package, which
-holds the family-neutral pieces until they move to a shared place: the attention kernels and
-their mask description (`attention.py`, `kernels.py`: causal, document masking, GQA), the KV
-cache (`cache.py`) and the chunked loss. So decoding is MPT's: `generation.generate(model, ...)`
-and its `Decoder` take this model as they take an MPT one.
+Read top to bottom: RMSNorm, Attention, MLP, Block, LlamaModel (embedding, blocks, final norm),
+LlamaForCausalLM (output head, tied or not; loss, flops, init). What is not Llama's own is
+shared by every family (`llmfoundry.models.layers`): RoPE (`position.py`, with Llama 3.1's
+frequency scaling), the attention kernels and their mask description (`attention.py`,
+`kernels.py`: causal, document masking, GQA), the KV cache (`kv_cache.py`) and the chunked loss
+(`loss.py`). Decoding (`llmfoundry.models.generation`: `generate(model, ...)`, `Decoder`) takes
+this model as it takes any family's.
 
 Rotary embeddings follow transformers' LlamaForCausalLM (the rotate_half pairing: dimension i
 rotates with i + head_dim / 2), so its q_proj and k_proj weights load without a permutation.
