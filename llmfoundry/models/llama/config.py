@@ -135,7 +135,7 @@ class LlamaConfig:
                 f"LlamaConfig.tie_word_embeddings must be true or false, "
                 f"got {self.tie_word_embeddings!r}"
             )
-        check_attn_impl(self.attn_impl, owner="LlamaConfig")
+        check_attn_impl(self.attn_impl, "LlamaConfig")
         if self.init_device not in INIT_DEVICES:
             raise ValueError(
                 f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
