@@ -39,23 +39,26 @@ def tp_llama(tied: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def parity_run(strategy: Strategy, tied: bool) -> Recorder:
-    """Three AdamW steps on the shared global batches (this data-parallel rank's slice)."""
+def parity_run(strategy: Strategy, tied: bool) -> tuple[Recorder, dict[str, float]]:
+    """Three AdamW steps on the shared global batches (this data-parallel rank's slice), then
+    an evaluation on them: the recorded steps and the eval metrics."""
     batches = global_batches()
     recorder = Recorder()
-    Trainer(
+    own = rank_slice(batches, strategy.dp_rank, strategy.dp_size)
+    state = Trainer(
         model=tp_llama(tied),
         strategy=strategy,
-        train_dataloader=rank_slice(batches, strategy.dp_rank, strategy.dp_size),
+        train_dataloader=own,
+        eval_dataloaders={"train": own},
         max_duration=f"{len(batches)}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
         callbacks=[recorder],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
     ).fit()
-    return recorder
+    return recorder, dict(state.eval_metrics)
 
 
-def single_parity_run(tied: bool) -> Recorder:
+def single_parity_run(tied: bool) -> tuple[Recorder, dict[str, float]]:
     return parity_run(SingleDevice("cpu"), tied)
 
 
@@ -64,8 +67,8 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     result: dict[str, dict] = {}
     for name, (options, tied) in PARITY.items():
         join_env(rank, world, next(ports))
-        recorder = parity_run(FSDP("cpu", timeout_s=60, **options), tied)
-        result[name] = {"losses": recorder.losses, "initial": recorder.initial}
+        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, **options), tied)
+        result[name] = {"losses": recorder.losses, "initial": recorder.initial, "eval": metrics}
     for name, options, kwargs in (
         ("tp2_dp2_saved", {"tp": TP}, {"stop_at": STOP_AT}),
         ("dp4_from_tp2_dp2", {}, {"load": f"{out}/tp2_dp2_saved"}),

@@ -1,6 +1,6 @@
 """Tensor + sequence parallel (strategy.tp) with FSDP on four gloo processes (CPU, fp32): the
 same global batch gives one process's loss trajectory, from-scratch initialization equals one
-process's, and a DCP checkpoint saved at tp=2 x dp=2 resumes at dp=4 and in one process.
+process's (and so does an evaluation), and a DCP checkpoint saved at tp=2 x dp=2 resumes at dp=4 and in one process.
 Refusals (MPT, sizes tp does not divide) run in this process.
 
 Tolerance: relative 1e-5 on losses, as test_fsdp.py. Tensor parallelism computes the same fp32
@@ -48,9 +48,9 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", PARITY)
-def test_tensor_parallel_gives_one_process_losses_and_initialization(runs, name):
+def test_tensor_parallel_gives_one_process_losses_initialization_and_eval(runs, name):
     single, _, _, ranks = runs
-    reference = single[PARITY[name][1]]
+    reference, metrics = single[PARITY[name][1]]
     assert len(reference.losses) == 3
     for rank in ranks:  # every rank reports the same (global) loss
         assert rank[name]["losses"] == pytest.approx(reference.losses, rel=RTOL), name
@@ -58,6 +58,10 @@ def test_tensor_parallel_gives_one_process_losses_and_initialization(runs, name)
     assert initial.keys() == reference.initial.keys()
     for key, value in reference.initial.items():
         assert torch.equal(initial[key], value), key
+    # Evaluation gathers the vocabulary-sharded logits and counts each sample once.
+    assert "eval/train/loss" in metrics
+    assert ranks[0][name]["eval"].keys() == metrics.keys()
+    assert ranks[0][name]["eval"] == pytest.approx(metrics, rel=RTOL)
 
 
 @pytest.mark.parametrize("resumed", ["dp4_from_tp2_dp2", "single_from_tp2_dp2"])
