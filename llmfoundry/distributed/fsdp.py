@@ -179,7 +179,14 @@ class FSDP(ProcessGroupStrategy):
         and reduces), all ranks agree on whether one ran out of memory. A rank that did joins
         the agreement from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the
         next collective, so every rank leaves the step together and none waits in an
-        all-gather or reduce-scatter another abandoned."""
+        all-gather or reduce-scatter another abandoned. Refused with tensor parallelism: its
+        collectives run inside each block, past any agreement before it."""
+        if self.dims.tp > 1:
+            raise UserError(
+                f"device_train_microbatch_size=auto with strategy.tp={self.dims.tp}: an "
+                "out-of-memory error inside a block would leave its tensor-parallel peers "
+                "waiting; set a fixed device_train_microbatch_size"
+            )
         self._guard_collectives = True
         for unit in self._units:
             unit.register_forward_pre_hook(self._agree_before_forward, prepend=True)

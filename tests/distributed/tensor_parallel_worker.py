@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from llmfoundry.distributed import FSDP, SingleDevice, Strategy
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils.errors import UserError
 
 from .sharded_worker import STOP_AT, Recorder, resume_run
 from .spawn import join_env
@@ -39,7 +41,7 @@ def tp_llama(tied: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def parity_run(strategy: Strategy, tied: bool) -> tuple[Recorder, dict[str, float]]:
+def parity_run(strategy: Strategy, tied: bool, **kwargs: Any) -> tuple[Recorder, dict[str, float]]:
     """Three AdamW steps on the shared global batches (this data-parallel rank's slice), then
     an evaluation on them: the recorded steps and the eval metrics."""
     batches = global_batches()
@@ -54,6 +56,7 @@ def parity_run(strategy: Strategy, tied: bool) -> tuple[Recorder, dict[str, floa
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
         callbacks=[recorder],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
+        **kwargs,
     ).fit()
     return recorder, dict(state.eval_metrics)
 
@@ -78,4 +81,14 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
             FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", model=tp_llama, **kwargs
         )
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    # Auto-microbatching is refused (an OOM inside a block would strand its tp peers).
+    join_env(rank, world, next(ports))
+    strategy = FSDP("cpu", timeout_s=60, tp=TP)
+    try:
+        parity_run(strategy, False, device_train_microbatch_size="auto")
+        result["auto_microbatching"] = {"error": ""}
+    except UserError as err:
+        result["auto_microbatching"] = {"error": str(err)}
+    finally:
+        strategy.teardown()
     torch.save(result, Path(out) / f"rank{rank}.pt")

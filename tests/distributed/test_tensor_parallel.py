@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     mds = str(write_mds(out / "mds", {"train": 32}))
     single = {tied: single_parity_run(tied) for tied in (False, True)}
     straight = resume_run(SingleDevice("cpu"), mds, str(out / "single_straight"), model=tp_llama)
-    ports = [free_port() for _ in range(len(PARITY) + 2)]
+    ports = [free_port() for _ in range(len(PARITY) + 3)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     from_tp = resume_run(
@@ -77,6 +77,14 @@ def test_tensor_parallel_checkpoint_resumes_on_another_mesh(runs, resumed):
     assert len(losses) == RESUME_BATCHES - STOP_AT
     assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
     assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def test_tensor_parallel_refuses_auto_microbatching_on_every_rank(runs):
+    *_, ranks = runs
+    for rank in ranks:
+        assert rank["auto_microbatching"]["error"].startswith(
+            "device_train_microbatch_size=auto with strategy.tp=2"
+        )
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
