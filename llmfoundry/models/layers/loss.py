@@ -20,6 +20,8 @@ not), and without the chunking.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
@@ -119,3 +121,25 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
         mesh.get_group(),
         mesh.get_local_rank() * width,
     )
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose label is not -100: every family's
+    `loss(outputs, batch)` (the model contract, `llmfoundry.core.model`).
+
+    Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
+    computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
+    microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
+    them (the trainer's ``model.loss(outputs, batch)``).
+    """
+    if isinstance(labels, Mapping):
+        labels = labels["labels"]
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
+            f"dimension, {tuple(logits.shape[:-1])}"
+        )
+    total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy
+    return total / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
