@@ -12,6 +12,12 @@ dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
+Tensor parallelism (`tp=T`): the innermost mesh axis splits each block's matrices across T
+ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
+result over the data-parallel axes (world_size / T ranks read different data, the T ranks of a
+tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
+both, with activation checkpointing and compile between them.
+
 Initialization: the model is sharded on the meta device, each rank allocates only its shards,
 and the model's own `init_weights` fills them. Random initializers get the whole tensor drawn
 from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
@@ -37,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.mesh import ParallelDims
-from llmfoundry.distributed.parallelize import _checkpointing, apply_fsdp, apply_plan
+from llmfoundry.distributed.parallelize import ParallelSettings, _checkpointing, parallelize
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -47,7 +53,21 @@ _MIXED_PRECISION = {
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
-# In-place random initializers (what torch.nn.init calls) that must see the whole tensor.
+# Random initializers that must see the whole tensor: torch.nn.init's (which hand a tensor
+# subclass such as DTensor to the torch-function mode as a `tensor=` keyword, before they reach
+# a Tensor method, so those methods never show up in the mode)...
+_RANDOM_INIT = {
+    torch.nn.init.normal_,
+    torch.nn.init.uniform_,
+    torch.nn.init.trunc_normal_,
+    torch.nn.init.kaiming_normal_,
+    torch.nn.init.kaiming_uniform_,
+    torch.nn.init.xavier_normal_,
+    torch.nn.init.xavier_uniform_,
+    torch.nn.init.orthogonal_,
+    torch.nn.init.sparse_,
+}
+# ...and the in-place random Tensor methods, called directly.
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,
     torch.Tensor.uniform_,
@@ -81,6 +101,9 @@ class FSDP(ProcessGroupStrategy):
             memory first (one more copy of the rank's model and optimizer state there). The
             checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
             saver waits for before the next save and at the end of the run.
+        tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
+            It must divide the world size (with `replicate`), and the model's head counts
+            and widths (checked when the model is prepared).
     """
 
     name = "fsdp"
@@ -97,6 +120,7 @@ class FSDP(ProcessGroupStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
         async_save: bool = False,
+        tp: int = 1,
     ) -> None:
         super().__init__(device, backend, timeout_s)
         if replicate < 1 or self.world_size % replicate:
@@ -115,7 +139,7 @@ class FSDP(ProcessGroupStrategy):
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate)
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
@@ -127,7 +151,7 @@ class FSDP(ProcessGroupStrategy):
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # A model of no family has no blocks to shard: parallel_plan refuses it, naming those that do.
-        plan = apply_plan(model, self.activation_checkpointing) or parallel_plan(model)
+        plan = parallel_plan(model)
         options: dict[str, Any] = {
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": _MIXED_PRECISION[self.mixed_precision],
@@ -135,7 +159,8 @@ class FSDP(ProcessGroupStrategy):
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        self._units = apply_fsdp(model, plan.blocks, self.mesh.dp_mesh, **options)
+        settings = ParallelSettings(self.activation_checkpointing, options)
+        self._units = parallelize(model, plan, self.mesh, settings)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
             with self.rank0_generator(), _WholeTensorInit():
@@ -154,7 +179,14 @@ class FSDP(ProcessGroupStrategy):
         and reduces), all ranks agree on whether one ran out of memory. A rank that did joins
         the agreement from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the
         next collective, so every rank leaves the step together and none waits in an
-        all-gather or reduce-scatter another abandoned."""
+        all-gather or reduce-scatter another abandoned. Refused with tensor parallelism: its
+        collectives run inside each block, past any agreement before it."""
+        if self.dims.tp > 1:
+            raise UserError(
+                f"device_train_microbatch_size=auto with strategy.tp={self.dims.tp}: an "
+                "out-of-memory error inside a block would leave its tensor-parallel peers "
+                "waiting; set a fixed device_train_microbatch_size"
+            )
         self._guard_collectives = True
         for unit in self._units:
             unit.register_forward_pre_hook(self._agree_before_forward, prepend=True)
@@ -198,17 +230,25 @@ def _gradient_sync(model: torch.nn.Module, sync: bool):
 
 
 class _WholeTensorInit(TorchFunctionMode):
-    """Random in-place initializers on a sharded parameter draw the whole tensor (same numbers
-    as one process would draw, with the same generator state) and keep this rank's slice."""
+    """Random initializers on a sharded parameter draw the whole tensor (same numbers as one
+    process would draw, with the same generator state) and keep this rank's part of it, for
+    any DTensor layout (FSDP's shards, tensor-parallel splits, both: `distribute_tensor`
+    slices by the placements, strided ones included). Without this, DTensor's own random ops
+    would draw each shard from an offset of the generator: consistent across ranks, but not
+    one process's weights."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
+        kwargs = dict(kwargs or {})
+        keyword = not args and func in _RANDOM_INIT  # torch.nn.init's own dispatch
+        target = kwargs.get("tensor") if keyword else args[0] if args else None
+        if func not in _RANDOM_INPLACE | _RANDOM_INIT or not isinstance(target, DTensor):
             return func(*args, **kwargs)
         local = target.to_local()
         whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-        func(whole, *args[1:], **kwargs)
+        if keyword:
+            func(**{**kwargs, "tensor": whole})
+        else:
+            func(whole, *args[1:], **kwargs)
         shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
         local.copy_(shard.to_local())
         return target

@@ -64,7 +64,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim)
         self.attn_fn = ATTN_IMPLS[cfg.attn_impl]
         kv_dim = cfg.n_kv_heads * cfg.head_dim
@@ -77,9 +77,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts read from the projections' widths (-1), so the heads of a tensor-parallel
+        # shard (a slice of the projections' outputs) are split the same way.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(
@@ -211,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
         h = self.transformer(input_ids, sequence_id, cache)
-        return F.linear(h, self.output_embedding())
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.transformer.wte.weight)
+        return self.lm_head(h)  # a module call, so a plan applied from outside sees its input
 
     def output_embedding(self) -> torch.Tensor:
         """The output head's weight [vocab, d_model]: lm_head's, or the tied token embedding."""
