@@ -80,6 +80,8 @@ def _explain(
         schema = static_schema(parent["_target_"])
         hints = schema.hints if schema else target_schema(get_object(parent["_target_"]))[0]
         allowed |= set(hints)
+    if key == "strategy.tp":  # DDP and DeepSpeed hold whole layers; the mesh's tp axis is FSDP's
+        return ConfigError(key, "tensor parallelism runs on strategy=fsdp (strategy.tp=N there)")
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 
 

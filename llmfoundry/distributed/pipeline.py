@@ -23,6 +23,7 @@ trainer's loop does; the last stage holds the loss and sums it to every stage.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -101,9 +102,10 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.stage_index == self.pp - 1
 
-    def split(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh) -> list[nn.Module]:
+    def split(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh) -> ParallelPlan:
         """Replace what other stages hold in `model` (on the meta device) by `Absent`; returns
-        the blocks this stage holds. A collective: every process creates the groups."""
+        the plan of this stage (the blocks it holds). A collective: every process creates the
+        groups."""
         split = plan.pipeline
         if split is None:
             raise UserError(
@@ -135,7 +137,7 @@ class Pipeline:
         model.forward = functools.partial(
             split.forward, model, first=self.is_first, last=self.is_last
         )
-        return [plan.blocks[index] for index in held]
+        return dataclasses.replace(plan, blocks=[plan.blocks[index] for index in held])
 
     def _groups(self, mesh: Mesh) -> None:
         """The pp group (this process's column of stages) and the first and last stages' group

@@ -10,6 +10,7 @@ import functools
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -174,11 +175,12 @@ def resume_run(
     save_interval: str | None = None,
     keep: int = -1,
     family: str = "mpt",
+    model: Callable[[], torch.nn.Module] | None = None,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
     `algorithms` and `callbacks` are added; `keep` checkpoints are kept (-1: all); `family`
-    "llama" trains a tiny Llama (GQA, untied head) instead of the tiny MPT."""
+    "llama" trains a tiny Llama (GQA, untied head) instead of the tiny MPT; `model` builds another."""
     recorder = Recorder()
     dataset = StreamingTextDataset(
         mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
@@ -187,7 +189,7 @@ def resume_run(
     )  # fmt: skip
     loader = StreamingDataLoader(dataset)
     Trainer(
-        model=tiny_model(VOCAB, SEQ_LEN) if family == "mpt" else tiny_llama(),
+        model=model() if model else tiny_model(VOCAB, SEQ_LEN) if family == "mpt" else tiny_llama(),
         strategy=strategy,
         train_dataloader=loader,
         max_duration=f"{RESUME_BATCHES}ba",

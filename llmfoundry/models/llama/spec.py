@@ -2,55 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from llmfoundry.models.family import ModelFamily
-from llmfoundry.models.layers.attention import positions_in_document
 from llmfoundry.models.llama.config import LlamaConfig
 from llmfoundry.models.llama.model import LlamaForCausalLM
-from llmfoundry.models.mpt.model import compute_dtype
-from llmfoundry.models.plan import ParallelPlan, PipelineSplit
-
-
-def pipeline_stage_forward(
-    model: LlamaForCausalLM,
-    inputs: torch.Tensor,
-    sequence_id: torch.Tensor | None = None,
-    *,
-    first: bool,
-    last: bool,
-) -> torch.Tensor:
-    """`LlamaModel.forward` and the head, for one pipeline stage (`PipelineSplit.forward`);
-    every stage computes the rotations and the mask, the blocks it does not hold pass through."""
-    transformer = model.transformer
-    x = transformer.wte(inputs) if first else inputs
-    seq_len = x.shape[1]
-    if sequence_id is None:
-        positions = torch.arange(seq_len, device=x.device)[None]
-    else:
-        positions = positions_in_document(sequence_id)
-    rope = transformer.rope(positions)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x))
-    for block in transformer.blocks:
-        x = block(x, mask, rope)
-    if not last:
-        return x
-    return F.linear(transformer.norm_f(x), model.output_embedding())
-
-
-def parallelize_plan(model: LlamaForCausalLM) -> ParallelPlan:
-    """Its blocks, as MPT's: one layer's weights gathered at a time; the embedding, the final
-    norm and an untied lm_head stay with the root. As pipeline stages, the first embeds and the
-    last holds the final norm and the head (a tied one: the embedding, held by both)."""
-    tied = model.config.tie_word_embeddings
-    pipeline = PipelineSplit(
-        first=() if tied else ("transformer.wte",),
-        last=("transformer.norm_f",) if tied else ("transformer.norm_f", "lm_head"),
-        tied=("transformer.wte",) if tied else (),
-        forward=pipeline_stage_forward,
-    )
-    return ParallelPlan(blocks=list(model.transformer.blocks), pipeline=pipeline)
+from llmfoundry.models.llama.parallelize import parallelize_plan
 
 
 def activation_bytes(config: LlamaConfig, precision: str) -> int:

@@ -6,6 +6,9 @@ keeps one layer's weights gathered at a time. The token embedding, which is also
 head, stays with the root: it is used at both ends of the forward. Split into pipeline stages,
 the first stage embeds and the last applies the final norm and the head, so both hold the
 token embedding (`tied`).
+
+No tensor-parallel layout yet: the fused Wqkv would need one whose column split keeps each
+rank's q, k and v heads together (and ALiBi slopes per local head).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.layers.attention import positions_in_document
-from llmfoundry.models.mpt.model import MPTForCausalLM, compute_dtype
+from llmfoundry.models.layers.attention import compute_dtype
+from llmfoundry.models.layers.position import positions_in_document
+from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.plan import ParallelPlan, PipelineSplit
 
 
@@ -54,8 +58,16 @@ _PIPELINE = PipelineSplit(
     forward=pipeline_stage_forward,
 )
 
+_NO_TENSOR_PARALLEL = (
+    "MPT has no tensor-parallel plan (its fused Wqkv is not split by head yet): use a Llama "
+    "model (model=llama-...) for strategy.tp>1, or strategy.tp=1"
+)
+
 
 def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
     return ParallelPlan(
-        blocks=list(model.transformer.blocks), compile=model.config.compile, pipeline=_PIPELINE
+        blocks=list(model.transformer.blocks),
+        compile=model.config.compile,
+        pipeline=_PIPELINE,
+        tensor_parallel_refusal=_NO_TENSOR_PARALLEL,
     )
