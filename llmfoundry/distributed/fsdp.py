@@ -133,12 +133,6 @@ class FSDP(ProcessGroupStrategy):
         tp: int = 1,
     ) -> None:
         super().__init__(device, backend, timeout_s)
-        if tp > 1 and pp > 1:
-            raise UserError(
-                f"strategy.tp={tp} with strategy.pp={pp}: tensor and pipeline parallelism do "
-                "not compose yet (the stages' shape inference does not run on tensor-parallel "
-                "DTensors); use one of them, with FSDP over the rest"
-            )
         self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:
             raise UserError(

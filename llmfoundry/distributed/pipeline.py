@@ -104,7 +104,7 @@ class Pipeline:
 
     def split(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh) -> ParallelPlan:
         """Replace what other stages hold in `model` (on the meta device) by `Absent`; returns
-        the plan of this stage (the blocks it holds). A collective: every process creates the
+        the plan of this stage (the blocks it holds, their tensor-parallel layout). A collective: every process creates the
         groups."""
         split = plan.pipeline
         if split is None:
@@ -137,7 +137,16 @@ class Pipeline:
         model.forward = functools.partial(
             split.forward, model, first=self.is_first, last=self.is_last
         )
-        return dataclasses.replace(plan, blocks=[plan.blocks[index] for index in held])
+        layout = plan.tensor_parallel
+        if layout is not None:  # the tensor-parallel styles of what this stage holds
+            layout = {name: style for name, style in layout.items() if not self._is_absent(name)}
+        return dataclasses.replace(
+            plan, blocks=[plan.blocks[index] for index in held], tensor_parallel=layout
+        )
+
+    def _is_absent(self, name: str) -> bool:
+        """Whether module `name` is (or sits inside) a module another stage holds."""
+        return any(name == other or name.startswith(other + ".") for other in self._absent)
 
     def _groups(self, mesh: Mesh) -> None:
         """The pp group (this process's column of stages) and the first and last stages' group
@@ -202,7 +211,9 @@ class Pipeline:
             return loss * loss_weight(labels)
 
         self._loss_fn = weighted_loss
-        kwargs = {"sequence_id": batch["sequence_id"]} if "sequence_id" in batch else {}
+        kwargs: dict[str, Any] = {"seq_len": batch["input_ids"].shape[1]}  # to every stage
+        if "sequence_id" in batch:
+            kwargs["sequence_id"] = batch["sequence_id"]
         schedule.step(batch["input_ids"], target=batch["labels"], return_outputs=False, **kwargs)
         self._sum_tied_gradients()
         loss_sum = torch.zeros((), dtype=torch.float64, device=batch["labels"].device)

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-# A pipeline stage's forward: (model, inputs, sequence_id, first=, last=) -> output. The first
-# stage's inputs are token ids, the others' the previous stage's hidden states; the last stage
-# returns logits, the others hidden states. Modules the stage does not hold pass inputs through.
+# A pipeline stage's forward: (model, inputs, sequence_id, seq_len=, first=, last=) -> output.
+# The first stage's inputs are token ids, the others' the previous stage's hidden states (split
+# by sequence position under tensor parallelism: `seq_len` is the whole sequence's length); the
+# last stage returns logits, the others hidden states. Modules the stage does not hold pass
+# inputs through.
 StageForward = Callable[..., torch.Tensor]
 
 

@@ -16,6 +16,7 @@ from llmfoundry.trainer import Callback
 
 from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
+from .tensor_parallel_worker import tp_llama
 
 WORLD = 4
 # name -> FSDP options of the parity runs: two stages, each sharded over two processes.
@@ -67,6 +68,13 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         model=tiny_llama(),
     )  # fmt: skip
     result["llama_pp2_fsdp2"] = {"losses": recorder.losses}
+    join_env(rank, world, next(ports))  # tp x pp: two stages, each split over two processes
+    strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        model=tp_llama(),
+    )  # fmt: skip
+    result["llama_tp2_pp2"] = {"losses": recorder.losses}
     for name, options, kwargs in (
         ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),

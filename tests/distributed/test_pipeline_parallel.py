@@ -1,7 +1,8 @@
-"""Pipeline parallelism composed with FSDP2, four processes (gloo, CPU, fp32): two stages of the
-tiny MPT, each sharded over two processes, give the one-process losses for the same global
-batch under both schedules, initialize as one process does, and a checkpoint saved at
-pp=2 x dp=2 resumes at dp=4 and in one process, continuing the same sample order.
+"""Pipeline parallelism composed with FSDP2 and with tensor parallelism, four processes (gloo,
+CPU, fp32): two stages of the tiny MPT, each sharded over two processes, give the one-process
+losses for the same global batch under both schedules, initialize as one process does, and a
+checkpoint saved at pp=2 x dp=2 resumes at dp=4 and in one process, continuing the same sample
+order; Llama's two stages (untied head), sharded or split by tp=2, give its one-process losses.
 
 Tolerance: relative 1e-5 on losses, as test_fsdp.py's and for the same reason: the same fp32
 math summed in another order (the tied embedding's gradient is the sum of the first stage's
@@ -28,6 +29,7 @@ from tests.trainer.conftest import tiny_model
 from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
+from .tensor_parallel_worker import tp_llama
 
 LIMIT_S, RTOL = 600, 1e-5
 
@@ -44,9 +46,10 @@ def runs(tmp_path_factory):
             SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
         ),
         "llama": parity_run(SingleDevice("cpu"), 0, 1, model=tiny_llama()),
+        "tp_llama": parity_run(SingleDevice("cpu"), 0, 1, model=tp_llama()),
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
-    ports = [free_port() for _ in range(len(PARITY) + 4)]
+    ports = [free_port() for _ in range(len(PARITY) + 5)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single["single_from_pp"] = resume_run(
@@ -69,6 +72,14 @@ def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
     assert single["llama"].losses != pytest.approx(single["parity"].losses, rel=1e-3)
     for rank in ranks:
         assert rank["llama_pp2_fsdp2"]["losses"] == pytest.approx(single["llama"].losses, rel=RTOL)
+
+
+def test_tp_x_pp_gives_the_one_process_losses(runs):
+    """tp=2 x pp=2 (no data parallelism): each stage's blocks split over two processes, the
+    stages passing sequence-split activations, four microbatches through 1F1B."""
+    single, _, ranks = runs
+    for rank in ranks:
+        assert rank["llama_tp2_pp2"]["losses"] == pytest.approx(single["tp_llama"].losses, rel=RTOL)
 
 
 def test_gradient_clipping_takes_the_norm_over_every_stage(runs):

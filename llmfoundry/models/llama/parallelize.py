@@ -67,6 +67,7 @@ def pipeline_stage_forward(
     inputs: torch.Tensor,
     sequence_id: torch.Tensor | None = None,
     *,
+    seq_len: int,
     first: bool,
     last: bool,
 ) -> torch.Tensor:
@@ -75,7 +76,7 @@ def pipeline_stage_forward(
     transformer = model.transformer
     x = transformer.wte(inputs) if first else inputs
     if sequence_id is None:
-        positions = torch.arange(x.shape[1], device=x.device)[None]
+        positions = torch.arange(seq_len, device=x.device)[None]
     else:
         positions = positions_in_document(sequence_id)
     rope = transformer.rope(positions)

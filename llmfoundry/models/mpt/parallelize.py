@@ -27,6 +27,7 @@ def pipeline_stage_forward(
     inputs: torch.Tensor,
     sequence_id: torch.Tensor | None = None,
     *,
+    seq_len: int,
     first: bool,
     last: bool,
 ) -> torch.Tensor:
@@ -38,7 +39,7 @@ def pipeline_stage_forward(
         x = transformer.wte(inputs)
         if transformer.learned_pos_emb:
             if sequence_id is None:
-                pos = torch.arange(inputs.shape[1], device=inputs.device)
+                pos = torch.arange(seq_len, device=inputs.device)
             else:
                 pos = positions_in_document(sequence_id)
             x = x + transformer.wpe(pos)
