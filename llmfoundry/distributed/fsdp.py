@@ -25,8 +25,8 @@ initialization equals the one-process initialization for the same seed, paramete
 parameter; only one parameter is ever whole at a time.
 
 Pipeline parallelism (`pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
-stages along the mesh's outermost axis first; each stage is then sharded over the data-parallel
-axes as above.
+stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
+layout (what it holds of it) and sharded over the data-parallel axes as above.
 """
 
 from __future__ import annotations

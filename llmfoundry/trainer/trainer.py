@@ -532,8 +532,8 @@ def _check_pipeline_options(
         )
     if eval_dataloaders:
         raise UserError(
-            "evaluation is not supported with strategy.pp > 1 yet; drop the eval loaders "
-            "(eval_loader) or use strategy.pp=1"
+            "evaluation is not supported with strategy.pp > 1 yet; set data.eval_split=null "
+            "(no eval loaders) or strategy.pp=1"
         )
 
 
