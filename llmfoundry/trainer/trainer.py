@@ -81,7 +81,9 @@ class Trainer:
     ) -> None:
         self.strategy = strategy or SingleDevice()
         if self.strategy.pipeline is not None:
-            _check_pipeline_options(precision, device_train_microbatch_size, eval_dataloaders)
+            _check_pipeline_options(
+                precision, device_train_microbatch_size, eval_dataloaders, callbacks
+            )
         self.strategy.setup()
         if self.strategy.device.type == "cpu":  # large tensors come and go every step
             reuse_freed_host_memory()
@@ -518,9 +520,20 @@ def _split_sample_mask(
 
 
 def _check_pipeline_options(
-    precision: str, microbatch_size: int | str | None, eval_dataloaders: Mapping | None
+    precision: str,
+    microbatch_size: int | str | None,
+    eval_dataloaders: Mapping | None,
+    callbacks: Sequence[Callback],
 ) -> None:
     """Refuse, before any process waits, what pipeline parallelism does not support yet."""
+    if running := [type(c).__name__ for c in callbacks if c.runs_the_model]:
+        raise UserError(
+            f"callbacks that run the whole model (generation, scoring), here {', '.join(running)}, "
+            "cannot run under strategy.pp > 1 (each process holds one stage); leave them out of "
+            "callbacks= (e.g. "
+            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]) "
+            "or use strategy.pp=1"
+        )
     if microbatch_size == "auto":
         raise UserError(
             "device_train_microbatch_size=auto is not supported with strategy.pp > 1 (the "
