@@ -18,7 +18,9 @@ while the model initializes, and the random initializers draw (and drop) their v
 
 The trainer hands the step to `Pipeline.step` (the microbatch events fire once per step:
 llmfoundry/core/events.md). The loss function weights each microbatch by its loss tokens as the
-trainer's loop does; the last stage holds the loss and sums it to every stage.
+trainer's loop does; the last stage holds the loss and sums it to every stage. Evaluation runs
+forward only (`forward_only`, GPipe without backward): the last stage's logits feed the
+metrics, whose totals are then summed over the stages (`sum_over_stages`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class Pipeline:
         self._tied_group: dist.ProcessGroup | None = None
         self._pp_group: dist.ProcessGroup | None = None
         self._stage: PipelineStage | None = None
+        # Evaluation's stages and schedules, by batch shape (`forward_only`).
+        self._eval_schedules: dict[tuple[int, ...], ScheduleGPipe] = {}
+        self._build_args: tuple[nn.Module, torch.device] | None = None
         self._schedules: dict[int, PipelineScheduleSingle] = {}
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -187,6 +192,7 @@ class Pipeline:
             p for name in self._tied_modules for p in model.get_submodule(name).parameters()
         ]
         self._stage = PipelineStage(model, self.stage_index, self.pp, device, group=self._pp_group)
+        self._build_args = (model, device)
 
     def step(
         self,
@@ -221,6 +227,27 @@ class Pipeline:
             loss_sum += loss.double() * tokens
         dist.all_reduce(loss_sum, group=self._pp_group)  # zero on all but the last stage
         return loss_sum
+
+    def forward_only(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The logits of `batch` (evaluation: forward only, in up to pp microbatches through
+        the stages): on the last stage; None on the others. Each batch shape gets a stage and
+        schedule of its own, as a stage's receive buffers are laid out for one shape (the
+        training stage's for its microbatches)."""
+        input_ids = batch["input_ids"]
+        shape = tuple(input_ids.shape)
+        if shape not in self._eval_schedules:
+            model, device = self._build_args
+            stage = PipelineStage(model, self.stage_index, self.pp, device, group=self._pp_group)
+            self._eval_schedules[shape] = ScheduleGPipe(stage, min(shape[0], self.pp))
+        kwargs: dict[str, Any] = {"seq_len": shape[1]}
+        if "sequence_id" in batch:
+            kwargs["sequence_id"] = batch["sequence_id"]
+        return self._eval_schedules[shape].eval(input_ids, **kwargs)
+
+    def sum_over_stages(self, tensor: torch.Tensor) -> None:
+        """All-reduce `tensor` (in place) over this process's column of stages: what only the
+        last stage computed (evaluation's metric totals) reaches every stage."""
+        dist.all_reduce(tensor, group=self._pp_group)
 
     def microbatches(self, rows: int, microbatch_size: int | None) -> int:
         """How many microbatches a device batch of `rows` makes (`microbatch_size` None: one);

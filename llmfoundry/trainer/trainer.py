@@ -81,9 +81,7 @@ class Trainer:
     ) -> None:
         self.strategy = strategy or SingleDevice()
         if self.strategy.pipeline is not None:
-            _check_pipeline_options(
-                precision, device_train_microbatch_size, eval_dataloaders, callbacks
-            )
+            _check_pipeline_options(precision, device_train_microbatch_size, callbacks)
         self.strategy.setup()
         if self.strategy.device.type == "cpu":  # large tensors come and go every step
             reuse_freed_host_memory()
@@ -456,6 +454,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Run every eval set; metrics land in ``state.eval_metrics`` as eval/<name>/<metric>."""
         state, engine = self.state, self.engine
+        pipeline = self.strategy.pipeline
         self._check_loss_tokens()
         train_batch = state.batch
         rng = rng_state()  # evaluating (more or less often) must not change training's randomness
@@ -476,10 +475,17 @@ class Trainer:
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with self.precision.autocast():
-                    state.outputs = state.model(state.batch)
+                    state.outputs = (
+                        state.model(state.batch)
+                        if pipeline is None
+                        else pipeline.forward_only(state.batch)  # None but on the last stage
+                    )
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                metrics.update(state.outputs, state.batch, sample_mask)
+                if state.outputs is not None:
+                    metrics.update(state.outputs, state.batch, sample_mask)
                 engine.run_event(Event.EVAL_BATCH_END)
+            if pipeline is not None:
+                pipeline.sum_over_stages(metrics.totals)
             self.strategy.all_reduce_sum(metrics.totals, self.strategy.dp_group)
             results = {f"eval/{name}/{key}": value for key, value in metrics.compute().items()}
             state.eval_metrics.update(results)
@@ -522,7 +528,6 @@ def _split_sample_mask(
 def _check_pipeline_options(
     precision: str,
     microbatch_size: int | str | None,
-    eval_dataloaders: Mapping | None,
     callbacks: Sequence[Callback],
 ) -> None:
     """Refuse, before any process waits, what pipeline parallelism does not support yet."""
@@ -542,11 +547,6 @@ def _check_pipeline_options(
     if precision == "amp_fp16":
         raise UserError(
             "precision=amp_fp16 (loss scaling) is not supported with strategy.pp > 1; use amp_bf16"
-        )
-    if eval_dataloaders:
-        raise UserError(
-            "evaluation is not supported with strategy.pp > 1 yet; set data.eval_split=null "
-            "(no eval loaders) or strategy.pp=1"
         )
 
 

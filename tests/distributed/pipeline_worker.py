@@ -11,12 +11,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import GradientClipping
-from llmfoundry.distributed import FSDP, unwrap_model
+from llmfoundry.distributed import FSDP, Strategy, unwrap_model
 from llmfoundry.trainer import Callback
 
 from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
 from .tensor_parallel_worker import tp_llama
+from .workers import global_batches, rank_slice
 
 WORLD = 4
 # name -> FSDP options of the parity runs: two stages, each sharded over two processes.
@@ -41,6 +42,11 @@ class StageWeights(Callback):
             self.initial[name] = whole.detach().clone()
 
 
+def eval_sets(strategy: Strategy) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """An evaluation at the end, on this data-parallel rank's slice of the training batches."""
+    return {"train": rank_slice(global_batches(), strategy.dp_rank, strategy.dp_size)}
+
+
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     ports = iter(ports)
     result: dict[str, dict] = {}
@@ -51,9 +57,11 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         # One sample per microbatch: each data-parallel rank's two samples are two microbatches.
         recorder = parity_run(
             strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
-            callbacks=[weights],
+            callbacks=[weights], eval_dataloaders=eval_sets(strategy),
         )  # fmt: skip
-        result[name] = {"losses": recorder.losses, "initial": weights.initial}
+        result[name] = {
+            "losses": recorder.losses, "initial": weights.initial, "eval": recorder.eval_metrics
+        }  # fmt: skip
     join_env(rank, world, next(ports))
     strategy = FSDP("cpu", timeout_s=60, pp=2)
     recorder = parity_run(
@@ -72,9 +80,9 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
     recorder = parity_run(
         strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
-        model=tp_llama(),
+        model=tp_llama(), eval_dataloaders=eval_sets(strategy),
     )  # fmt: skip
-    result["llama_tp2_pp2"] = {"losses": recorder.losses}
+    result["llama_tp2_pp2"] = {"losses": recorder.losses, "eval": recorder.eval_metrics}
     for name, options, kwargs in (
         ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),

@@ -48,12 +48,14 @@ DIVERGE_AT = 3  # the batch after which the diverged runs' weights are NaN (save
 
 
 class Recorder(Callback):
-    """Each step's loss and this rank's sample ids; the whole initial weights (rank 0)."""
+    """Each step's loss and this rank's sample ids; the whole initial weights (rank 0); the
+    eval metrics at the end."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.ids: list[list[int]] = []
         self.initial: dict[str, torch.Tensor] = {}
+        self.eval_metrics: dict[str, float] = {}
 
     def fit_start(self, state, logger) -> None:
         if state.timestamp.batch == 0:  # a collective under FSDP: every rank asks
@@ -65,6 +67,9 @@ class Recorder(Callback):
 
     def batch_end(self, state, logger) -> None:
         self.losses.append(state.train_loss)
+
+    def fit_end(self, state, logger) -> None:
+        self.eval_metrics = dict(state.eval_metrics)
 
 
 class SigtermAt(Callback):

@@ -33,6 +33,7 @@ from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
 from .tensor_parallel_worker import tp_llama
+from .workers import global_batches
 
 LIMIT_S, RTOL = 600, 1e-5
 
@@ -43,13 +44,18 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
     mds = str(write_mds(out / "mds", {"train": 32}))
     weights = StageWeights()
+    everything = {"train": global_batches()}
     single = {
-        "parity": parity_run(SingleDevice("cpu"), 0, 1, callbacks=[weights]),
+        "parity": parity_run(
+            SingleDevice("cpu"), 0, 1, callbacks=[weights], eval_dataloaders=everything
+        ),
         "clipped": parity_run(
             SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
         ),
         "llama": parity_run(SingleDevice("cpu"), 0, 1, model=tiny_llama()),
-        "tp_llama": parity_run(SingleDevice("cpu"), 0, 1, model=tp_llama()),
+        "tp_llama": parity_run(
+            SingleDevice("cpu"), 0, 1, model=tp_llama(), eval_dataloaders=everything
+        ),
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
     ports = [free_port() for _ in range(len(PARITY) + 5)]
@@ -70,6 +76,16 @@ def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
         assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
 
 
+@pytest.mark.parametrize("name", PARITY)
+def test_evaluation_through_the_stages_gives_the_one_process_metrics(runs, name):
+    """Forward-only through the stages; the last stage's totals reach every stage."""
+    single, _, ranks = runs
+    reference = single["parity"].eval_metrics
+    assert set(reference) == {f"eval/train/{k}" for k in ("loss", "perplexity", "accuracy")}
+    for rank in ranks:
+        assert rank[name]["eval"] == pytest.approx(reference, rel=RTOL), name
+
+
 def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
     single, _, ranks = runs
     assert single["llama"].losses != pytest.approx(single["parity"].losses, rel=1e-3)
@@ -83,6 +99,9 @@ def test_tp_x_pp_gives_the_one_process_losses(runs):
     single, _, ranks = runs
     for rank in ranks:
         assert rank["llama_tp2_pp2"]["losses"] == pytest.approx(single["tp_llama"].losses, rel=RTOL)
+        assert rank["llama_tp2_pp2"]["eval"] == pytest.approx(
+            single["tp_llama"].eval_metrics, rel=RTOL
+        )
 
 
 def test_gradient_clipping_takes_the_norm_over_every_stage(runs):
@@ -166,7 +185,6 @@ def test_the_callbacks_that_run_the_model_say_so():
     [
         ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size=auto"),
         ({"precision": "amp_fp16"}, "precision=amp_fp16"),
-        ({"eval_dataloaders": {"val": []}}, "evaluation is not supported"),
         ({"callbacks": [_Scorer()]}, "run the whole model .*, here _Scorer,"),
     ],
 )
