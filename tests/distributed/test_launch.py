@@ -83,7 +83,7 @@ def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_pat
 # FSDP alone, and two pipeline stages (the surviving stage waits in a point-to-point receive).
 @pytest.mark.parametrize(
     "mesh",
-    [(), ("strategy.pp=2", "device_train_microbatch_size=1", "data.eval_split=null")],
+    [(), ("strategy.pp=2", "device_train_microbatch_size=1")],
     ids=["fsdp", "pp2"],
 )
 def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path, mesh):
