@@ -140,7 +140,9 @@ class ModelCounts:
     """What the plan reads of the model, counted once on the meta device: parameters of each
     block (input to output) and of the edges (`first`: the embeddings, on the first pipeline
     stage; `last`: the final norm and an untied head, on the last; `tied`: the embedding again
-    when the head is tied to it, which the last stage holds when it is not also the first)."""
+    when the head is tied to it, which the last stage holds when it is not also the first).
+    `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
+    its plan), None when it has one."""
 
     n_params: int
     flops_per_token: int
@@ -153,13 +155,15 @@ class ModelCounts:
     vocab_size: int
     n_heads: int
     n_kv_heads: int
+    tp_refusal: str | None = None
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
     """`config`'s counts (any family), from a model built on the meta device."""
     family = family_of(config)
     model = family.build(config, init_device="meta")
-    blocks = parallel_plan(model).blocks
+    plan = parallel_plan(model)
+    blocks = plan.blocks
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     embedding = model.transformer.wte.weight  # every family's token embedding (family.CausalLM)
     first = last = 0
@@ -189,6 +193,7 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         vocab_size=config.vocab_size,
         n_heads=config.n_heads,
         n_kv_heads=kv_heads or config.n_heads,
+        tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
     )
 
 
@@ -312,6 +317,10 @@ class Setup:
 
     def _check_model_fits_mesh(self) -> None:
         counts = self.counts
+        if (
+            self.tp > 1 and counts.tp_refusal
+        ):  # what training would refuse (distributed/parallelize.py)
+            raise UserError(f"--tp {self.tp}: {counts.tp_refusal}")
         heads, kv = counts.n_heads, counts.n_kv_heads
         if heads % self.tp or kv % self.tp:
             choices = [str(t) for t in _divisors(math.gcd(heads, kv)) if t <= self.gpus_per_node]
@@ -576,7 +585,8 @@ def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
     `setup.global_batch` must be set (the data-parallel ranks must divide it); its strategy,
     schedule and checkpointing are kept, its tp, pp and dp layout are searched."""
     counts, world = setup.counts, setup.world_size
-    heads = math.gcd(counts.n_heads, counts.n_kv_heads)
+    # tp only for a family with a tensor-parallel layout (training refuses it otherwise).
+    heads = 1 if counts.tp_refusal else math.gcd(counts.n_heads, counts.n_kv_heads)
     v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
     choices = []
     for tp in _divisors(heads):

@@ -1,6 +1,7 @@
 """The planner on a mesh (tp, pp): its formulas against hand-computed numbers, the refusals of
 impossible meshes, and the recommended mesh of a case whose answer follows from arithmetic."""
 
+import dataclasses
 import re
 import runpy
 import subprocess
@@ -9,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from llmfoundry.models.llama import LlamaConfig
+from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.planning import (
     ModelCounts,
     Setup,
     bubble_fraction,
+    count_model,
     plan_communication,
     plan_memory,
     recommend,
@@ -41,7 +45,7 @@ COUNTS = ModelCounts(
 def mesh(**kwargs) -> Setup:
     """fsdp over 16 devices at tp 2 x pp 2 (dp_shard 4), 16 sequences of 4 tokens per step."""
     options = {"strategy": "fsdp", "world_size": 16, "tp": 2, "pp": 2, "global_batch": 16}
-    return Setup(None, 4, "amp_bf16", counts=COUNTS, **{**options, **kwargs})
+    return Setup(None, 4, "amp_bf16", **{"counts": COUNTS, **options, **kwargs})
 
 
 def test_memory_per_device_on_a_tp_x_pp_mesh():
@@ -146,6 +150,22 @@ def test_recommend_keeps_pure_fsdp_when_it_fits():
     # unsplit activations on rank 0 and does not fit. The fewest model-parallel ways: tp 2.
     tight = recommend(mesh(tp=1, pp=1), 25000)
     assert (tight.setup.tp, tight.setup.pp) == (2, 1)
+
+
+def test_a_family_without_a_tensor_parallel_plan_gets_no_tp():
+    """MPT (training refuses its tp > 1): --tp is refused as training would refuse it, and the
+    25000-byte case above, which only tp 2 fits, gets no recommendation at all."""
+    no_tp = dataclasses.replace(COUNTS, tp_refusal="MPT has no tensor-parallel plan")
+    with pytest.raises(ValueError, match="--tp 2: MPT has no tensor-parallel plan"):
+        mesh(counts=no_tp)
+    assert recommend(mesh(tp=1, pp=1), 25000).setup.tp == 2
+    assert recommend(mesh(tp=1, pp=1, counts=no_tp), 25000) is None
+    assert recommend(mesh(tp=1, pp=1, counts=no_tp), 1e6).setup.tp == 1
+    # Read from each family's plan.
+    mpt = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64)
+    llama = LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64)
+    assert "MPT has no tensor-parallel plan" in count_model(mpt, 16, "fp32").tp_refusal
+    assert count_model(llama, 16, "fp32").tp_refusal is None
 
 
 def test_plan_script_refuses_an_impossible_mesh_in_one_line():
