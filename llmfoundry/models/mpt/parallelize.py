@@ -8,7 +8,11 @@ the first stage embeds and the last applies the final norm and the head, so both
 token embedding (`tied`).
 
 No tensor-parallel layout yet: the fused Wqkv would need one whose column split keeps each
-rank's q, k and v heads together (and ALiBi slopes per local head).
+rank's q, k and v heads together (and ALiBi slopes per local head). DTensor's
+`_StridedShard(0, split_factor=3)` is that layout (rank r holds [q_r; k_r; v_r], and a linear
+keeps it), but with torch 2.13 FSDP2 sharding over it gathers a wrong whole tensor and DCP
+refuses its chunks as overlapping (probed on 2 x 2 gloo processes). Separate q, k, v
+projections, fused only in the HF export, would take Llama's layout instead.
 """
 
 from __future__ import annotations
