@@ -382,7 +382,7 @@ def gpu_suite(args: argparse.Namespace) -> int:
     impls = []
     for impl in args.attn_impls:
         try:
-            check_attn_impl(impl)
+            check_attn_impl(impl, "model")
             impls.append(impl)
         except ValueError as err:
             print(f"attention {impl}: skipped ({err})")

@@ -58,6 +58,8 @@ def build_trainer(
     elif load_path:
         resolve(load_path)
     device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
+    if strategy.pipeline is not None and settings.device_train_microbatch_size != "auto":
+        strategy.pipeline.microbatches(device_batch, settings.device_train_microbatch_size)
     # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
     data_parallel = (strategy.dp_rank, strategy.dp_size)
     model_config = instantiate(cfg.model)

@@ -1,47 +1,102 @@
-"""Memory and time plan of a training run, before any weight is allocated.
+"""Memory, communication and time plan of a training run, before any weight is allocated.
 
-Answers "does this config fit, with how large a microbatch, and how long is a step" for a world
-size and a parallel strategy. Parameter count and flops per token come from the model itself
-(any family's `num_params` and `flops_per_token`, built on the meta device, so nothing is
-allocated), the same numbers the speed monitor's MFU uses; the family's spec gives the activation
-bytes its blocks keep (`ModelFamily.activation_bytes`) and its parallel plan the sharded units. Memory per device is the sum of:
+Answers "does this config fit, on which mesh, with how large a microbatch, and how long is a
+step" for a device count and a parallel strategy laid out on the mesh of
+llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x tp x pp). Parameter
+count and flops per token come from the model itself (any family's `num_params` and
+`flops_per_token`, built on the meta device, so nothing is allocated), the same numbers the speed
+monitor's MFU uses; the family's spec gives the activation bytes its blocks keep
+(`ModelFamily.activation_bytes`), its parallel plan the blocks (the units sharded, split across
+tensor-parallel ranks and assigned to pipeline stages) and the model's parameter names the rest:
+the embedding (first stage) and the final norm and head (last stage; a tied head keeps a copy of
+the embedding on the last stage when pp > 1, as torch.distributed.pipelining's tied weights do).
+
+Memory per device is that of the pipeline stage that needs the most, the sum of:
 
 - parameters: float32 master weights (autocast keeps parameters in float32), 4 bytes each;
 - gradients: float32, 4 bytes per parameter;
 - optimizer state: 8 bytes per parameter for Adam (two moments), 4 for Lion (one);
-- sharding divides these: DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients;
-  FSDP full shard / ZeRO-3 all three; FSDP hybrid all three within a node's `gpus_per_node`.
-  Sharded strategies add the working copy of the largest unit (a block of the family's parallel
-  plan, or the root: the embedding, the final norm and an untied head) gathered in full, twice (the one in use and the one prefetched);
+- a stage's weights are its layers' (the L blocks dealt to the pp stages in order, the first
+  L mod pp stages one more) and its edge's, divided by tp (Megatron-LM's tensor parallelism:
+  every block matrix, the embedding and the head split column- or row-wise; norms, a few
+  d_model each, are counted as split too);
+- data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * pp):
+  DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients; FSDP full shard / ZeRO-3
+  all three over dp_shard; FSDP hybrid all three within the dp ranks of a node
+  (gpus_per_node // tp of them), replicated across nodes. Sharded strategies add the working
+  copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
+  the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
+  in use and the one prefetched);
 - CPU offload moves the optimizer state, and under FSDP / ZeRO-3 the sharded parameters and
   gradients, to host memory (left out of the device total);
 - activations: what autograd keeps per block for the backward of our implementation (counted
-  by the family: MPT's in models/mpt/spec.py, Llama's in models/llama/spec.py), per token; with activation checkpointing only each block's input
-  plus one block's full activations (recomputed during backward);
-- logits: the [microbatch, seq, vocab] output and its gradient, in the compute dtype.
+  by the family: MPT's in models/mpt/spec.py, Llama's in models/llama/spec.py), per token; with
+  activation checkpointing only each block's float32 input plus one block's full activations
+  (recomputed during backward). Tensor parallelism with sequence parallelism splits all of it
+  by tp (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", eq. 2: sbh(34 + 5as/h)/t per layer), except the inputs of the two column-wise
+  projections (attention's q/k/v, the MLP's up/gate), which the DTensor linear keeps as
+  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more;
+- microbatches in flight under pipeline parallelism (Narayanan et al. 2021, "Efficient
+  Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sections 2.2.1-2.2.2,
+  and torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B):
+  GPipe keeps all m microbatches' activations on every stage; 1F1B keeps min(m, pp - s) on
+  stage s (pp on the first); interleaved 1F1B with v chunks of L / (pp v) layers per rank keeps
+  min(v m, 2 (pp - s - 1) + (v - 1) pp + 1) chunk-microbatches on rank s, the first rank's
+  L (1 + (pp - 1) / (pp v)) layers' worth;
+- logits: the [microbatch, seq, vocab] output and its gradient, in the compute dtype, on the
+  last stage, split by tp (the vocabulary-sharded head, loss computed on the shards).
 
-Checked against peak memory measured on CPU (tests/test_planning.py) and against the published
-MPT-7B / MPT-30B setups.
+Communication per device per step (bytes sent by one device, ring collectives over n ranks
+moving (n - 1) / n of the buffer: Patarasuk and Yuan 2009; all-reduce = reduce-scatter +
+all-gather; parameters and gradients in float32, as autocast keeps them):
+
+- FSDP / ZeRO-3: each microbatch all-gathers the stage's weights (split by tp) in forward and
+  again in backward (`reshard_after_forward`), and one reduce-scatter of the gradients per step
+  (`set_requires_gradient_sync` off while accumulating); hybrid adds an all-reduce of the shard
+  across replicas; ZeRO-1/2: reduce-scatter of the gradients and all-gather of the updated
+  weights; DDP: all-reduce of the gradients;
+- TP with sequence parallelism: per block and microbatch, 2 all-gathers and 2 reduce-scatters of
+  the [microbatch * seq, d_model] activation in forward and as many in backward (Korthikanti et
+  al. 2022, section 4.2.2: the same volume as TP's 2 all-reduces per direction), and another 4
+  for the forward recomputed under activation checkpointing; compute dtype;
+- PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
+  tp under sequence parallelism) sent forward and its gradient sent back.
+
+Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
+axis divides the work evenly), divided by 1 - the pipeline bubble, the fraction of a step the
+schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m microbatches,
+(pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al. 2021, sections
+2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it overlapped.
+
+Checked against peak memory measured on CPU (tests/planning/test_planning.py) and against the
+published MPT-7B / MPT-30B setups.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
 from llmfoundry.utils.errors import UserError
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
-# What each block saves with activation checkpointing: its float32 input.
+# What each block saves with activation checkpointing, and what a pipeline stage sends: its
+# float32 input (the residual stream stays float32 under autocast).
 CHECKPOINT_BYTES = 4
 PARAM_BYTES = GRAD_BYTES = 4
 _UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_SHARDED_PARAMS = ("fsdp", "fsdp-hybrid", "zero3")
 
 
 def parse_bytes(text: str) -> int:
@@ -68,9 +123,84 @@ def optimizer_state_bytes(optimizer_target: str) -> int:
     )
 
 
+def bubble_fraction(
+    pp: int, microbatches: int, schedule: str = "1f1b", stages_per_rank: int = 1
+) -> float:
+    """The fraction of a step a pipeline stage idles: (pp - 1) / (m + pp - 1) for GPipe and 1F1B,
+    (pp - 1) / (v m + pp - 1) for interleaved 1F1B with v stages per rank (Narayanan et al. 2021,
+    sections 2.2.1-2.2.2)."""
+    if pp == 1:
+        return 0.0
+    chunks = stages_per_rank if schedule == "interleaved" else 1
+    return (pp - 1) / (chunks * microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the plan reads of the model, counted once on the meta device: parameters of each
+    block (input to output) and of the edges (`first`: the embeddings, on the first pipeline
+    stage; `last`: the final norm and an untied head, on the last; `tied`: the embedding again
+    when the head is tied to it, which the last stage holds when it is not also the first).
+    `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
+    its plan), None when it has one."""
+
+    n_params: int
+    flops_per_token: int
+    blocks: tuple[int, ...]
+    first: int
+    last: int
+    tied: int
+    block_activation_bytes: int  # per token
+    d_model: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    tp_refusal: str | None = None
+
+
+def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
+    """`config`'s counts (any family), from a model built on the meta device."""
+    family = family_of(config)
+    model = family.build(config, init_device="meta")
+    plan = parallel_plan(model)
+    blocks = plan.blocks
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    embedding = model.transformer.wte.weight  # every family's token embedding (family.CausalLM)
+    first = last = 0
+    for name, p in model.named_parameters():
+        if id(p) in in_blocks:
+            continue
+        if name.startswith(("transformer.wte.", "transformer.wpe.")):
+            first += p.numel()
+        else:
+            last += p.numel()
+    untied = any(
+        p is not embedding and p.shape == embedding.shape
+        for n, p in model.named_parameters()
+        if id(p) not in in_blocks and not n.startswith("transformer.wte.")
+    )
+    # The config field is kv_n_heads in MPT's config and n_kv_heads in Llama's.
+    kv_heads = getattr(config, "n_kv_heads", None) or getattr(config, "kv_n_heads", None)
+    return ModelCounts(
+        n_params=model.num_params(),
+        flops_per_token=model.flops_per_token(seq_len),
+        blocks=tuple(sum(p.numel() for p in b.parameters()) for b in blocks),
+        first=first,
+        last=last,
+        tied=0 if untied else embedding.numel(),
+        block_activation_bytes=family.activation_bytes(config, precision),
+        d_model=config.d_model,
+        vocab_size=config.vocab_size,
+        n_heads=config.n_heads,
+        n_kv_heads=kv_heads or config.n_heads,
+        tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
+    )
+
+
 @dataclass
 class MemoryPlan:
-    """Bytes per device of each part of a training step, and what it assumed."""
+    """Bytes per device of each part of a training step on pipeline stage `stage` (the one that
+    needs the most), and what it assumed."""
 
     n_params: int
     flops_per_token: int
@@ -80,6 +210,7 @@ class MemoryPlan:
     working: float
     activations: float
     logits: float
+    stage: int = 0
 
     @property
     def total(self) -> float:
@@ -94,8 +225,43 @@ class MemoryPlan:
 
 
 @dataclass
+class CommunicationPlan:
+    """Bytes one device sends per optimizer step, by collective (the module docstring says
+    which): data parallelism's `all_gather` / `reduce_scatter` (FSDP, ZeRO) and `all_reduce`
+    (DDP, hybrid replicas), tensor parallelism's activation all-gathers and reduce-scatters
+    `tensor_parallel`, and the pipeline's activation and gradient sends `pipeline`."""
+
+    all_gather: float = 0.0
+    reduce_scatter: float = 0.0
+    all_reduce: float = 0.0
+    tensor_parallel: float = 0.0
+    pipeline: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (
+            self.all_gather
+            + self.reduce_scatter
+            + self.all_reduce
+            + self.tensor_parallel
+            + self.pipeline
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
 class Setup:
-    """The run being planned: everything that changes memory per device."""
+    """The run being planned: everything that changes memory per device.
+
+    The mesh: `tp` tensor-parallel and `pp` pipeline-parallel ways; the data-parallel ranks
+    world_size / (tp * pp) are laid out by `strategy` (DDP: replicas; ZeRO and FSDP: shards;
+    FSDP hybrid: shards within a node, replicas across) or, for FSDP, by `dp_replicate` and
+    `dp_shard` as `ParallelDims` takes them (-1: the rest). `schedule` and `stages_per_rank` (v,
+    interleaved only) are the pipeline's; `global_batch` (sequences per step) sets the
+    microbatches per step, which the pipeline keeps in flight and which repeat the gathers."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int
@@ -106,84 +272,268 @@ class Setup:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     optimizer_bytes: int = 8
-    # Counted from the model on the meta device in __post_init__.
-    n_params: int = dataclasses.field(init=False)
-    flops_per_token: int = dataclasses.field(init=False)
-    largest_unit: int = dataclasses.field(init=False)  # parameters of a sharded unit
-    block_activation_bytes: int = dataclasses.field(init=False)  # per token
+    tp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    global_batch: int | None = None
+    counts: ModelCounts | None = None  # counted from `model` when None
+    dims: ParallelDims = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise UserError(f"strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         if self.precision not in PRECISIONS:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
-        if self.world_size < 1 or self.gpus_per_node < 1:
-            raise UserError("world_size and gpus_per_node must be positive")
-        if self.strategy == "single" and self.world_size != 1:
-            raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if min(self.world_size, self.gpus_per_node, self.tp, self.pp, self.stages_per_rank) < 1:
+            raise UserError(
+                "world_size, gpus_per_node, tp, pp and stages_per_rank must be positive"
+            )
+        model_ways = self.tp * self.pp
+        if self.strategy == "single" and self.world_size != model_ways:
+            if model_ways == 1:
+                raise UserError(
+                    "strategy single runs on one device: use --world-size 1 or ddp/fsdp"
+                )
+            raise UserError(
+                f"strategy single has no data parallelism: use --world-size {model_ways} "
+                f"(tp x pp) or ddp/fsdp"
+            )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
-        family = family_of(self.model)
-        model = family.build(self.model, init_device="meta")
-        self.n_params = model.num_params()
-        self.flops_per_token = model.flops_per_token(self.seq_len)
-        blocks = [sum(p.numel() for p in b.parameters()) for b in parallel_plan(model).blocks]
-        root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-        self.largest_unit = max([root, *blocks])
-        self.block_activation_bytes = family.activation_bytes(self.model, self.precision)
+        if (self.schedule == "interleaved") != (self.stages_per_rank > 1) and self.pp > 1:
+            raise UserError(
+                "the interleaved schedule takes 2 or more stages per rank and the others 1: "
+                "use --schedule interleaved with --stages-per-rank 2 or more, or leave it out"
+            )
+        if self.counts is None:
+            self.counts = count_model(self.model, self.seq_len, self.precision)
+        self._check_model_fits_mesh()
+        self.dims = self._mesh()
+
+    def _check_model_fits_mesh(self) -> None:
+        counts = self.counts
+        if (
+            self.tp > 1 and counts.tp_refusal
+        ):  # what training would refuse (distributed/parallelize.py)
+            raise UserError(f"--tp {self.tp}: {counts.tp_refusal}")
+        heads, kv = counts.n_heads, counts.n_kv_heads
+        if heads % self.tp or kv % self.tp:
+            choices = [str(t) for t in _divisors(math.gcd(heads, kv)) if t <= self.gpus_per_node]
+            raise UserError(
+                f"tp={self.tp} does not divide the model's {heads} attention heads and {kv} "
+                f"key/value heads: use --tp {' or '.join(choices)}"
+            )
+        v = self.stages_per_rank if self.schedule == "interleaved" else 1
+        layers = len(counts.blocks)
+        if self.pp * v > layers:
+            stages = f"pp={self.pp}" + f" x {v} stages per rank" * (v > 1)
+            raise UserError(
+                f"{stages} = {self.pp * v} stages, more than the model's {layers} layers: use "
+                f"--pp {layers // v} or fewer"
+            )
+
+    def _mesh(self) -> ParallelDims:
+        world, model_ways = self.world_size, self.tp * self.pp
+        if world % model_ways:
+            raise UserError(
+                f"tp={self.tp} x pp={self.pp} = {model_ways} does not divide the {world} devices: "
+                f"use a --world-size that is a multiple of {model_ways}, or a tp and pp whose "
+                f"product divides {world}"
+            )
+        dp = world // model_ways
+        if self.strategy != "fsdp" and (self.dp_replicate != 1 or self.dp_shard != -1):
+            raise UserError(
+                f"--dp-replicate and --dp-shard lay out FSDP's mesh; strategy {self.strategy} "
+                "sets them itself: leave them out or use --strategy fsdp"
+            )
+        product = self.dp_replicate * self.dp_shard * model_ways
+        if self.dp_shard != -1 and product != world:
+            raise UserError(
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
+                f"pp={self.pp} = {product}, but there are {world} devices: use --world-size "
+                f"{product} or leave --dp-shard out (the rest)"
+            )
+        replicate, shard = self.dp_replicate, self.dp_shard
+        if self.strategy in ("single", "ddp"):
+            replicate, shard = dp, 1
+        elif self.strategy in ("zero1", "zero2", "zero3"):
+            replicate, shard = 1, dp
+        elif self.strategy == "fsdp-hybrid":
+            shard = min(dp, max(1, self.gpus_per_node // self.tp))
+            if dp % shard:
+                raise UserError(
+                    f"fsdp-hybrid shards within a node's {shard} data-parallel ranks, which do "
+                    f"not divide the {dp}: use a --world-size that is a multiple of "
+                    f"{shard * model_ways}"
+                )
+            replicate = dp // shard
+        return ParallelDims(world, dp_replicate=replicate, dp_shard=shard, tp=self.tp, pp=self.pp)
+
+    @property
+    def n_params(self) -> int:
+        return self.counts.n_params
+
+    @property
+    def flops_per_token(self) -> int:
+        return self.counts.flops_per_token
+
+    @property
+    def block_activation_bytes(self) -> int:
+        return self.counts.block_activation_bytes
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    def microbatches(self, microbatch: int) -> int | None:
+        """Microbatches per device per step (None when the global batch is not known)."""
+        if self.global_batch is None:
+            return None
+        return max(1, math.ceil(self.global_batch / self.dp_size / microbatch))
+
+    @functools.cached_property
+    def stage_layers(self) -> list[list[int]]:
+        """The blocks each pipeline rank holds: the L blocks cut into pp * v chunks in order (the
+        first L mod (pp v) one block longer), chunk c on rank c mod pp."""
+        chunks = self.pp * (self.stages_per_rank if self.schedule == "interleaved" else 1)
+        size, extra = divmod(len(self.counts.blocks), chunks)
+        ranks: list[list[int]] = [[] for _ in range(self.pp)]
+        start = 0
+        for c in range(chunks):
+            end = start + size + (c < extra)
+            ranks[c % self.pp].extend(range(start, end))
+            start = end
+        return ranks
+
+    def stage_weights(self, stage: int) -> tuple[float, float]:
+        """Parameters rank `stage` holds before data-parallel sharding (split by tp), and its
+        largest unit (a block, or its edge: the root, under pp = 1)."""
+        counts, last = self.counts, self.pp - 1
+        blocks = [counts.blocks[i] for i in self.stage_layers[stage]]
+        edge = counts.first * (stage == 0) + counts.last * (stage == last)
+        edge += counts.tied * (stage == last and self.pp > 1)
+        return (sum(blocks) + edge) / self.tp, max([edge, *blocks]) / self.tp
+
+    def in_flight(self, stage: int, microbatches: int | None) -> tuple[float, int]:
+        """Layer-microbatches of activations rank `stage` keeps at its peak, and microbatches of
+        its edges' (embedding output, logits): the schedule's (module docstring)."""
+        layers = len(self.stage_layers[stage])
+        if self.pp == 1:
+            return layers, 1
+        m = microbatches
+        if m is None and self.schedule == "gpipe":
+            raise UserError("GPipe keeps every microbatch in flight: give the global batch size")
+        if self.schedule == "gpipe":
+            return layers * m, m
+        if self.schedule == "1f1b":
+            held = self.pp - stage if m is None else min(m, self.pp - stage)
+            return layers * held, held
+        v = self.stages_per_rank
+        held = 2 * (self.pp - stage - 1) + (v - 1) * self.pp + 1
+        held = held if m is None else min(v * m, held)
+        return layers / v * held, math.ceil(held / v)
 
 
 def _shards(setup: Setup) -> tuple[int, int, int]:
-    """How many ways parameters, gradients and optimizer state are split across devices."""
-    world = setup.world_size
-    node = min(world, setup.gpus_per_node)
+    """How many ways parameters, gradients and optimizer state are split across the
+    data-parallel ranks."""
+    dp, shard = setup.dp_size, setup.dims.dp_shard
     return {
         "single": (1, 1, 1),
         "ddp": (1, 1, 1),
-        "zero1": (1, 1, world),
-        "zero2": (1, world, world),
-        "zero3": (world, world, world),
-        "fsdp": (world, world, world),
-        "fsdp-hybrid": (node, node, node),
+        "zero1": (1, 1, dp),
+        "zero2": (1, dp, dp),
+        "zero3": (dp, dp, dp),
+        "fsdp": (shard, shard, shard),
+        "fsdp-hybrid": (shard, shard, shard),
     }[setup.strategy]
 
 
-def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
-    """Bytes per device for one forward and backward of `microbatch` sequences."""
-    cfg = setup.model
-    n_params = setup.n_params
+def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
+    counts, tp = setup.counts, setup.tp
+    weights, unit = setup.stage_weights(stage)
     p_shards, g_shards, o_shards = _shards(setup)
-    params = n_params * PARAM_BYTES / p_shards
-    grads = n_params * GRAD_BYTES / g_shards
-    optimizer = n_params * setup.optimizer_bytes / o_shards
-    sharded_params = setup.strategy in ("fsdp", "fsdp-hybrid", "zero3")
+    params = weights * PARAM_BYTES / p_shards
+    grads = weights * GRAD_BYTES / g_shards
+    optimizer = weights * setup.optimizer_bytes / o_shards
+    sharded_params = setup.strategy in _SHARDED_PARAMS
     if setup.cpu_offload:
         optimizer = 0.0
         if sharded_params:
             params = grads = 0.0
-    working = 0.0
-    if sharded_params and p_shards > 1:
-        working = 2 * setup.largest_unit * PARAM_BYTES
-    tokens = microbatch * setup.seq_len
-    per_block = setup.block_activation_bytes * tokens
-    if setup.activation_checkpointing:
-        blocks = cfg.n_layers * CHECKPOINT_BYTES * cfg.d_model * tokens + per_block
-    else:
-        blocks = cfg.n_layers * per_block
-    # Embedding output, final norm input and the head's input (norm_f output).
-    edges = (4 + 4 + (4 if setup.precision == "fp32" else 2)) * cfg.d_model * tokens
+    working = 2 * unit * PARAM_BYTES if sharded_params and p_shards > 1 else 0.0
+    d = counts.d_model
     compute_bytes = 4 if setup.precision == "fp32" else 2
-    logits = 2 * tokens * cfg.vocab_size * compute_bytes
+    tokens = microbatch * setup.seq_len
+    # One block's saved activations per device; sequence parallel splits all but the gathered
+    # inputs of the two column-wise projections.
+    per_block = counts.block_activation_bytes * tokens / tp
+    per_block += 2 * compute_bytes * d * tokens * (1 - 1 / tp)
+    layer_microbatches, held = setup.in_flight(stage, setup.microbatches(microbatch))
+    if setup.activation_checkpointing:
+        blocks = layer_microbatches * CHECKPOINT_BYTES * d * tokens / tp
+        blocks += per_block if layer_microbatches else 0.0
+    else:
+        blocks = layer_microbatches * per_block
+    # Embedding output (first stage), final norm input and the head's input (last stage).
+    edges = 4 * (stage == 0) + (4 + compute_bytes) * (stage == setup.pp - 1)
+    edges_bytes = held * edges * d * tokens / tp
+    logits = 0.0
+    if stage == setup.pp - 1:
+        logits = held * 2 * tokens * counts.vocab_size * compute_bytes / tp
     return MemoryPlan(
-        n_params=n_params,
-        flops_per_token=setup.flops_per_token,
+        n_params=counts.n_params,
+        flops_per_token=counts.flops_per_token,
         params=params,
         grads=grads,
         optimizer=optimizer,
         working=working,
-        activations=blocks + edges,
+        activations=blocks + edges_bytes,
         logits=logits,
+        stage=stage,
     )
+
+
+def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
+    """Bytes per device for one step of `microbatch`-sequence microbatches, on the pipeline rank
+    that needs the most."""
+    return max(
+        (_stage_memory(setup, microbatch, s) for s in range(setup.pp)), key=lambda p: p.total
+    )
+
+
+def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
+    """Bytes one device sends per step (module docstring), on the pipeline rank that needs the
+    most memory (the pipeline sends: a middle rank's, which sends both ways)."""
+    stage = plan_memory(setup, microbatch).stage
+    weights = setup.stage_weights(stage)[0] * PARAM_BYTES
+    m = setup.microbatches(microbatch) or 1
+    ring = lambda n: (n - 1) / n  # noqa: E731 (fraction of a buffer a ring collective sends)
+    plan = CommunicationPlan()
+    n = setup.dims.dp_shard
+    if setup.strategy in _SHARDED_PARAMS:
+        plan.all_gather = 2 * m * weights * ring(n)
+        plan.reduce_scatter = weights * ring(n)
+        plan.all_reduce = 2 * weights / n * ring(setup.dims.dp_replicate)
+    elif setup.strategy in ("zero1", "zero2"):
+        plan.all_gather = plan.reduce_scatter = weights * ring(n)
+    else:
+        plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
+    counts = setup.counts
+    compute_bytes = 4 if setup.precision == "fp32" else 2
+    activation = microbatch * setup.seq_len * counts.d_model
+    layers = len(setup.stage_layers[stage])
+    collectives = 8 + 4 * setup.activation_checkpointing
+    plan.tensor_parallel = m * layers * collectives * ring(setup.tp) * activation * compute_bytes
+    if setup.pp > 1:
+        v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+        plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp
+    return plan
 
 
 def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16) -> int:
@@ -201,9 +551,77 @@ def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16)
 
 
 def step_seconds(
-    flops_per_token: int, global_batch: int, seq_len: int, world_size: int, peak: float, mfu: float
+    flops_per_token: int,
+    global_batch: int,
+    seq_len: int,
+    world_size: int,
+    peak: float,
+    mfu: float,
+    bubble: float = 0.0,
 ) -> float:
-    """Seconds per optimizer step when each device runs at `mfu` of its `peak` flop/s."""
+    """Seconds per optimizer step when each device runs at `mfu` of its `peak` flop/s while
+    busy, and idles the pipeline's `bubble` fraction of the step."""
     if not 0 < mfu <= 1:
         raise UserError(f"mfu must be in (0, 1], got {mfu}")
-    return flops_per_token * global_batch * seq_len / world_size / (peak * mfu)
+    return flops_per_token * global_batch * seq_len / world_size / (peak * mfu) / (1 - bubble)
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    """A mesh that fits: its setup, the largest microbatch that fits it, the microbatch the step
+    is planned at (that one without a pipeline; 1 with one, the most microbatches and the least
+    bubble) and the bubble fraction."""
+
+    setup: Setup
+    largest_microbatch: int
+    microbatch: int
+    bubble: float
+
+
+def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
+    """The smallest mesh of `setup.world_size` devices that fits `device_memory`: the fewest
+    model-parallel ways tp * pp, then the least pipeline bubble (the fastest step), then the
+    larger tp (within a node: tp <= gpus_per_node, pp across nodes); None if none fits.
+    `setup.global_batch` must be set (the data-parallel ranks must divide it); its strategy,
+    schedule and checkpointing are kept, its tp, pp and dp layout are searched."""
+    counts, world = setup.counts, setup.world_size
+    # tp only for a family with a tensor-parallel layout (training refuses it otherwise).
+    heads = 1 if counts.tp_refusal else math.gcd(counts.n_heads, counts.n_kv_heads)
+    v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    choices = []
+    for tp in _divisors(heads):
+        if tp > setup.gpus_per_node or world % tp:
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp * v > len(counts.blocks) or setup.global_batch % dp:
+                continue
+            if setup.strategy == "single" and dp > 1:
+                continue
+            if v > 1 and pp == 1:
+                continue
+            if setup.strategy == "fsdp-hybrid" and dp % min(dp, max(1, setup.gpus_per_node // tp)):
+                continue
+            mesh = dataclasses.replace(setup, tp=tp, pp=pp, dp_replicate=1, dp_shard=-1)
+            fits = largest_microbatch(mesh, device_memory, limit=setup.global_batch // dp)
+            if not fits:
+                continue
+            microbatch = fits if pp == 1 else 1
+            bubble = bubble_fraction(pp, mesh.microbatches(microbatch), setup.schedule, v)
+            choices.append(((tp * pp, bubble, -tp), MeshChoice(mesh, fits, microbatch, bubble)))
+    return min(choices, key=lambda c: c[0])[1] if choices else None
+
+
+def device_counts(gpus_per_node: int, limit: int) -> list[int]:
+    """The device counts `smallest_fit` tries: powers of two up to a node, then whole nodes."""
+    small = [2**k for k in range(gpus_per_node.bit_length()) if 2**k < gpus_per_node]
+    return small + list(range(gpus_per_node, limit + 1, gpus_per_node))
+
+
+def smallest_fit(setup: Setup, device_memory: float, limit: int = 16384) -> MeshChoice | None:
+    """The recommended mesh (`recommend`) at the fewest devices (`device_counts`) that fit."""
+    for world in device_counts(setup.gpus_per_node, limit):
+        choice = recommend(dataclasses.replace(setup, world_size=world), device_memory)
+        if choice is not None:
+            return choice
+    return None

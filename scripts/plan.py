@@ -1,16 +1,27 @@
-"""Plan a training run's memory and step time before renting the GPUs.
+"""Plan a training run's memory, communication and step time before renting the GPUs.
 
     python scripts/plan.py model=mpt-7b precision=amp_bf16 --strategy fsdp --world-size 8 \\
         --activation-checkpointing --device-memory 80GB
     python scripts/plan.py model=mpt-30b --strategy zero3 --world-size 64 --cpu-offload
+    python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
+        global_train_batch_size=512 --strategy fsdp --world-size 64 --tp 8 --pp 2 \\
+        --activation-checkpointing --device-memory 80GB --device-name H100
+    python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
+        global_train_batch_size=512 --recommend --activation-checkpointing --device-memory 80GB
 
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
-overrides); the flags describe the cluster. Prints parameter count, flops per token, memory per
-device by part at the config's microbatch, the largest microbatch that fits the device memory
-(default: the detected GPU's), and the step time at a given MFU of the device's peak
-(llmfoundry/planning.py says what each number counts). Impossible inputs are one line and exit
-status 2 (`--debug` for the traceback). A setup in which not even one sequence
-fits a device is an error (exit status 2) saying what would fit, with no step time.
+overrides); the flags describe the cluster and the mesh (`--tp`, `--pp`, `--dp-replicate`,
+`--dp-shard` as llmfoundry/distributed/mesh.py's ParallelDims; `--schedule`, `--stages-per-rank`
+for the pipeline). Prints parameter count, flops per token, memory per device by part at the
+config's microbatch (on the pipeline rank that needs the most), the largest microbatch that fits
+the device memory (default: the detected GPU's), the bytes each device sends per step, the
+pipeline bubble and the step time at a given MFU of the device's peak (llmfoundry/planning.py
+says what each number counts and where its formula comes from). `--recommend` plans the smallest
+mesh that fits instead (fewest tp x pp, then the fastest; tp within a node), at `--world-size`
+or at the fewest devices. Impossible inputs (tp not dividing the heads, more stages than
+layers, axes whose product is not the device count) are one line and exit status 2 (`--debug`
+for the traceback). A setup in which not even one sequence fits a device, or in which no mesh
+fits, is an error (exit status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
@@ -26,12 +37,18 @@ from llmfoundry.callbacks.peak_flops import gpu_peak_flops, number_format
 from llmfoundry.config import validate_config
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.planning import (
+    SCHEDULES,
     STRATEGIES,
+    MeshChoice,
     Setup,
+    bubble_fraction,
     largest_microbatch,
     optimizer_state_bytes,
     parse_bytes,
+    plan_communication,
     plan_memory,
+    recommend,
+    smallest_fit,
     step_seconds,
 )
 from llmfoundry.utils.cli import add_script_arguments, script_errors
@@ -43,16 +60,28 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides, as for scripts/train.py")
-    p.add_argument("--strategy", choices=STRATEGIES, default="single")
-    p.add_argument("--world-size", type=int, default=1, help="devices in the run (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="for fsdp-hybrid (default 8)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="default single (fsdp with --recommend)")
+    p.add_argument("--world-size", type=int, help="devices in the run (default 1; --recommend: "
+                   "the fewest that fit)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=8, help="for fsdp-hybrid and --recommend "
+                   "(tp stays within a node; default 8)")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ways (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--dp-replicate", type=int, default=1, help="fsdp: replicas of the shards")
+    p.add_argument("--dp-shard", type=int, default=-1, help="fsdp: shards (default: the rest)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--stages-per-rank", type=int, default=1, help="interleaved: stages per rank")
+    p.add_argument("--recommend", action="store_true", help="plan the smallest mesh that fits "
+                   "--device-memory (fewest tp x pp, then fastest) at --world-size, or at the "
+                   "fewest devices that fit")  # fmt: skip
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true", help="optimizer (and shards) on host")
     p.add_argument("--device-memory", help="per device, e.g. 80GB (default: the detected GPU)")
     p.add_argument("--device-name", help="GPU name for its peak, e.g. H100 (default: detected)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides name)")
     p.add_argument("--mfu", type=float, default=0.4, help="MFU for the step time (default 0.4)")
-    p.add_argument("--microbatch", type=int, help="default: the config's microbatch or batch")
+    p.add_argument("--microbatch", type=int, help="default: the config's microbatch, else 1 "
+                   "under pp (the least bubble), else the device batch")  # fmt: skip
     add_script_arguments(p, storage=False)
     return p.parse_args(argv)
 
@@ -75,8 +104,14 @@ def _what_would_fit(args: argparse.Namespace) -> str:
     options = []
     if args.strategy in ("single", "ddp", "zero1", "zero2"):
         options.append("shard the weights (--strategy fsdp or zero3) over more devices")
+    elif args.recommend:
+        options.append(
+            "more devices" + (f" than --world-size {args.world_size}" * bool(args.world_size))
+        )
     else:
         options.append(f"more devices than --world-size {args.world_size}")
+        if args.tp == args.pp == 1:
+            options.append("--recommend (a mesh with tp and pp)")
     if not args.activation_checkpointing:
         options.append("--activation-checkpointing")
     if not args.cpu_offload and args.strategy not in ("single", "ddp"):
@@ -91,6 +126,49 @@ def main(argv: list[str] | None = None) -> int:
         return plan(args)
 
 
+def _setup(args: argparse.Namespace, cfg, settings, model_cfg, seq_len: int) -> Setup:
+    return Setup(
+        model=model_cfg,
+        seq_len=seq_len,
+        precision=settings.precision,
+        strategy=args.strategy,
+        world_size=args.world_size or 1,
+        gpus_per_node=args.gpus_per_node,
+        activation_checkpointing=args.activation_checkpointing,
+        cpu_offload=args.cpu_offload,
+        optimizer_bytes=optimizer_state_bytes(cfg.optimizer._target_),
+        tp=args.tp,
+        pp=args.pp,
+        schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
+        global_batch=settings.global_train_batch_size,
+    )
+
+
+def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -> MeshChoice:
+    """The recommended mesh, or the UserError saying why there is none."""
+    if memory is None:
+        raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
+    if args.tp != 1 or args.pp != 1 or args.dp_replicate != 1 or args.dp_shard != -1:
+        raise UserError("--recommend chooses tp, pp and the dp layout: leave those flags out")
+    if args.world_size:
+        choice = recommend(setup, memory)
+        where = f"{args.world_size} devices"
+    else:
+        choice = smallest_fit(setup, memory)
+        where = "up to 16384 devices"
+    if choice is None:
+        size = args.device_memory
+        raise UserError(
+            f"no mesh of {where} fits {size} per device with global_train_batch_size="
+            f"{setup.global_batch} (each data-parallel rank needs a whole sequence); "
+            f"{_what_would_fit(args)}"
+        )
+    return choice
+
+
 def plan(args: argparse.Namespace) -> int:
     try:
         cfg = compose_config(CONF_DIR, args.overrides)
@@ -100,40 +178,48 @@ def plan(args: argparse.Namespace) -> int:
     settings = validate_config(cfg)
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
-    if settings.global_train_batch_size % args.world_size:
-        raise UserError(
-            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
-            f"--world-size {args.world_size}"
-        )
-    device_batch = settings.global_train_batch_size // args.world_size
-    configured = settings.device_train_microbatch_size
-    microbatch = args.microbatch or (configured if isinstance(configured, int) else device_batch)
-    setup = Setup(
-        model=model_cfg,
-        seq_len=seq_len,
-        precision=settings.precision,
-        strategy=args.strategy,
-        world_size=args.world_size,
-        gpus_per_node=args.gpus_per_node,
-        activation_checkpointing=args.activation_checkpointing,
-        cpu_offload=args.cpu_offload,
-        optimizer_bytes=optimizer_state_bytes(cfg.optimizer._target_),
-    )
-    memory_plan = plan_memory(setup, microbatch)
+    args.strategy = args.strategy or ("fsdp" if args.recommend else "single")
+    if not args.recommend:
+        args.world_size = args.world_size or 1
+    setup = _setup(args, cfg, settings, model_cfg, seq_len)
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
     memory = parse_bytes(args.device_memory) if args.device_memory else gpu_memory
+    configured = settings.device_train_microbatch_size
+    microbatch = args.microbatch or (configured if isinstance(configured, int) else None)
+    if args.recommend:
+        choice = _recommended(args, setup, memory)
+        setup, microbatch = choice.setup, microbatch or choice.microbatch
+        args.world_size = setup.world_size
+        dims = setup.dims
+        print(f"recommended : tp {dims.tp} x pp {dims.pp} x dp_shard {dims.dp_shard} x "
+              f"dp_replicate {dims.dp_replicate} on {setup.world_size} devices (fewest tp x pp "
+              f"that fit, then the fastest; tp <= {setup.gpus_per_node}, within a node)"
+              )  # fmt: skip
+    if settings.global_train_batch_size % setup.dp_size:
+        raise UserError(
+            f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
+            f"the {setup.dp_size} data-parallel ranks (world size / (tp x pp))"
+        )
+    device_batch = settings.global_train_batch_size // setup.dp_size
+    microbatch = microbatch or (1 if setup.pp > 1 else device_batch)
+    memory_plan = plan_memory(setup, microbatch)
+    dims = setup.dims
 
-    flags = [args.strategy, f"world size {args.world_size}"]
+    flags = [args.strategy, f"world size {setup.world_size}"]
     flags += ["activation checkpointing"] * args.activation_checkpointing
     flags += ["CPU offload"] * args.cpu_offload
     print(f"model       : {cfg.model._target_.rsplit('.', 1)[-1]} d_model {model_cfg.d_model}, "
           f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size}, seq {seq_len}")  # fmt: skip
     print(f"run         : {', '.join(flags)}; {settings.precision}; global batch "
-          f"{settings.global_train_batch_size} ({device_batch} per device)")  # fmt: skip
+          f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
+          )  # fmt: skip
+    print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp "
+          f"{dims.tp} x pp {dims.pp}")  # fmt: skip
     print(f"parameters  : {memory_plan.n_params:,}")
     print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
-    print(f"memory per device at microbatch {microbatch}:")
+    where = f", pipeline rank {memory_plan.stage} of {setup.pp}" if setup.pp > 1 else ""
+    print(f"memory per device at microbatch {microbatch}{where}:")
     for part in ("params", "grads", "optimizer", "working", "activations", "logits"):
         print(f"  {part:11s}: {gib(getattr(memory_plan, part))}")
     print(f"  {'total':11s}: {gib(memory_plan.total)}")
@@ -151,6 +237,23 @@ def plan(args: argparse.Namespace) -> int:
             )
             return 2
         print(f"largest microbatch fitting {size} ({gib(memory).strip()}): {fits}")
+        if memory_plan.total > memory:
+            print(f"note        : microbatch {microbatch} does not fit; the rest is planned at "
+                  f"it: pass --microbatch {fits} (device_train_microbatch_size={fits})"
+                  )  # fmt: skip
+    communication = plan_communication(setup, microbatch)
+    print("communication per device per step (sent):")
+    for part, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
+                        ("all_reduce", "all-reduce"), ("tensor_parallel", "tp gath+scat"),
+                        ("pipeline", "pp sends")):  # fmt: skip
+        print(f"  {label:14s}: {gib(getattr(communication, part))}")
+    print(f"  {'total':14s}: {gib(communication.total)}")
+    microbatches = setup.microbatches(microbatch)
+    bubble = bubble_fraction(setup.pp, microbatches, setup.schedule, setup.stages_per_rank)
+    if setup.pp > 1:
+        v = f", {setup.stages_per_rank} stages per rank" * (setup.schedule == "interleaved")
+        print(f"pipeline    : {setup.schedule}{v}, {microbatches} microbatches of {microbatch}, "
+              f"bubble {bubble:.1%} of the step")  # fmt: skip
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     if peak is None and name:
         peak = gpu_peak_flops(name, number_format(settings.precision))
@@ -161,13 +264,15 @@ def plan(args: argparse.Namespace) -> int:
             memory_plan.flops_per_token,
             settings.global_train_batch_size,
             seq_len,
-            args.world_size,
+            setup.world_size,
             peak,
             args.mfu,
+            bubble,
         )
         tokens = settings.global_train_batch_size * seq_len / seconds
-        print(f"step time   : {seconds:.3f} s at {args.mfu:.0%} MFU of {peak / 1e12:.1f} TFLOP/s "
-              f"({tokens:,.0f} tokens/s in all)")  # fmt: skip
+        idle = f", {bubble:.1%} pipeline bubble" if setup.pp > 1 else ""
+        print(f"step time   : {seconds:.3f} s at {args.mfu:.0%} MFU of {peak / 1e12:.1f} TFLOP/s"
+              f"{idle} ({tokens:,.0f} tokens/s in all)")  # fmt: skip
     return 0
 
 

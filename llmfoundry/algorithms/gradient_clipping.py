@@ -31,7 +31,12 @@ class GradientClipping(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         params = [p for p in state.model.parameters() if p.grad is not None]
-        if self.clipping_type == "norm":
+        pipeline = state.strategy.pipeline if state.strategy is not None else None
+        if self.clipping_type == "norm" and pipeline is not None:  # over every stage's gradients
+            logger.log_metrics(
+                {"grad/norm": DeviceScalar(pipeline.clip_grad_norm_(state.model, self.threshold))}
+            )
+        elif self.clipping_type == "norm":
             norm = torch.nn.utils.clip_grad_norm_(params, self.threshold)
             if hasattr(norm, "full_tensor"):  # sharded (DTensor): gather it now, on every rank
                 norm = norm.full_tensor()

@@ -24,6 +24,8 @@ class Generate(Callback):
     config's), or any `Tokenizer`.
     """
 
+    runs_the_model = True
+
     def __init__(
         self,
         tokenizer: str | Tokenizer,

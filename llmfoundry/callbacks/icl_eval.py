@@ -18,6 +18,8 @@ class ICLEval(Callback):
     or any `Tokenizer`.
     """
 
+    runs_the_model = True
+
     def __init__(
         self,
         tokenizer: str | Tokenizer,

@@ -33,14 +33,18 @@ FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 def local_weights(strategy: Strategy, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's part of every weight and buffer by name, where it lives (no copy, no
     communication): whole tensors, or this rank's shard of a sharded (DTensor) one; the
-    same names in the same order on every rank. What a save checks for NaN on all ranks
+    same names in the same order on every rank (under pipeline parallelism other stages'
+    weights are empty). What a save checks for NaN on all ranks
     before anything is written (finite.py)."""
     if isinstance(strategy, DeepSpeed) and strategy.stage == 3:
         return deepspeed.local_weights(strategy)
-    return {
+    weights = {
         name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
         for name, tensor in unwrap_model(model).state_dict().items()
     }
+    if strategy.pipeline is not None:  # a stage's weights: other stages' names too
+        return strategy.pipeline.with_other_stages(weights)
+    return weights
 
 
 def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

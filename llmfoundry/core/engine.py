@@ -38,7 +38,12 @@ class Algorithm:
 
 
 class Callback:
-    """Observes events: define a method named after the event (e.g. ``batch_end``)."""
+    """Observes events: define a method named after the event (e.g. ``batch_end``).
+
+    `runs_the_model`: whether it calls the whole model itself (generation, scoring), which
+    pipeline parallelism cannot serve: each process holds only its stage (refused at start)."""
+
+    runs_the_model: bool = False
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         handler = getattr(self, event.value, None)

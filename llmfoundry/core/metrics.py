@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 # Eval batches may carry this bool [batch] key: False marks a sample repeated only to pad the
@@ -82,6 +83,8 @@ class LanguageMetrics:
     def update(
         self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], sample_mask: torch.Tensor
     ) -> None:
+        if isinstance(logits, DTensor):  # a tensor-parallel head's, vocabulary-sharded: the
+            logits = logits.full_tensor()  # argmax and per-token losses need whole rows
         logits = logits[:, :-1].float()
         targets = batch["labels"][:, 1:]
         mask = (targets != IGNORE_INDEX) & sample_mask[:, None]

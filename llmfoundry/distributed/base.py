@@ -10,12 +10,15 @@ themselves (llmfoundry/checkpoint/state.py, sharded.py), as the strategy's flags
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmfoundry.core.precision import Precision
 from llmfoundry.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from llmfoundry.distributed.pipeline import Pipeline
 
 
 def resolve_device(device: str, setting: str = "strategy.device") -> torch.device:
@@ -83,6 +86,9 @@ class Strategy:
     rather than one file of whole tensors written by rank 0. `async_save`: whether a save of the
     shards returns while its files are still being written (a Future the checkpoint waits for;
     llmfoundry/checkpoint/sharded.py).
+
+    `pipeline`: this process's pipeline stage and schedule (pipeline.py), which then runs the
+    step's microbatches instead of the trainer's loop; None without pipeline parallelism.
     """
 
     rank: int = 0
@@ -93,6 +99,7 @@ class Strategy:
     # The background saves' own process group, so their collectives never interleave with
     # training's (gloo: async DCP needs a CPU backend, also when training uses nccl).
     save_group: Any = None
+    pipeline: Pipeline | None = None
 
     @property
     def dp_rank(self) -> int:

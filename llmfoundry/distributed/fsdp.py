@@ -12,16 +12,26 @@ dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
+Tensor parallelism (`tp=T`): the innermost mesh axis splits each block's matrices across T
+ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
+result over the data-parallel axes (world_size / T ranks read different data, the T ranks of a
+tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
+both, with activation checkpointing and compile between them.
+
 Initialization: the model is sharded on the meta device, each rank allocates only its shards,
 and the model's own `init_weights` fills them. Random initializers get the whole tensor drawn
 from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
 initialization equals the one-process initialization for the same seed, parameter by
 parameter; only one parameter is ever whole at a time.
+
+Pipeline parallelism (`pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
+stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
+layout (what it holds of it) and sharded over the data-parallel axes as above.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,7 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.mesh import ParallelDims
-from llmfoundry.distributed.parallelize import _checkpointing, apply_fsdp, apply_plan
+from llmfoundry.distributed.parallelize import ParallelSettings, _checkpointing, parallelize
+from llmfoundry.distributed.pipeline import Pipeline
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -47,7 +58,21 @@ _MIXED_PRECISION = {
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
-# In-place random initializers (what torch.nn.init calls) that must see the whole tensor.
+# Random initializers that must see the whole tensor: torch.nn.init's (which hand a tensor
+# subclass such as DTensor to the torch-function mode as a `tensor=` keyword, before they reach
+# a Tensor method, so those methods never show up in the mode)...
+_RANDOM_INIT = {
+    torch.nn.init.normal_,
+    torch.nn.init.uniform_,
+    torch.nn.init.trunc_normal_,
+    torch.nn.init.kaiming_normal_,
+    torch.nn.init.kaiming_uniform_,
+    torch.nn.init.xavier_normal_,
+    torch.nn.init.xavier_uniform_,
+    torch.nn.init.orthogonal_,
+    torch.nn.init.sparse_,
+}
+# ...and the in-place random Tensor methods, called directly.
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,
     torch.Tensor.uniform_,
@@ -81,6 +106,12 @@ class FSDP(ProcessGroupStrategy):
             memory first (one more copy of the rank's model and optimizer state there). The
             checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
             saver waits for before the next save and at the end of the run.
+        pp: pipeline stages (pipeline.py); each is sharded over world_size / pp processes.
+        pp_schedule: the pipeline schedule, "1f1b" (at least pp microbatches per step) or
+            "gpipe".
+        tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
+            It must divide the world size (with `replicate`), and the model's head counts
+            and widths (checked when the model is prepared).
     """
 
     name = "fsdp"
@@ -97,8 +128,12 @@ class FSDP(ProcessGroupStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
         async_save: bool = False,
+        pp: int = 1,
+        pp_schedule: str = "1f1b",
+        tp: int = 1,
     ) -> None:
         super().__init__(device, backend, timeout_s)
+        self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:
             raise UserError(
                 f"strategy.replicate={replicate} must be a positive divisor of the "
@@ -115,7 +150,7 @@ class FSDP(ProcessGroupStrategy):
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate)
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
@@ -127,7 +162,7 @@ class FSDP(ProcessGroupStrategy):
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         # A model of no family has no blocks to shard: parallel_plan refuses it, naming those that do.
-        plan = apply_plan(model, self.activation_checkpointing) or parallel_plan(model)
+        plan = parallel_plan(model)
         options: dict[str, Any] = {
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": _MIXED_PRECISION[self.mixed_precision],
@@ -135,11 +170,18 @@ class FSDP(ProcessGroupStrategy):
             if self.cpu_offload
             else OffloadPolicy(),
         }
-        self._units = apply_fsdp(model, plan.blocks, self.mesh.dp_mesh, **options)
+        pipeline = self.pipeline
+        if pipeline is not None:
+            plan = pipeline.split(model, plan, self.mesh)
+        settings = ParallelSettings(self.activation_checkpointing, options)
+        self._units = parallelize(model, plan, self.mesh, settings)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
-            with self.rank0_generator(), _WholeTensorInit():
+            absent = nullcontext() if pipeline is None else pipeline.absent_restored(model)
+            with self.rank0_generator(), _WholeTensorInit(self.device), absent:
                 model.init_weights()
+        if pipeline is not None:
+            pipeline.build(model, self.device)
         return model
 
     # ------------------------------------------------------------------ the training step
@@ -154,7 +196,14 @@ class FSDP(ProcessGroupStrategy):
         and reduces), all ranks agree on whether one ran out of memory. A rank that did joins
         the agreement from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the
         next collective, so every rank leaves the step together and none waits in an
-        all-gather or reduce-scatter another abandoned."""
+        all-gather or reduce-scatter another abandoned. Refused with tensor parallelism: its
+        collectives run inside each block, past any agreement before it."""
+        if self.dims.tp > 1:
+            raise UserError(
+                f"device_train_microbatch_size=auto with strategy.tp={self.dims.tp}: an "
+                "out-of-memory error inside a block would leave its tensor-parallel peers "
+                "waiting; set a fixed device_train_microbatch_size"
+            )
         self._guard_collectives = True
         for unit in self._units:
             unit.register_forward_pre_hook(self._agree_before_forward, prepend=True)
@@ -198,17 +247,36 @@ def _gradient_sync(model: torch.nn.Module, sync: bool):
 
 
 class _WholeTensorInit(TorchFunctionMode):
-    """Random in-place initializers on a sharded parameter draw the whole tensor (same numbers
-    as one process would draw, with the same generator state) and keep this rank's slice."""
+    """Random initializers on a sharded parameter draw the whole tensor (same numbers as one
+    process would draw, with the same generator state) and keep this rank's part of it, for
+    any DTensor layout (FSDP's shards, tensor-parallel splits, both: `distribute_tensor`
+    slices by the placements, strided ones included). Without this, DTensor's own random ops
+    would draw each shard from an offset of the generator: consistent across ranks, but not
+    one process's weights. On a parameter left on the meta device (another pipeline stage's)
+    they draw it whole and keep nothing, so the generator moves on as in one process."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        target = args[0] if args else None
-        if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
+        kwargs = dict(kwargs or {})
+        keyword = not args and func in _RANDOM_INIT  # torch.nn.init's own dispatch
+        target = kwargs.get("tensor") if keyword else args[0] if args else None
+        sharded = isinstance(target, DTensor)
+        absent = isinstance(target, torch.Tensor) and not sharded and target.is_meta
+        if func not in _RANDOM_INPLACE | _RANDOM_INIT or not (sharded or absent):
             return func(*args, **kwargs)
-        local = target.to_local()
-        whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
-        func(whole, *args[1:], **kwargs)
-        shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
-        local.copy_(shard.to_local())
+        local = target.to_local() if sharded else None
+        device = self.device if local is None else local.device
+        whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+        if keyword:
+            func(**{**kwargs, "tensor": whole})
+        else:
+            func(whole, *args[1:], **kwargs)
+        if sharded:
+            shard = distribute_tensor(
+                whole, target.device_mesh, target.placements, src_data_rank=None
+            )
+            local.copy_(shard.to_local())
         return target

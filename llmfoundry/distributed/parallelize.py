@@ -1,10 +1,12 @@
 """Parallelism applied to a model from outside, one function per technique, as torchtitan does.
 
-A strategy's `prepare` calls them in this order on the blocks of the model family's plan
-(llmfoundry/models/plan.py): `apply_ac` (activation checkpointing wraps each block's forward)
-and `apply_compile` (compiles each block, its checkpointing inside), both through `apply_plan`,
-then `apply_fsdp` or `apply_ddp` over the data-parallel part of the mesh
-(llmfoundry/distributed/mesh.py). The model code knows nothing of any of them. DeepSpeed is the
+A strategy's `prepare` calls them in torchtitan's order on the model family's plan
+(llmfoundry/models/plan.py): `apply_tp` (the plan's tensor-parallel layout over the mesh's tp
+axis: parameters become DTensors sharded across it), `apply_ac` (activation checkpointing wraps
+each block's forward) and `apply_compile` (compiles each block, its checkpointing inside), then
+`apply_fsdp` or `apply_ddp` over the data-parallel part of the mesh
+(llmfoundry/distributed/mesh.py); FSDP's `parallelize` runs them all, DDP's `apply_plan` the
+middle two. The model code knows nothing of any of them. DeepSpeed is the
 exception: its engine wraps the model itself (llmfoundry/distributed/deepspeed.py).
 """
 
@@ -12,15 +14,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from llmfoundry.distributed.mesh import Mesh
 from llmfoundry.models import find_plan, parallel_plan
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
@@ -41,6 +47,52 @@ _NO_FORWARD_BUFFER_SYNC = (
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     else {"broadcast_buffers": False}
 )
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """What `parallelize` applies besides the mesh: the `activation_checkpointing` setting (as
+    `apply_ac` takes it) and fully_shard's `fsdp` options (reshard_after_forward, mp_policy,
+    offload_policy)."""
+
+    activation_checkpointing: str | int = "none"
+    fsdp: Mapping[str, Any] = field(default_factory=dict)
+
+
+def parallelize(
+    model: torch.nn.Module, plan: ParallelPlan, mesh: Mesh, settings: ParallelSettings
+) -> list[torch.nn.Module]:
+    """Tensor parallelism over the mesh's tp axis (when it has one), activation checkpointing,
+    compile (when the plan asks), then FSDP over its data-parallel axes: torchtitan's order
+    (each later step wraps what the earlier made: FSDP shards the tensor-parallel DTensors
+    again, over the other axes). Returns the FSDP units, blocks first."""
+    if mesh.dims.tp > 1:
+        apply_tp(model, plan, mesh.device_mesh["tp"])
+    apply_ac(plan.blocks, settings.activation_checkpointing)
+    if plan.compile:
+        apply_compile(plan.blocks)
+    return apply_fsdp(model, plan.blocks, mesh.dp_mesh, **settings.fsdp)
+
+
+def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
+    """Refuse (one line, on every rank alike, before any collective) a tensor-parallel degree
+    the model cannot take: a family without a layout, or sizes `tp` does not divide."""
+    if plan.tensor_parallel is None:
+        raise UserError(f"strategy.tp={tp}: {plan.tensor_parallel_refusal}")
+    uneven = [f"{name}={size}" for name, size in plan.tp_divides.items() if size % tp]
+    if uneven:
+        raise UserError(
+            f"strategy.tp={tp} does not divide the model's {', '.join(uneven)}: choose a tp "
+            "that divides each (or a model whose sizes it divides)"
+        )
+
+
+def apply_tp(model: torch.nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> None:
+    """The plan's tensor-parallel layout (submodule -> torch's ParallelStyle) over `tp_mesh`:
+    each named module's parameters become DTensors split across it, and its inputs and
+    outputs are redistributed as its style says (`parallelize_module`)."""
+    check_tensor_parallel(plan, tp_mesh.size())
+    parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
 
 
 def apply_plan(

@@ -75,6 +75,6 @@ def build_model(config: Any, **overrides: Any) -> nn.Module:
 def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
     """max |ours - theirs| / max |theirs| of `model` against the transformers folder `hf_dir`
     (any family: transformers' AutoModelForCausalLM reads the folder)."""
-    from llmfoundry.models.mpt.hf import logits_relative_error as relative_error
+    from llmfoundry.models.hf_folder import logits_relative_error as relative_error
 
     return relative_error(model, hf_dir)

@@ -1,13 +1,16 @@
-"""Writing a transformers model folder: the one step every family's HF export ends with."""
+"""A transformers model folder, for any family: writing one (the step every family's HF export
+ends with), and how closely it computes what our model does (import and export check it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import transformers
 from tokenizers import Tokenizer
+from torch import nn
 
-__all__ = ["save_hf_folder"]
+__all__ = ["logits_relative_error", "save_hf_folder"]
 
 
 def save_hf_folder(
@@ -31,3 +34,17 @@ def save_hf_folder(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
+    """How exactly the transformers folder `hf_dir` computes what `model` does, in float32:
+    max |ours - theirs| / max |theirs| over the logits of two rows of seeded random tokens."""
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, local_files_only=True
+    ).eval()
+    seq_len = min(64, model.config.max_seq_len)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=generator)
+    with torch.no_grad():
+        ours, theirs = model(ids), hf_model(ids).logits
+    return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))

@@ -2,14 +2,40 @@
 
 As torchtitan keeps one per model, each model family has its own plan beside its code
 (`llmfoundry/models/mpt/parallelize.py`), and the model itself stays ignorant of it: strategies
-(llmfoundry/distributed) read the plan and apply FSDP and activation checkpointing from outside.
+(llmfoundry/distributed) read the plan and apply tensor parallelism, FSDP and activation
+checkpointing from outside. The plan is data (modules and torch's tensor-parallel styles), so
+the family code needs nothing of llmfoundry.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+# A pipeline stage's forward: (model, inputs, sequence_id, seq_len=, first=, last=) -> output.
+# The first stage's inputs are token ids, the others' the previous stage's hidden states (split
+# by sequence position under tensor parallelism: `seq_len` is the whole sequence's length); the
+# last stage returns logits, the others hidden states. Modules the stage does not hold pass
+# inputs through.
+StageForward = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How the family's model runs as pipeline stages (llmfoundry/distributed/pipeline.py):
+    each stage holds a contiguous run of the plan's blocks; `first` names the modules only the
+    first stage holds (embeddings), `last` those only the last holds (final norm, an untied
+    head), `tied` those both hold (an embedding that is also the output head: the last stage
+    keeps a copy whose gradient is summed with the first's). `forward` is the stage's forward."""
+
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    tied: tuple[str, ...]
+    forward: StageForward
 
 
 @dataclass(frozen=True)
@@ -21,7 +47,19 @@ class ParallelPlan:
 
     `compile`: whether the model's config asks for its blocks to be compiled (torch.compile,
     per block), which the strategy applies after activation checkpointing and before
-    sharding (llmfoundry/distributed/parallelize.py)."""
+    sharding (llmfoundry/distributed/parallelize.py).
+
+    `pipeline`: how to split the model into pipeline stages; None: the family cannot be.
+
+    `tensor_parallel`: the tensor-parallel layout, submodule name (relative to the model, as
+    `parallelize_module` takes it) -> torch's style (ColwiseParallel, RowwiseParallel,
+    SequenceParallel, PrepareModuleInput, ...); None: the family has none, and `strategy.tp>1`
+    is refused with `tensor_parallel_refusal`. `tp_divides`: the sizes the tensor-parallel
+    degree must divide (head counts, widths), by config name, checked before it is applied."""
 
     blocks: list[nn.Module]
     compile: bool = False
+    pipeline: PipelineSplit | None = None
+    tensor_parallel: Mapping[str, ParallelStyle] | None = None
+    tp_divides: Mapping[str, int] = field(default_factory=dict)
+    tensor_parallel_refusal: str = "this model family has no tensor-parallel plan"

@@ -26,6 +26,7 @@ from llmfoundry.core.time import Time, TimeUnit
 from llmfoundry.distributed import OutOfMemoryElsewhere, SingleDevice, Strategy
 from llmfoundry.optim.param_groups import build_param_groups
 from llmfoundry.rng import load_rng_state, rng_state, seed_all
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.host_memory import reuse_freed_host_memory
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Trainer:
         load_ignore_keys: Sequence[str] = (),
     ) -> None:
         self.strategy = strategy or SingleDevice()
+        if self.strategy.pipeline is not None:
+            _check_pipeline_options(precision, device_train_microbatch_size, callbacks)
         self.strategy.setup()
         if self.strategy.device.type == "cpu":  # large tensors come and go every step
             reuse_freed_host_memory()
@@ -344,6 +347,8 @@ class Trainer:
         Gradients are averaged across ranks during the last microbatch's backward, except under
         auto-microbatching, where `_train_batch` averages them once every rank has succeeded.
         """
+        if self.strategy.pipeline is not None:
+            return self._pipeline_step(batch, loss_tokens)
         state, engine = self.state, self.engine
         microbatches = list(self._microbatches(batch))
         # float32 as the microbatch losses; at least 1, so a batch without loss tokens (an error,
@@ -369,6 +374,31 @@ class Trainer:
                 self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
             loss_sum += state.loss.detach().double() * mb_tokens
+        return loss_sum
+
+    def _pipeline_step(
+        self, batch: dict[str, torch.Tensor], loss_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """`_accumulate_gradients` under pipeline parallelism: the strategy's schedule runs the
+        microbatches' forwards, losses and backwards, interleaved across the stages, each loss
+        weighted as there. So BEFORE_FORWARD fires before the step and AFTER_BACKWARD after it
+        (state.loss: the device batch's mean loss), once per step; the events between do not
+        fire (llmfoundry/core/events.md)."""
+        state, engine = self.state, self.engine
+        divisor = loss_tokens.float().clamp(min=1)
+        dp_size = self.strategy.dp_size
+
+        def weight(labels: torch.Tensor) -> torch.Tensor:  # as in `_accumulate_gradients`
+            return loss_token_count(labels) * dp_size / divisor
+
+        state.batch = batch
+        engine.run_event(Event.BEFORE_FORWARD)
+        with self.precision.autocast():
+            loss_sum = self.strategy.pipeline.step(
+                batch, state.device_train_microbatch_size, self.loss_fn, weight
+            )
+        state.loss = (loss_sum / loss_token_count(batch["labels"]).clamp(min=1)).float()
+        engine.run_event(Event.AFTER_BACKWARD)
         return loss_sum
 
     def _microbatches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
@@ -424,6 +454,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Run every eval set; metrics land in ``state.eval_metrics`` as eval/<name>/<metric>."""
         state, engine = self.state, self.engine
+        pipeline = self.strategy.pipeline
         self._check_loss_tokens()
         train_batch = state.batch
         rng = rng_state()  # evaluating (more or less often) must not change training's randomness
@@ -444,10 +475,17 @@ class Trainer:
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with self.precision.autocast():
-                    state.outputs = state.model(state.batch)
+                    state.outputs = (
+                        state.model(state.batch)
+                        if pipeline is None
+                        else pipeline.forward_only(state.batch)  # None but on the last stage
+                    )
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                metrics.update(state.outputs, state.batch, sample_mask)
+                if state.outputs is not None:
+                    metrics.update(state.outputs, state.batch, sample_mask)
                 engine.run_event(Event.EVAL_BATCH_END)
+            if pipeline is not None:
+                pipeline.sum_over_stages(metrics.totals)
             self.strategy.all_reduce_sum(metrics.totals, self.strategy.dp_group)
             results = {f"eval/{name}/{key}": value for key, value in metrics.compute().items()}
             state.eval_metrics.update(results)
@@ -485,6 +523,31 @@ def _split_sample_mask(
             f"per sample), got {mask.dtype} of shape {tuple(mask.shape)}"
         )
     return batch, mask
+
+
+def _check_pipeline_options(
+    precision: str,
+    microbatch_size: int | str | None,
+    callbacks: Sequence[Callback],
+) -> None:
+    """Refuse, before any process waits, what pipeline parallelism does not support yet."""
+    if running := [type(c).__name__ for c in callbacks if c.runs_the_model]:
+        raise UserError(
+            f"callbacks that run the whole model (generation, scoring), here {', '.join(running)}, "
+            "cannot run under strategy.pp > 1 (each process holds one stage); leave them out of "
+            "callbacks= (e.g. "
+            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]) "
+            "or use strategy.pp=1"
+        )
+    if microbatch_size == "auto":
+        raise UserError(
+            "device_train_microbatch_size=auto is not supported with strategy.pp > 1 (the "
+            "schedule's microbatches are fixed); set an integer"
+        )
+    if precision == "amp_fp16":
+        raise UserError(
+            "precision=amp_fp16 (loss scaling) is not supported with strategy.pp > 1; use amp_bf16"
+        )
 
 
 def _is_auto(microbatch_size: int | str | None) -> bool:

@@ -77,6 +77,16 @@ def test_misspelt_override_names_key_and_suggests():
     assert "d_model" in message and "n_heads" in message
 
 
+def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_them():
+    assert error_for("strategy=ddp", "strategy.tp=2") == (
+        "strategy.tp: tensor parallelism runs on strategy=fsdp (strategy.tp=... there)"
+    )
+    assert error_for("strategy=deepspeed_zero3", "strategy.pp=2") == (
+        "strategy.pp: pipeline parallelism runs on strategy=fsdp (strategy.pp=... there)"
+    )
+    check(CONF, ["strategy=fsdp", "strategy.tp=2", "strategy.pp=2"])
+
+
 def test_misspelt_key_added_with_plus_is_caught_too():
     message = error_for("+model.n_layer=2")
     assert message.startswith("model.n_layer: unknown key") and "n_layers" in message

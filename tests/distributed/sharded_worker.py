@@ -10,6 +10,7 @@ import functools
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,12 +48,14 @@ DIVERGE_AT = 3  # the batch after which the diverged runs' weights are NaN (save
 
 
 class Recorder(Callback):
-    """Each step's loss and this rank's sample ids; the whole initial weights (rank 0)."""
+    """Each step's loss and this rank's sample ids; the whole initial weights (rank 0); the
+    eval metrics at the end."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.ids: list[list[int]] = []
         self.initial: dict[str, torch.Tensor] = {}
+        self.eval_metrics: dict[str, float] = {}
 
     def fit_start(self, state, logger) -> None:
         if state.timestamp.batch == 0:  # a collective under FSDP: every rank asks
@@ -64,6 +67,9 @@ class Recorder(Callback):
 
     def batch_end(self, state, logger) -> None:
         self.losses.append(state.train_loss)
+
+    def fit_end(self, state, logger) -> None:
+        self.eval_metrics = dict(state.eval_metrics)
 
 
 class SigtermAt(Callback):
@@ -136,17 +142,25 @@ class OutOfMemoryInBlock(Algorithm):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
 
-def parity_run(strategy: Strategy, rank: int, world: int, **kwargs) -> Recorder:
-    """Three AdamW steps on the shared global batches (this rank's slice of each)."""
+def parity_run(
+    strategy: Strategy,
+    rank: int,
+    world: int,
+    callbacks: tuple[Callback, ...] = (),
+    model: torch.nn.Module | None = None,
+    **kwargs,
+) -> Recorder:
+    """Three AdamW steps of `model` (default: the tiny MPT) on the shared global batches (this
+    rank's slice of each); `callbacks` are added to the recorder."""
     batches = global_batches()
     recorder = Recorder()
     Trainer(
-        model=tiny_model(),
+        model=tiny_model() if model is None else model,
         strategy=strategy,
         train_dataloader=rank_slice(batches, rank, world),
         max_duration=f"{len(batches)}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
         **kwargs,
     ).fit()
@@ -166,11 +180,12 @@ def resume_run(
     save_interval: str | None = None,
     keep: int = -1,
     family: str = "mpt",
+    model: Callable[[], torch.nn.Module] | None = None,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
     `algorithms` and `callbacks` are added; `keep` checkpoints are kept (-1: all); `family`
-    "llama" trains a tiny Llama (GQA, untied head) instead of the tiny MPT."""
+    "llama" trains a tiny Llama (GQA, untied head) instead of the tiny MPT; `model` builds another."""
     recorder = Recorder()
     dataset = StreamingTextDataset(
         mds, split="train", shuffle=True, shuffle_seed=5, shuffle_block_size=8,
@@ -179,7 +194,7 @@ def resume_run(
     )  # fmt: skip
     loader = StreamingDataLoader(dataset)
     Trainer(
-        model=tiny_model(VOCAB, SEQ_LEN) if family == "mpt" else tiny_llama(),
+        model=model() if model else tiny_model(VOCAB, SEQ_LEN) if family == "mpt" else tiny_llama(),
         strategy=strategy,
         train_dataloader=loader,
         max_duration=f"{RESUME_BATCHES}ba",

@@ -1,5 +1,5 @@
 """`scripts/train.py` under torchrun: two "nodes" on loopback through the c10d rendezvous, and a
-rank that raises mid-step bringing the whole job down promptly."""
+rank that raises mid-step bringing the whole job down promptly (FSDP, and a pipeline)."""
 
 import os
 import subprocess
@@ -80,8 +80,15 @@ def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_pat
     assert (tmp_path / "ckpt" / "ep0-ba3" / "sharded" / ".metadata").exists()
 
 
-def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path):
+# FSDP alone, and two pipeline stages (the surviving stage waits in a point-to-point receive).
+@pytest.mark.parametrize(
+    "mesh",
+    [(), ("strategy.pp=2", "device_train_microbatch_size=1")],
+    ids=["fsdp", "pp2"],
+)
+def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path, mesh):
     crash = (
+        *mesh,
         "+callbacks.crash._target_=tests.distributed.test_launch.RaiseOnRank",
         "+callbacks.crash.rank=1",
         "+callbacks.crash.batch=1",

@@ -83,3 +83,46 @@ def test_the_attention_window_is_the_family_s():
     assert window(MPTConfig(d_model=64, n_heads=2, n_layers=1, sliding_window=32), 512) == 32
     infini = MPTConfig(d_model=64, n_heads=2, n_layers=1, infini={"segment_len": 16})
     assert window(infini, 512) == 16
+
+
+def family_imports() -> list[str]:
+    """Every import of a family package (models/<name>/ with a spec.py) from outside it, in
+    llmfoundry, scripts and data_prep, but the registry's (families.py) of each family's spec."""
+    import ast
+    from pathlib import Path
+
+    import llmfoundry
+
+    package = Path(llmfoundry.__file__).parent
+    root = package.parent
+    families = {d.name for d in (package / "models").iterdir() if (d / "spec.py").is_file()}
+    registry = Path("llmfoundry/models/families.py")
+    found = []
+    for path in [*package.rglob("*.py"), *root.glob("scripts/*.py"), *root.glob("data_prep/*.py")]:
+        relative = path.relative_to(root)
+        own = relative.parts[2] if relative.parts[:2] == ("llmfoundry", "models") else None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[:2] != ["llmfoundry", "models"] or len(parts) < 3:
+                    continue
+                if parts[2] not in families or parts[2] == own:
+                    continue
+                if relative == registry and parts[3:] == ["spec"]:
+                    continue
+                found.append(f"{relative}:{node.lineno} imports {module}")
+    return found
+
+
+def test_only_the_registry_imports_a_family():
+    """A family imports only itself and the shared pieces (models/layers, generation, norms,
+    hf_folder, ...); the rest of the code reaches a family through the registry's spec."""
+    assert len(FAMILIES) >= 2
+    violations = family_imports()
+    assert not violations, "\n".join(violations)

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import WEIGHTS_ONLY, pretrained
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
-from llmfoundry.models.mpt.hf import from_hf_config, logits_relative_error
+from llmfoundry.models.hf_folder import logits_relative_error
+from llmfoundry.models.mpt.hf import from_hf_config
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer
 from tests.trainer.conftest import tiny_model, token_batches

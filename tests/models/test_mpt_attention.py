@@ -7,8 +7,9 @@ from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.layers import attention
-from llmfoundry.models.layers.attention import AttentionMasks, alibi_slopes, causal_alibi_bias
+from llmfoundry.models.layers.attention import AttentionMasks
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.position import ALiBi, alibi_slopes, causal_alibi_bias
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])
@@ -138,7 +139,9 @@ def test_unknown_attn_impl_lists_allowed():
 def test_queries_are_the_last_key_positions(impl, alibi, use_sequence_id, window):
     # The seam a KV cache uses: the new queries with every key give the tail of the full output.
     torch.manual_seed(0)
-    masks = AttentionMasks(n_heads=4, max_seq_len=16, alibi=alibi, alibi_bias_max=8, window=window)
+    masks = AttentionMasks(
+        n_heads=4, max_seq_len=16, alibi=ALiBi(8) if alibi else None, window=window
+    )
     q = torch.randn(3, 4, 40, 8)
     k, v = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
     sid = _sequence_id(3, 40) if use_sequence_id else None

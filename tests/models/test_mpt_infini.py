@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.layers.attention import AttentionMasks, alibi_slopes, torch_attention
+from llmfoundry.models.layers.attention import AttentionMasks, torch_attention
+from llmfoundry.models.layers.position import ALiBi, alibi_slopes
 from llmfoundry.models.mpt.config import InfiniConfig
 from llmfoundry.models.mpt.infini import infini_attention, memory_attention
 from llmfoundry.optim import DecoupledAdamW, build_param_groups
@@ -68,7 +69,7 @@ def test_equals_naive_reference_forward_and_gradients(update, kv_heads, seq_len)
     shapes = [(2, 4, seq_len, 8), (2, kv_heads, seq_len, 8), (2, kv_heads, seq_len, 8), (4,)]
     ours_in = [torch.randn(s, requires_grad=True) for s in shapes]
     ref_in = [t.detach().double().requires_grad_() for t in ours_in]
-    masks = AttentionMasks(n_heads=4, max_seq_len=8, alibi=True, alibi_bias_max=8)
+    masks = AttentionMasks(n_heads=4, max_seq_len=8, alibi=ALiBi(8))
     q, k, v, gate = ours_in
     ours = infini_attention(
         q, k, v, masks(None, q.device, q.dtype), gate, 8, update, EPS, None, _local

@@ -17,6 +17,7 @@ from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.layers import flash
 from llmfoundry.models.layers.attention import AttentionMasks, torch_attention
 from llmfoundry.models.layers.flex import flex_attention
+from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.mpt.infini import infini_attention
 
 HAS_GPU = torch.cuda.is_available()
@@ -106,7 +107,7 @@ def test_flash_glue_equals_dense_reference(flash_on_cpu, alibi, window, kv_heads
     sid = (
         None if documents == "none" else _sequence_id(3, 40, pad=4 if documents == "padded" else 0)
     )
-    masks = AttentionMasks(4, 40, alibi=alibi, alibi_bias_max=8, window=window)
+    masks = AttentionMasks(4, 40, alibi=ALiBi(8) if alibi else None, window=window)
     ref = torch_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
     out = flash.flash_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3).transpose(1, 2)
     keep = torch.ones(3, 40, dtype=torch.bool) if sid is None else sid >= 0
@@ -122,7 +123,7 @@ def test_flash_glue_equals_dense_reference(flash_on_cpu, alibi, window, kv_heads
 
 def test_flash_glue_decoding_step_is_bottom_right_aligned(flash_on_cpu):
     q, k, v = _qkv(q_len=3)
-    masks = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)
+    masks = AttentionMasks(4, 40, alibi=ALiBi(8))
     ref = torch_attention(q, k, v, masks(None, q.device, q.dtype), 0.0, 0.3)
     out = flash.flash_attention(q, k, v, masks(None, q.device, q.dtype), 0.0, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
@@ -133,7 +134,7 @@ def test_flash_layout_is_built_once_per_forward(flash_on_cpu, monkeypatch):
     real = flash.varlen_layout
     monkeypatch.setattr(flash, "varlen_layout", lambda sid: calls.append(1) or real(sid))
     q, k, v = _qkv()
-    mask = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)(_sequence_id(3, 40), "cpu", q.dtype)
+    mask = AttentionMasks(4, 40, alibi=ALiBi(8))(_sequence_id(3, 40), "cpu", q.dtype)
     for _ in range(3):  # three layers
         flash.flash_attention(q, k, v, mask, 0.0, 0.3)
     assert len(calls) == 1
@@ -151,7 +152,7 @@ def test_flash_without_package_says_what_to_install(monkeypatch):
 
 def test_flash_on_cpu_says_it_needs_cuda():
     q, k, v = _qkv()
-    mask = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8)(None, "cpu", q.dtype)
+    mask = AttentionMasks(4, 40, alibi=ALiBi(8))(None, "cpu", q.dtype)
     with pytest.raises(RuntimeError, match="attn_impl='flash' needs a CUDA device"):
         flash.flash_attention(q, k, v, mask, 0.0, 0.3)
 
@@ -195,7 +196,7 @@ def test_flex_on_cpu_pads_to_whole_blocks_and_equals_torch(q_len):
     # blocks on some CPUs; flex.py pads. Decoding steps (q_len < k_len) stay bottom-right aligned.
     q, k, v = _qkv(batch=4, kv_heads=2, q_len=q_len)
     sid = _sequence_id(4, 40, pad=3)
-    masks = AttentionMasks(4, 40, alibi=True, alibi_bias_max=8, window=24)
+    masks = AttentionMasks(4, 40, alibi=ALiBi(8), window=24)
     with torch.no_grad():
         ref = torch_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3)
         out = flex_attention(q, k, v, masks(sid, q.device, q.dtype), 0.0, 0.3)
@@ -259,7 +260,7 @@ def test_flash_glue_as_infini_local_attention(flash_on_cpu):
     gate = torch.tensor([0.5, -1.0, 2.0, 0.0])
     outs = []
     for local in (torch_attention, flash.flash_attention):
-        mask = AttentionMasks(4, 8, alibi=True, alibi_bias_max=8)(sid, q.device, q.dtype)
+        mask = AttentionMasks(4, 8, alibi=ALiBi(8))(sid, q.device, q.dtype)
         outs.append(
             infini_attention(
                 q,

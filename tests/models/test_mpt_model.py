@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.layers.attention import positions_in_document
+from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.norms import LayerNorm
 
 VOCAB = 97

@@ -1,4 +1,4 @@
-"""Causal self-attention for MPT: ALiBi, the mask description, and the attention kernels.
+"""Causal self-attention every family shares: the mask description and the torch/sdpa kernels.
 
 The seam between a block and a kernel is one call,
 
@@ -6,12 +6,13 @@ The seam between a block and a kernel is one call,
 
 with q shaped [batch, n_heads, q_len, head_dim] and k, v [batch, kv_n_heads, k_len, head_dim]
 (kv_n_heads divides n_heads: grouped-query attention; 1 is multi-query). `mask` is an
-`AttentionMask`: a description of what each query may see (causality, ALiBi slopes, sliding
-window, document ids), not a tensor. Each kernel turns it into what it consumes (a dense additive bias for
-`torch` and `sdpa`, a `score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for
-`flash`) through `mask.cached(key, build)`, so the product is built once per forward and shared by
-every layer; the part that does not depend on the batch is cached across forwards by the
-`AttentionMasks` module that made the mask.
+`AttentionMask`: a description of what each query may see (causality, ALiBi slopes when the
+family's position scheme is ALiBi (position.py), sliding window, document ids), not a tensor.
+Each kernel turns it into what it consumes (a dense additive bias for `torch` and `sdpa`, a
+`score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for `flash`) through
+`mask.cached(key, build)`, so the product is built once per forward and shared by every layer;
+the part that does not depend on the batch is cached across forwards by the `AttentionMasks`
+module that made the mask. RoPE rotates q and k before the kernel; the mask never sees it.
 
 Positions: queries are the last `q_len` of the `k_len` key positions (bottom-right aligned, as
 flash-attn's causal mode). A full forward has q_len == k_len; a decoding step with a cache of
@@ -23,7 +24,6 @@ id is the one of its own position.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,60 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.models.layers.position import ALiBi, causal_alibi_bias
+
 AttnFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "AttentionMask", float, float], torch.Tensor
 ]
 
 
-def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
-    """ALiBi slope of each head, float32 [n_heads], exactly as MPT computes them.
-
-    For a head count that is not a power of two, the slopes of the next power of two are
-    interleaved (odd positions first) and truncated, so every head count gets a geometric spread.
-    """
-    n = 2 ** math.ceil(math.log2(n_heads))
-    m = torch.arange(1, n + 1, dtype=torch.float32) * (alibi_bias_max / n)
-    slopes = 1.0 / torch.pow(2, m)
-    if n != n_heads:
-        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
-    return slopes
-
-
-def causal_alibi_bias(
-    n_heads: int,
-    seq_len: int,
-    alibi_bias_max: float | None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
-
-    With a sliding `window`, keys `window` or more positions back are -inf too.
-
-    The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
-    (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
-    relative form keeps the values near the diagonal small, which keeps bf16 scores precise.
-    With `alibi_bias_max=None` (no ALiBi) the result is the causal mask alone, shaped [1, 1, L, L].
-    """
-    pos = torch.arange(seq_len, device=device)
-    distance = pos[:, None] - pos[None, :]  # i - j
-    if alibi_bias_max is None:
-        bias = torch.zeros(1, 1, seq_len, seq_len, device=device, dtype=torch.float32)
-    else:
-        slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
-        bias = -(distance[None, None] * slopes[None, :, None, None])
-    hidden = distance < 0
-    if window is not None:
-        hidden |= distance >= window
-    bias = bias.masked_fill(hidden, float("-inf"))
-    return bias.to(dtype)
-
-
 @dataclass(eq=False)
 class AttentionMask:
-    """What each query may attend to: causal, with optional ALiBi, sliding window (the
-    source's `window`: keys at most window - 1 positions back) and document masking.
+    """What each query may attend to: causal, with the source's `alibi` bias (or none), sliding
+    window (its `window`: keys at most window - 1 positions back) and document masking.
 
     Made once per model forward by `AttentionMasks` (its `source`) and passed to every layer.
     `sequence_id` is [batch, k_len] (None: every row is one document); `dtype` is the dtype the
@@ -125,13 +82,13 @@ class AttentionMask:
         lets `sdpa` take its fastest (is_causal) path.
         """
         src = self.source
-        if src.alibi_bias_max is None and src.window is None and self.sequence_id is None:
+        if src.alibi is None and src.window is None and self.sequence_id is None:
             if q_len == k_len:
                 return None
         return self.cached(("dense", q_len, k_len), lambda: self._dense(q_len, k_len))
 
     def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
-        full = self.source.alibi_causal(k_len, self.device, self.dtype)
+        full = self.source.causal_bias(k_len, self.device, self.dtype)
         bias = full[..., k_len - q_len : k_len, :k_len]
         if self.sequence_id is not None:
             q_sid = self.query_sequence_id(q_len)
@@ -143,7 +100,9 @@ class AttentionMask:
 class AttentionMasks(nn.Module):
     """Makes each forward's `AttentionMask`, caching what does not change between forwards.
 
-    The ALiBi-plus-causal tensor depends only on (length, device, dtype), so it is built once (for
+    `alibi` is ALiBi's score bias (`position.ALiBi`), None for families whose positions are
+    elsewhere (RoPE, a position table). The causal tensor (-inf above the diagonal and outside the
+    window, plus ALiBi's bias) depends only on (length, device, dtype), so it is built once (for
     at least `max_seq_len` tokens), cached, and sliced for shorter inputs; the ALiBi slopes are
     cached per device, and kernels may keep batch-free products (a causal BlockMask) in
     `shared_cached`. The caches are plain attributes, not buffers: they are derived data, so
@@ -155,15 +114,14 @@ class AttentionMasks(nn.Module):
         self,
         n_heads: int,
         max_seq_len: int,
-        alibi: bool,
-        alibi_bias_max: float,
+        alibi: ALiBi | None = None,
         window: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.window = window
         self.max_seq_len = max_seq_len
-        self.alibi_bias_max = alibi_bias_max if alibi else None
+        self.alibi = alibi
         self.reset()
 
     def reset(self) -> None:
@@ -174,20 +132,21 @@ class AttentionMasks(nn.Module):
 
     def slopes(self, device: torch.device) -> torch.Tensor | None:
         """ALiBi slopes, float32 [n_heads] on `device`; None without ALiBi."""
-        if self.alibi_bias_max is None:
+        if self.alibi is None:
             return None
         if self._slopes is None or self._slopes.device != device:
-            self._slopes = alibi_slopes(self.n_heads, self.alibi_bias_max).to(device)
+            self._slopes = self.alibi.slopes(self.n_heads).to(device)
         return self._slopes
 
-    def alibi_causal(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The ALiBi + causal bias [1, H or 1, seq_len, seq_len], sliced from the cache."""
+    def causal_bias(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The causal bias (window, ALiBi) [1, H or 1, seq_len, seq_len], sliced from the cache."""
         cached = self.cached
         stale = cached is None or cached.device != device or cached.dtype != dtype
         if stale or cached.shape[-1] < seq_len:
             size = max(seq_len, self.max_seq_len)
+            bias_max = None if self.alibi is None else self.alibi.bias_max
             self.cached = cached = causal_alibi_bias(
-                self.n_heads, size, self.alibi_bias_max, device, dtype, self.window
+                self.n_heads, size, bias_max, device, dtype, self.window
             )
         return cached[..., :seq_len, :seq_len]
 
@@ -203,19 +162,10 @@ class AttentionMasks(nn.Module):
         return AttentionMask(self, sequence_id, device, dtype)
 
 
-def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
-    """Position of each token within its document: 0 at each document's first token.
-
-    Packed rows hold several documents; restarting positions at each one gives a learned position
-    table the same view of a document as if it were alone. Documents are contiguous runs of equal
-    `sequence_id`.
-    """
-    seq_len = sequence_id.shape[1]
-    pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)
-    starts = torch.ones_like(sequence_id, dtype=torch.bool)
-    starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
-    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return pos - start_pos
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention scores will have: autocast's if it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def repeat_kv(t: torch.Tensor, n_heads: int) -> torch.Tensor:

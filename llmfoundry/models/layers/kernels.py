@@ -1,4 +1,4 @@
-"""The attention kernels by name (`MPTConfig.attn_impl`), and the check that names them.
+"""The attention kernels by name (a family config's `attn_impl`), and the check that names them.
 
 Every entry has the signature of `attention.AttnFn`; see `attention.py` for the contract.
 `torch` is the reference the others are tested against; `sdpa` is PyTorch's fused kernel (any
@@ -26,7 +26,7 @@ ATTN_IMPLS: dict[str, AttnFn] = {
 }
 
 
-def check_attn_impl(name: str, attn_pdrop: float = 0.0, owner: str = "MPTConfig") -> None:
+def check_attn_impl(name: str, owner: str, attn_pdrop: float = 0.0) -> None:
     """Raise a ValueError that says what to do if `name` is not a usable attention kernel;
     the message names the field as `owner` (the config class, any family's) spells it."""
     if name not in ATTN_IMPLS:

@@ -8,11 +8,23 @@ chunks of rows small enough to stay in cache: forward keeps only each row's log-
 backward recomputes softmax per chunk and writes the gradient once, in the logits' dtype. The
 shift is done on the labels (the last position of each row gets no target), so the logits are
 never sliced. The math is float32 throughout, as `F.cross_entropy(logits.float(), ...)`.
+
+Vocabulary-sharded logits (a DTensor split on its last dimension, as a tensor-parallel output
+head leaves them) are read in place: each rank runs the same chunks over its own columns, and
+only per-row numbers cross ranks (each row's log-sum-exp and target logit: two all-reduces of
+[tokens] floats), never the [tokens, vocab] logits. Backward needs nothing from other ranks:
+softmax = exp(logit - lse) with the global lse. torch's `loss_parallel` does the same for
+`F.cross_entropy`, but only with the backward inside its context (the trainer's backward is
+not), and without the chunking.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 IGNORE_INDEX = -100
 
@@ -26,25 +38,44 @@ def _rows_per_chunk(vocab: int) -> int:
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Sum over rows of -log softmax(logits)[target], ignoring rows whose target is -100."""
+    """Sum over rows of -log softmax(logits)[target], ignoring rows whose target is -100.
+
+    With a `group`, `logits` are this rank's columns [first, first + width) of the vocabulary
+    and the other ranks of `group` hold the rest: targets outside this rank's columns count
+    on the rank that holds them, and row log-sum-exps combine over the group."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        first: int = 0,
+    ) -> torch.Tensor:
         n_rows, vocab = logits.shape
         valid = targets != IGNORE_INDEX
-        safe_targets = targets.masked_fill(~valid, 0)
+        local = targets - first
+        here = valid & (local >= 0) & (local < vocab)
+        safe_targets = local.masked_fill(~here, 0)
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).float()
+        target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).float() * here
         step = _rows_per_chunk(vocab)
         for start in range(0, n_rows, step):
             chunk = logits[start : start + step].float()
             torch.logsumexp(chunk, dim=1, out=lse[start : start + step])
-        ctx.save_for_backward(logits, safe_targets, valid, lse)
+        if group is not None:  # log sum_r exp(lse_r), shifted by the rows' maxima for range
+            peak = lse.clone()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            total = (lse - peak).exp()
+            dist.all_reduce(total, group=group)
+            lse = total.log_() + peak
+            dist.all_reduce(target_logit, group=group)
+        ctx.save_for_backward(logits, safe_targets, here, valid, lse)
         return ((lse - target_logit) * valid).sum()
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, safe_targets, valid, lse = ctx.saved_tensors
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits, safe_targets, here, valid, lse = ctx.saved_tensors
         n_rows, vocab = logits.shape
         grad = torch.empty_like(logits)
         # d/dlogits = (softmax - onehot(target)) * grad_output, zero on ignored rows.
@@ -60,16 +91,55 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 probs = logits[start:stop].float() - lse[start:stop, None]
             probs.exp_()
             rows = torch.arange(stop - start, device=logits.device)
-            probs[rows, safe_targets[start:stop]] -= 1.0
+            probs[rows, safe_targets[start:stop]] -= here[start:stop].to(probs.dtype)
             probs.mul_(scale[start:stop, None])
             if probs.dtype != grad.dtype:
                 grad[start:stop] = probs
-        return grad, None
+        return grad, None, None, None
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each position's logits [batch, seq, vocab] against the next label,
-    summed over positions whose next label is not -100; float32."""
+    summed over positions whose next label is not -100; float32. `logits` may be a DTensor
+    over one mesh axis (a tensor-parallel head's): read vocabulary-sharded, the same sum on
+    every rank of that axis."""
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
-    return _ChunkedCrossEntropySum.apply(logits.flatten(0, 1), targets.flatten())
+    if not isinstance(logits, DTensor):
+        return _ChunkedCrossEntropySum.apply(logits.flatten(0, 1), targets.flatten())
+    mesh = logits.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"vocabulary-sharded logits must lie on one mesh axis, not {mesh.ndim}")
+    vocab = logits.shape[-1]
+    if vocab % mesh.size():
+        raise ValueError(f"vocabulary {vocab} does not split evenly over {mesh.size()} ranks")
+    sharded = logits.redistribute(mesh, [Shard(logits.ndim - 1)])  # a no-op for a TP head
+    width = vocab // mesh.size()
+    return _ChunkedCrossEntropySum.apply(
+        sharded.to_local().flatten(0, 1),
+        targets.flatten(),
+        mesh.get_group(),
+        mesh.get_local_rank() * width,
+    )
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over positions whose label is not -100: every family's
+    `loss(outputs, batch)` (the model contract, `llmfoundry.core.model`).
+
+    Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
+    computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
+    microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
+    them (the trainer's ``model.loss(outputs, batch)``).
+    """
+    if isinstance(labels, Mapping):
+        labels = labels["labels"]
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
+            f"dimension, {tuple(logits.shape[:-1])}"
+        )
+    total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy
+    return total / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)

@@ -16,43 +16,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.models.layers.kernels import check_attn_impl
+from llmfoundry.models.layers.position import RopeScaling
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len", "multiple_of")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (transformers' rope_type "llama3").
-
-    A model pretrained at `original_max_seq_len` positions is stretched to longer contexts by
-    dividing the rotation frequencies whose wavelength exceeds original_max_seq_len /
-    low_freq_factor by `factor`, keeping those whose wavelength is under original_max_seq_len /
-    high_freq_factor, and interpolating smoothly between the two. Llama 3.1: factor 8, low 1,
-    high 4, original 8192; Llama 3.2 1B/3B: factor 32.
-    """
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-
-    def __post_init__(self) -> None:
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"LlamaConfig.rope_scaling.{name} must be > 0, got {value!r}")
-        if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
-                f"LlamaConfig.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
-                f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
-            )
-        value = self.original_max_seq_len
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
-                f"LlamaConfig.rope_scaling.original_max_seq_len must be a positive integer, "
-                f"got {value!r}"
-            )
 
 
 def _rope_scaling(value: Any) -> RopeScaling | None:
@@ -97,7 +64,7 @@ class LlamaConfig:
     and a SwiGLU MLP of width `ffn_hidden_size` (unset: Meta's rule from `multiple_of` and
     `ffn_dim_multiplier`, see `ffn_hidden_size`). `tie_word_embeddings` makes the output head the
     token embedding (Llama 3.2 1B/3B); otherwise it is its own matrix. `attn_impl` picks one of
-    the MPT package's kernels (`llmfoundry.models.layers.kernels`); all of them do document masking.
+    the shared kernels (`llmfoundry.models.layers.kernels`); all of them do document masking.
 
     `max_seq_len` is the context the model is meant for (transformers' max_position_embeddings);
     RoPE has no position table, so nothing is sized by it.
@@ -168,7 +135,7 @@ class LlamaConfig:
                 f"LlamaConfig.tie_word_embeddings must be true or false, "
                 f"got {self.tie_word_embeddings!r}"
             )
-        check_attn_impl(self.attn_impl, owner="LlamaConfig")
+        check_attn_impl(self.attn_impl, "LlamaConfig")
         if self.init_device not in INIT_DEVICES:
             raise ValueError(
                 f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "

@@ -226,8 +226,8 @@ def export_to_hf(
 ) -> Path:
     """Write `model` (and `tokenizer`) as a transformers LlamaForCausalLM folder (safetensors).
 
-    As `llmfoundry.models.mpt.hf.export_to_hf`: `dtype` casts the exported copy, `eos_token` (a
-    token of `tokenizer`) becomes the tokenizer's and the model's EOS.
+    `dtype` casts the exported copy; `eos_token` (a token of `tokenizer`) becomes the
+    tokenizer's and the model's EOS (`llmfoundry.models.hf_folder.save_hf_folder`).
     """
     hf_model = to_hf_model(model, dtype)
     return save_hf_folder(hf_model, out_dir, tokenizer, eos_token)

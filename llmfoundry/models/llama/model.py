@@ -1,12 +1,12 @@
 """Llama: a decoder-only transformer with RoPE, grouped-query attention, SwiGLU and RMSNorm.
 
-Read top to bottom: RMSNorm, the rotary embedding (Llama 3.1's frequency scaling included),
-Attention, MLP, Block, LlamaModel (embedding, blocks, final norm), LlamaForCausalLM (output
-head, tied or not; loss, flops, init). What is not Llama's own comes from the MPT package, which
-holds the family-neutral pieces until they move to a shared place: the attention kernels and
-their mask description (`attention.py`, `kernels.py`: causal, document masking, GQA), the KV
-cache (`cache.py`) and the chunked loss. So decoding is MPT's: `generation.generate(model, ...)`
-and its `Decoder` take this model as they take an MPT one.
+Read top to bottom: RMSNorm, Attention, MLP, Block, LlamaModel (embedding, blocks, final norm),
+LlamaForCausalLM (output head, tied or not; loss, flops, init). What is not Llama's own is
+shared by every family (`llmfoundry.models.layers`): RoPE (`position.py`, with Llama 3.1's
+frequency scaling), the attention kernels and their mask description (`attention.py`,
+`kernels.py`: causal, document masking, GQA), the KV cache (`kv_cache.py`) and the chunked loss
+(`loss.py`). Decoding (`llmfoundry.models.generation`: `generate(model, ...)`, `Decoder`) takes
+this model as it takes any family's.
 
 Rotary embeddings follow transformers' LlamaForCausalLM (the rotate_half pairing: dimension i
 rotates with i + head_dim / 2), so its q_proj and k_proj weights load without a permutation.
@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, positions_in_document
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
-from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
-from llmfoundry.models.mpt.model import MPTForCausalLM, compute_dtype
+from llmfoundry.models.layers.loss import next_token_loss
+from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
+from llmfoundry.models.llama.config import LlamaConfig
 
 # The dense causal/document bias that `sdpa` and `torch` read is cached for this many positions
 # at least (longer inputs rebuild it at their length). A Llama config's max_seq_len (131072 for
@@ -53,70 +54,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | None = None
-) -> torch.Tensor:
-    """The rotation frequency of each pair of dimensions, float32 [head_dim / 2].
-
-    theta^(-2i / head_dim); with Llama 3.1's `scaling`, low frequencies (wavelength above
-    original / low_freq_factor) are divided by `factor`, high ones (below original /
-    high_freq_factor) kept, and the band between interpolated (transformers' "llama3").
-    """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    if scaling is None:
-        return inv_freq
-    original = scaling.original_max_seq_len
-    low_freq_wavelen = original / scaling.low_freq_factor
-    high_freq_wavelen = original / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (original / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos and sin of each position's rotation angles, [batch or 1, seq, head_dim], float32.
-
-    The frequencies are derived data, kept as a plain attribute per device (as `AttentionMasks`
-    keeps its masks), not a buffer: they stay out of state dicts and sharding, and a model built
-    on the meta device gets real ones on its first forward.
-    """
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.head_dim, self.theta, self.scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-        self.reset()
-
-    def reset(self) -> None:
-        """Drop the cached frequencies (after the model is re-initialised or moved)."""
-        self._inv_freq: torch.Tensor | None = None
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for integer `positions` [batch or 1, seq]."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = rope_inv_freq(
-                self.head_dim, self.theta, self.scaling, positions.device
-            )
-        angles = positions[..., None].float() * self._inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [B, heads, L, head_dim] by the angles of `cos`, `sin` [B or 1, L, head_dim]:
-    x * cos + rotate_half(x) * sin, in float32, returned in x's dtype."""
-    cos, sin = cos[:, None], sin[:, None]
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     """Causal self-attention with RoPE on queries and keys and grouped key/value heads.
 
@@ -127,7 +64,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim)
         self.attn_fn = ATTN_IMPLS[cfg.attn_impl]
         kv_dim = cfg.n_kv_heads * cfg.head_dim
@@ -140,9 +77,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts read from the projections' widths (-1), so the heads of a tensor-parallel
+        # shard (a slice of the projections' outputs) are split the same way.
+        q = self.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def forward(
@@ -205,10 +144,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rope = RotaryEmbedding(cfg)
-        self.masks = AttentionMasks(
-            cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN), alibi=False, alibi_bias_max=8
-        )
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.masks = AttentionMasks(cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
@@ -276,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
                 f"{tuple(input_ids.shape)}"
             )
         h = self.transformer(input_ids, sequence_id, cache)
-        return F.linear(h, self.output_embedding())
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.transformer.wte.weight)
+        return self.lm_head(h)  # a module call, so a plan applied from outside sees its input
 
     def output_embedding(self) -> torch.Tensor:
         """The output head's weight [vocab, d_model]: lm_head's, or the tied token embedding."""
@@ -285,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     # The loss is family-neutral: mean next-token cross-entropy, chunked (models/layers/loss.py).
-    loss = staticmethod(MPTForCausalLM.loss)
+    loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied head counted once).

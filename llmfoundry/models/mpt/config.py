@@ -170,7 +170,7 @@ class MPTConfig:
         # The kernels load torch: imported here, so the config check reads the fields without it.
         from llmfoundry.models.layers.kernels import check_attn_impl
 
-        check_attn_impl(self.attn_impl, self.attn_pdrop)
+        check_attn_impl(self.attn_impl, "MPTConfig", self.attn_pdrop)
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not self.alibi
         if self.alibi and self.learned_pos_emb:

@@ -173,17 +173,3 @@ def from_hf(hf_dir: str | Path) -> MPTForCausalLM:
     model.load_state_dict(state, strict=True, assign=True)
     model.config = config  # built on meta only to skip the init; the weights are real now
     return model.eval()
-
-
-def logits_relative_error(model: MPTForCausalLM, hf_dir: str | Path) -> float:
-    """How exactly the transformers folder `hf_dir` computes what `model` does, in float32:
-    max |ours - theirs| / max |theirs| over the logits of two rows of seeded random tokens."""
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, local_files_only=True
-    ).eval()
-    seq_len = min(64, model.config.max_seq_len)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=generator)
-    with torch.no_grad():
-        ours, theirs = model(ids), hf_model(ids).logits
-    return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))

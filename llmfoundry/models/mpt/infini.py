@@ -36,8 +36,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from llmfoundry.models.layers.attention import AttentionMask, positions_in_document
+from llmfoundry.models.layers.attention import AttentionMask
 from llmfoundry.models.layers.kv_cache import InfiniState
+from llmfoundry.models.layers.position import positions_in_document
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
 

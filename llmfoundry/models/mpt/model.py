@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, positions_in_document
+from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
-from llmfoundry.models.layers.loss import next_token_loss_sum
+from llmfoundry.models.layers.loss import next_token_loss
+from llmfoundry.models.layers.position import ALiBi, positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.norms import LayerNorm
@@ -182,12 +183,6 @@ class Block(nn.Module):
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the attention scores will have: autocast's if it is on, else the input's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-
-
 class MPTModel(nn.Module):
     """Token (and optional position) embeddings, the blocks, and the final LayerNorm."""
 
@@ -198,9 +193,8 @@ class MPTModel(nn.Module):
         if cfg.learned_pos_emb:
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
-        self.masks = AttentionMasks(
-            cfg.n_heads, cfg.max_seq_len, cfg.alibi, cfg.alibi_bias_max, cfg.sliding_window
-        )
+        alibi = ALiBi(cfg.alibi_bias_max) if cfg.alibi else None
+        self.masks = AttentionMasks(cfg.n_heads, cfg.max_seq_len, alibi, cfg.sliding_window)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
@@ -280,28 +274,7 @@ class MPTForCausalLM(nn.Module):
         h = self.transformer(input_ids, sequence_id, cache)
         return F.linear(h, self.transformer.wte.weight)
 
-    @staticmethod
-    def loss(
-        logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """Mean next-token cross-entropy over positions whose label is not -100.
-
-        Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
-        computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
-        microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
-        them (the trainer's ``model.loss(outputs, batch)``).
-        """
-        if isinstance(labels, Mapping):
-            labels = labels["labels"]
-        if labels.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
-                f"dimension, {tuple(logits.shape[:-1])}"
-            )
-        total = next_token_loss_sum(
-            logits, labels
-        )  # chunked: no full float32 copy (layers/loss.py)
-        return total / (labels[:, 1:] != -100).sum().clamp(min=1)
+    loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (the tied output head counted once).

@@ -1,0 +1,193 @@
+"""How a model knows where each token is: the position schemes every family can choose from.
+
+- ALiBi (`ALiBi`, `alibi_slopes`, `causal_alibi_bias`): a per-head bias on the attention scores,
+  so it is an option of the mask description (`AttentionMasks(alibi=ALiBi(...))` in
+  attention.py; None there for every other scheme). MPT's default.
+- RoPE (`RotaryEmbedding`, `apply_rope`; `rope_inv_freq` with Llama 3.1's `RopeScaling`): a
+  rotation of queries and keys by their positions, which the family's attention applies before
+  the kernel. Llama's.
+- A learned position table is a family's own `nn.Embedding` (MPT's `learned_pos_emb`).
+
+A family picks by its config (MPT's `alibi`, `alibi_bias_max`, `learned_pos_emb`; Llama's
+`rope_theta`, `rope_scaling`); nothing here names a family. `positions_in_document` numbers the
+tokens of each packed document from 0, for a position table and RoPE alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
+    """ALiBi slope of each head, float32 [n_heads], exactly as MPT computes them.
+
+    For a head count that is not a power of two, the slopes of the next power of two are
+    interleaved (odd positions first) and truncated, so every head count gets a geometric spread.
+    """
+    n = 2 ** math.ceil(math.log2(n_heads))
+    m = torch.arange(1, n + 1, dtype=torch.float32) * (alibi_bias_max / n)
+    slopes = 1.0 / torch.pow(2, m)
+    if n != n_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
+    return slopes
+
+
+@dataclass(frozen=True)
+class ALiBi:
+    """ALiBi (Press et al.): head h adds -slope_h * (i - j) to query i's score for key j, with
+    geometric slopes set by `bias_max` (`alibi_slopes`). Relative, so a KV cache or left
+    padding shifts nothing."""
+
+    bias_max: float = 8
+
+    def slopes(self, n_heads: int) -> torch.Tensor:
+        """float32 [n_heads], on the CPU."""
+        return alibi_slopes(n_heads, self.bias_max)
+
+
+def causal_alibi_bias(
+    n_heads: int,
+    seq_len: int,
+    alibi_bias_max: float | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
+
+    With a sliding `window`, keys `window` or more positions back are -inf too.
+
+    The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
+    (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
+    relative form keeps the values near the diagonal small, which keeps bf16 scores precise.
+    With `alibi_bias_max=None` (no ALiBi) the result is the causal mask alone, shaped [1, 1, L, L].
+    """
+    pos = torch.arange(seq_len, device=device)
+    distance = pos[:, None] - pos[None, :]  # i - j
+    if alibi_bias_max is None:
+        bias = torch.zeros(1, 1, seq_len, seq_len, device=device, dtype=torch.float32)
+    else:
+        slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
+        bias = -(distance[None, None] * slopes[None, :, None, None])
+    hidden = distance < 0
+    if window is not None:
+        hidden |= distance >= window
+    bias = bias.masked_fill(hidden, float("-inf"))
+    return bias.to(dtype)
+
+
+def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its document: 0 at each document's first token.
+
+    Packed rows hold several documents; restarting positions at each one gives a learned position
+    table or RoPE the same view of a document as if it were alone. Documents are contiguous runs
+    of equal `sequence_id`.
+    """
+    seq_len = sequence_id.shape[1]
+    pos = torch.arange(seq_len, device=sequence_id.device).expand_as(sequence_id)
+    starts = torch.ones_like(sequence_id, dtype=torch.bool)
+    starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
+    start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return pos - start_pos
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (transformers' rope_type "llama3").
+
+    A model pretrained at `original_max_seq_len` positions is stretched to longer contexts by
+    dividing the rotation frequencies whose wavelength exceeds original_max_seq_len /
+    low_freq_factor by `factor`, keeping those whose wavelength is under original_max_seq_len /
+    high_freq_factor, and interpolating smoothly between the two. Llama 3.1: factor 8, low 1,
+    high 4, original 8192; Llama 3.2 1B/3B: factor 32.
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"rope_scaling.{name} must be > 0, got {value!r}")
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
+            )
+        value = self.original_max_seq_len
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"rope_scaling.original_max_seq_len must be a positive integer, got {value!r}"
+            )
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The rotation frequency of each pair of dimensions, float32 [head_dim / 2].
+
+    theta^(-2i / head_dim); with Llama 3.1's `scaling`, low frequencies (wavelength above
+    original / low_freq_factor) are divided by `factor`, high ones (below original /
+    high_freq_factor) kept, and the band between interpolated (transformers' "llama3").
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None:
+        return inv_freq
+    original = scaling.original_max_seq_len
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of each position's rotation angles, [batch or 1, seq, head_dim], float32,
+    for heads of `head_dim` rotated at `rope_inv_freq(head_dim, theta, scaling)`.
+
+    The frequencies are derived data, kept as a plain attribute per device (as `AttentionMasks`
+    keeps its masks), not a buffer: they stay out of state dicts and sharding, and a model built
+    on the meta device gets real ones on its first forward.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the cached frequencies (after the model is re-initialised or moved)."""
+        self._inv_freq: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for integer `positions` [batch or 1, seq]."""
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(
+                self.head_dim, self.theta, self.scaling, positions.device
+            )
+        angles = positions[..., None].float() * self._inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [B, heads, L, head_dim] by the angles of `cos`, `sin` [B or 1, L, head_dim]:
+    x * cos + rotate_half(x) * sin, in float32, returned in x's dtype."""
+    cos, sin = cos[:, None], sin[:, None]
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,93 @@
+"""Bodies of the four-process pipeline-parallel tests (spawned children import them by path).
+
+One spawn runs every distributed case in a row (a fresh process group each).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from llmfoundry.algorithms import GradientClipping
+from llmfoundry.distributed import FSDP, Strategy, unwrap_model
+from llmfoundry.trainer import Callback
+
+from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
+from .spawn import join_env
+from .tensor_parallel_worker import tp_llama
+from .workers import global_batches, rank_slice
+
+WORLD = 4
+# name -> FSDP options of the parity runs: two stages, each sharded over two processes.
+PARITY = {
+    "pp2_fsdp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+    "pp2_fsdp2_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+}
+# Gradient-norm clipping tight enough to bind at every step: the norm must span both stages.
+CLIP = 0.05
+
+
+class StageWeights(Callback):
+    """The whole weights of this process's stage as training starts, and its gradient-free
+    parameters' names (every process of the stage gathers its shards)."""
+
+    def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def fit_start(self, state, logger) -> None:
+        for name, tensor in unwrap_model(state.model).state_dict().items():
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            self.initial[name] = whole.detach().clone()
+
+
+def eval_sets(strategy: Strategy) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """An evaluation at the end, on this data-parallel rank's slice of the training batches."""
+    return {"train": rank_slice(global_batches(), strategy.dp_rank, strategy.dp_size)}
+
+
+def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
+    ports = iter(ports)
+    result: dict[str, dict] = {}
+    for name, options in PARITY.items():
+        join_env(rank, world, next(ports))
+        strategy = FSDP("cpu", timeout_s=60, **options)
+        weights = StageWeights()
+        # One sample per microbatch: each data-parallel rank's two samples are two microbatches.
+        recorder = parity_run(
+            strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+            callbacks=[weights], eval_dataloaders=eval_sets(strategy),
+        )  # fmt: skip
+        result[name] = {
+            "losses": recorder.losses, "initial": weights.initial, "eval": recorder.eval_metrics
+        }  # fmt: skip
+    join_env(rank, world, next(ports))
+    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        algorithms=[GradientClipping(threshold=CLIP)],
+    )  # fmt: skip
+    result["pp2_fsdp2_clipped"] = {"losses": recorder.losses}
+    join_env(rank, world, next(ports))  # Llama: an untied head, on the last stage only
+    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        model=tiny_llama(),
+    )  # fmt: skip
+    result["llama_pp2_fsdp2"] = {"losses": recorder.losses}
+    join_env(rank, world, next(ports))  # tp x pp: two stages, each split over two processes
+    strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
+    recorder = parity_run(
+        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+        model=tp_llama(), eval_dataloaders=eval_sets(strategy),
+    )  # fmt: skip
+    result["llama_tp2_pp2"] = {"losses": recorder.losses, "eval": recorder.eval_metrics}
+    for name, options, kwargs in (
+        ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
+        ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),
+    ):
+        join_env(rank, world, next(ports))
+        recorder = resume_run(FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", **kwargs)
+        result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    torch.save(result, Path(out) / f"rank{rank}.pt")

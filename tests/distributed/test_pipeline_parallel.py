@@ -1,0 +1,196 @@
+"""Pipeline parallelism composed with FSDP2 and with tensor parallelism, four processes (gloo,
+CPU, fp32): two stages of the tiny MPT, each sharded over two processes, give the one-process
+losses for the same global batch under both schedules, initialize as one process does, and a
+checkpoint saved at pp=2 x dp=2 resumes at dp=4 and in one process, continuing the same sample
+order; Llama's two stages (untied head), sharded or split by tp=2, give its one-process losses.
+
+Tolerance: relative 1e-5 on losses, as test_fsdp.py's and for the same reason: the same fp32
+math summed in another order (the tied embedding's gradient is the sum of the first stage's
+embedding gradient and the last stage's head gradient instead of one accumulation; each data
+-parallel half of the batch is reduced by a reduce-scatter), which moves losses by about 1e-7
+relative over three AdamW steps (measured: 1.2e-7 at most). Any real error is far larger: an
+unsummed tied gradient moved the second loss by 2e-4, a microbatch weighted wrongly or a stage
+skipped by 1e-3 or more.
+"""
+
+import pytest
+import torch
+
+from llmfoundry.algorithms import GradientClipping
+from llmfoundry.callbacks.generate import Generate
+from llmfoundry.callbacks.icl_eval import ICLEval
+from llmfoundry.core.engine import Callback
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
+from llmfoundry.models import parallel_plan
+from llmfoundry.models.plan import ParallelPlan
+from llmfoundry.trainer import Trainer
+from llmfoundry.utils.errors import UserError
+from tests.checkpoint.helpers import write_mds
+from tests.trainer.conftest import tiny_model
+
+from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
+from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
+from .spawn import free_port, run_ranks
+from .tensor_parallel_worker import tp_llama
+from .workers import global_batches
+
+LIMIT_S, RTOL = 600, 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One-process references, then one spawn of four ranks running every pipeline case."""
+    out = tmp_path_factory.mktemp("pipeline")
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    weights = StageWeights()
+    everything = {"train": global_batches()}
+    single = {
+        "parity": parity_run(
+            SingleDevice("cpu"), 0, 1, callbacks=[weights], eval_dataloaders=everything
+        ),
+        "clipped": parity_run(
+            SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
+        ),
+        "llama": parity_run(SingleDevice("cpu"), 0, 1, model=tiny_llama()),
+        "tp_llama": parity_run(
+            SingleDevice("cpu"), 0, 1, model=tp_llama(), eval_dataloaders=everything
+        ),
+        "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
+    }
+    ports = [free_port() for _ in range(len(PARITY) + 5)]
+    run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    single["single_from_pp"] = resume_run(
+        SingleDevice("cpu"), mds, str(out / "single_from_pp"), load=str(out / "pp2_fsdp2_saved")
+    )
+    return single, weights.initial, ranks
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
+    single, _, ranks = runs
+    reference = single["parity"].losses
+    assert len(reference) == 3
+    for rank in ranks:  # every stage reports the last stage's loss
+        assert rank[name]["losses"] == pytest.approx(reference, rel=RTOL), name
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_evaluation_through_the_stages_gives_the_one_process_metrics(runs, name):
+    """Forward-only through the stages; the last stage's totals reach every stage."""
+    single, _, ranks = runs
+    reference = single["parity"].eval_metrics
+    assert set(reference) == {f"eval/train/{k}" for k in ("loss", "perplexity", "accuracy")}
+    for rank in ranks:
+        assert rank[name]["eval"] == pytest.approx(reference, rel=RTOL), name
+
+
+def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
+    single, _, ranks = runs
+    assert single["llama"].losses != pytest.approx(single["parity"].losses, rel=1e-3)
+    for rank in ranks:
+        assert rank["llama_pp2_fsdp2"]["losses"] == pytest.approx(single["llama"].losses, rel=RTOL)
+
+
+def test_tp_x_pp_gives_the_one_process_losses(runs):
+    """tp=2 x pp=2 (no data parallelism): each stage's blocks split over two processes, the
+    stages passing sequence-split activations, four microbatches through 1F1B."""
+    single, _, ranks = runs
+    for rank in ranks:
+        assert rank["llama_tp2_pp2"]["losses"] == pytest.approx(single["tp_llama"].losses, rel=RTOL)
+        assert rank["llama_tp2_pp2"]["eval"] == pytest.approx(
+            single["tp_llama"].eval_metrics, rel=RTOL
+        )
+
+
+def test_gradient_clipping_takes_the_norm_over_every_stage(runs):
+    single, _, ranks = runs
+    clipped = single["clipped"].losses
+    assert clipped != pytest.approx(single["parity"].losses, rel=1e-3)  # the clipping binds
+    for rank in ranks:
+        assert rank["pp2_fsdp2_clipped"]["losses"] == pytest.approx(clipped, rel=RTOL)
+
+
+def test_stages_hold_their_blocks_and_initialize_as_one_process(runs):
+    _, initial, ranks = runs
+    # Ranks 0, 1 are the first stage (its two shards), 2, 3 the last.
+    first, last = ranks[0]["pp2_fsdp2_1f1b"]["initial"], ranks[2]["pp2_fsdp2_1f1b"]["initial"]
+    assert {n.split(".")[2] for n in first if ".blocks." in n} == {"0"}
+    assert {n.split(".")[2] for n in last if ".blocks." in n} == {"1"}
+    assert "transformer.norm_f.weight" in last and "transformer.norm_f.weight" not in first
+    # The tied embedding and head: both end stages hold it, initialized alike.
+    assert torch.equal(first["transformer.wte.weight"], last["transformer.wte.weight"])
+    assert {**first, **last}.keys() == initial.keys()
+    for name, value in {**first, **last}.items():
+        assert torch.equal(value, initial[name]), name
+
+
+@pytest.mark.parametrize("resumed", ["fsdp4_from_pp2", "single_from_pp"])
+def test_checkpoint_saved_at_pp2_x_dp2_resumes_at_dp4_and_one_process(runs, resumed):
+    single, _, ranks = runs
+    straight = single["straight"]
+    assert ranks[0]["pp2_fsdp2_saved"]["losses"] == pytest.approx(
+        straight.losses[:STOP_AT], rel=RTOL
+    )
+    if resumed == "single_from_pp":
+        losses, ids = single[resumed].losses, single[resumed].ids
+    else:
+        losses = ranks[0][resumed]["losses"]
+        ids = [sum(step, []) for step in zip(*(r[resumed]["ids"] for r in ranks), strict=True)]
+    assert len(losses) == RESUME_BATCHES - STOP_AT
+    assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
+    assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def test_stages_split_the_blocks_contiguously_and_evenly():
+    assert [list(stage_blocks(5, 2, s)) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(stage_blocks(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+
+
+def test_impossible_pipeline_settings_are_refused_in_one_line():
+    with pytest.raises(UserError, match="pp_schedule='nosuch'"):
+        Pipeline(2, "nosuch")
+    with pytest.raises(UserError, match="pp_schedule=interleaved .* not supported"):
+        Pipeline(2, "interleaved")
+    model = tiny_model()  # two blocks
+    with pytest.raises(UserError, match="pp=3 exceeds the model's 2 blocks"):
+        Pipeline(3, "1f1b").split(model, parallel_plan(model), mesh=None)
+    with pytest.raises(UserError, match="has no pipeline split"):  # a family without one
+        Pipeline(2, "1f1b").split(model, ParallelPlan(list(model.transformer.blocks)), mesh=None)
+    with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
+        Pipeline(2, "1f1b").microbatches(4, None)
+    assert Pipeline(2, "1f1b").microbatches(4, 2) == 2
+    assert Pipeline(2, "gpipe").microbatches(4, None) == 1
+
+
+class _PipelineStrategy(SingleDevice):
+    """A strategy that says it pipelines (the trainer refuses before joining any group)."""
+
+    pipeline = Pipeline(2, "gpipe")
+
+
+class _Scorer(Callback):
+    runs_the_model = True
+
+
+def test_the_callbacks_that_run_the_model_say_so():
+    """The default config's `generate` (at fit end) and `icl_eval`: refused at start under
+    pp, instead of a traceback after training."""
+    assert Generate.runs_the_model and ICLEval.runs_the_model
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size=auto"),
+        ({"precision": "amp_fp16"}, "precision=amp_fp16"),
+        ({"callbacks": [_Scorer()]}, "run the whole model .*, here _Scorer,"),
+    ],
+)
+def test_trainer_refuses_what_pipelining_does_not_support(tmp_path, options, message):
+    with pytest.raises(UserError, match=message):
+        Trainer(
+            model=tiny_model(), strategy=_PipelineStrategy("cpu"), train_dataloader=[],
+            max_duration="1ba", optimizer=torch.optim.SGD, run_dir=tmp_path, **options,
+        )  # fmt: skip

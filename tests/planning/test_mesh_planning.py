@@ -1,0 +1,183 @@
+"""The planner on a mesh (tp, pp): its formulas against hand-computed numbers, the refusals of
+impossible meshes, and the recommended mesh of a case whose answer follows from arithmetic."""
+
+import dataclasses
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmfoundry.models.llama import LlamaConfig
+from llmfoundry.models.mpt import MPTConfig
+from llmfoundry.planning import (
+    ModelCounts,
+    Setup,
+    bubble_fraction,
+    count_model,
+    plan_communication,
+    plan_memory,
+    recommend,
+    step_seconds,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# 8 blocks of 1000 parameters, a 200-parameter embedding tied to the head, a 10-parameter final
+# norm; d_model 16, vocab 50, 4 query heads and 2 key/value heads; MPT's amp_bf16 activation
+# count (38 d bytes per token per block). Every number below is computed from these by hand.
+COUNTS = ModelCounts(
+    n_params=8210,
+    flops_per_token=6 * 8210,
+    blocks=(1000,) * 8,
+    first=200,
+    last=10,
+    tied=200,
+    block_activation_bytes=38 * 16,
+    d_model=16,
+    vocab_size=50,
+    n_heads=4,
+    n_kv_heads=2,
+)
+
+
+def mesh(**kwargs) -> Setup:
+    """fsdp over 16 devices at tp 2 x pp 2 (dp_shard 4), 16 sequences of 4 tokens per step."""
+    options = {"strategy": "fsdp", "world_size": 16, "tp": 2, "pp": 2, "global_batch": 16}
+    return Setup(None, 4, "amp_bf16", **{"counts": COUNTS, **options, **kwargs})
+
+
+def test_memory_per_device_on_a_tp_x_pp_mesh():
+    setup = mesh()
+    assert (setup.dims.dp_shard, setup.dims.dp_replicate) == (4, 1)
+    assert setup.stage_layers == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # Rank 0: (4 blocks + embedding) / tp = 2100 parameters, sharded 4 ways: 2100 bytes of
+    # float32 weights, 2100 of gradients, 4200 of Adam; working: 2 gathered blocks / tp, float32.
+    # Activations per block per microbatch of 4 tokens: 38 * 16 * 4 / tp = 1216, plus the two
+    # gathered projection inputs 2 * 2 * 16 * 4 * (1 - 1/2) = 128: 1344. 1F1B keeps
+    # min(m = 16 / 4 = 4, pp - 0 = 2) microbatches: 2 * 4 blocks * 1344 = 10752, and the
+    # embedding output 4 * 16 * 4 / tp = 128 per microbatch.
+    plan = plan_memory(setup, 1)
+    assert plan.stage == 0
+    assert (plan.params, plan.grads, plan.optimizer, plan.working) == (2100, 2100, 4200, 4000)
+    assert (plan.activations, plan.logits) == (10752 + 256, 0)
+    # Rank 1 (4 blocks, norm, the tied head's copy of the embedding: 2105 parameters) keeps one
+    # microbatch: 4 * 1344 blocks, (4 + 2) * 16 * 4 / tp edges, 2 * 4 * 50 * 2 / tp logits.
+    assert plan.total == 23408 > 2105 * 4 + 4000 + 4 * 1344 + 192 + 400
+    # Checkpointed: each block's float32 input 4 * 16 * 4 / tp = 128 per block and microbatch
+    # in flight, plus one block's full activations.
+    assert plan_memory(mesh(activation_checkpointing=True), 1).activations == 8 * 128 + 1344 + 256
+    # GPipe keeps all 4 microbatches on every stage: 16 * 1344 + 4 * 128 edges on rank 0,
+    # 16 * 1344 + 4 * (192 + 400) on rank 1, which needs more.
+    gpipe = plan_memory(mesh(schedule="gpipe"), 1)
+    assert (gpipe.stage, gpipe.activations, gpipe.logits) == (1, 16 * 1344 + 4 * 192, 4 * 400)
+    # Interleaved, 2 chunks of 2 blocks per rank: rank 0 holds blocks 0, 1, 4, 5 and keeps
+    # min(v m = 8, 2 (pp - 1) + (v - 1) pp + 1 = 5) chunk-microbatches: 5 * 2 * 1344, which is
+    # Narayanan et al.'s L (1 + (p - 1) / (p v)) = 8 * 1.25 = 10 block-microbatches.
+    interleaved = mesh(schedule="interleaved", stages_per_rank=2)
+    assert interleaved.stage_layers == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert plan_memory(interleaved, 1).activations == 10 * 1344 + 3 * 128
+
+
+def test_communication_bubble_and_step_time():
+    setup = mesh()
+    sent = plan_communication(setup, 1)
+    # FSDP on rank 0: 2100 * 4 bytes gathered in forward and backward for each of the 4
+    # microbatches and reduce-scattered once, each moving 3/4 of the buffer over 4 shards.
+    assert (sent.all_gather, sent.reduce_scatter, sent.all_reduce) == (50400, 6300, 0)
+    # TP: 4 microbatches * 4 blocks * 8 collectives * 1/2 * 4 tokens * 16 d * 2 bytes.
+    assert sent.tensor_parallel == 8192
+    # PP: 4 microbatches, the float32 [4, 16] output forward and its gradient back, / tp.
+    assert sent.pipeline == 4 * 2 * 64 * 4 / 2
+    assert plan_communication(mesh(activation_checkpointing=True), 1).tensor_parallel == 12288
+    assert bubble_fraction(2, 4) == 1 / 5 and bubble_fraction(1, 4) == 0
+    assert bubble_fraction(2, 4, "interleaved", 2) == 1 / 9
+    assert bubble_fraction(4, 8, "gpipe") == 3 / 11
+    assert step_seconds(6e9, 512, 2048, 8, 1e15, 0.5, bubble=0.2) == pytest.approx(
+        6e9 * 512 * 2048 / 8 / 5e14 / 0.8
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tp": 8, "world_size": 16}, "tp=8 does not divide the model's 4 attention heads and "
+         "2 key/value heads: use --tp 1 or 2"),
+        ({"tp": 4, "pp": 1, "world_size": 16}, "tp=4 does not divide the model's 4 attention "
+         "heads and 2 key/value heads"),
+        ({"pp": 9, "tp": 1, "world_size": 18}, "pp=9 = 9 stages, more than the model's 8 layers: "
+         "use --pp 8 or fewer"),
+        ({"pp": 3, "world_size": 16}, "tp=2 x pp=3 = 6 does not divide the 16 devices"),
+        ({"dp_shard": 2}, "= 8, but there are 16 devices: use --world-size 8 or leave"),
+        ({"schedule": "interleaved"}, "use --schedule interleaved with --stages-per-rank 2"),
+    ],
+)  # fmt: skip
+def test_impossible_meshes_are_refused(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mesh(**options)
+
+
+def test_recommends_tp_within_a_node_for_llama_70b_on_16_gpus(capsys):
+    # Llama 3.1 70B with AdamW: 70.55e9 * 16 bytes = 1129 GB of weights, gradients and state,
+    # 70.6 GB per device over 16 80 GB GPUs: only tp = 8, which splits every activation 8
+    # ways, leaves room for an 8k sequence; pp = 1 has no bubble, so tp 8 x pp 1 x dp_shard 2.
+    # At 8 GPUs the states alone (141 GB each) rule out every mesh.
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    common = ["model=llama3-70b", "precision=amp_bf16", "max_seq_len=8192",
+              "global_train_batch_size=512", "--recommend", "--activation-checkpointing",
+              "--device-memory", "80GB", "--device-name", "H100"]  # fmt: skip
+    assert plan_script["main"]([*common, "--world-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("recommended : tp 8 x pp 1 x dp_shard 2 x dp_replicate 1 on 16 devices")
+    assert "mesh        : dp_replicate 1 x dp_shard 2 x tp 8 x pp 1" in out
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"]([*common, "--world-size", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: no mesh of 8 devices fits 80GB per device") and err.count("\n") == 1
+    )
+
+
+def test_recommend_keeps_pure_fsdp_when_it_fits():
+    # Sharded 16 ways, the toy model's states are tiny: no tp or pp is needed.
+    choice = recommend(mesh(tp=1, pp=1), 1e6)
+    assert (choice.setup.tp, choice.setup.pp, choice.setup.dims.dp_shard) == (1, 1, 16)
+    # 25000 bytes: pure FSDP needs 2052.5 + 2052.5 + 4105 (weights, gradients, Adam over 16) + 8000
+    # (two gathered blocks) + 8 * 2432 + 640 (activations) + 800 (logits) = 37106; tp 2 (dp 8)
+    # 2052.5 + 2052.5 + 4105 + 4000 + 8 * 1344 + 320 + 400 = 23682; pp 2 keeps two microbatches of
+    # unsplit activations on rank 0 and does not fit. The fewest model-parallel ways: tp 2.
+    tight = recommend(mesh(tp=1, pp=1), 25000)
+    assert (tight.setup.tp, tight.setup.pp) == (2, 1)
+
+
+def test_a_family_without_a_tensor_parallel_plan_gets_no_tp():
+    """MPT (training refuses its tp > 1): --tp is refused as training would refuse it, and the
+    25000-byte case above, which only tp 2 fits, gets no recommendation at all."""
+    no_tp = dataclasses.replace(COUNTS, tp_refusal="MPT has no tensor-parallel plan")
+    with pytest.raises(ValueError, match="--tp 2: MPT has no tensor-parallel plan"):
+        mesh(counts=no_tp)
+    assert recommend(mesh(tp=1, pp=1), 25000).setup.tp == 2
+    assert recommend(mesh(tp=1, pp=1, counts=no_tp), 25000) is None
+    assert recommend(mesh(tp=1, pp=1, counts=no_tp), 1e6).setup.tp == 1
+    # Read from each family's plan.
+    mpt = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64)
+    llama = LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64)
+    assert "MPT has no tensor-parallel plan" in count_model(mpt, 16, "fp32").tp_refusal
+    assert count_model(llama, 16, "fp32").tp_refusal is None
+
+
+def test_plan_script_refuses_an_impossible_mesh_in_one_line():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "plan.py"), "model=llama3-70b",
+         "--strategy", "fsdp", "--world-size", "16", "--tp", "3"],
+        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr == (
+        "error: tp=3 does not divide the model's 64 attention heads and 8 key/value heads: "
+        "use --tp 1 or 2 or 4 or 8\n"
+    )
+    assert out.stdout == ""
