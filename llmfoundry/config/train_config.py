@@ -79,6 +79,7 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
         )
     _check_autoresume(cfg, settings)
     _check_precision(cfg, settings)
+    _check_context_parallel(cfg)
     micro = settings.device_train_microbatch_size
     if isinstance(micro, int) and micro > settings.global_train_batch_size:
         raise ConfigError(
@@ -143,6 +144,15 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
             "to the start time), so a rerun would not find its checkpoints; set run_name=<name> "
             "or save_folder=<path or URL> to something that stays the same between launches",
         )
+
+
+def _check_context_parallel(cfg: DictConfig) -> None:
+    """strategy.cp>1 is refused before any process starts (`CONTEXT_PARALLEL_REFUSAL`)."""
+    cp = OmegaConf.select(cfg, "strategy.cp", default=1)
+    if cp != 1:
+        from llmfoundry.distributed.fsdp import CONTEXT_PARALLEL_REFUSAL
+
+        raise ConfigError("strategy.cp", f"{cp}: {CONTEXT_PARALLEL_REFUSAL}")
 
 
 def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:

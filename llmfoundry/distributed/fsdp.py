@@ -53,6 +53,19 @@ from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
 
+# Context parallel (strategy.cp) is refused. bench/context_parallel_probe.py ran torch 2.13's
+# context_parallel against our attention on 2 CPU ranks (gloo): causal SDPA fails (the CPU flash
+# kernel has no sharding strategy), the math backend fails (DTensor mixed with plain tensors),
+# an additive bias (MPT's ALiBi, document masks) gives a wrong result (max error 3.6), and a
+# Llama step fails. It would need CUDA flash/cuDNN SDPA, ring attention with a bias (or
+# FlexAttention block masks) split by position, and positions, RoPE and labels sharded with the
+# sequence: run the probe with --device cuda first.
+CONTEXT_PARALLEL_REFUSAL = (
+    "context parallel is not supported (torch's ring attention does not run our attention: "
+    "bench/context_parallel_probe.py); use strategy.cp=1, and for long sequences strategy.tp=T "
+    "(sequence parallel) with strategy.activation_checkpointing=full"
+)
+
 _MIXED_PRECISION = {
     None: MixedPrecisionPolicy(),
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
@@ -112,6 +125,7 @@ class FSDP(ProcessGroupStrategy):
         tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
             It must divide the world size (with `replicate`), and the model's head counts
             and widths (checked when the model is prepared).
+        cp: context-parallel ranks; only 1 (`CONTEXT_PARALLEL_REFUSAL`).
     """
 
     name = "fsdp"
@@ -131,7 +145,10 @@ class FSDP(ProcessGroupStrategy):
         pp: int = 1,
         pp_schedule: str = "1f1b",
         tp: int = 1,
+        cp: int = 1,
     ) -> None:
+        if cp != 1:
+            raise UserError(f"strategy.cp={cp}: {CONTEXT_PARALLEL_REFUSAL}")
         super().__init__(device, backend, timeout_s)
         self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:

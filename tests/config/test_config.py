@@ -209,6 +209,13 @@ def test_amp_fp16_on_cpu_is_a_config_error(monkeypatch):
     assert error_for("precision=amp_fp16", "strategy.device=cpu").startswith("precision:")
 
 
+def test_context_parallel_is_refused_in_one_line():
+    message = error_for("strategy=fsdp", "strategy.cp=2")
+    assert message.startswith("strategy.cp: 2: context parallel is not supported")
+    assert "strategy.tp=T" in message and "\n" not in message
+    check(CONF, ["strategy=fsdp", "strategy.cp=1"])
+
+
 def test_enum_lists_allowed_values():
     message = error_for("precision=bf16")
     assert message == (
