@@ -5,6 +5,8 @@
 # e.g. bench/gpu.sh --gpu-models mpt-1b --compile on --steps 20
 # Then the tensor-parallel row (bench/tensor_parallel.py: llama3-1b, seq 2048, strategy.tp=2
 # beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
+# Then the fp8 row: mpt-1b, sdpa, compile on, amp_bf16 beside amp_fp8 (torchao Float8Linear), on a
+# GPU of compute capability 8.9+ (H100/H200/B200; it says so and skips otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -17,4 +19,10 @@ if [ "$gpus" -ge 2 ]; then
   done
 else
   echo "tp row skipped: it needs at least 2 GPUs, $gpus visible"
+fi
+if "$PYTHON" -c "import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))"; then
+  "$PYTHON" bench/train_throughput.py --gpu --gpu-models mpt-1b --attn-impls sdpa --compile on \
+    --gpu-precisions amp_bf16 amp_fp8
+else
+  echo "fp8 row skipped: it needs a GPU of compute capability 8.9+"
 fi

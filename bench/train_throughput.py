@@ -58,6 +58,7 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.precision import Precision
 from llmfoundry.core.state import State
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.models.converters import ConversionContext, Float8Training, float8_refusal
 from llmfoundry.models.layers.kernels import check_attn_impl
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.models.mpt.hf import to_hf_config
@@ -113,6 +114,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--compile", choices=("off", "on", "both"), default="both")
     gpu.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
     gpu.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    gpu.add_argument(
+        "--gpu-precisions", nargs="+", choices=("amp_bf16", "amp_fp8"), default=["amp_bf16"],
+        help="amp_fp8: bf16 autocast + torchao Float8Linear (compute capability 8.9+)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.gpu:
         if args.shape or args.model:
@@ -343,14 +348,22 @@ def gpu_batch(model_cfg: MPTConfig, seq_len: int, device: torch.device) -> int:
 
 
 def gpu_run(
-    model_cfg: MPTConfig, seq_len: int, batch: int, compiled: bool, args: argparse.Namespace
+    model_cfg: MPTConfig,
+    seq_len: int,
+    batch: int,
+    compiled: bool,
+    args: argparse.Namespace,
+    precision: str = "amp_bf16",
 ) -> tuple[float, float]:
-    """(tokens/s, peak bytes) of our model's bare loop on args.device."""
+    """(tokens/s, peak bytes) of our model's bare loop on args.device; amp_fp8 is amp_bf16 with
+    the float8 converter, as `resolve_precision` spells it for training."""
     device = torch.device(args.device)
     model = MPTForCausalLM(dataclasses.replace(model_cfg, init_device="meta"))
     model.to_empty(device=device)
     model.init_weights()
     model.train()
+    if precision == "amp_fp8":
+        Float8Training().convert(model, ConversionContext("amp_bf16", device))
     if compiled:
         for block in model.transformer.blocks:
             block.compile()
@@ -375,10 +388,12 @@ def gpu_run(
 def gpu_suite(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     seq_len = args.seq_len or GPU_SEQ_LEN
+    if "amp_fp8" in args.gpu_precisions and (reason := float8_refusal(device)):
+        raise SystemExit(f"--gpu-precisions amp_fp8: {reason}")
     peak, source = device_peak_flops(device, "amp_bf16")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    print(f"{name}, torch {torch.__version__}, amp_bf16, seq {seq_len}; peak: "
-          f"{'unknown' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'} ({source})")  # fmt: skip
+    print(f"{name}, torch {torch.__version__}, {'/'.join(args.gpu_precisions)}, seq {seq_len}; "
+          f"bf16 peak: {'unknown' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'} ({source})")  # fmt: skip
     impls = []
     for impl in args.attn_impls:
         try:
@@ -387,8 +402,8 @@ def gpu_suite(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"attention {impl}: skipped ({err})")
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    print(f"{'model':10s} {'attn':6s} {'compile':8s} {'batch':>5s} {'tokens/s':>12s} "
-          f"{'MFU':>7s} {'peak mem':>10s}")  # fmt: skip
+    print(f"{'model':10s} {'attn':6s} {'compile':8s} {'batch':>5s} {'precision':9s} "
+          f"{'tokens/s':>12s} {'MFU':>7s} {'peak mem':>10s}")  # fmt: skip
     for model_name in args.gpu_models:
         model_cfg = instantiate(compose_config(CONF, [f"model={model_name}"]).model)
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
@@ -396,21 +411,22 @@ def gpu_suite(args: argparse.Namespace) -> int:
         flops = MPTForCausalLM(dataclasses.replace(model_cfg, init_device="meta")).flops_per_token(
             seq_len
         )
-        for impl in impls:
-            for compiled in modes:
-                label = f"{model_name:10s} {impl:6s} {'on' if compiled else 'off':8s} {batch:5d}"
-                try:
-                    cfg = dataclasses.replace(model_cfg, attn_impl=impl)
-                    tokens_per_sec, peak_mem = gpu_run(cfg, seq_len, batch, compiled, args)
-                except (RuntimeError, ValueError) as err:  # OOM, a kernel this device lacks
-                    print(f"{label} failed: {str(err).splitlines()[0][:100]}")
-                    continue
-                finally:
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                mfu = "n/a" if peak is None else f"{tokens_per_sec * flops / peak:.1%}"
-                print(f"{label} {tokens_per_sec:12,.0f} {mfu:>7s} {peak_mem / 2**30:7.1f} GiB",
-                      flush=True)  # fmt: skip
+        runs = [(i, c, p) for i in impls for c in modes for p in args.gpu_precisions]
+        for impl, compiled, precision in runs:
+            label = (f"{model_name:10s} {impl:6s} {'on' if compiled else 'off':8s} {batch:5d} "
+                     f"{precision:9s}")  # fmt: skip
+            try:
+                cfg = dataclasses.replace(model_cfg, attn_impl=impl)
+                tokens_per_sec, peak_mem = gpu_run(cfg, seq_len, batch, compiled, args, precision)
+            except (RuntimeError, ValueError) as err:  # OOM, a kernel this device lacks
+                print(f"{label} failed: {str(err).splitlines()[0][:100]}")
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            mfu = "n/a" if peak is None else f"{tokens_per_sec * flops / peak:.1%}"
+            print(f"{label} {tokens_per_sec:12,.0f} {mfu:>7s} {peak_mem / 2**30:7.1f} GiB",
+                  flush=True)  # fmt: skip
     return 0
 
 

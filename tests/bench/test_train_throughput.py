@@ -61,6 +61,16 @@ def test_gpu_suite_runs_a_tiny_shape_on_cpu(bench, capsys):
     assert "failed" not in out
 
 
+def test_gpu_suite_refuses_fp8_off_gpu_in_one_line(bench):
+    argv = ["--gpu", "--device", "cpu", "--gpu-models", "mpt-tiny", "--batch", "2",
+            "--gpu-precisions", "amp_bf16", "amp_fp8"]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        bench["main"](argv)
+    message = str(info.value.code)
+    assert message.startswith("--gpu-precisions amp_fp8: fp8 training needs a CUDA GPU")
+    assert "\n" not in message
+
+
 def test_gpu_suite_needs_a_batch_off_cuda(bench):
     with pytest.raises(SystemExit, match="--batch is required on cpu"):
         bench["main"](["--gpu", "--device", "cpu", "--gpu-models", "mpt-tiny", "--compile", "off"])
