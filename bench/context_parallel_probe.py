@@ -2,7 +2,7 @@
 
 `torch.distributed.tensor.experimental.context_parallel` shards the sequence of the buffers it
 is given across a device mesh and, inside its context, swaps F.scaled_dot_product_attention for
-a ring version that passes key/value shards around the ranks. This probe asks it three things,
+a ring version that passes key/value shards around the ranks. This probe asks it four things,
 each against the same attention computed unsharded on every rank:
 
   1. causal   : plain causal SDPA (is_causal=True), what Llama's `sdpa` kernel calls;
@@ -17,7 +17,11 @@ error it raised. Run it on 2 processes:
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/context_parallel_probe.py           # CPU, gloo
     torchrun --nproc-per-node 2 bench/context_parallel_probe.py --device cuda               # GPUs, nccl
 
-(The result on CPU is why `strategy.cp` is refused: llmfoundry/distributed/fsdp.py.)
+On CPU (torch 2.13.0+cpu, gloo, 2026-12-03): causal and llama fail with "Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered", math with "aten.add.Tensor got mixed torch.Tensor and DTensor", and bias gave a
+WRONG result (max difference 3.59) in one run and did not return in 400 s in another. That is
+why `strategy.cp` is refused (llmfoundry/distributed/fsdp.py).
 """
 
 from __future__ import annotations

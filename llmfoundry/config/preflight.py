@@ -81,8 +81,8 @@ def _explain(
         hints = schema.hints if schema else target_schema(get_object(parent["_target_"]))[0]
         allowed |= set(hints)
     # DDP and DeepSpeed hold whole models; the mesh's tp and pp axes are FSDP's.
-    if key in ("strategy.tp", "strategy.pp", "strategy.pp_schedule"):
-        kind = "tensor" if key == "strategy.tp" else "pipeline"
+    if key in ("strategy.tp", "strategy.pp", "strategy.pp_schedule", "strategy.cp"):
+        kind = {"strategy.tp": "tensor", "strategy.cp": "context"}.get(key, "pipeline")
         return ConfigError(key, f"{kind} parallelism runs on strategy=fsdp ({key}=... there)")
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 

@@ -84,6 +84,9 @@ def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_th
     assert error_for("strategy=deepspeed_zero3", "strategy.pp=2") == (
         "strategy.pp: pipeline parallelism runs on strategy=fsdp (strategy.pp=... there)"
     )
+    assert error_for("strategy=ddp", "strategy.cp=1") == (
+        "strategy.cp: context parallelism runs on strategy=fsdp (strategy.cp=... there)"
+    )
     check(CONF, ["strategy=fsdp", "strategy.tp=2", "strategy.pp=2"])
 
 
