@@ -317,9 +317,8 @@ class Setup:
 
     def _check_model_fits_mesh(self) -> None:
         counts = self.counts
-        if (
-            self.tp > 1 and counts.tp_refusal
-        ):  # what training would refuse (distributed/parallelize.py)
+        # What training would refuse (distributed/parallelize.py).
+        if self.tp > 1 and counts.tp_refusal:
             raise UserError(f"--tp {self.tp}: {counts.tp_refusal}")
         heads, kv = counts.n_heads, counts.n_kv_heads
         if heads % self.tp or kv % self.tp:

@@ -92,12 +92,13 @@ class Pipeline:
         self._tied: list[nn.Parameter] = []
         self._tied_group: dist.ProcessGroup | None = None
         self._pp_group: dist.ProcessGroup | None = None
+        self._model: nn.Module | None = None  # the stage's module and device (`build`)
+        self._device: torch.device | None = None
         self._stage: PipelineStage | None = None
-        # Evaluation's stages and schedules, by batch shape (`forward_only`).
-        self._eval_schedules: dict[tuple[int, ...], ScheduleGPipe] = {}
-        self._build_args: tuple[nn.Module, torch.device] | None = None
         self._schedules: dict[int, PipelineScheduleSingle] = {}
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Evaluation's stages and schedules, by batch shape (`forward_only`).
+        self._eval_schedules: dict[tuple[int, ...], ScheduleGPipe] = {}
 
     @property
     def is_first(self) -> bool:
@@ -109,8 +110,8 @@ class Pipeline:
 
     def split(self, model: nn.Module, plan: ParallelPlan, mesh: Mesh) -> ParallelPlan:
         """Replace what other stages hold in `model` (on the meta device) by `Absent`; returns
-        the plan of this stage (the blocks it holds, their tensor-parallel layout). A collective: every process creates the
-        groups."""
+        the plan of this stage (the blocks it holds, their tensor-parallel layout). A
+        collective: every process creates the groups."""
         split = plan.pipeline
         if split is None:
             raise UserError(
@@ -191,8 +192,22 @@ class Pipeline:
         self._tied = [
             p for name in self._tied_modules for p in model.get_submodule(name).parameters()
         ]
-        self._stage = PipelineStage(model, self.stage_index, self.pp, device, group=self._pp_group)
-        self._build_args = (model, device)
+        self._model, self._device = model, device
+        self._stage = self._new_stage()
+
+    def _new_stage(self) -> PipelineStage:
+        return PipelineStage(
+            self._model, self.stage_index, self.pp, self._device, group=self._pp_group
+        )
+
+    @staticmethod
+    def _stage_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """What every stage's forward takes besides its input: the whole sequence length and
+        the documents' ids, if the batch has them."""
+        kwargs: dict[str, Any] = {"seq_len": batch["input_ids"].shape[1]}
+        if "sequence_id" in batch:
+            kwargs["sequence_id"] = batch["sequence_id"]
+        return kwargs
 
     def step(
         self,
@@ -217,10 +232,12 @@ class Pipeline:
             return loss * loss_weight(labels)
 
         self._loss_fn = weighted_loss
-        kwargs: dict[str, Any] = {"seq_len": batch["input_ids"].shape[1]}  # to every stage
-        if "sequence_id" in batch:
-            kwargs["sequence_id"] = batch["sequence_id"]
-        schedule.step(batch["input_ids"], target=batch["labels"], return_outputs=False, **kwargs)
+        schedule.step(
+            batch["input_ids"],
+            target=batch["labels"],
+            return_outputs=False,
+            **self._stage_kwargs(batch),
+        )
         self._sum_tied_gradients()
         loss_sum = torch.zeros((), dtype=torch.float64, device=batch["labels"].device)
         for loss, tokens in losses[-n_microbatches:] if self.is_last else []:
@@ -233,16 +250,10 @@ class Pipeline:
         the stages): on the last stage; None on the others. Each batch shape gets a stage and
         schedule of its own, as a stage's receive buffers are laid out for one shape (the
         training stage's for its microbatches)."""
-        input_ids = batch["input_ids"]
-        shape = tuple(input_ids.shape)
+        shape = tuple(batch["input_ids"].shape)
         if shape not in self._eval_schedules:
-            model, device = self._build_args
-            stage = PipelineStage(model, self.stage_index, self.pp, device, group=self._pp_group)
-            self._eval_schedules[shape] = ScheduleGPipe(stage, min(shape[0], self.pp))
-        kwargs: dict[str, Any] = {"seq_len": shape[1]}
-        if "sequence_id" in batch:
-            kwargs["sequence_id"] = batch["sequence_id"]
-        return self._eval_schedules[shape].eval(input_ids, **kwargs)
+            self._eval_schedules[shape] = ScheduleGPipe(self._new_stage(), min(shape[0], self.pp))
+        return self._eval_schedules[shape].eval(batch["input_ids"], **self._stage_kwargs(batch))
 
     def sum_over_stages(self, tensor: torch.Tensor) -> None:
         """All-reduce `tensor` (in place) over this process's column of stages: what only the

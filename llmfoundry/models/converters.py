@@ -3,10 +3,11 @@
 A converter swaps modules of a built model for others that compute the same function another
 way (low-precision LayerNorm, torchao's Float8Linear), the shape of torchtitan's
 ``model.converters``. The run names them in its ``converters`` group (conf/converters/,
-``converters=[low_precision_layernorm]``, ``converters=[float8]``); `llmfoundry.build` builds each from its node and
-`convert_model` applies them in that order to the model `build_model` made, still on the meta
-device, before the strategy materializes and wraps it. So FSDP shards, DDP replicates and the
-optimizer sees the converted modules, and a converter never deals with sharded parameters.
+``converters=[low_precision_layernorm]``, ``converters=[float8]``); `llmfoundry.build` builds
+each from its node and `convert_model` applies them in that order to the model `build_model`
+made, still on the meta device, before the strategy materializes and wraps it. So FSDP shards,
+DDP replicates and the optimizer sees the converted modules, and a converter never deals with
+sharded parameters.
 
 A converter keeps every parameter's name (it reuses the parameters, or makes new ones of the
 same name): checkpoints of a converted run load into an unconverted model and back. It may need
@@ -164,10 +165,9 @@ class Float8Training:
 
     - Linears with in or out features that are not multiples of 16: the float8 kernels take no
       other shapes (torchao would fail at the first forward). They are logged.
-    - The output head. MPT's is the token embedding (tied); Llama's ``lm_head`` is applied as
-      ``F.linear`` on its weight (`output_embedding`, tied or not), so a Float8Linear there
-      would never run. torchtitan keeps it in bf16 as well: the logits go straight into the
-      softmax, and their gradient is the loss's.
+    - The output head, which is outside the blocks: MPT's is the token embedding (tied), and
+      Llama's ``lm_head`` (or its tied embedding) stays in bf16 as torchtitan keeps it: the
+      logits go straight into the softmax, and their gradient is the loss's.
     - Everything outside the blocks (embeddings, norms) and Linears already in float8.
 
     float8 pays on large matmuls (d_model of 2048 and up) and with torch.compile, which fuses

@@ -50,7 +50,7 @@ def test_mpt_converts_every_block_linear_and_keeps_the_tied_head():
 
 
 def test_llama_skips_dims_that_are_not_multiples_of_16_and_the_output_head(caplog):
-    """An MLP 72 wide cannot run float8 kernels; the untied lm_head is only read as a weight."""
+    """An MLP 72 wide cannot run float8 kernels; the untied lm_head is outside the blocks."""
     model = build_model(tiny_llama(ffn_hidden_size=72), init_device="meta")
     converted = EMULATED.convert(model, BF16)
     attention = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"]
