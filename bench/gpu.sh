@@ -3,8 +3,8 @@
 # every installed attention kernel, torch.compile off and on; tokens/s, MFU against the device's
 # datasheet peak, peak memory. A few minutes on one H100/H200. Extra arguments go to the script,
 # e.g. bench/gpu.sh --gpu-models mpt-1b --compile on --steps 20
-# Then the tensor-parallel row (bench/tensor_parallel.py: llama3-1b, seq 2048, strategy.tp=2
-# beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
+# Then the tensor-parallel rows (bench/tensor_parallel.py: llama3-1b and mpt-1b, seq 2048,
+# strategy.tp=2 beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
 # Then the fp8 row: mpt-1b, sdpa, compile on, amp_bf16 beside amp_fp8 (torchao Float8Linear), on a
 # GPU of compute capability 8.9+ (H100/H200/B200; it says so and skips otherwise).
 set -euo pipefail
@@ -13,9 +13,11 @@ PYTHON="${PYTHON:-python}"
 "$PYTHON" bench/train_throughput.py --gpu "$@"
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
-  for tp in 1 2; do
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 \
-      bench/tensor_parallel.py --tp "$tp"
+  for model in llama3-1b mpt-1b; do
+    for tp in 1 2; do
+      "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 \
+        bench/tensor_parallel.py --model "$model" --tp "$tp"
+    done
   done
 else
   echo "tp row skipped: it needs at least 2 GPUs, $gpus visible"

@@ -1,5 +1,6 @@
-"""Tensor-parallel throughput: a Llama shape trained under `strategy=fsdp strategy.tp=T` on the
-processes torchrun started (bench/gpu.sh's tp row, beside a tp=1 row on the same GPUs).
+"""Tensor-parallel throughput: a model (any conf/model: Llama, or MPT with its fused Wqkv
+exchanged by head) trained under `strategy=fsdp strategy.tp=T` on the processes torchrun
+started (bench/gpu.sh's tp rows, beside a tp=1 row on the same GPUs).
 
 A bare loop (forward, the chunked loss on vocabulary-sharded logits, backward, AdamW) over the
 FSDP strategy with bf16 mixed precision; random tokens, one batch per data-parallel rank. Prints
@@ -9,6 +10,7 @@ timing between synchronisations, after --warmup steps.
 
     torchrun --nproc_per_node=2 bench/tensor_parallel.py --tp 2
     torchrun --nproc_per_node=2 bench/tensor_parallel.py --tp 1          # FSDP alone, to compare
+    torchrun --nproc_per_node=2 bench/tensor_parallel.py --tp 2 --model mpt-1b
     torchrun --nproc_per_node=2 bench/tensor_parallel.py --tp 2 --model llama-tiny --device cpu \\
         --seq-len 256 --batch 2 --steps 2 --warmup 1                     # a CPU smoke run
 """
@@ -18,19 +20,24 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from hydra.utils import instantiate
 
 from llmfoundry.callbacks.peak_flops import device_peak_flops
+from llmfoundry.config.preflight import compose_config
 from llmfoundry.distributed import FSDP
-from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.models.families import build_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--model", default="llama3-1b", help="a Llama preset (LlamaConfig)")
+    parser.add_argument("--model", default="llama3-1b", help="a conf/model name")
     parser.add_argument("--layers", type=int, default=None, help="override n_layers")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4, help="per data-parallel rank")
@@ -45,11 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     strategy = FSDP(device=args.device, tp=args.tp, mixed_precision="bf16")
     strategy.setup()
     device = strategy.device
-    overrides = {"max_seq_len": args.seq_len, "init_device": "meta"}
+    overrides = [f"model={args.model}", f"max_seq_len={args.seq_len}"]
     if args.layers:
-        overrides["n_layers"] = args.layers
-    config = LlamaConfig.preset(args.model, **overrides)
-    model = LlamaForCausalLM(config)
+        overrides.append(f"model.n_layers={args.layers}")
+    config = instantiate(compose_config(CONF, overrides).model)
+    model = build_model(config, init_device="meta")
     flops = model.flops_per_token(args.seq_len)
     torch.manual_seed(0)
     model = strategy.prepare(model)

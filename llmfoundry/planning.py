@@ -59,7 +59,10 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
 - TP with sequence parallelism: per block and microbatch, 2 all-gathers and 2 reduce-scatters of
   the [microbatch * seq, d_model] activation in forward and as many in backward (Korthikanti et
   al. 2022, section 4.2.2: the same volume as TP's 2 all-reduces per direction), and another 4
-  for the forward recomputed under activation checkpointing; compute dtype;
+  for the forward recomputed under activation checkpointing; compute dtype; a layout that
+  also exchanges activations in all-to-alls (MPT's fused Wqkv: its output, (n_heads + 2
+  kv_n_heads) / n_heads block inputs' worth, split by tp, `ParallelPlan.tp_all_to_all`) sends
+  (tp - 1) / tp of each such buffer in forward, in backward and in a recomputed forward;
 - PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
   tp under sequence parallelism) sent forward and its gradient sent back.
 
@@ -142,7 +145,8 @@ class ModelCounts:
     stage; `last`: the final norm and an untied head, on the last; `tied`: the embedding again
     when the head is tied to it, which the last stage holds when it is not also the first).
     `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
-    its plan), None when it has one."""
+    its plan), None when it has one; `tp_all_to_all`: its layout's all-to-all volume per
+    block forward, in block inputs (`ParallelPlan.tp_all_to_all`)."""
 
     n_params: int
     flops_per_token: int
@@ -156,6 +160,7 @@ class ModelCounts:
     n_heads: int
     n_kv_heads: int
     tp_refusal: str | None = None
+    tp_all_to_all: float = 0.0
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -194,6 +199,7 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         n_heads=config.n_heads,
         n_kv_heads=kv_heads or config.n_heads,
         tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
+        tp_all_to_all=plan.tp_all_to_all,
     )
 
 
@@ -528,7 +534,10 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     activation = microbatch * setup.seq_len * counts.d_model
     layers = len(setup.stage_layers[stage])
     collectives = 8 + 4 * setup.activation_checkpointing
-    plan.tensor_parallel = m * layers * collectives * ring(setup.tp) * activation * compute_bytes
+    exchanges = (2 + setup.activation_checkpointing) * counts.tp_all_to_all / setup.tp
+    plan.tensor_parallel = (
+        m * layers * (collectives + exchanges) * ring(setup.tp) * activation * compute_bytes
+    )
     if setup.pp > 1:
         v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
         plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp

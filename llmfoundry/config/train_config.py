@@ -80,6 +80,7 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     _check_autoresume(cfg, settings)
     _check_precision(cfg, settings)
     _check_context_parallel(cfg)
+    _check_tensor_parallel(cfg, settings)
     micro = settings.device_train_microbatch_size
     if isinstance(micro, int) and micro > settings.global_train_batch_size:
         raise ConfigError(
@@ -153,6 +154,20 @@ def _check_context_parallel(cfg: DictConfig) -> None:
         from llmfoundry.distributed.fsdp import CONTEXT_PARALLEL_REFUSAL
 
         raise ConfigError("strategy.cp", f"{cp}: {CONTEXT_PARALLEL_REFUSAL}")
+
+
+def _check_tensor_parallel(cfg: DictConfig, settings: TrainSettings) -> None:
+    """strategy.tp=T splits every sequence over T ranks (sequence parallelism): the training
+    length must be a multiple of T (a shorter last split would desynchronise their collectives)."""
+    tp = OmegaConf.select(cfg, "strategy.tp", default=1)
+    length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
+    if isinstance(tp, int) and tp > 1 and isinstance(length, int) and length % tp:
+        raise ConfigError(
+            "strategy.tp",
+            f"{tp} does not divide max_seq_len={length}: sequence parallelism splits each "
+            f"sequence over the {tp} tensor-parallel ranks; choose a max_seq_len that is a "
+            "multiple of strategy.tp",
+        )
 
 
 def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:

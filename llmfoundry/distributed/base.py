@@ -89,6 +89,8 @@ class Strategy:
 
     `pipeline`: this process's pipeline stage and schedule (pipeline.py), which then runs the
     step's microbatches instead of the trainer's loop; None without pipeline parallelism.
+    `tp`: how many processes split each block's matrices and each sequence (tensor and
+    sequence parallelism; 1: none).
     """
 
     rank: int = 0
@@ -100,6 +102,7 @@ class Strategy:
     # training's (gloo: async DCP needs a CPU backend, also when training uses nccl).
     save_group: Any = None
     pipeline: Pipeline | None = None
+    tp: int = 1
 
     @property
     def dp_rank(self) -> int:

@@ -168,6 +168,7 @@ class FSDP(ProcessGroupStrategy):
         self.cpu_offload = cpu_offload
         self.async_save = async_save
         self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
+        self.tp = tp
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False

@@ -93,6 +93,27 @@ def apply_tp(model: torch.nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) ->
     outputs are redistributed as its style says (`parallelize_module`)."""
     check_tensor_parallel(plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
+    model.register_forward_pre_hook(
+        functools.partial(_refuse_unsplittable_sequence, tp_mesh.size()), with_kwargs=True
+    )
+
+
+def _refuse_unsplittable_sequence(
+    tp: int, _module: torch.nn.Module, args: tuple, kwargs: dict
+) -> None:
+    """Before a tensor-parallel forward: sequence parallelism splits dim 1 (the sequence of
+    token ids [batch, seq], or of a pipeline stage's activations) over the tp ranks, so it must
+    be a multiple of tp. Every tp rank has the same input, so all of them refuse it alike,
+    before any collective could wait on a peer's shorter split."""
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(inputs, Mapping):
+        inputs = inputs.get("input_ids")
+    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] % tp:
+        raise UserError(
+            f"strategy.tp={tp} splits each sequence over {tp} ranks, but this input has "
+            f"{inputs.shape[1]} positions, not a multiple of {tp}: pad the batches to a multiple "
+            f"of {tp} (or max_seq_len), or use strategy.tp=1"
+        )
 
 
 def apply_plan(

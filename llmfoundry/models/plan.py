@@ -55,7 +55,10 @@ class ParallelPlan:
     `parallelize_module` takes it) -> torch's style (ColwiseParallel, RowwiseParallel,
     SequenceParallel, PrepareModuleInput, ...); None: the family has none, and `strategy.tp>1`
     is refused with `tensor_parallel_refusal`. `tp_divides`: the sizes the tensor-parallel
-    degree must divide (head counts, widths), by config name, checked before it is applied."""
+    degree must divide (head counts, widths), by config name, checked before it is applied.
+    `tp_all_to_all`: the activations the layout exchanges in all-to-alls per block forward
+    beyond torch's styles' collectives, in block inputs ([tokens, d_model]) before the 1/tp
+    split (MPT's fused Wqkv; scripts/plan.py counts it)."""
 
     blocks: list[nn.Module]
     compile: bool = False
@@ -63,3 +66,4 @@ class ParallelPlan:
     tensor_parallel: Mapping[str, ParallelStyle] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     tensor_parallel_refusal: str = "this model family has no tensor-parallel plan"
+    tp_all_to_all: float = 0.0

@@ -80,8 +80,9 @@ class Trainer:
         load_ignore_keys: Sequence[str] = (),
     ) -> None:
         self.strategy = strategy or SingleDevice()
+        _refuse_whole_model_callbacks(self.strategy, callbacks)
         if self.strategy.pipeline is not None:
-            _check_pipeline_options(precision, device_train_microbatch_size, callbacks)
+            _check_pipeline_options(precision, device_train_microbatch_size)
         self.strategy.setup()
         if self.strategy.device.type == "cpu":  # large tensors come and go every step
             reuse_freed_host_memory()
@@ -525,20 +526,31 @@ def _split_sample_mask(
     return batch, mask
 
 
-def _check_pipeline_options(
-    precision: str,
-    microbatch_size: int | str | None,
-    callbacks: Sequence[Callback],
-) -> None:
-    """Refuse, before any process waits, what pipeline parallelism does not support yet."""
-    if running := [type(c).__name__ for c in callbacks if c.runs_the_model]:
+def _refuse_whole_model_callbacks(strategy: Strategy, callbacks: Sequence[Callback]) -> None:
+    """Callbacks that call the whole model themselves (generation, scoring) cannot under
+    pipeline parallelism (each process holds one stage) nor under tensor parallelism (its
+    sequence parallelism splits each forward's positions over the tp ranks, and a decoding step
+    or a scored continuation has any number of them): refused before any process waits."""
+    running = [type(c).__name__ for c in callbacks if c.runs_the_model]
+    if strategy.pipeline is not None:
+        why, setting = "each process holds one stage", "strategy.pp=1"
+    elif strategy.tp > 1:
+        why = f"sequence parallelism needs a multiple of {strategy.tp} positions in every forward"
+        setting = "strategy.tp=1"
+    else:
+        return
+    if running:
         raise UserError(
             f"callbacks that run the whole model (generation, scoring), here {', '.join(running)}, "
-            "cannot run under strategy.pp > 1 (each process holds one stage); leave them out of "
+            f"cannot run under {setting.split('=')[0]} > 1 ({why}); leave them out of "
             "callbacks= (e.g. "
             "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]) "
-            "or use strategy.pp=1"
+            f"or use {setting}"
         )
+
+
+def _check_pipeline_options(precision: str, microbatch_size: int | str | None) -> None:
+    """Refuse, before any process waits, what pipeline parallelism does not support yet."""
     if microbatch_size == "auto":
         raise UserError(
             "device_train_microbatch_size=auto is not supported with strategy.pp > 1 (the "

@@ -90,6 +90,14 @@ def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_th
     check(CONF, ["strategy=fsdp", "strategy.tp=2", "strategy.pp=2"])
 
 
+def test_tensor_parallel_needs_a_sequence_length_it_divides():
+    assert error_for("strategy=fsdp", "strategy.tp=4", "max_seq_len=126").startswith(
+        "strategy.tp: 4 does not divide max_seq_len=126: sequence parallelism splits each "
+        "sequence over the 4 tensor-parallel ranks"
+    )
+    check(CONF, ["strategy=fsdp", "strategy.tp=4", "max_seq_len=128"])
+
+
 def test_misspelt_key_added_with_plus_is_caught_too():
     message = error_for("+model.n_layer=2")
     assert message.startswith("model.n_layer: unknown key") and "n_layers" in message

@@ -16,7 +16,7 @@ from llmfoundry.trainer import Callback
 
 from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
-from .tensor_parallel_worker import tp_llama
+from .tensor_parallel_worker import tp_llama, tp_mpt
 from .workers import global_batches, rank_slice
 
 WORLD = 4
@@ -27,6 +27,9 @@ PARITY = {
 }
 # Gradient-norm clipping tight enough to bind at every step: the norm must span both stages.
 CLIP = 0.05
+
+# The tp=2 x pp=2 runs: family -> model (as the one-process references of the test).
+TP_X_PP = {"llama": tp_llama, "mpt": tp_mpt}
 
 
 class StageWeights(Callback):
@@ -76,13 +79,14 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         model=tiny_llama(),
     )  # fmt: skip
     result["llama_pp2_fsdp2"] = {"losses": recorder.losses}
-    join_env(rank, world, next(ports))  # tp x pp: two stages, each split over two processes
-    strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
-    recorder = parity_run(
-        strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
-        model=tp_llama(), eval_dataloaders=eval_sets(strategy),
-    )  # fmt: skip
-    result["llama_tp2_pp2"] = {"losses": recorder.losses, "eval": recorder.eval_metrics}
+    for family, build in TP_X_PP.items():  # two stages, each split over two processes
+        join_env(rank, world, next(ports))
+        strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
+        recorder = parity_run(
+            strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
+            model=build(), eval_dataloaders=eval_sets(strategy),
+        )  # fmt: skip
+        result[f"{family}_tp2_pp2"] = {"losses": recorder.losses, "eval": recorder.eval_metrics}
     for name, options, kwargs in (
         ("pp2_fsdp2_saved", {"pp": 2, "pp_schedule": "gpipe"}, {"stop_at": STOP_AT}),
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),

@@ -12,6 +12,7 @@ import torch
 
 from llmfoundry.distributed import FSDP, SingleDevice, Strategy
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer
 from llmfoundry.utils.errors import UserError
@@ -21,14 +22,6 @@ from .spawn import join_env
 from .workers import global_batches, rank_slice
 
 WORLD, TP = 4, 2
-# The parity runs: name -> (FSDP options, tied head).
-PARITY = {
-    "tp2_dp2": ({"tp": TP}, False),
-    "tp2_dp2_tied_activation_checkpointing": (
-        {"tp": TP, "activation_checkpointing": "full"},
-        True,
-    ),
-}
 
 
 def tp_llama(tied: bool = False) -> LlamaForCausalLM:
@@ -41,14 +34,43 @@ def tp_llama(tied: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def parity_run(strategy: Strategy, tied: bool, **kwargs: Any) -> tuple[Recorder, dict[str, float]]:
+def tp_mpt() -> MPTForCausalLM:
+    """Tiny MPT (ALiBi, tied head), on meta; 4 query and 2 key/value heads in its fused Wqkv,
+    so tp=2 splits both and the column exchange moves pieces of q, k and v alike."""
+    config = MPTConfig(
+        d_model=32, n_heads=4, kv_n_heads=2, n_layers=2, vocab_size=64, max_seq_len=16,
+        init_device="meta",
+    )  # fmt: skip
+    return MPTForCausalLM(config)
+
+
+MODELS = {
+    "llama": tp_llama,
+    "llama_tied": functools.partial(tp_llama, tied=True),
+    "mpt": tp_mpt,
+}
+# The parity runs: name -> (FSDP options, model).
+PARITY = {
+    "tp2_dp2": ({"tp": TP}, "llama"),
+    "tp2_dp2_tied_activation_checkpointing": (
+        {"tp": TP, "activation_checkpointing": "full"},
+        "llama_tied",
+    ),
+    # The Wqkv exchange runs again in the recomputed forward.
+    "mpt_tp2_dp2_activation_checkpointing": ({"tp": TP, "activation_checkpointing": "full"}, "mpt"),
+}
+# The models whose tp=2 x dp=2 checkpoint is resumed on other meshes.
+RESUMED = {"llama": tp_llama, "mpt": tp_mpt}
+
+
+def parity_run(strategy: Strategy, model: str, **kwargs: Any) -> tuple[Recorder, dict[str, float]]:
     """Three AdamW steps on the shared global batches (this data-parallel rank's slice), then
     an evaluation on them: the recorded steps and the eval metrics."""
     batches = global_batches()
     recorder = Recorder()
     own = rank_slice(batches, strategy.dp_rank, strategy.dp_size)
     state = Trainer(
-        model=tp_llama(tied),
+        model=MODELS[model](),
         strategy=strategy,
         train_dataloader=own,
         eval_dataloaders={"train": own},
@@ -61,34 +83,47 @@ def parity_run(strategy: Strategy, tied: bool, **kwargs: Any) -> tuple[Recorder,
     return recorder, dict(state.eval_metrics)
 
 
-def single_parity_run(tied: bool) -> tuple[Recorder, dict[str, float]]:
-    return parity_run(SingleDevice("cpu"), tied)
+def single_parity_run(model: str) -> tuple[Recorder, dict[str, float]]:
+    return parity_run(SingleDevice("cpu"), model)
 
 
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     ports = iter(ports)
     result: dict[str, dict] = {}
-    for name, (options, tied) in PARITY.items():
+    for name, (options, model) in PARITY.items():
         join_env(rank, world, next(ports))
-        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, **options), tied)
+        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, **options), model)
         result[name] = {"losses": recorder.losses, "initial": recorder.initial, "eval": metrics}
-    for name, options, kwargs in (
-        ("tp2_dp2_saved", {"tp": TP}, {"stop_at": STOP_AT}),
-        ("dp4_from_tp2_dp2", {}, {"load": f"{out}/tp2_dp2_saved"}),
-    ):
-        join_env(rank, world, next(ports))
-        recorder = resume_run(
-            FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", model=tp_llama, **kwargs
-        )
-        result[name] = {"losses": recorder.losses, "ids": recorder.ids}
+    for family, build in RESUMED.items():
+        for name, options, kwargs in (
+            (f"{family}_tp2_dp2_saved", {"tp": TP}, {"stop_at": STOP_AT}),
+            (f"{family}_dp4_from_tp2_dp2", {}, {"load": f"{out}/{family}_tp2_dp2_saved"}),
+        ):
+            join_env(rank, world, next(ports))
+            recorder = resume_run(
+                FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", model=build, **kwargs
+            )
+            result[name] = {"losses": recorder.losses, "ids": recorder.ids}
     # Auto-microbatching is refused (an OOM inside a block would strand its tp peers).
     join_env(rank, world, next(ports))
     strategy = FSDP("cpu", timeout_s=60, tp=TP)
     try:
-        parity_run(strategy, False, device_train_microbatch_size="auto")
+        parity_run(strategy, "llama", device_train_microbatch_size="auto")
         result["auto_microbatching"] = {"error": ""}
     except UserError as err:
         result["auto_microbatching"] = {"error": str(err)}
+    finally:
+        strategy.teardown()
+    # A sequence tp does not divide is refused on every rank before any collective.
+    join_env(rank, world, next(ports))
+    strategy = FSDP("cpu", timeout_s=60, tp=TP)
+    try:
+        strategy.setup()
+        model = strategy.prepare(tp_mpt())
+        model(torch.zeros(2, 15, dtype=torch.long))
+        result["odd_sequence"] = {"error": ""}
+    except UserError as err:
+        result["odd_sequence"] = {"error": str(err)}
     finally:
         strategy.teardown()
     torch.save(result, Path(out) / f"rank{rank}.pt")

@@ -2,7 +2,8 @@
 CPU, fp32): two stages of the tiny MPT, each sharded over two processes, give the one-process
 losses for the same global batch under both schedules, initialize as one process does, and a
 checkpoint saved at pp=2 x dp=2 resumes at dp=4 and in one process, continuing the same sample
-order; Llama's two stages (untied head), sharded or split by tp=2, give its one-process losses.
+order; Llama's two stages (untied head), sharded or split by tp=2, give its one-process losses,
+and so do MPT's split by tp=2.
 
 Tolerance: relative 1e-5 on losses, as test_fsdp.py's and for the same reason: the same fp32
 math summed in another order (the tied embedding's gradient is the sum of the first stage's
@@ -29,10 +30,9 @@ from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
-from .pipeline_worker import CLIP, PARITY, WORLD, StageWeights, rank_main
+from .pipeline_worker import CLIP, PARITY, TP_X_PP, WORLD, StageWeights, rank_main
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
-from .tensor_parallel_worker import tp_llama
 from .workers import global_batches
 
 LIMIT_S, RTOL = 600, 1e-5
@@ -53,12 +53,15 @@ def runs(tmp_path_factory):
             SingleDevice("cpu"), 0, 1, algorithms=[GradientClipping(threshold=CLIP)]
         ),
         "llama": parity_run(SingleDevice("cpu"), 0, 1, model=tiny_llama()),
-        "tp_llama": parity_run(
-            SingleDevice("cpu"), 0, 1, model=tp_llama(), eval_dataloaders=everything
-        ),
+        **{
+            f"tp_{family}": parity_run(
+                SingleDevice("cpu"), 0, 1, model=build(), eval_dataloaders=everything
+            )
+            for family, build in TP_X_PP.items()
+        },
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
-    ports = [free_port() for _ in range(len(PARITY) + 5)]
+    ports = [free_port() for _ in range(len(PARITY) + len(TP_X_PP) + 4)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single["single_from_pp"] = resume_run(
@@ -93,15 +96,15 @@ def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
         assert rank["llama_pp2_fsdp2"]["losses"] == pytest.approx(single["llama"].losses, rel=RTOL)
 
 
-def test_tp_x_pp_gives_the_one_process_losses(runs):
+@pytest.mark.parametrize("family", TP_X_PP)
+def test_tp_x_pp_gives_the_one_process_losses(runs, family):
     """tp=2 x pp=2 (no data parallelism): each stage's blocks split over two processes, the
     stages passing sequence-split activations, four microbatches through 1F1B."""
     single, _, ranks = runs
+    reference = single[f"tp_{family}"]
     for rank in ranks:
-        assert rank["llama_tp2_pp2"]["losses"] == pytest.approx(single["tp_llama"].losses, rel=RTOL)
-        assert rank["llama_tp2_pp2"]["eval"] == pytest.approx(
-            single["tp_llama"].eval_metrics, rel=RTOL
-        )
+        assert rank[f"{family}_tp2_pp2"]["losses"] == pytest.approx(reference.losses, rel=RTOL)
+        assert rank[f"{family}_tp2_pp2"]["eval"] == pytest.approx(reference.eval_metrics, rel=RTOL)
 
 
 def test_gradient_clipping_takes_the_norm_over_every_stage(runs):

@@ -1,7 +1,9 @@
-"""Tensor + sequence parallel (strategy.tp) with FSDP on four gloo processes (CPU, fp32): the
-same global batch gives one process's loss trajectory, from-scratch initialization equals one
-process's (and so does an evaluation), and a DCP checkpoint saved at tp=2 x dp=2 resumes at dp=4 and in one process.
-Refusals (MPT, sizes tp does not divide) run in this process.
+"""Tensor + sequence parallel (strategy.tp) with FSDP on four gloo processes (CPU, fp32), for
+Llama and for MPT (its fused Wqkv exchanged by head, ALiBi per local head): the same global
+batch gives one process's loss trajectory, from-scratch initialization equals one process's
+(and so does an evaluation), and a DCP checkpoint saved at tp=2 x dp=2 resumes at dp=4 and in
+one process. Refusals (what a layout does not cover, sizes tp does not divide) run in this
+process.
 
 Tolerance: relative 1e-5 on losses, as test_fsdp.py. Tensor parallelism computes the same fp32
 math in another order: each row-split matmul's two half sums are added by a reduce-scatter,
@@ -15,16 +17,26 @@ moves the loss by 1e-3 or more. Initialization and checkpointed state: bit for b
 import pytest
 import torch
 
+from llmfoundry.core.engine import Callback
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.parallelize import check_tensor_parallel
 from llmfoundry.models import parallel_plan
+from llmfoundry.trainer import Trainer
 from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
 from .sharded_worker import RESUME_BATCHES, STOP_AT, resume_run
 from .spawn import free_port, run_ranks
-from .tensor_parallel_worker import PARITY, WORLD, rank_main, single_parity_run, tp_llama
+from .tensor_parallel_worker import (
+    PARITY,
+    RESUMED,
+    WORLD,
+    rank_main,
+    single_parity_run,
+    tp_llama,
+    tp_mpt,
+)
 
 RTOL, LIMIT_S = 1e-5, 600
 
@@ -35,15 +47,24 @@ def runs(tmp_path_factory):
     resumption of the tp=2 x dp=2 checkpoint."""
     out = tmp_path_factory.mktemp("tensor_parallel")
     mds = str(write_mds(out / "mds", {"train": 32}))
-    single = {tied: single_parity_run(tied) for tied in (False, True)}
-    straight = resume_run(SingleDevice("cpu"), mds, str(out / "single_straight"), model=tp_llama)
-    ports = [free_port() for _ in range(len(PARITY) + 3)]
+    single = {model: single_parity_run(model) for _, model in PARITY.values()}
+    straight = {
+        family: resume_run(SingleDevice("cpu"), mds, str(out / f"{family}_straight"), model=build)
+        for family, build in RESUMED.items()
+    }
+    ports = [free_port() for _ in range(len(PARITY) + 2 * len(RESUMED) + 2)]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
-    from_tp = resume_run(
-        SingleDevice("cpu"), mds, str(out / "single_from_tp"), model=tp_llama,
-        load=str(out / "tp2_dp2_saved"),
-    )  # fmt: skip
+    from_tp = {
+        family: resume_run(
+            SingleDevice("cpu"),
+            mds,
+            str(out / f"{family}_single_from_tp"),
+            model=build,
+            load=str(out / f"{family}_tp2_dp2_saved"),
+        )  # fmt: skip
+        for family, build in RESUMED.items()
+    }
     return single, straight, from_tp, ranks
 
 
@@ -64,16 +85,19 @@ def test_tensor_parallel_gives_one_process_losses_initialization_and_eval(runs, 
     assert ranks[0][name]["eval"] == pytest.approx(metrics, rel=RTOL)
 
 
+@pytest.mark.parametrize("family", RESUMED)
 @pytest.mark.parametrize("resumed", ["dp4_from_tp2_dp2", "single_from_tp2_dp2"])
-def test_tensor_parallel_checkpoint_resumes_on_another_mesh(runs, resumed):
+def test_tensor_parallel_checkpoint_resumes_on_another_mesh(runs, family, resumed):
     _, straight, from_tp, ranks = runs
-    saved = ranks[0]["tp2_dp2_saved"]
+    straight = straight[family]
+    saved = ranks[0][f"{family}_tp2_dp2_saved"]
     assert saved["losses"] == pytest.approx(straight.losses[:STOP_AT], rel=RTOL)
     if resumed == "single_from_tp2_dp2":
-        losses, ids = from_tp.losses, from_tp.ids
+        losses, ids = from_tp[family].losses, from_tp[family].ids
     else:  # four data-parallel ranks: their samples together are one process's
-        losses = ranks[0][resumed]["losses"]
-        ids = [sum(step, []) for step in zip(*(r[resumed]["ids"] for r in ranks), strict=True)]
+        name = f"{family}_{resumed}"
+        losses = ranks[0][name]["losses"]
+        ids = [sum(step, []) for step in zip(*(r[name]["ids"] for r in ranks), strict=True)]
     assert len(losses) == RESUME_BATCHES - STOP_AT
     assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
     assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
@@ -87,9 +111,46 @@ def test_tensor_parallel_refuses_auto_microbatching_on_every_rank(runs):
         )
 
 
+def test_tensor_parallel_refuses_a_sequence_it_cannot_split_on_every_rank(runs):
+    *_, ranks = runs
+    for rank in ranks:
+        assert rank["odd_sequence"]["error"].startswith(
+            "strategy.tp=2 splits each sequence over 2 ranks, but this input has 15 positions"
+        )
+
+
+class _TensorParallelStrategy(SingleDevice):
+    """A strategy that says it splits the model (the trainer refuses before joining a group)."""
+
+    tp = 2
+
+
+class _Scorer(Callback):
+    runs_the_model = True
+
+
+def test_trainer_refuses_callbacks_that_run_the_whole_model(tmp_path):
+    """Generation (the default config's `generate`) decodes one position at a time, which
+    sequence parallelism cannot split: refused at start, not a collective mismatch at fit end."""
+    with pytest.raises(UserError, match=r"here _Scorer, cannot run under strategy.tp > 1 .*"):
+        Trainer(
+            model=tp_mpt(), strategy=_TensorParallelStrategy("cpu"), train_dataloader=[],
+            max_duration="1ba", optimizer=torch.optim.SGD, run_dir=tmp_path,
+            callbacks=[_Scorer()],
+        )  # fmt: skip
+
+
 def test_tensor_parallel_refuses_what_it_cannot_split():
-    with pytest.raises(UserError, match=r"MPT has no tensor-parallel plan.*model=llama-"):
-        check_tensor_parallel(parallel_plan(tiny_model()), 2)
     check_tensor_parallel(parallel_plan(tp_llama()), 2)
     with pytest.raises(UserError, match=r"strategy.tp=4 does not divide .*n_kv_heads=2"):
         check_tensor_parallel(parallel_plan(tp_llama()), 4)
+    check_tensor_parallel(parallel_plan(tp_mpt()), 2)
+    with pytest.raises(UserError, match=r"strategy.tp=4 does not divide .*kv_n_heads=2"):
+        check_tensor_parallel(parallel_plan(tp_mpt()), 4)
+    for unplanned, match in (
+        ({"qk_ln": True}, r"does not cover model.qk_ln=true .*turn it off, or use strategy.tp=1"),
+        ({"alibi": False}, r"does not cover model.learned_pos_emb=true"),
+        ({"infini": {"segment_len": 8}}, r"does not cover model.infini"),
+    ):
+        with pytest.raises(UserError, match=match):
+            check_tensor_parallel(parallel_plan(tiny_model(**unplanned)), 2)

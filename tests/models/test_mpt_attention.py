@@ -10,6 +10,7 @@ from llmfoundry.models.layers import attention
 from llmfoundry.models.layers.attention import AttentionMasks
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.position import ALiBi, alibi_slopes, causal_alibi_bias
+from llmfoundry.models.mpt.parallelize import _PartsExchange
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 12, 16, 24])
@@ -175,3 +176,57 @@ def test_sliding_window_hides_keys_window_or_more_back():
     assert torch.equal(visible, expected)
     with pytest.raises(ValueError, match="sliding_window must be null"):
         MPTConfig(d_model=32, n_heads=4, n_layers=1, sliding_window=0)
+
+
+@pytest.mark.parametrize(
+    ("tp", "widths"),
+    [(2, (32, 16, 16)), (3, (36, 12, 12)), (4, (64, 64, 64)), (4, (48, 16, 16))],
+)
+def test_the_wqkv_exchange_gives_each_rank_its_heads_q_k_and_v(tp, widths):
+    """The column exchange of MPT's tensor-parallel Wqkv (models/mpt/parallelize.py), its
+    all-to-all simulated in this process: column-split as ColwiseParallel splits it, then
+    exchanged, rank r holds the r-th tp-th of q, of k and of v, including when a rank's columns
+    straddle the q/k or k/v boundary (3 ranks of 60 columns; 4 of 48 + 16 + 16)."""
+    whole = torch.randn(2, 5, sum(widths))  # [batch, seq, q | k | v]
+    held = sum(widths) // tp
+    ranks = [_PartsExchange(widths, _Mesh(tp, r)) for r in range(tp)]
+    sent = [
+        ex.pack(whole[..., r * held : (r + 1) * held]).split(ex.send_sizes)
+        for r, ex in enumerate(ranks)
+    ]
+    q, k, v = whole.split(widths, dim=-1)
+    for r, ex in enumerate(ranks):
+        got = torch.cat([sent[src][r] for src in range(tp)])
+        expected = torch.cat([part.chunk(tp, dim=-1)[r] for part in (q, k, v)], dim=-1)
+        assert torch.equal(ex.unpack(got).view(2, 5, held), expected)
+
+
+class _Mesh:
+    """The two things `_PartsExchange` asks of a DeviceMesh, without a process group."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self) -> None:
+        return None
+
+
+def test_the_mask_of_a_head_range_is_that_range_of_the_whole_mask():
+    """Tensor parallelism gives each rank's mask a range of heads: ALiBi slopes and bias are
+    those of the whole model's heads in that range, for every kernel's way of reading them."""
+    whole = AttentionMasks(8, 16, ALiBi())
+    part = AttentionMasks(8, 16, ALiBi())
+    part.select_heads(2, 4)
+    sequence_id = torch.tensor([[0] * 6 + [1] * 10])
+    full_mask = whole(sequence_id, torch.device("cpu"), torch.float32)
+    part_mask = part(sequence_id, torch.device("cpu"), torch.float32)
+    assert torch.equal(part_mask.alibi_slopes, full_mask.alibi_slopes[2:4])
+    assert torch.equal(part_mask.dense_bias(16, 16), full_mask.dense_bias(16, 16)[:, 2:4])
+    with pytest.raises(ValueError, match=r"heads \[6, 10\) are not within the 8 heads"):
+        part.select_heads(6, 10)

@@ -91,6 +91,13 @@ def test_communication_bubble_and_step_time():
     # PP: 4 microbatches, the float32 [4, 16] output forward and its gradient back, / tp.
     assert sent.pipeline == 4 * 2 * 64 * 4 / 2
     assert plan_communication(mesh(activation_checkpointing=True), 1).tensor_parallel == 12288
+    # A layout that exchanges 2 block inputs' worth in all-to-alls per forward (MPT's Wqkv with
+    # 4 query and 2 key/value heads): 2 / tp of each block input in forward and backward, a
+    # third time recomputed: 4 microbatches * 4 blocks * (2 or 3) * 1 * 1/2 * 4 * 16 * 2.
+    exchanging = dataclasses.replace(COUNTS, tp_all_to_all=2.0)
+    assert plan_communication(mesh(counts=exchanging), 1).tensor_parallel == 8192 + 2048
+    checkpointed = mesh(counts=exchanging, activation_checkpointing=True)
+    assert plan_communication(checkpointed, 1).tensor_parallel == 12288 + 3072
     assert bubble_fraction(2, 4) == 1 / 5 and bubble_fraction(1, 4) == 0
     assert bubble_fraction(2, 4, "interleaved", 2) == 1 / 9
     assert bubble_fraction(4, 8, "gpipe") == 3 / 11
@@ -153,19 +160,35 @@ def test_recommend_keeps_pure_fsdp_when_it_fits():
 
 
 def test_a_family_without_a_tensor_parallel_plan_gets_no_tp():
-    """MPT (training refuses its tp > 1): --tp is refused as training would refuse it, and the
-    25000-byte case above, which only tp 2 fits, gets no recommendation at all."""
+    """A family whose config training refuses tp > 1 for (MPT with qk_ln): --tp is refused as
+    training would refuse it, and the 25000-byte case above, which only tp 2 fits, gets no
+    recommendation at all."""
     no_tp = dataclasses.replace(COUNTS, tp_refusal="MPT has no tensor-parallel plan")
     with pytest.raises(ValueError, match="--tp 2: MPT has no tensor-parallel plan"):
         mesh(counts=no_tp)
     assert recommend(mesh(tp=1, pp=1), 25000).setup.tp == 2
     assert recommend(mesh(tp=1, pp=1, counts=no_tp), 25000) is None
     assert recommend(mesh(tp=1, pp=1, counts=no_tp), 1e6).setup.tp == 1
-    # Read from each family's plan.
-    mpt = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64)
+    # Read from each family's plan: MPT's layout exchanges its Wqkv output ((4 + 2 * 2) / 4
+    # block inputs), and does not cover qk_ln.
+    mpt = MPTConfig(d_model=32, n_heads=4, kv_n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64)
+    qk_ln = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64, qk_ln=True)
     llama = LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64)
-    assert "MPT has no tensor-parallel plan" in count_model(mpt, 16, "fp32").tp_refusal
-    assert count_model(llama, 16, "fp32").tp_refusal is None
+    assert (
+        count_model(mpt, 16, "fp32").tp_refusal,
+        count_model(mpt, 16, "fp32").tp_all_to_all,
+    ) == (
+        None,
+        2.0,
+    )
+    assert "does not cover model.qk_ln=true" in count_model(qk_ln, 16, "fp32").tp_refusal
+    assert (
+        count_model(llama, 16, "fp32").tp_refusal,
+        count_model(llama, 16, "fp32").tp_all_to_all,
+    ) == (
+        None,
+        0.0,
+    )
 
 
 def test_plan_script_refuses_an_impossible_mesh_in_one_line():

@@ -57,7 +57,7 @@ class AttentionMask:
 
     @property
     def alibi_slopes(self) -> torch.Tensor | None:
-        """float32 [n_heads] on the mask's device, or None without ALiBi."""
+        """float32 [heads] on the mask's device (the source's `heads`), or None without ALiBi."""
         return self.source.slopes(self.device)
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -108,6 +108,10 @@ class AttentionMasks(nn.Module):
     `shared_cached`. The caches are plain attributes, not buffers: they are derived data, so
     they stay out of state dicts, FSDP sharding and DDP's per-step buffer broadcast; their keys
     (device, dtype, length) rebuild them after the model moves.
+
+    `heads` are the heads whose attention the model's blocks compute: all of them, unless the
+    model's projections were split by head from outside (tensor parallelism gives each rank a
+    contiguous range; `select_heads`). ALiBi's per-head slopes and bias follow that range.
     """
 
     def __init__(
@@ -122,6 +126,14 @@ class AttentionMasks(nn.Module):
         self.window = window
         self.max_seq_len = max_seq_len
         self.alibi = alibi
+        self.heads = slice(0, n_heads)
+        self.reset()
+
+    def select_heads(self, start: int, stop: int) -> None:
+        """Describe only heads [start, stop) from now on (their slopes, their bias)."""
+        if not 0 <= start < stop <= self.n_heads:
+            raise ValueError(f"heads [{start}, {stop}) are not within the {self.n_heads} heads")
+        self.heads = slice(start, stop)
         self.reset()
 
     def reset(self) -> None:
@@ -131,23 +143,23 @@ class AttentionMasks(nn.Module):
         self._shared: dict[Any, Any] = {}
 
     def slopes(self, device: torch.device) -> torch.Tensor | None:
-        """ALiBi slopes, float32 [n_heads] on `device`; None without ALiBi."""
+        """ALiBi slopes of the `heads`, float32 [len(heads)] on `device`; None without ALiBi."""
         if self.alibi is None:
             return None
         if self._slopes is None or self._slopes.device != device:
-            self._slopes = self.alibi.slopes(self.n_heads).to(device)
+            self._slopes = self.alibi.slopes(self.n_heads)[self.heads].to(device)
         return self._slopes
 
     def causal_bias(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The causal bias (window, ALiBi) [1, H or 1, seq_len, seq_len], sliced from the cache."""
+        """The causal bias (window, ALiBi) [1, len(heads) or 1, seq_len, seq_len], sliced from
+        the cache."""
         cached = self.cached
         stale = cached is None or cached.device != device or cached.dtype != dtype
         if stale or cached.shape[-1] < seq_len:
             size = max(seq_len, self.max_seq_len)
             bias_max = None if self.alibi is None else self.alibi.bias_max
-            self.cached = cached = causal_alibi_bias(
-                self.n_heads, size, bias_max, device, dtype, self.window
-            )
+            bias = causal_alibi_bias(self.n_heads, size, bias_max, device, dtype, self.window)
+            self.cached = cached = bias if self.alibi is None else bias[:, self.heads].contiguous()
         return cached[..., :seq_len, :seq_len]
 
     def shared_cached(self, key: Any, build: Callable[[], Any]) -> Any:

@@ -36,6 +36,8 @@ class Attention(nn.Module):
     `qk_ln` normalises queries and keys over their full width before they are split into heads.
     `forward` is `project` then `attend`: a caller with a cache of past keys and values can run
     `project` on the new tokens, extend k and v, and `attend` with the mask of all positions.
+    The head counts are read from the projection's width, not the config, so the same code runs
+    a `Wqkv` that computes [q | k | v] for a subset of the heads (a tensor-parallel rank's).
     """
 
     def __init__(self, cfg: MPTConfig) -> None:
@@ -56,17 +58,17 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, n_heads, L, head_dim] and k, v [B, kv_n_heads, L, head_dim] for `x` [B, L, d]."""
-        batch, seq_len, d_model = x.shape
+        batch, seq_len, _ = x.shape
         qkv = self.Wqkv(x)
         if self.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
-        kv_dim = self.kv_n_heads * self.head_dim
-        q, k, v = qkv.split([d_model, kv_dim, kv_dim], dim=-1)
+        kv_dim = qkv.shape[-1] * self.kv_n_heads // (self.n_heads + 2 * self.kv_n_heads)
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * kv_dim, kv_dim, kv_dim], dim=-1)
         if self.qk_ln:
             q, k = self.q_ln(q), self.k_ln(k)
-        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq_len, self.kv_n_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq_len, self.kv_n_heads, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         return q, k, v
 
     def attend(
