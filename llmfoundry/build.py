@@ -80,6 +80,7 @@ def build_trainer(
         eval_batch_size=settings.device_eval_batch_size or device_batch,
         max_seq_len=seq_len,
         data_parallel=data_parallel,
+        pad_to_multiple_of=strategy.tp,
     )
     # Every dataset's ids must fit the embedding, eval sets' too; each meta.json checked once.
     datasets = [data.train_dataset, *(loader.streaming_dataset for loader in data.evals.values())]

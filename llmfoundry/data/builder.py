@@ -9,7 +9,8 @@ shards, ``MemmapTokens`` for a token file) with its own arguments, plus the keys
   ``pin_memory``, ``prefetch_factor``, ``drop_last``, ``timeout``.
 
 The builder supplies the rest of the dataset's arguments: ``split``, ``batch_size``,
-``max_seq_len``, ``data_parallel``, and ``evaluation=True`` for the eval splits. Each setting
+``max_seq_len``, ``data_parallel``, ``evaluation=True`` for the eval splits, and under
+tensor parallelism ``pad_to_multiple_of`` (rows padded to a multiple of tp). Each setting
 and its default is defined once, in the signature that takes it; the config schema
 (llmfoundry/config/schema.py) checks the node against those signatures (``group_hints``).
 
@@ -121,6 +122,7 @@ def build_loaders(
     eval_batch_size: int,
     max_seq_len: int | None,
     data_parallel: tuple[int, int] | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> DataLoaders:
     """Build the ``data`` group's loaders: ``train_split`` and every eval set.
 
@@ -130,6 +132,9 @@ def build_loaders(
         max_seq_len: tokens per row the model takes (longer rows are cut, or windows are this
             long); None keeps rows whole.
         data_parallel: (rank, size) among the data-parallel readers (the strategy's).
+        pad_to_multiple_of: the batches' widths are a multiple of this (the strategy's tp:
+            sequence parallelism splits each row); passed to the datasets only when above 1, so
+            a dataset of one's own needs the argument only to be trained tensor-parallel.
     """
     values = (
         OmegaConf.to_container(group, resolve=True)
@@ -149,12 +154,14 @@ def build_loaders(
     def loader(
         make: Callable[..., EpochDataset], split: str, evaluation: bool
     ) -> StreamingDataLoader:
+        padding = {"pad_to_multiple_of": pad_to_multiple_of} if pad_to_multiple_of > 1 else {}
         built = make(
             split=split,
             batch_size=eval_batch_size if evaluation else batch_size,
             max_seq_len=max_seq_len,
             data_parallel=data_parallel,
             evaluation=evaluation,
+            **padding,
         )
         return StreamingDataLoader(built, **loader_args)
 

@@ -60,6 +60,8 @@ class MemmapTokens(EpochDataset):
         epoch_size: random windows per epoch over all ranks (default: split tokens //
             max_seq_len).
         max_seq_len: tokens per window (the builder passes the model's).
+        pad_to_multiple_of: what max_seq_len must be a multiple of (the builder passes
+            strategy.tp; windows are never padded).
         sequence_id_from_eos: batches get ``sequence_id`` (document index of each token) from
             this eos id, or ``auto`` (the sidecar's eos_id).
         batch_size, data_parallel, evaluation: :class:`EpochDataset`.
@@ -80,6 +82,7 @@ class MemmapTokens(EpochDataset):
         epoch_size: int | None = None,
         max_seq_len: int | None = None,
         sequence_id_from_eos: int | Literal["auto"] | None = None,
+        pad_to_multiple_of: int = 1,
         batch_size: int | None = None,
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
@@ -103,6 +106,12 @@ class MemmapTokens(EpochDataset):
         if max_seq_len is None:
             raise UserError("memmap windows need max_seq_len (tokens per sample)")
         check_int("max_seq_len", max_seq_len, minimum=1)
+        check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
+        if max_seq_len % pad_to_multiple_of:
+            raise UserError(
+                f"memmap windows are max_seq_len={max_seq_len} tokens, never padded: make it a "
+                f"multiple of {pad_to_multiple_of} (strategy.tp splits every sequence)"
+            )
         path, part = _split_file(local_path(remote), split, file, split_files, val_fraction)
         self.path, self.split, self.max_seq_len = path, split, max_seq_len
         self.tokens, self.meta = _open(path)

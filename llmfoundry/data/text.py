@@ -68,6 +68,9 @@ class StreamingTextDataset(StreamingDataset):
     Args:
         max_seq_len: longest row to return (longer rows are truncated, with a warning naming the
             numbers and the fix); None keeps rows whole.
+        pad_to_multiple_of: batches are right-padded to a width that is a multiple of this
+            (labels -100, documents apart): tensor parallelism splits every sequence over its
+            ranks, so the builder passes strategy.tp. Padding on the right changes no loss.
         sequence_id_from_eos: document masking: mark each token's document (batches get
             ``sequence_id``) from the eos token data_prep ends every document with; a token
             id, or ``"auto"`` for meta.json's eos_id. Shards with their own sequence_id column
@@ -80,11 +83,14 @@ class StreamingTextDataset(StreamingDataset):
         *args: Any,
         max_seq_len: int | None = None,
         sequence_id_from_eos: int | Literal["auto"] | None = None,
+        pad_to_multiple_of: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         check_int("max_seq_len", max_seq_len, minimum=1, optional=True)
+        check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
         self.max_seq_len = max_seq_len
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
         self.meta = _read_meta(self.meta_url, self.storage_options, self.caches[0].node)
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
@@ -198,10 +204,17 @@ class StreamingTextDataset(StreamingDataset):
             lengths = np.array([len(row) for row in decoded[TOKENS]], np.int64)
             width = int(lengths.max())
             for column in self.columns:
-                fill = {TOKENS: 0, LABELS: _PAD_LABEL}.get(column, _PAD_SEQUENCE_ID)
-                array = rows[column] = np.full((len(ids), width), fill, np.int64)
+                array = rows[column] = np.full((len(ids), width), _fill(column), np.int64)
                 for r, row in enumerate(decoded[column]):
                     array[r, : len(row)] = row
+        if width % self.pad_to_multiple_of:
+            padded = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            for column, array in rows.items():
+                rows[column] = np.full((len(ids), padded), _fill(column), np.int64)
+                rows[column][:, :width] = array
+            if lengths is None:
+                lengths = np.full(len(ids), width, np.int64)
+            width = padded
         tokens = rows[TOKENS]
         batch = {
             "input_ids": torch.from_numpy(tokens.astype(np.int64)),
@@ -220,6 +233,11 @@ class StreamingTextDataset(StreamingDataset):
             if padding is not None:
                 batch[SEQUENCE_ID][padding] = _PAD_SEQUENCE_ID
         return batch
+
+
+def _fill(column: str) -> int:
+    """What a column holds where a row is padded: token 0, label -100, a document of its own."""
+    return {TOKENS: 0, LABELS: _PAD_LABEL}.get(column, _PAD_SEQUENCE_ID)
 
 
 @functools.cache

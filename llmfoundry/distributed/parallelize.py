@@ -76,9 +76,16 @@ def parallelize(
 
 def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
     """Refuse (one line, on every rank alike, before any collective) a tensor-parallel degree
-    the model cannot take: a family without a layout, or sizes `tp` does not divide."""
+    the model cannot take: a family without a layout, compiled blocks (torch 2.13's compiled
+    backward through DTensor redistributions fails: probed on CPU with MPT's and Llama's
+    layouts), or sizes `tp` does not divide."""
     if plan.tensor_parallel is None:
         raise UserError(f"strategy.tp={tp}: {plan.tensor_parallel_refusal}")
+    if plan.compile:  # torch 2.13: a DTensor redistribute's backward gets a plain tensor
+        raise UserError(
+            f"strategy.tp={tp} with compiled blocks (model.compile=true): in torch 2.13 their "
+            "backward fails under tensor parallelism; set model.compile=false"
+        )
     uneven = [f"{name}={size}" for name, size in plan.tp_divides.items() if size % tp]
     if uneven:
         raise UserError(

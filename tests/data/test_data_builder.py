@@ -218,3 +218,14 @@ def test_misspelt_data_keys_get_suggestions():
         CONF,
         ["data=memmap", "data.split_files={train: a.bin, val: b.bin}", "data.val_fraction=null"],
     )
+
+
+def test_tensor_parallelism_pads_every_split_to_a_multiple_of_tp(root: Path):
+    """build_trainer passes strategy.tp: the train and eval batches' widths are multiples."""
+    data = build_loaders(
+        group(remote=str(root)), batch_size=8, eval_batch_size=4, max_seq_len=15,
+        pad_to_multiple_of=4,
+    )  # fmt: skip
+    for loader in (data.train, *data.evals.values()):
+        batch = next(iter(loader))
+        assert batch["input_ids"].shape[1] == 16 and batch["labels"][:, 15].eq(-100).all()

@@ -153,6 +153,9 @@ def test_bad_input_is_a_one_line_error(prepared: Path, tmp_path: Path):
         MemmapTokens(str(prepared), max_seq_len=100_000)
     with pytest.raises(UserError, match="memmap data reads a local folder"):
         dataset("s3://bucket/data")
+    with pytest.raises(UserError, match=r"max_seq_len=16 tokens, never padded: .*multiple of 3"):
+        dataset(prepared, pad_to_multiple_of=3)
+    assert dataset(prepared, pad_to_multiple_of=4).max_seq_len == L
     with pytest.raises(UserError, match="with val_fraction the splits are train and val"):
         dataset(prepared, "test")
     with pytest.raises(UserError, match="set val_fraction=null"):

@@ -103,6 +103,27 @@ def test_variable_length_rows_are_padded_with_ignored_labels(tmp_path: Path):
     assert (batch["labels"][1] == batch["input_ids"][1]).all()
 
 
+def test_batches_are_padded_to_a_multiple_for_tensor_parallelism(tmp_path: Path):
+    """Sequence parallelism splits every row over the tp ranks (the builder passes strategy.tp):
+    variable-length batches and fixed rows of another width are right-padded to a multiple,
+    with ignored labels and the padding a document of its own."""
+    rows = [np.arange(n, dtype=np.uint16) + 1 for n in (5, 3)]
+    with MDSWriter(tmp_path / "var", {"tokens": "ndarray:uint16"}) as writer:
+        for row in rows:
+            writer.write({"tokens": row})
+    ds = StreamingTextDataset(str(tmp_path / "var"), pad_to_multiple_of=4, sequence_id_from_eos=3)
+    batch = ds.get_batch(np.array([0, 1]))
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0], [1, 2, 3, 0, 0, 0, 0, 0]]
+    assert batch["labels"].tolist()[0] == [1, 2, 3, 4, 5, -100, -100, -100]
+    assert batch["sequence_id"].tolist()[1][3:] == [-1] * 5
+    write_tokens(tmp_path / "fixed", token_rows(2, length=6))
+    fixed = StreamingTextDataset(str(tmp_path / "fixed"), pad_to_multiple_of=4)
+    batch = fixed.get_batch(np.array([0, 1]))
+    assert batch["input_ids"].shape == (2, 8) and batch["input_ids"][:, 6:].eq(0).all()
+    assert batch["labels"][:, :6].equal(torch.from_numpy(token_rows(2, length=6).astype(np.int64)))
+    assert batch["labels"][:, 6:].eq(-100).all()
+
+
 def test_text_columns_are_required(tmp_path: Path):
     with MDSWriter(tmp_path / "txt", {"text": "str"}) as writer:
         writer.write({"text": "hello"})

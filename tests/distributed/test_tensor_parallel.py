@@ -147,6 +147,10 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
     check_tensor_parallel(parallel_plan(tp_mpt()), 2)
     with pytest.raises(UserError, match=r"strategy.tp=4 does not divide .*kv_n_heads=2"):
         check_tensor_parallel(parallel_plan(tp_mpt()), 4)
+    with pytest.raises(
+        UserError, match=r"strategy.tp=2 with compiled blocks .*model.compile=false"
+    ):
+        check_tensor_parallel(parallel_plan(tiny_model(compile=True)), 2)
     for unplanned, match in (
         ({"qk_ln": True}, r"does not cover model.qk_ln=true .*turn it off, or use strategy.tp=1"),
         ({"alibi": False}, r"does not cover model.learned_pos_emb=true"),
