@@ -533,19 +533,18 @@ def _refuse_whole_model_callbacks(strategy: Strategy, callbacks: Sequence[Callba
     or a scored continuation has any number of them): refused before any process waits."""
     running = [type(c).__name__ for c in callbacks if c.runs_the_model]
     if strategy.pipeline is not None:
-        why, setting = "each process holds one stage", "strategy.pp=1"
+        axis, why = "strategy.pp", "each process holds one stage"
     elif strategy.tp > 1:
+        axis = "strategy.tp"
         why = f"sequence parallelism needs a multiple of {strategy.tp} positions in every forward"
-        setting = "strategy.tp=1"
     else:
         return
     if running:
         raise UserError(
             f"callbacks that run the whole model (generation, scoring), here {', '.join(running)}, "
-            f"cannot run under {setting.split('=')[0]} > 1 ({why}); leave them out of "
-            "callbacks= (e.g. "
+            f"cannot run under {axis} > 1 ({why}); leave them out of callbacks= (e.g. "
             "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]) "
-            f"or use {setting}"
+            f"or use {axis}=1"
         )
 
 

@@ -199,7 +199,8 @@ class _PartsExchange:
             return (lo - holder * held, max(hi, lo) - holder * held)
 
         parts = range(len(widths))
-        self.sent = [piece(me, to, p) for to in range(size) for p in parts]
+        sent = [piece(me, to, p) for to in range(size) for p in parts]  # by receiver, part
+        self.sent = [(lo, hi) for lo, hi in sent if hi > lo]
         self.send_sizes = [sum(_length(piece(me, to, p)) for p in parts) for to in range(size)]
         self.recv_sizes = [sum(_length(piece(src, me, p)) for p in parts) for src in range(size)]
         received = []  # (start, stop) in the receive buffer, part-major
@@ -210,7 +211,6 @@ class _PartsExchange:
                 )
                 received.append((offset, offset + _length(piece(src, me, p))))
         self.received = [(lo, hi) for lo, hi in received if hi > lo]
-        self.sent = [(lo, hi) for lo, hi in self.sent if hi > lo]
 
     def __call__(self, output: torch.Tensor) -> torch.Tensor:
         send = self.pack(output)
