@@ -41,7 +41,8 @@ class Callback:
     """Observes events: define a method named after the event (e.g. ``batch_end``).
 
     `runs_the_model`: whether it calls the whole model itself (generation, scoring), which
-    pipeline parallelism cannot serve: each process holds only its stage (refused at start)."""
+    pipeline parallelism cannot serve (each process holds only its stage) nor tensor
+    parallelism (its sequence split needs a multiple of tp positions): refused at start."""
 
     runs_the_model: bool = False
 

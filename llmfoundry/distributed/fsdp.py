@@ -168,10 +168,13 @@ class FSDP(ProcessGroupStrategy):
         self.cpu_offload = cpu_offload
         self.async_save = async_save
         self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
-        self.tp = tp
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._guard_collectives = False
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
 
     def setup(self) -> None:
         super().setup()
@@ -216,9 +219,9 @@ class FSDP(ProcessGroupStrategy):
         next collective, so every rank leaves the step together and none waits in an
         all-gather or reduce-scatter another abandoned. Refused with tensor parallelism: its
         collectives run inside each block, past any agreement before it."""
-        if self.dims.tp > 1:
+        if self.tp > 1:
             raise UserError(
-                f"device_train_microbatch_size=auto with strategy.tp={self.dims.tp}: an "
+                f"device_train_microbatch_size=auto with strategy.tp={self.tp}: an "
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
