@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo demo-quick finetune-demo lint bench plot clean
+.PHONY: setup test test-fast demo demo-quick finetune-demo lint bench plot gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,17 @@ plot: setup
 
 bench: setup
 	$(PY) bench/data_loader.py
+
+# The packages a GPU machine without network lacks (bench/gpu_wheels.txt), as wheels for its
+# Python (GPU_PYTHON, x86-64 Linux) in .whl/, which bench/gpu_acceptance.sh installs from.
+GPU_PYTHON ?= 3.12
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --implementation cp \
+		--python-version $(GPU_PYTHON) $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d .whl -r bench/gpu_wheels.txt
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 clean:
 	rm -rf $(VENV) outputs data/demo .pytest_cache

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 import statistics
 import sys
@@ -114,6 +115,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gpu.add_argument("--compile", choices=("off", "on", "both"), default="both")
     gpu.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
     gpu.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    gpu.add_argument("--json-out", type=Path, help="also write the rows to this JSON file")
     gpu.add_argument(
         "--gpu-precisions", nargs="+", choices=("amp_bf16", "amp_fp8"), default=["amp_bf16"],
         help="amp_fp8: bf16 autocast + torchao Float8Linear (compute capability 8.9+)",
@@ -404,6 +406,7 @@ def gpu_suite(args: argparse.Namespace) -> int:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     print(f"{'model':10s} {'attn':6s} {'compile':8s} {'batch':>5s} {'precision':9s} "
           f"{'tokens/s':>12s} {'MFU':>7s} {'peak mem':>10s}")  # fmt: skip
+    rows: list[dict] = []
     for model_name in args.gpu_models:
         model_cfg = instantiate(compose_config(CONF, [f"model={model_name}"]).model)
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
@@ -419,14 +422,23 @@ def gpu_suite(args: argparse.Namespace) -> int:
                 cfg = dataclasses.replace(model_cfg, attn_impl=impl)
                 tokens_per_sec, peak_mem = gpu_run(cfg, seq_len, batch, compiled, args, precision)
             except (RuntimeError, ValueError) as err:  # OOM, a kernel this device lacks
-                print(f"{label} failed: {str(err).splitlines()[0][:100]}")
+                error = str(err).splitlines()[0][:100]
+                print(f"{label} failed: {error}")
+                rows.append({"model": model_name, "attn_impl": impl, "compile": compiled,
+                             "precision": precision, "error": error})  # fmt: skip
                 continue
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            mfu = "n/a" if peak is None else f"{tokens_per_sec * flops / peak:.1%}"
-            print(f"{label} {tokens_per_sec:12,.0f} {mfu:>7s} {peak_mem / 2**30:7.1f} GiB",
-                  flush=True)  # fmt: skip
+            mfu = None if peak is None else tokens_per_sec * flops / peak
+            print(f"{label} {tokens_per_sec:12,.0f} {'n/a' if mfu is None else f'{mfu:.1%}':>7s} "
+                  f"{peak_mem / 2**30:7.1f} GiB", flush=True)  # fmt: skip
+            rows.append({"model": model_name, "attn_impl": impl, "compile": compiled,
+                         "batch": batch, "seq_len": seq_len, "precision": precision,
+                         "tokens_per_s": tokens_per_sec, "mfu": mfu,
+                         "peak_memory_gib": peak_mem / 2**30})  # fmt: skip
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -20,6 +20,18 @@ import pytest
 from llmfoundry.utils import storage
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are skipped without a CUDA GPU (`pytest -m cuda` selects them all)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
     """The signal tests send SIGINT as Ctrl-C would; a shell starts background jobs (and so this

@@ -1,5 +1,6 @@
 """bench/train_throughput.py: argument checks, all three CPU sides, and the GPU suite on CPU."""
 
+import json
 import runpy
 from pathlib import Path
 
@@ -49,16 +50,20 @@ def test_three_sides_run_and_print_ratios(bench, capsys):
         assert line in out
 
 
-def test_gpu_suite_runs_a_tiny_shape_on_cpu(bench, capsys):
+def test_gpu_suite_runs_a_tiny_shape_on_cpu(bench, capsys, tmp_path):
     # sdpa only: flex has no CPU backward (it is refused on CPU, as its own test checks).
     argv = ["--gpu", "--device", "cpu", "--gpu-models", "mpt-tiny", "--seq-len", "16",
             "--batch", "2", "--steps", "1", "--warmup", "0", "--compile", "off",
-            "--attn-impls", "sdpa"]  # fmt: skip
+            "--attn-impls", "sdpa", "--json-out", str(tmp_path / "rows.json")]  # fmt: skip
     assert bench["main"](argv) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("mpt-tiny"))
     assert row.split()[:4] == ["mpt-tiny", "sdpa", "off", "2"]
     assert "failed" not in out
+    (rows,) = json.loads((tmp_path / "rows.json").read_text())  # the rows, as printed
+    assert (rows["model"], rows["attn_impl"], rows["compile"], rows["batch"]) == (
+        "mpt-tiny", "sdpa", False, 2)  # fmt: skip
+    assert f"{rows['tokens_per_s']:12,.0f}" in row
 
 
 def test_gpu_suite_refuses_fp8_off_gpu_in_one_line(bench):

@@ -105,7 +105,7 @@ def test_runtime_estimator_rejects_negative_skip():
         RuntimeEstimator(skip_batches=-1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA allocator statistics need a GPU")
+@pytest.mark.cuda  # CUDA allocator statistics need a GPU
 def test_memory_and_mfu_on_a_gpu(tmp_path):
     recorder = Recorder()
     make_trainer(

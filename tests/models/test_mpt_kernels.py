@@ -20,8 +20,6 @@ from llmfoundry.models.layers.flex import flex_attention
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.mpt.infini import infini_attention
 
-HAS_GPU = torch.cuda.is_available()
-
 
 def _sequence_id(batch, seq_len, pad=0):
     """Three documents per row at different cuts, then `pad` padding tokens (id -1)."""
@@ -225,7 +223,7 @@ def _relative_error(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="the flex and flash kernels' training paths need CUDA")
+@pytest.mark.cuda  # the flex and flash kernels' training paths need CUDA
 @pytest.mark.parametrize("impl", ["flex", "flash"])
 @pytest.mark.parametrize("documents", [False, True])
 def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):

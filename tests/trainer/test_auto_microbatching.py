@@ -170,7 +170,7 @@ def test_bad_microbatch_setting(tmp_path, bad):
         train(tmp_path, token_batches(1, 4), device_train_microbatch_size=bad)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-memory error needs CUDA")
+@pytest.mark.cuda  # a real out-of-memory error needs CUDA
 def test_real_cuda_oom_is_recovered(tmp_path):
     """Cap this process's CUDA memory, then give it a batch whose activations cannot fit."""
     torch.cuda.empty_cache()

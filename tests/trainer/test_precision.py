@@ -60,7 +60,7 @@ def test_unknown_precision_and_cpu_fp16_are_errors():
     assert Precision("amp_bf16", torch.device("cpu")).state_dict() == {}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="amp_fp16 needs CUDA")
+@pytest.mark.cuda  # amp_fp16 needs CUDA
 def test_fp16_scales_the_loss_and_unscales_before_the_step(tmp_path):
     seen = []
 
