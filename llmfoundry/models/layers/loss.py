@@ -4,10 +4,25 @@
 a full float32 log-softmax, keeps it for backward, writes a full gradient of it, and the shift
 (`logits[:, :-1]`) adds a zero-filled full-size gradient and a copy in backward; in bf16 autocast
 the `.float()` of the logits is one more full float32 copy. Here the loss walks the logits in
-chunks of rows small enough to stay in cache: forward keeps only each row's log-sum-exp (float32),
-backward recomputes softmax per chunk and writes the gradient once, in the logits' dtype. The
-shift is done on the labels (the last position of each row gets no target), so the logits are
-never sliced. The math is float32 throughout, as `F.cross_entropy(logits.float(), ...)`.
+chunks of rows: forward keeps only each row's log-sum-exp (float32), backward recomputes softmax
+per chunk and writes the gradient once, in the logits' dtype. Each chunk's only full-size
+temporary is one float32 tensor (the logits minus the row maximum, promoted as they are read),
+so nothing of the size of the logits is ever added. The shift is done on the labels (the last
+position of each row gets no target), so the logits are never sliced. The math is float32
+throughout, as `F.cross_entropy(logits.float(), ...)`.
+
+Chunk size, by device (`rows_per_chunk`): a chunk costs about 8 kernels in forward and 4 in
+backward, whatever its size.
+- CPU: 2^20 logits (a 4 MB float32 temporary), small enough to stay in a core's cache, large
+  enough that the per-chunk overhead is negligible.
+- GPU (any device but the CPU): 2^26 logits (a 256 MiB temporary). Each kernel then streams at
+  least 128 MiB, ~50 us of HBM traffic on an H100/H200, well above the ~5 us a launch costs the
+  host, so the launches hide behind the work: a step's loss costs its bytes (about 40 per
+  logit in bf16), not its launches. With the CPU's size a GPU would run tens of thousands of
+  microsecond-long kernels per step (20 rows per chunk at MPT's vocabulary of 50,368: 1,639
+  chunks for 16 x 2048 tokens; 25 with this size, and one chunk for up to 1,332 tokens). A
+  fused kernel would read the logits twice instead of about ten times; the chunks keep one
+  eager implementation for every device, with a memory bound that does not depend on the batch.
 
 Vocabulary-sharded logits (a DTensor split on its last dimension, as a tensor-parallel output
 head leaves them) are read in place: each rank runs the same chunks over its own columns, and
@@ -21,6 +36,7 @@ not), and without the chunking.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,13 +44,87 @@ from torch.distributed.tensor import DTensor, Shard
 
 IGNORE_INDEX = -100
 
-# Logits per chunk: 1M (4 MB in float32), small enough for one chunk's temporaries to stay in a
-# core's cache, large enough that the per-chunk overhead is negligible.
-_CHUNK_ELEMENTS = 1 << 20
+# Logits per chunk (module docstring): the CPU's cache, and on any other device a size whose
+# kernels outlast their launches.
+CPU_CHUNK_ELEMENTS = 1 << 20
+DEVICE_CHUNK_ELEMENTS = 1 << 26
 
 
-def _rows_per_chunk(vocab: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // vocab)
+def rows_per_chunk(vocab: int, device: torch.device) -> int:
+    """Rows of `vocab` logits the loss reads per chunk on `device` (module docstring)."""
+    budget = CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+    return max(1, budget // vocab)
+
+
+class _Rows(NamedTuple):
+    """The logits as [tokens, columns] rows on this rank and each row's target: `group` is
+    the process group over whose ranks the vocabulary is split (None: it is whole here), of
+    which this rank holds the columns [first, first + columns)."""
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    group: dist.ProcessGroup | None = None
+    first: int = 0
+
+
+def _rows(logits: torch.Tensor, labels: torch.Tensor) -> _Rows:
+    """Position t's target is labels[t + 1] (the last position's is ignored); a DTensor's
+    vocabulary is read as this rank's columns of it."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    if not isinstance(logits, DTensor):
+        return _Rows(logits.flatten(0, 1), targets.flatten())
+    mesh = logits.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"vocabulary-sharded logits must lie on one mesh axis, not {mesh.ndim}")
+    vocab = logits.shape[-1]
+    if vocab % mesh.size():
+        raise ValueError(f"vocabulary {vocab} does not split evenly over {mesh.size()} ranks")
+    sharded = logits.redistribute(mesh, [Shard(logits.ndim - 1)])  # a no-op for a TP head
+    width = vocab // mesh.size()
+    local = sharded.to_local().flatten(0, 1)
+    return _Rows(local, targets.flatten(), mesh.get_group(), mesh.get_local_rank() * width)
+
+
+def _local_targets(rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which rows count (target not ignored), which of them have their target among this
+    rank's columns, and each row's target column here (0 where it is not here)."""
+    valid = rows.targets != IGNORE_INDEX
+    local = rows.targets - rows.first
+    here = valid & (local >= 0) & (local < rows.logits.shape[1])
+    return valid, here, local.masked_fill(~here, 0)
+
+
+def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [rows, columns], in chunks: the log-sum-exp (float32) and the
+    maximum (the logits' dtype)."""
+    n_rows, width = logits.shape
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    peak = torch.empty(n_rows, dtype=logits.dtype, device=logits.device)
+    step = rows_per_chunk(width, logits.device)
+    for start in range(0, n_rows, step):
+        rows = slice(start, start + step)
+        chunk = logits[rows]
+        torch.amax(chunk, dim=1, out=peak[rows])
+        # As torch.logsumexp: an infinite maximum shifts by 0 (the row's result is +-inf).
+        shift = torch.nan_to_num(peak[rows].float(), posinf=0.0, neginf=0.0)
+        sums = torch.sub(chunk, shift[:, None]).exp_().sum(dim=1)  # float32, promoted on read
+        torch.add(sums.log_(), shift, out=lse[rows])
+    return lse, peak
+
+
+def _global_lse(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """log sum_r exp(lse_r) over the ranks of `group`, shifted by the rows' maxima for range."""
+    peak = lse.clone()
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    total = (lse - peak).exp()
+    dist.all_reduce(total, group=group)
+    return total.log_() + peak
+
+
+def _target_logit(logits: torch.Tensor, column: torch.Tensor, here: torch.Tensor) -> torch.Tensor:
+    """Each row's logit at `column` (float32), 0 where the target is not `here`."""
+    return logits.gather(1, column[:, None]).squeeze(1).float() * here
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
@@ -52,49 +142,34 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         group: dist.ProcessGroup | None = None,
         first: int = 0,
     ) -> torch.Tensor:
-        n_rows, vocab = logits.shape
-        valid = targets != IGNORE_INDEX
-        local = targets - first
-        here = valid & (local >= 0) & (local < vocab)
-        safe_targets = local.masked_fill(~here, 0)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1).float() * here
-        step = _rows_per_chunk(vocab)
-        for start in range(0, n_rows, step):
-            chunk = logits[start : start + step].float()
-            torch.logsumexp(chunk, dim=1, out=lse[start : start + step])
-        if group is not None:  # log sum_r exp(lse_r), shifted by the rows' maxima for range
-            peak = lse.clone()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            total = (lse - peak).exp()
-            dist.all_reduce(total, group=group)
-            lse = total.log_() + peak
+        valid, here, column = _local_targets(_Rows(logits, targets, group, first))
+        target_logit = _target_logit(logits, column, here)
+        lse, _ = _row_stats(logits)
+        if group is not None:
+            lse = _global_lse(lse, group)
             dist.all_reduce(target_logit, group=group)
-        ctx.save_for_backward(logits, safe_targets, here, valid, lse)
+        ctx.save_for_backward(logits, column, here, valid, lse)
         return ((lse - target_logit) * valid).sum()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        logits, safe_targets, here, valid, lse = ctx.saved_tensors
-        n_rows, vocab = logits.shape
+        logits, column, here, valid, lse = ctx.saved_tensors
+        n_rows, width = logits.shape
         grad = torch.empty_like(logits)
         # d/dlogits = (softmax - onehot(target)) * grad_output, zero on ignored rows.
-        scale = valid.float() * grad_output.float()
-        step = _rows_per_chunk(vocab)
+        math_dtype = torch.promote_types(logits.dtype, torch.float32)
+        scale = (valid.to(math_dtype) * grad_output)[:, None]
+        onehot = -here.to(math_dtype)[:, None]
+        in_place = grad.dtype == math_dtype
+        step = rows_per_chunk(width, logits.device)
         for start in range(0, n_rows, step):
-            stop = min(start + step, n_rows)
-            # float32 logits: compute straight into the gradient's rows (no temporary); others:
-            # in a float32 temporary, cast once into the gradient. Never in the logits' storage.
-            if grad.dtype == torch.float32:
-                probs = torch.sub(logits[start:stop], lse[start:stop, None], out=grad[start:stop])
-            else:
-                probs = logits[start:stop].float() - lse[start:stop, None]
-            probs.exp_()
-            rows = torch.arange(stop - start, device=logits.device)
-            probs[rows, safe_targets[start:stop]] -= here[start:stop].to(probs.dtype)
-            probs.mul_(scale[start:stop, None])
-            if probs.dtype != grad.dtype:
-                grad[start:stop] = probs
+            rows = slice(start, start + step)
+            # float32 logits: softmax straight into the gradient's rows (no temporary); bf16 or
+            # fp16: in a float32 temporary, cast as the scaled result is written into the
+            # gradient.
+            probs = torch.sub(logits[rows], lse[rows, None], out=grad[rows] if in_place else None)
+            probs.exp_().scatter_add_(1, column[rows, None], onehot[rows])
+            torch.mul(probs, scale[rows], out=grad[rows])
         return grad, None, None, None
 
 
@@ -103,24 +178,7 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     summed over positions whose next label is not -100; float32. `logits` may be a DTensor
     over one mesh axis (a tensor-parallel head's): read vocabulary-sharded, the same sum on
     every rank of that axis."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
-    if not isinstance(logits, DTensor):
-        return _ChunkedCrossEntropySum.apply(logits.flatten(0, 1), targets.flatten())
-    mesh = logits.device_mesh
-    if mesh.ndim != 1:
-        raise ValueError(f"vocabulary-sharded logits must lie on one mesh axis, not {mesh.ndim}")
-    vocab = logits.shape[-1]
-    if vocab % mesh.size():
-        raise ValueError(f"vocabulary {vocab} does not split evenly over {mesh.size()} ranks")
-    sharded = logits.redistribute(mesh, [Shard(logits.ndim - 1)])  # a no-op for a TP head
-    width = vocab // mesh.size()
-    return _ChunkedCrossEntropySum.apply(
-        sharded.to_local().flatten(0, 1),
-        targets.flatten(),
-        mesh.get_group(),
-        mesh.get_local_rank() * width,
-    )
+    return _ChunkedCrossEntropySum.apply(*_rows(logits, labels))
 
 
 def next_token_loss(
