@@ -1,5 +1,5 @@
 """The chunked next-token cross-entropy equals F.cross_entropy, value and gradient; its chunks are
-sized for the device (kernel launches per step)."""
+sized for the device (kernel launches per step); evaluation's per-position scores."""
 
 import math
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmfoundry.models.layers import loss as loss_module
-from llmfoundry.models.layers.loss import next_token_loss_sum
+from llmfoundry.core import loss as loss_module
+from llmfoundry.core.loss import next_token_loss_sum
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -103,3 +103,25 @@ def test_launches_per_step_on_a_device_grow_with_the_bytes_not_the_rows():
     assert per_chunk == 12  # each chunk's kernels: 8 in forward, 4 in backward
     assert launches(16, 2048, MPT_VOCAB, "meta") == one_chunk + 24 * per_chunk
     assert launches(8, 8192, LLAMA3_VOCAB, "meta") == one_chunk + 125 * per_chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_are_cross_entropy_and_argmax_of_each_position(monkeypatch, dtype):
+    """Evaluation's per-position loss and prediction, over several chunks (a ragged last one):
+    the loss is F.cross_entropy of the float32 logits, the prediction their argmax (the first
+    of tied maxima), ignored and last positions score 0."""
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_ELEMENTS", 64)
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 7, 11, generator=gen) * 3).to(dtype)
+    logits[0, 3, [2, 5]] = 40.0  # a tie: the first wins
+    labels = torch.randint(0, 11, (3, 7), generator=gen)
+    labels[1, 2:5] = -100
+    losses, predicted = loss_module.next_token_scores(logits, labels)
+    assert losses.dtype == torch.float32 and predicted.dtype == torch.long
+    want = F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none"
+    )
+    torch.testing.assert_close(losses[:, :-1], want)
+    assert losses[:, -1].abs().sum() == 0 and losses[1, 1:4].abs().sum() == 0
+    assert torch.equal(predicted, logits.float().argmax(-1)) and predicted[0, 3] == 2
+

@@ -31,6 +31,11 @@ only per-row numbers cross ranks (each row's log-sum-exp and target logit: two a
 softmax = exp(logit - lse) with the global lse. torch's `loss_parallel` does the same for
 `F.cross_entropy`, but only with the backward inside its context (the trainer's backward is
 not), and without the chunking.
+
+Evaluation reads the same chunks (`next_token_scores`): each position's loss and the model's
+prediction (the argmax, from the row maxima the log-sum-exp needs anyway; across vocabulary
+shards, one all-reduce of the maxima and one of the indices), without a float32 copy of the
+logits.
 """
 
 from __future__ import annotations
@@ -95,22 +100,28 @@ def _local_targets(rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return valid, here, local.masked_fill(~here, 0)
 
 
-def _row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `logits` [rows, columns], in chunks: the log-sum-exp (float32) and the
-    maximum (the logits' dtype)."""
+def _row_stats(
+    logits: torch.Tensor, argmax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per row of `logits` [rows, columns], in chunks: the log-sum-exp (float32), the maximum
+    (the logits' dtype) and, with `argmax`, the first column holding it."""
     n_rows, width = logits.shape
     lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     peak = torch.empty(n_rows, dtype=logits.dtype, device=logits.device)
+    index = torch.empty(n_rows, dtype=torch.long, device=logits.device) if argmax else None
     step = rows_per_chunk(width, logits.device)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         chunk = logits[rows]
-        torch.amax(chunk, dim=1, out=peak[rows])
+        if index is None:
+            torch.amax(chunk, dim=1, out=peak[rows])
+        else:
+            torch.max(chunk, dim=1, out=(peak[rows], index[rows]))
         # As torch.logsumexp: an infinite maximum shifts by 0 (the row's result is +-inf).
         shift = torch.nan_to_num(peak[rows].float(), posinf=0.0, neginf=0.0)
         sums = torch.sub(chunk, shift[:, None]).exp_().sum(dim=1)  # float32, promoted on read
         torch.add(sums.log_(), shift, out=lse[rows])
-    return lse, peak
+    return lse, peak, index
 
 
 def _global_lse(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -120,6 +131,19 @@ def _global_lse(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     total = (lse - peak).exp()
     dist.all_reduce(total, group=group)
     return total.log_() + peak
+
+
+def _global_argmax(
+    peak: torch.Tensor, index: torch.Tensor, rows: _Rows, vocab: int
+) -> torch.Tensor:
+    """The first vocabulary index of each row's maximum over the ranks of `rows.group`, from
+    each rank's row maxima and their columns: two all-reduces of [rows] numbers."""
+    mine = peak.float()
+    best = mine.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=rows.group)
+    candidate = torch.where(mine == best, index + rows.first, vocab)
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=rows.group)
+    return candidate
 
 
 def _target_logit(logits: torch.Tensor, column: torch.Tensor, here: torch.Tensor) -> torch.Tensor:
@@ -144,7 +168,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     ) -> torch.Tensor:
         valid, here, column = _local_targets(_Rows(logits, targets, group, first))
         target_logit = _target_logit(logits, column, here)
-        lse, _ = _row_stats(logits)
+        lse, _, _ = _row_stats(logits)
         if group is not None:
             lse = _global_lse(lse, group)
             dist.all_reduce(target_logit, group=group)
@@ -179,6 +203,29 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     over one mesh axis (a tensor-parallel head's): read vocabulary-sharded, the same sum on
     every rank of that axis."""
     return _ChunkedCrossEntropySum.apply(*_rows(logits, labels))
+
+
+@torch.no_grad()
+def next_token_scores(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's cross-entropy against the next label (float32 [batch, seq]; 0 where that
+    label is -100, and at the last position) and the model's prediction there (the argmax of
+    its logits, the first on ties: int64 [batch, seq]), for evaluation.
+
+    The logits are read in their own dtype, chunk by chunk (module docstring), so they are
+    never copied whole; a vocabulary-sharded DTensor stays sharded (per-row numbers cross its
+    ranks, the same results on each)."""
+    rows = _rows(logits, labels)
+    valid, here, column = _local_targets(rows)
+    target_logit = _target_logit(rows.logits, column, here)
+    lse, peak, index = _row_stats(rows.logits, argmax=True)
+    if rows.group is not None:
+        lse = _global_lse(lse, rows.group)
+        dist.all_reduce(target_logit, group=rows.group)
+        index = _global_argmax(peak, index, rows, logits.shape[-1])
+    losses = torch.where(valid, lse - target_logit, 0.0)
+    return losses.view(labels.shape), index.view(labels.shape)
 
 
 def next_token_loss(
