@@ -19,6 +19,7 @@ from llmfoundry.models.converters import (
     Float8Training,
     LowPrecisionLayerNorm,
     convert_model,
+    float8_refusal,
     resolve_precision,
 )
 from llmfoundry.models.families import build_model
@@ -167,3 +168,24 @@ def test_float8_backward_takes_a_token_count_that_is_not_a_multiple_of_16(monkey
         grads[emulate] = (out, inputs.grad, linear.weight.grad)
     for got, want in zip(grads[False], grads[True], strict=True):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(
+    float8_refusal(torch.device("cuda")) is not None, reason="needs a GPU of capability 8.9+"
+)
+def test_float8_on_the_gpu_trains_a_token_count_that_is_not_a_multiple_of_16():
+    """The same on cuBLASLt itself: 2 x 12 tokens through a converted Linear, forward and
+    backward, close to bf16."""
+    cuda = torch.device("cuda")
+    model = materialize(tiny_model(), cuda)
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    Float8Training().convert(model, ConversionContext("amp_bf16", cuda))
+    linear = model.transformer.blocks[0].ffn.up_proj
+    x = torch.randn(2, 12, 32, device=cuda, requires_grad=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = linear(x)
+    out.float().square().sum().backward()
+    weight = reference["transformer.blocks.0.ffn.up_proj.weight"]
+    want = torch.nn.functional.linear(x.detach().bfloat16(), weight.bfloat16()).float()
+    assert ((out.float() - want).norm() / want.norm()).item() < 0.1  # e4m3: ~2^-4 per element
+    assert linear.weight.grad is not None and torch.isfinite(linear.weight.grad).all()
