@@ -15,14 +15,15 @@ Chunk size, by device (`rows_per_chunk`): a chunk costs about 8 kernels in forwa
 backward, whatever its size.
 - CPU: 2^20 logits (a 4 MB float32 temporary), small enough to stay in a core's cache, large
   enough that the per-chunk overhead is negligible.
-- GPU (any device but the CPU): 2^26 logits (a 256 MiB temporary). Each kernel then streams at
-  least 128 MiB, ~50 us of HBM traffic on an H100/H200, well above the ~5 us a launch costs the
-  host, so the launches hide behind the work: a step's loss costs its bytes (about 40 per
-  logit in bf16), not its launches. With the CPU's size a GPU would run tens of thousands of
-  microsecond-long kernels per step (20 rows per chunk at MPT's vocabulary of 50,368: 1,639
-  chunks for 16 x 2048 tokens; 25 with this size, and one chunk for up to 1,332 tokens). A
-  fused kernel would read the logits twice instead of about ten times; the chunks keep one
-  eager implementation for every device, with a memory bound that does not depend on the batch.
+- GPU (any device but the CPU): 2^26 logits (a 256 MiB temporary). Each full-size kernel then
+  moves 128-512 MiB, 30-100 us of HBM traffic on an H100/H200, well above the ~5 us a launch
+  costs the host, so the launches hide behind the work: a step's loss costs its bytes (about
+  40 per logit in bf16, forward and backward), not its launches. With the CPU's size a GPU
+  would run ~20,000 microsecond-long kernels per step (20 rows per chunk at MPT's vocabulary
+  of 50,368: 1,639 chunks for 16 x 2048 tokens; 25 with this size, and one chunk for up to
+  1,332 tokens). A fused (compiled or Triton) kernel would move about 8 bytes per logit; these
+  chunks keep one eager implementation for every device, exact on the CPU tests, with a memory
+  bound that does not depend on the batch.
 
 Vocabulary-sharded logits (a DTensor split on its last dimension, as a tensor-parallel output
 head leaves them) are read in place: each rank runs the same chunks over its own columns, and
