@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_damage, resolve
 from llmfoundry.checkpoint.lock import lock_run_folders
-from llmfoundry.config import validate_config
+from llmfoundry.config import TrainSettings, validate_config
 from llmfoundry.core.metrics import LanguageMetrics
 from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
@@ -122,11 +122,24 @@ def build_trainer(
         loggers=instantiate_all("loggers"),
         precision=precision,
         device_train_microbatch_size=settings.device_train_microbatch_size,
+        device_eval_microbatch_size=eval_microbatch_size(settings, device_batch),
         seed=settings.seed,
         config=OmegaConf.to_container(cfg, resolve=True),
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
     )
+
+
+def eval_microbatch_size(settings: TrainSettings, device_batch: int) -> int:
+    """Samples per eval forward: `device_eval_microbatch_size`, else the train microbatch when
+    it is a number, else the per-device train batch (auto-microbatching's first try). Whatever
+    fits a training step fits an eval forward, which keeps no activations or gradients; the eval
+    loaders' batch (`device_eval_batch_size`, 32 by default) may not: its logits alone are
+    6.6 GB in bf16 at 32 x 2048 x 50k."""
+    if settings.device_eval_microbatch_size is not None:
+        return settings.device_eval_microbatch_size
+    train = settings.device_train_microbatch_size
+    return train if isinstance(train, int) else device_batch
 
 
 def per_rank_batch(global_batch: int, dp_size: int) -> int:

@@ -35,6 +35,9 @@ class TrainSettings:
     # start from the whole per-device batch and halve on out-of-memory errors.
     device_train_microbatch_size: int | Literal["auto"] | None = None
     device_eval_batch_size: int | None = None
+    # Samples per eval forward (evaluation holds one forward's logits); null =
+    # device_train_microbatch_size when it is a number, else the per-device train batch.
+    device_eval_microbatch_size: int | None = None
     # amp_fp8: amp_bf16 with the blocks' matmuls in float8 (converters=[float8]; a GPU of
     # compute capability 8.9+).
     precision: Literal["fp32", "amp_bf16", "amp_fp16", "amp_fp8"] = "fp32"
@@ -80,6 +83,7 @@ class TrainSettings:
             "global_train_batch_size",
             "device_train_microbatch_size",
             "device_eval_batch_size",
+            "device_eval_microbatch_size",
             "eval_subset_num_batches",
             "max_seq_len",
         ):

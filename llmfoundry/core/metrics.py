@@ -7,10 +7,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-IGNORE_INDEX = -100
+from llmfoundry.core.loss import IGNORE_INDEX, next_token_scores
+
 # Eval batches may carry this bool [batch] key: False marks a sample repeated only to pad the
 # last batches, so that every rank reads as many batches as the others.
 SAMPLE_MASK = "sample_mask"
@@ -83,18 +82,15 @@ class LanguageMetrics:
     def update(
         self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor], sample_mask: torch.Tensor
     ) -> None:
-        if isinstance(logits, DTensor):  # a tensor-parallel head's, vocabulary-sharded: the
-            logits = logits.full_tensor()  # argmax and per-token losses need whole rows
-        logits = logits[:, :-1].float()
-        targets = batch["labels"][:, 1:]
+        """Add a batch's sums. Each position's loss and prediction come from the logits in their
+        own dtype, chunk by chunk (`next_token_scores`: no float32 copy of the logits; a
+        tensor-parallel head's vocabulary-sharded logits are read in place, not gathered)."""
+        labels = batch["labels"]
+        losses, predicted = next_token_scores(logits, labels)
+        targets = labels[:, 1:]
         mask = (targets != IGNORE_INDEX) & sample_mask[:, None]
-        token_loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)),
-            targets.masked_fill(~mask, IGNORE_INDEX).reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )
-        correct = ((logits.argmax(-1) == targets) & mask).sum()
+        token_loss = torch.where(mask, losses[:, :-1], 0.0)
+        correct = ((predicted[:, :-1] == targets) & mask).sum()
         self.totals += torch.stack(
             [token_loss.double().sum(), mask.sum().double(), correct.double()]
         )

@@ -69,7 +69,17 @@ CONTEXT_PARALLEL_REFUSAL = (
 _MIXED_PRECISION = {
     None: MixedPrecisionPolicy(),
     # Compute in bf16 (parameters gathered as bf16); reduce gradients in fp32 for accuracy.
-    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    # Forward inputs are not cast: FSDP2 would cast every float tensor among each unit's
+    # arguments to bf16, rebuilding each dataclass that holds them, so every block would get
+    # its own copy of the forward's AttentionMask (whose memo then builds the attention bias
+    # once per block, not once per forward), Llama's float32 RoPE cos/sin would reach the
+    # blocks in bf16, and the model would extend a copy of a generation's KVCache (the
+    # caller's would not advance). No unit needs the cast: the root's inputs are token ids,
+    # and the activations a block (or a pipeline stage) receives are bf16 already, computed
+    # with the embedding's bf16 parameters.
+    "bf16": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+    ),
 }
 # Random initializers that must see the whole tensor: torch.nn.init's (which hand a tensor
 # subclass such as DTensor to the torch-function mode as a `tensor=` keyword, before they reach

@@ -18,13 +18,15 @@ run would otherwise silently train without what the config asked for.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmfoundry.models.families import family_of
@@ -170,6 +172,13 @@ class Float8Training:
       logits go straight into the softmax, and their gradient is the loss's.
     - Everything outside the blocks (embeddings, norms) and Linears already in float8.
 
+    The weight gradient multiplies over the tokens (grad_output^T @ input), so the float8
+    kernels also need the tokens of a microbatch in multiples of 16, which padded finetuning
+    batches need not be: a converted Linear given another count pads its input with zero rows
+    to the next multiple (they add nothing to any sum) and drops their outputs
+    (`_any_token_count`). torchao's ``pad_inner_dim`` would pad inside every float8 matmul
+    instead, copying both operands (and the weight twice) even when the count is a multiple.
+
     float8 pays on large matmuls (d_model of 2048 and up) and with torch.compile, which fuses
     the amax and casts; eager small models run slower than in bf16. Under FSDP the weights are
     all-gathered in their own dtype (torchao's float8 all-gather is not turned on).
@@ -225,7 +234,25 @@ class Float8Training:
             module_filter_fn=lambda module, name: name in chosen,
             config=Float8LinearConfig(emulate=self.emulate),
         )
+        for name in targets:
+            linear = model.get_submodule(name)
+            linear.forward = functools.partial(_any_token_count, linear.forward)
         return targets
+
+
+def _any_token_count(forward: Callable, x: torch.Tensor) -> torch.Tensor:
+    """`forward` (a Float8Linear's) of `x` [..., in_features] whatever its number of tokens:
+    unless it is a multiple of 16 (float8 matmuls need one: `Float8Training`), `forward` gets
+    the tokens as rows with zero rows added up to the next multiple, and their outputs are
+    dropped. A zero row changes neither the weight gradient nor the float8 scales (each from an
+    absolute maximum), so the result is what unpadded float8 matmuls would give."""
+    width = x.shape[-1]
+    tokens = x.numel() // width
+    missing = -tokens % FLOAT8_DIM_MULTIPLE
+    if missing == 0:
+        return forward(x)
+    rows = F.pad(x.reshape(tokens, width), (0, 0, 0, missing))
+    return forward(rows)[:tokens].reshape(*x.shape[:-1], -1)
 
 
 def resolve_precision(

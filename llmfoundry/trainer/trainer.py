@@ -19,7 +19,7 @@ from llmfoundry.checkpoint import Preemption, load_checkpoint
 from llmfoundry.core.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.core.events import Event
 from llmfoundry.core.metrics import SAMPLE_MASK, DeviceScalar, loss_token_count
-from llmfoundry.core.model import EvalSet, eval_set, loss_fn, metrics_factory
+from llmfoundry.core.model import EvalSet, Metrics, eval_set, loss_fn, metrics_factory
 from llmfoundry.core.precision import Precision
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, TimeUnit
@@ -51,6 +51,9 @@ class Trainer:
 
     `device_train_microbatch_size` is an int, None (the whole per-device batch) or "auto":
     start from the whole per-device batch and halve on out-of-memory errors (`_train_batch`).
+    `device_eval_microbatch_size`: rows per forward in evaluation (None: each eval batch whole);
+    a forward's logits ([rows, seq, vocab]) are what evaluation holds, so this bounds its memory
+    whatever size the eval loaders batch by.
 
     `scheduler` maps the state to a learning-rate multiplier of each group's initial lr.
     """
@@ -74,6 +77,7 @@ class Trainer:
         loggers: Sequence[LoggerDestination] = (),
         precision: str = "fp32",
         device_train_microbatch_size: int | str | None = None,
+        device_eval_microbatch_size: int | None = None,
         seed: int = 17,
         config: dict[str, Any] | None = None,
         load_path: str | None = None,
@@ -97,6 +101,12 @@ class Trainer:
         self.schedule = scheduler
         self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
+        if device_eval_microbatch_size is not None and device_eval_microbatch_size < 1:
+            raise UserError(
+                f"device_eval_microbatch_size must be a positive integer (rows per eval "
+                f"forward) or None (each eval batch whole), got {device_eval_microbatch_size}"
+            )
+        self.device_eval_microbatch_size = device_eval_microbatch_size
         if self.auto_microbatching:
             self.strategy.guard_collectives(prepared)
         self._logged_microbatch_size: int | None = None
@@ -403,10 +413,8 @@ class Trainer:
         return loss_sum
 
     def _microbatches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        n = batch["labels"].shape[0]
-        size = self.state.device_train_microbatch_size or n
-        for start in range(0, n, size):
-            yield {k: v[start : start + size] for k, v in batch.items()}
+        for rows in _row_slices(batch["labels"].shape[0], self.state.device_train_microbatch_size):
+            yield {k: v[rows] for k, v in batch.items()}
 
     def _out_of_memory_on_any_rank(self, out_of_memory: bool) -> bool:
         flag = torch.tensor([float(out_of_memory)], device=self.state.device)
@@ -472,18 +480,13 @@ class Trainer:
                     and index >= self.eval_subset_num_batches
                 ):
                     break
-                state.batch, sample_mask = _split_sample_mask(batch, state.device)
+                batch, sample_mask = _split_sample_mask(batch, state.device)
+                state.batch = batch
                 engine.run_event(Event.EVAL_BATCH_START)
-                engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                with self.precision.autocast():
-                    state.outputs = (
-                        state.model(state.batch)
-                        if pipeline is None
-                        else pipeline.forward_only(state.batch)  # None but on the last stage
-                    )
-                engine.run_event(Event.EVAL_AFTER_FORWARD)
-                if state.outputs is not None:
-                    metrics.update(state.outputs, state.batch, sample_mask)
+                for rows in _row_slices(sample_mask.shape[0], self.device_eval_microbatch_size):
+                    microbatch = {k: v[rows] for k, v in batch.items()}
+                    self._eval_forward(metrics, microbatch, sample_mask[rows])
+                state.batch = batch
                 engine.run_event(Event.EVAL_BATCH_END)
             if pipeline is not None:
                 pipeline.sum_over_stages(metrics.totals)
@@ -500,6 +503,24 @@ class Trainer:
         load_rng_state(rng)
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
+
+    def _eval_forward(
+        self, metrics: Metrics, microbatch: dict[str, torch.Tensor], sample_mask: torch.Tensor
+    ) -> None:
+        """One eval forward and its metrics. The previous forward's outputs are dropped first,
+        so two microbatches' logits are never held at once."""
+        state, engine, pipeline = self.state, self.engine, self.strategy.pipeline
+        state.batch, state.outputs = microbatch, None
+        engine.run_event(Event.EVAL_BEFORE_FORWARD)
+        with self.precision.autocast():
+            state.outputs = (
+                state.model(microbatch)
+                if pipeline is None
+                else pipeline.forward_only(microbatch)  # None but on the last stage
+            )
+        engine.run_event(Event.EVAL_AFTER_FORWARD)
+        if state.outputs is not None:
+            metrics.update(state.outputs, microbatch, sample_mask)
 
     def close(self) -> None:
         self.engine.close()
@@ -559,6 +580,13 @@ def _check_pipeline_options(precision: str, microbatch_size: int | str | None) -
         raise UserError(
             "precision=amp_fp16 (loss scaling) is not supported with strategy.pp > 1; use amp_bf16"
         )
+
+
+def _row_slices(rows: int, size: int | None) -> Iterator[slice]:
+    """Consecutive slices of `size` of `rows` rows (None: one slice of all of them)."""
+    step = size or max(rows, 1)
+    for start in range(0, rows, step):
+        yield slice(start, start + step)
 
 
 def _is_auto(microbatch_size: int | str | None) -> bool:

@@ -1,7 +1,9 @@
 """fp8 training (`Float8Training` in llmfoundry/models/converters.py, precision=amp_fp8): which
 Linears become torchao's Float8Linear and which stay, unchanged parameter names, the refusal
-on a machine without a GPU of compute capability 8.9+, and a step with the float8 matmuls
-emulated on CPU (torchao's ``emulate``). The speed on a GPU: bench/gpu.sh."""
+on a machine without a GPU of compute capability 8.9+, a step with the float8 matmuls
+emulated on CPU (torchao's ``emulate``), and a backward over a token count that is not a
+multiple of 16 through CPU float8 kernels held to CUDA's shape rules. The speed on a GPU:
+bench/gpu.sh."""
 
 import math
 from pathlib import Path
@@ -17,6 +19,7 @@ from llmfoundry.models.converters import (
     Float8Training,
     LowPrecisionLayerNorm,
     convert_model,
+    float8_refusal,
     resolve_precision,
 )
 from llmfoundry.models.families import build_model
@@ -123,3 +126,66 @@ def test_an_emulated_fp8_run_trains_near_its_bf16_twin(tmp_path):
     assert math.isfinite(losses["fp8"])
     assert losses["fp8"] != losses["bf16"]
     assert math.isclose(losses["fp8"], losses["bf16"], rel_tol=0.01)
+
+
+def _scaled_mm_with_cuda_shape_rules(real):
+    """torch._scaled_mm as CUDA runs it: cuBLASLt's float8 kernels take an inner dimension
+    (mat1's columns) and mat2's columns only in multiples of 16 (torch's own check, worded as
+    it words it); the CPU kernel takes any shape, so on CPU the rule is checked here."""
+
+    def scaled_mm(mat1, mat2, *args, **kwargs):
+        if mat1.shape[1] % 16 or mat2.shape[0] % 16 or mat2.shape[1] % 16:
+            raise RuntimeError(
+                f"mat1 shape {tuple(mat1.shape)} and mat2 shape {tuple(mat2.shape)} must be "
+                "divisible by 16 (cuBLASLt float8)"
+            )
+        return real(mat1, mat2, *args, **kwargs)
+
+    return scaled_mm
+
+
+@pytest.mark.parametrize("seq_len", [12, 16])
+def test_float8_backward_takes_a_token_count_that_is_not_a_multiple_of_16(monkeypatch, seq_len):
+    """The weight gradient's float8 matmul multiplies over the tokens (grad_output^T @ input),
+    so a microbatch of 2 x 12 tokens (a padded finetuning batch) would fail in backward on a
+    GPU. The converted Linears pad the tokens to a multiple of 16 with zeros (which change no
+    sum) when they are not, so forward and backward give what the emulated matmuls give."""
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_with_cuda_shape_rules(torch._scaled_mm))
+    monkeypatch.setattr("llmfoundry.models.converters.float8_refusal", lambda device: None)
+    torch.manual_seed(0)
+    x = torch.randn(2, seq_len, 32, dtype=torch.bfloat16)
+    weights = materialize(tiny_model(), CPU).state_dict()
+    grads = {}
+    for emulate in (False, True):
+        model = materialize(tiny_model(), CPU)
+        model.load_state_dict(weights)
+        Float8Training(emulate=emulate).convert(model, BF16)
+        linear = model.transformer.blocks[0].ffn.up_proj  # 32 -> 128
+        inputs = x.clone().requires_grad_()
+        out = linear(inputs)
+        assert out.shape == (2, seq_len, 128) and out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads[emulate] = (out, inputs.grad, linear.weight.grad)
+    for got, want in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(
+    float8_refusal(torch.device("cuda")) is not None, reason="needs a GPU of capability 8.9+"
+)
+def test_float8_on_the_gpu_trains_a_token_count_that_is_not_a_multiple_of_16():
+    """The same on cuBLASLt itself: 2 x 12 tokens through a converted Linear, forward and
+    backward, close to bf16."""
+    cuda = torch.device("cuda")
+    model = materialize(tiny_model(), cuda)
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    Float8Training().convert(model, ConversionContext("amp_bf16", cuda))
+    linear = model.transformer.blocks[0].ffn.up_proj
+    x = torch.randn(2, 12, 32, device=cuda, requires_grad=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = linear(x)
+    out.float().square().sum().backward()
+    weight = reference["transformer.blocks.0.ffn.up_proj.weight"]
+    want = torch.nn.functional.linear(x.detach().bfloat16(), weight.bfloat16()).float()
+    assert ((out.float() - want).norm() / want.norm()).item() < 0.1  # e4m3: ~2^-4 per element
+    assert linear.weight.grad is not None and torch.isfinite(linear.weight.grad).all()

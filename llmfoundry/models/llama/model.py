@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
-from llmfoundry.models.layers.loss import next_token_loss
 from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
 from llmfoundry.models.llama.config import LlamaConfig
 
@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             return self.transformer.wte.weight
         return self.lm_head.weight
 
-    # The loss is family-neutral: mean next-token cross-entropy, chunked (models/layers/loss.py).
+    # The loss is family-neutral: mean next-token cross-entropy, chunked (core/loss.py).
     loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

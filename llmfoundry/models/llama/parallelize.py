@@ -14,7 +14,7 @@ tokens and the activations kept for backward are 1/tp too; each attention or MLP
 all-gathered over the sequence first (PrepareModuleInput). The token embedding is split by
 vocabulary row (its lookups reduce-scattered to sequence shards), the untied output head by
 vocabulary column: its logits stay vocabulary-sharded and the loss reads them so
-(llmfoundry/models/layers/loss.py), never gathering [tokens, vocab]. A tied head multiplies
+(llmfoundry/core/loss.py), never gathering [tokens, vocab]. A tied head multiplies
 by the row-split embedding, which DTensor lays out the same way.
 """
 

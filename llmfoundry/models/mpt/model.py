@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.kernels import ATTN_IMPLS
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
-from llmfoundry.models.layers.loss import next_token_loss
 from llmfoundry.models.layers.position import ALiBi, positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
