@@ -170,6 +170,7 @@ def test_float8_backward_takes_a_token_count_that_is_not_a_multiple_of_16(monkey
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     float8_refusal(torch.device("cuda")) is not None, reason="needs a GPU of capability 8.9+"
 )

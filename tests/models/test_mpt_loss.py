@@ -126,7 +126,7 @@ def test_scores_are_cross_entropy_and_argmax_of_each_position(monkeypatch, dtype
     assert torch.equal(predicted, logits.float().argmax(-1)) and predicted[0, 3] == 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_on_the_gpu_a_step_launches_a_few_hundred_kernels_and_matches_cross_entropy():
     """mpt-125m's step (16 x 2048 tokens, bf16 logits) on the GPU: the value and gradient of
     F.cross_entropy of the float32 logits, in 25 chunks: a few hundred kernel launches (the

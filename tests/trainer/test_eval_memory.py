@@ -139,7 +139,7 @@ def test_eval_microbatches_default_to_what_a_training_step_fits():
         settings(device_eval_microbatch_size=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_on_the_gpu_the_metrics_hold_at_most_a_fifth_of_the_bf16_logits_beside_them():
     """The target measured by the allocator: 8 x 2048 x 50,368 bf16 logits (1.6 GB); before,
     the update allocated 4x that (the float32 copy and cross-entropy's float32 log-softmax)."""
