@@ -149,7 +149,7 @@ class Trainer:
         self.engine.run_event(Event.BEFORE_LOAD)
         rng = load_checkpoint(path, self.state, self.logger, ignore_keys)
         if rng is not None and self.state.timestamp.batch_in_epoch == 0:
-            load_rng_state(rng)
+            load_rng_state(rng, self.state.device)
             rng = None
         self._resume_rng = rng
         ts = self.state.timestamp
@@ -221,7 +221,7 @@ class Trainer:
         """Fetch batches onto the device, wrapped in the dataloader events."""
         iterator = iter(dataloader)
         if self._resume_rng is not None:  # see `load`
-            load_rng_state(self._resume_rng)
+            load_rng_state(self._resume_rng, self.state.device)
             self._resume_rng = None
         while True:
             self.engine.run_event(Event.BEFORE_DATALOADER)
@@ -458,7 +458,8 @@ class Trainer:
         pipeline = self.strategy.pipeline
         self._check_loss_tokens()
         train_batch = state.batch
-        rng = rng_state()  # evaluating (more or less often) must not change training's randomness
+        # Evaluating (more or less often) must not change training's randomness.
+        rng = rng_state(state.device)
         state.model.eval()
         engine.run_event(Event.EVAL_BEFORE_ALL)
         for name, value in state.eval_dataloaders.items():
@@ -497,7 +498,7 @@ class Trainer:
         engine.run_event(Event.EVAL_AFTER_ALL)
         state.model.train()
         state.batch = train_batch
-        load_rng_state(rng)
+        load_rng_state(rng, state.device)
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
 
