@@ -13,13 +13,19 @@ import torch
 from llmfoundry.utils.errors import UserError
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
+# Where amp_fp16 runs: fp16 matmul is unusably slow on CPU.
+FP16_DEVICE_TYPES = ("cuda",)
 
 
 class Precision:
-    def __init__(self, precision: str, device: torch.device) -> None:
+    """`grad_scaler`: whether amp_fp16 scales losses with torch's GradScaler; a strategy whose
+    engine scales them itself (DeepSpeed: `Strategy.scales_loss`) passes False, since unscaling
+    gradients a GradScaler never scaled fails, and scaling twice would be wrong."""
+
+    def __init__(self, precision: str, device: torch.device, grad_scaler: bool = True) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-        if precision == "amp_fp16" and device.type != "cuda":
+        if precision == "amp_fp16" and device.type not in FP16_DEVICE_TYPES:
             raise UserError(
                 "precision=amp_fp16 needs a CUDA device (fp16 matmul is unusably slow on CPU); "
                 "use amp_bf16 or fp32"
@@ -29,7 +35,8 @@ class Precision:
         self._dtype = {"fp32": None, "amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}[
             precision
         ]
-        self._scaler = torch.amp.GradScaler("cuda") if precision == "amp_fp16" else None
+        scaled = precision == "amp_fp16" and grad_scaler
+        self._scaler = torch.amp.GradScaler("cuda") if scaled else None
 
     def autocast(self) -> AbstractContextManager:
         return torch.autocast(

@@ -91,6 +91,8 @@ class Strategy:
     step's microbatches instead of the trainer's loop; None without pipeline parallelism.
     `tp`: how many processes split each block's matrices and each sequence (tensor and
     sequence parallelism; 1: none).
+    `scales_loss`: whether the engine `wrap_optimizer` hands the optimizer to scales fp16 losses
+    itself (DeepSpeed), so the trainer's `Precision` must not.
     """
 
     rank: int = 0
@@ -103,6 +105,7 @@ class Strategy:
     save_group: Any = None
     pipeline: Pipeline | None = None
     tp: int = 1
+    scales_loss: bool = False
 
     @property
     def dp_rank(self) -> int:
@@ -126,10 +129,12 @@ class Strategy:
         raise NotImplementedError
 
     def wrap_optimizer(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Hand the prepared model and the optimizer built on its parameters to an engine that
-        owns the optimizer step (DeepSpeed); returns what the loop trains and steps."""
+        owns the optimizer step (DeepSpeed), configured for `precision` (the trainer's, e.g.
+        "amp_bf16"); returns what the loop trains and steps."""
+        del precision
         return model, optimizer
 
     # ------------------------------------------------------------------ the training step

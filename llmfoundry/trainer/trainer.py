@@ -93,9 +93,11 @@ class Trainer:
         opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
             group.setdefault("initial_lr", group["lr"])
-        prepared, opt = self.strategy.wrap_optimizer(prepared, opt)
+        self.precision = Precision(
+            precision, self.strategy.device, grad_scaler=not self.strategy.scales_loss
+        )
+        prepared, opt = self.strategy.wrap_optimizer(prepared, opt, self.precision.name)
         self.schedule = scheduler
-        self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
         if self.auto_microbatching:
             self.strategy.guard_collectives(prepared)

@@ -72,3 +72,16 @@ def test_fp16_scales_the_loss_and_unscales_before_the_step(tmp_path):
     assert math.isfinite(state.train_loss)
     assert trainer.precision.state_dict()["scale"] > 1.0
     assert all(0 < g < 100 for g in seen)  # unscaled: not multiplied by the 65536 scale
+
+
+def test_fp16_leaves_loss_scaling_to_an_engine_that_scales_itself():
+    """DeepSpeed (`Strategy.scales_loss`) runs backward and the step with its own loss scaler:
+    a GradScaler here would unscale gradients it never scaled (AssertionError at step 1)."""
+    precision = Precision("amp_fp16", torch.device("cuda"), grad_scaler=False)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = model(torch.ones(1, 2)).sum()
+    precision.backward(loss)
+    precision.unscale(optimizer)
+    assert torch.equal(model.weight.grad, torch.ones(1, 2))  # neither scaled nor unscaled
+    assert precision.state_dict() == {}
