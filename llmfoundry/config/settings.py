@@ -35,9 +35,10 @@ class TrainSettings:
     # start from the whole per-device batch and halve on out-of-memory errors.
     device_train_microbatch_size: int | Literal["auto"] | None = None
     device_eval_batch_size: int | None = None
+    # auto: amp_bf16 on a GPU with bf16 tensor cores (compute capability 8.0+), else fp32.
     # amp_fp8: amp_bf16 with the blocks' matmuls in float8 (converters=[float8]; a GPU of
     # compute capability 8.9+).
-    precision: Literal["fp32", "amp_bf16", "amp_fp16", "amp_fp8"] = "fp32"
+    precision: Literal["auto", "fp32", "amp_bf16", "amp_fp16", "amp_fp8"] = "auto"
     eval_interval: str | None = None
     eval_first: bool = False
     eval_subset_num_batches: int | None = None

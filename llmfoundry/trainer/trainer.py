@@ -53,6 +53,9 @@ class Trainer:
     start from the whole per-device batch and halve on out-of-memory errors (`_train_batch`).
 
     `scheduler` maps the state to a learning-rate multiplier of each group's initial lr.
+
+    `precision`: "auto" (amp_bf16 on a GPU with bf16 tensor cores, else fp32:
+    `llmfoundry.core.precision`), "fp32", "amp_bf16" or "amp_fp16".
     """
 
     def __init__(
@@ -72,7 +75,7 @@ class Trainer:
         algorithms: Sequence[Algorithm] = (),
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerDestination] = (),
-        precision: str = "fp32",
+        precision: str = "auto",
         device_train_microbatch_size: int | str | None = None,
         seed: int = 17,
         config: dict[str, Any] | None = None,

@@ -1,6 +1,7 @@
 """Precision: fp32, amp_bf16 (autocast, fp32 master weights), amp_fp16 with a grad scaler (CUDA)."""
 
 import functools
+import logging
 import math
 
 import pytest
@@ -85,3 +86,55 @@ def test_fp16_leaves_loss_scaling_to_an_engine_that_scales_itself():
     precision.unscale(optimizer)
     assert torch.equal(model.weight.grad, torch.ones(1, 2))  # neither scaled nor unscaled
     assert precision.state_dict() == {}
+
+
+@pytest.fixture
+def matmul_precision():
+    """Set by a Precision on a CUDA device; restored for the other tests."""
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize(
+    "capability, resolved, matmuls", [((9, 0), "amp_bf16", "high"), ((7, 0), "fp32", "highest")]
+)
+def test_auto_is_amp_bf16_on_a_gpu_with_bf16_tensor_cores_else_fp32(
+    monkeypatch, caplog, matmul_precision, capability, resolved, matmuls
+):
+    """The default (no GPU here: its compute capability is faked). An H100/H200 (9.0) trains
+    in bf16 with TF32 for autocast's fp32 leftovers; a V100 (7.0) only emulates bf16."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    torch.set_float32_matmul_precision("medium")  # neither: the precision sets it
+    with caplog.at_level(logging.INFO, logger="llmfoundry"):
+        precision = Precision("auto", torch.device("cuda", 0))
+    assert precision.name == resolved
+    assert torch.get_float32_matmul_precision() == matmuls
+    major, minor = capability
+    assert caplog.messages == [
+        f"precision=auto: {resolved} on cuda:0 (compute capability {major}.{minor})"
+    ]
+
+
+def test_fp32_on_a_gpu_is_ieee_even_after_an_amp_run_in_the_process(matmul_precision):
+    Precision("amp_bf16", torch.device("cuda", 0))
+    assert torch.get_float32_matmul_precision() == "high"
+    Precision("fp32", torch.device("cuda", 0))
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_auto_trains_in_fp32_on_cpu_and_says_so_once(tmp_path, caplog, matmul_precision):
+    torch.set_float32_matmul_precision("medium")
+    with caplog.at_level(logging.INFO, logger="llmfoundry"):
+        trainer = Trainer(  # the default precision
+            model=tiny_model(),
+            train_dataloader=token_batches(1, 2),
+            max_duration="1ba",
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            run_dir=tmp_path,
+            strategy=SingleDevice("cpu"),
+        )
+    assert trainer.precision.name == "fp32"
+    assert [m for m in caplog.messages if "precision=auto" in m] == ["precision=auto: fp32 on cpu"]
+    assert torch.get_float32_matmul_precision() == "medium"  # a CPU run leaves it alone
