@@ -32,7 +32,9 @@ class TrainSettings:
     global_train_batch_size: int
     seed: int = 17
     # Samples per forward/backward on one device; null = the whole per-device batch; 'auto' =
-    # start from the whole per-device batch and halve on out-of-memory errors.
+    # start from the whole per-device batch and halve on out-of-memory errors (under fsdp only
+    # until a size has fit 2 steps: an out-of-memory error after that ends the run, and a
+    # resumed run searches again).
     device_train_microbatch_size: int | Literal["auto"] | None = None
     device_eval_batch_size: int | None = None
     # auto: amp_bf16 on a GPU with bf16 tensor cores (compute capability 8.0+), else fp32.

@@ -155,11 +155,20 @@ class Strategy:
         """
         del model
 
-    def guard_collectives(self, model: torch.nn.Module) -> None:
-        """Auto-microbatching is on: make collectives inside forward and backward safe from a
-        rank that runs out of memory (none here: data parallelism defers its only collective,
-        the gradient average, to `sync_gradients`)."""
-        del model
+    def guard_collectives(self, model: torch.nn.Module, guard: bool = True) -> None:
+        """Auto-microbatching is on: while `guard` (the trainer is searching for a microbatch
+        size), make collectives inside forward and backward safe from a rank that runs out of
+        memory; `guard` False: the size has settled, and the guards may come off (none here:
+        data parallelism defers its only collective, the gradient average, to
+        `sync_gradients`)."""
+        del model, guard
+
+    @property
+    def out_of_memory_retryable(self) -> bool:
+        """Whether every rank can still agree on an out-of-memory error raised in this step's
+        forward or backward (none is inside a collective the failed rank will not reach):
+        always without collectives there, otherwise while they are guarded."""
+        return True
 
     def backward(self, loss: torch.Tensor, precision: Precision) -> None:
         """Backward of one microbatch's (weighted) loss."""

@@ -157,7 +157,7 @@ class DeepSpeed(ProcessGroupStrategy):
         self.engine.set_gradient_accumulation_boundary(sync)
         return nullcontext()
 
-    def guard_collectives(self, model: torch.nn.Module) -> None:
+    def guard_collectives(self, model: torch.nn.Module, guard: bool = True) -> None:
         raise UserError(
             f"device_train_microbatch_size=auto is not supported with strategy={self.name}: "
             "ZeRO reduces gradients inside backward and cannot abandon a step; set an integer "

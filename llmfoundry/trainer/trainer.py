@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 Schedule = Callable[[State], float]
+# Auto-microbatching: steps a microbatch size must fit before the strategy's guards against an
+# out-of-memory error on one rank come off (`Strategy.guard_collectives`). The first step
+# allocates the optimizer's state after its backward, so the second is the first to run
+# forward and backward at the memory every later step needs.
+SETTLE_STEPS = 2
 
 
 class Trainer:
@@ -103,8 +108,9 @@ class Trainer:
         self.schedule = scheduler
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
         if self.auto_microbatching:
-            self.strategy.guard_collectives(prepared)
+            self.strategy.guard_collectives(prepared, guard=True)
         self._logged_microbatch_size: int | None = None
+        self._steps_at_size = 0  # steps the auto microbatch size has fit (`SETTLE_STEPS`)
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
         self.eval_subset_num_batches = eval_subset_num_batches
@@ -307,7 +313,9 @@ class Trainer:
         OOM flag after each attempt), halves the microbatch size and retries the same batch.
         Gradients are then averaged across ranks only after that agreement, so no rank is ever
         left inside a collective that another rank abandoned; a strategy with collectives inside
-        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`).
+        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`) until
+        the size has fit `SETTLE_STEPS` steps, and an out-of-memory error after that is raised
+        (`_out_of_memory_after_settling`).
         """
         state, engine = self.state, self.engine
         started = time.perf_counter()
@@ -323,6 +331,8 @@ class Trainer:
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not (self.auto_microbatching and _is_out_of_memory(err)):
                     raise
+                if not self.strategy.out_of_memory_retryable:
+                    raise self._out_of_memory_after_settling() from err
                 # Learned from another rank at a collective: all ranks agreed there already.
                 out_of_memory, agreed = True, isinstance(err, OutOfMemoryElsewhere)
             if not self.auto_microbatching:
@@ -330,6 +340,7 @@ class Trainer:
             if not agreed and not self._out_of_memory_on_any_rank(out_of_memory):
                 self.strategy.sync_gradients(state.model)
                 self._log_microbatch_size()
+                self._count_step_at_size()
                 break
             self._retry_with_smaller_microbatches(batch)
         state.batch = batch
@@ -417,9 +428,28 @@ class Trainer:
         flag = torch.tensor([float(out_of_memory)], device=self.state.device)
         return self.strategy.all_reduce_sum(flag).item() > 0
 
+    def _count_step_at_size(self) -> None:
+        """The size has fit one more step; at `SETTLE_STEPS` the strategy's guards come off."""
+        self._steps_at_size += 1
+        if self._steps_at_size == SETTLE_STEPS:
+            self.strategy.guard_collectives(self.state.model, guard=False)
+
+    def _out_of_memory_after_settling(self) -> RuntimeError:
+        """An out-of-memory error once the size settled, with the guards off: the other ranks
+        may wait in a collective this rank will not reach, so this rank joins no agreement and
+        ends the run (torchrun then stops the others) rather than hang them."""
+        size = self.state.device_train_microbatch_size
+        return RuntimeError(
+            f"out of memory at device_train_microbatch_size={size} (auto) after it had fit "
+            f"{self._steps_at_size} steps: the other ranks wait in a collective this rank left, "
+            f"so the step cannot be retried; set device_train_microbatch_size={max(size // 2, 1)}"
+            ", or resume the run with auto (it searches again)"
+        )
+
     def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
         """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
         state = self.state
+        self._steps_at_size = 0
         self.strategy.abandon_step(state.model, state.optimizer)
         state.batch, state.outputs, state.loss = batch, None, None
         if state.device.type == "cuda":
