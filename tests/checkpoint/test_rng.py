@@ -114,3 +114,18 @@ def test_cpu_runs_save_no_cuda_state_and_a_cpu_resume_ignores_one(monkeypatch, s
     before = resumer.states[0].clone()
     load_rng_state(state, torch.device("cpu"))
     assert torch.equal(resumer.states[0], before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real CUDA generator")
+def test_a_real_cuda_generator_continues_its_stream_from_either_format():
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(3)
+    saved = rng_state(device)
+    expected = torch.rand(4, device=device)
+    torch.cuda.manual_seed(5)
+    load_rng_state(saved, device)
+    assert torch.equal(torch.rand(4, device=device), expected)
+    # An old checkpoint's list, from a machine with more GPUs than this one: no error.
+    listed = {**saved, "cuda": [saved["cuda"]] * (torch.cuda.device_count() + 1)}
+    load_rng_state(listed, device)
+    assert torch.equal(torch.rand(4, device=device), expected)

@@ -138,3 +138,15 @@ def test_auto_trains_in_fp32_on_cpu_and_says_so_once(tmp_path, caplog, matmul_pr
     assert trainer.precision.name == "fp32"
     assert [m for m in caplog.messages if "precision=auto" in m] == ["precision=auto: fp32 on cpu"]
     assert torch.get_float32_matmul_precision() == "medium"  # a CPU run leaves it alone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="this GPU's own compute capability")
+def test_auto_on_this_gpu_and_fp32_after_it(tmp_path, matmul_precision):
+    trainer, _, dtypes = train(tmp_path, "auto", device="cuda")
+    bf16 = torch.cuda.get_device_capability() >= (8, 0)
+    assert trainer.precision.name == ("amp_bf16" if bf16 else "fp32")
+    assert set(dtypes.outputs) == {torch.bfloat16 if bf16 else torch.float32}
+    assert torch.get_float32_matmul_precision() == ("high" if bf16 else "highest")
+    _, _, dtypes = train(tmp_path, "fp32", device="cuda")
+    assert set(dtypes.outputs) == {torch.float32}
+    assert torch.get_float32_matmul_precision() == "highest"
