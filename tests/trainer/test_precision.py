@@ -75,7 +75,7 @@ def test_fp16_scales_the_loss_and_unscales_before_the_step(tmp_path):
     assert all(0 < g < 100 for g in seen)  # unscaled: not multiplied by the 65536 scale
 
 
-def test_fp16_leaves_loss_scaling_to_an_engine_that_scales_itself():
+def test_fp16_leaves_loss_scaling_to_an_engine_that_scales_itself(matmul_precision):
     """DeepSpeed (`Strategy.scales_loss`) runs backward and the step with its own loss scaler:
     a GradScaler here would unscale gradients it never scaled (AssertionError at step 1)."""
     precision = Precision("amp_fp16", torch.device("cuda"), grad_scaler=False)
