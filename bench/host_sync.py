@@ -16,6 +16,8 @@ seconds, which other jobs on a shared machine distort much less than wall time; 
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py
     PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py --ranks 2   # DDP, gloo; rank 0
+    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/host_sync.py --ranks 2 --strategy fsdp \
+        --microbatch auto   # auto-microbatching under FSDP, counted once the size has settled
     PYTHONPATH=/path/to/other/checkout python bench/host_sync.py   # the same on other code
 """
 
@@ -38,7 +40,7 @@ import torch
 import torch.multiprocessing as mp
 
 from llmfoundry.callbacks import LRMonitor, NaNDetector, RunStatus, SpeedMonitor
-from llmfoundry.distributed import DDP, SingleDevice, Strategy
+from llmfoundry.distributed import DDP, FSDP, SingleDevice, Strategy
 from llmfoundry.loggers import ConsoleLogger, JSONLLogger, ProgressBarLogger
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.trainer import Callback, Trainer
@@ -109,15 +111,22 @@ def counting(strategy: type[Strategy], counter: Counter, **kwargs) -> Strategy:
 
 
 def run(
-    steps: int, warmup: int, ranks: int = 1, status_interval_s: float = 10.0
+    steps: int,
+    warmup: int,
+    ranks: int = 1,
+    status_interval_s: float = 10.0,
+    strategy: str = "ddp",
+    microbatch: int | str | None = None,
 ) -> dict[str, float]:
     """Counts over the steps after `warmup`. `status_interval_s`: the run-status heartbeat, the
-    one reader on a clock rather than a batch count (a slow machine gets more of its reads)."""
+    one reader on a clock rather than a batch count (a slow machine gets more of its reads).
+    `strategy` (ddp or fsdp) is the one of several `ranks`; `microbatch` the trainer's
+    device_train_microbatch_size ("auto": searched, with guards until it settles)."""
     counter = Counter()
     if ranks == 1:
-        strategy = counting(SingleDevice, counter)
+        counted = counting(SingleDevice, counter)
     else:
-        strategy = counting(DDP, counter, timeout_s=300)
+        counted = counting({"ddp": DDP, "fsdp": FSDP}[strategy], counter, timeout_s=300)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (steps, 8 // ranks, 64), generator=generator)
     batches = [{"input_ids": x, "labels": x.clone()} for x in ids]
@@ -128,7 +137,7 @@ def run(
     with tempfile.TemporaryDirectory() as run_dir, instrumented(counter):
         trainer = Trainer(
             model=MPTForCausalLM(config),
-            strategy=strategy,
+            strategy=counted,
             train_dataloader=batches,
             max_duration=f"{steps}ba",
             optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
@@ -141,6 +150,7 @@ def run(
                 RunStatus(interval_s=status_interval_s),
             ],
             loggers=[ConsoleLogger("10ba"), ProgressBarLogger(), JSONLLogger()],
+            device_train_microbatch_size=microbatch,
         )
         trainer.fit()
         elapsed = time.process_time() - window.started
@@ -158,13 +168,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--sync-ms", type=float, default=2.0, help="modelled cost of one read")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
-    parser.add_argument("--ranks", type=int, default=1, help="DDP processes (gloo), batch split")
+    parser.add_argument("--ranks", type=int, default=1, help="processes (gloo), batch split")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="of --ranks")
+    parser.add_argument("--microbatch", help="device_train_microbatch_size: an int or auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    options: dict[str, Any] = {"microbatch": _microbatch(args.microbatch)}
     if args.ranks > 1:
-        results = [ranked(args) for _ in range(args.repeats)]
+        options["strategy"] = args.strategy
+        results = [ranked(args.ranks, args.steps, args.warmup, **options)
+                   for _ in range(args.repeats)]  # fmt: skip
     else:
-        results = [run(args.steps, args.warmup) for _ in range(args.repeats)]
+        results = [run(args.steps, args.warmup, **options) for _ in range(args.repeats)]
     best = min(results, key=lambda r: r["cpu_ms_per_step"])
     step_ms, reads = best["cpu_ms_per_step"], best["reads_per_step"]
     print(
@@ -174,28 +189,33 @@ def main() -> None:
     )
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+def _microbatch(text: str | None) -> int | str | None:
+    return text if text in (None, "auto") else int(text)
+
+
+def _rank(rank: int, ranks: int, run_args: tuple, options: dict, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank),
-        WORLD_SIZE=str(args.ranks),
+        WORLD_SIZE=str(ranks),
         LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    result = run(args.steps, args.warmup, args.ranks)
+    result = run(*run_args, ranks, **options)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
 
 
-def ranked(args: argparse.Namespace) -> dict[str, float]:
-    """One run in `args.ranks` processes; rank 0's counts and time."""
+def ranked(ranks: int, steps: int, warmup: int, **options: Any) -> dict[str, float]:
+    """`run` in `ranks` processes (`options`: its keywords); rank 0's counts and time."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "rank0.json")
-        mp.start_processes(_rank, args=(args, port, out), nprocs=args.ranks, start_method="spawn")
+        args = (ranks, (steps, warmup), options, port, out)
+        mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 

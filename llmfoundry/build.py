@@ -18,6 +18,7 @@ from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_dam
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import TrainSettings, validate_config
 from llmfoundry.core.metrics import LanguageMetrics
+from llmfoundry.core.precision import resolve_auto
 from llmfoundry.data import build_loaders
 from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
@@ -69,9 +70,12 @@ def build_trainer(
     model = build_model(model_config, init_device="meta")
     # The converters group (low-precision LayerNorm, float8, ...) swaps modules before the
     # strategy materializes and wraps the model, so sharding and the optimizer see the converted
-    # ones. precision=amp_fp8 is bf16 autocast and the float8 converter (`resolve_precision`).
+    # ones. precision=amp_fp8 is bf16 autocast and the float8 converter (`resolve_precision`);
+    # precision=auto is what the strategy's device trains in (`resolve_auto`), decided here for
+    # the converters and the trainer alike.
     converters = {name: instantiate(node) for name, node in (cfg.get("converters") or {}).items()}
-    precision, converters = resolve_precision(settings.precision, converters)
+    precision = resolve_auto(settings.precision, strategy.device)
+    precision, converters = resolve_precision(precision, converters)
     model = convert_model(model, converters, ConversionContext(precision, strategy.device))
 
     data = build_loaders(

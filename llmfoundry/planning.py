@@ -85,6 +85,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmfoundry.callbacks.peak_flops import gpu_has_bf16
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
@@ -256,6 +257,15 @@ class CommunicationPlan:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def planned_precision(precision: str, device_name: str | None) -> str:
+    """`precision` as training resolves it on the planned GPU (llmfoundry.core.precision): auto
+    is amp_bf16, but fp32 on a GPU without bf16 tensor cores (`gpu_has_bf16`); with no GPU
+    named, a current one is planned for."""
+    if precision != "auto":
+        return precision
+    return "amp_bf16" if device_name is None or gpu_has_bf16(device_name) else "fp32"
 
 
 @dataclass

@@ -12,7 +12,8 @@
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
 overrides); the flags describe the cluster and the mesh (`--tp`, `--pp`, `--dp-replicate`,
 `--dp-shard` as llmfoundry/distributed/mesh.py's ParallelDims; `--schedule`, `--stages-per-rank`
-for the pipeline). Prints parameter count, flops per token, memory per device by part at the
+for the pipeline); `precision=auto` (the default) plans what training resolves it to on the
+named or detected GPU (`planned_precision`). Prints parameter count, flops per token, memory per device by part at the
 config's microbatch (on the pipeline rank that needs the most), the largest microbatch that fits
 the device memory (default: the detected GPU's), the bytes each device sends per step, the
 pipeline bubble and the step time at a given MFU of the device's peak (llmfoundry/planning.py
@@ -47,6 +48,7 @@ from llmfoundry.planning import (
     parse_bytes,
     plan_communication,
     plan_memory,
+    planned_precision,
     recommend,
     smallest_fit,
     step_seconds,
@@ -126,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         return plan(args)
 
 
-def _setup(args: argparse.Namespace, cfg, settings, model_cfg, seq_len: int) -> Setup:
+def _setup(
+    args: argparse.Namespace, cfg, settings, model_cfg, seq_len: int, precision: str
+) -> Setup:
     return Setup(
         model=model_cfg,
         seq_len=seq_len,
-        precision=settings.precision,
+        precision=precision,
         strategy=args.strategy,
         world_size=args.world_size or 1,
         gpus_per_node=args.gpus_per_node,
@@ -181,9 +185,10 @@ def plan(args: argparse.Namespace) -> int:
     args.strategy = args.strategy or ("fsdp" if args.recommend else "single")
     if not args.recommend:
         args.world_size = args.world_size or 1
-    setup = _setup(args, cfg, settings, model_cfg, seq_len)
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
+    precision = planned_precision(settings.precision, name)
+    setup = _setup(args, cfg, settings, model_cfg, seq_len, precision)
     memory = parse_bytes(args.device_memory) if args.device_memory else gpu_memory
     configured = settings.device_train_microbatch_size
     microbatch = args.microbatch or (configured if isinstance(configured, int) else None)
@@ -211,7 +216,7 @@ def plan(args: argparse.Namespace) -> int:
     flags += ["CPU offload"] * args.cpu_offload
     print(f"model       : {cfg.model._target_.rsplit('.', 1)[-1]} d_model {model_cfg.d_model}, "
           f"{model_cfg.n_layers} layers, vocab {model_cfg.vocab_size}, seq {seq_len}")  # fmt: skip
-    print(f"run         : {', '.join(flags)}; {settings.precision}; global batch "
+    print(f"run         : {', '.join(flags)}; {precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
           )  # fmt: skip
     print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp "
@@ -256,7 +261,7 @@ def plan(args: argparse.Namespace) -> int:
               f"bubble {bubble:.1%} of the step")  # fmt: skip
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     if peak is None and name:
-        peak = gpu_peak_flops(name, number_format(settings.precision))
+        peak = gpu_peak_flops(name, number_format(precision))
     if peak is None:
         print("step time   : unknown peak; pass --device-name H100 or --peak-tflops 989")
     else:

@@ -61,12 +61,24 @@ def number_format(precision: str) -> str:
     raise ValueError(f"unknown precision {precision!r}: use fp32, amp_bf16 or amp_fp16")
 
 
-def gpu_peak_flops(device_name: str, fmt: str) -> float | None:
-    """The datasheet peak of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+def _gpu_peaks(device_name: str) -> dict[str, float] | None:
     for pattern, peaks in _GPU_PEAKS:
         if re.search(pattern, device_name, re.IGNORECASE):
-            return peaks.get(fmt)
+            return peaks
     return None
+
+
+def gpu_peak_flops(device_name: str, fmt: str) -> float | None:
+    """The datasheet peak of a GPU named like torch.cuda.get_device_name(), or None if unknown."""
+    peaks = _gpu_peaks(device_name)
+    return None if peaks is None else peaks.get(fmt)
+
+
+def gpu_has_bf16(device_name: str) -> bool:
+    """Whether a GPU named so has bf16 tensor cores: all but those listed without a bf16 peak
+    (V100, T4: before compute capability 8.0); a name the table lacks is taken for a newer GPU."""
+    peaks = _gpu_peaks(device_name)
+    return peaks is None or "bf16" in peaks
 
 
 @functools.cache

@@ -117,7 +117,7 @@ def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
         strategy.all_reduce_sum,
         strategy.device,
     )
-    files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state())}
+    files: dict[str, FileWriter] = {rng_file(state.rank): write_object(rng_state(state.device))}
     run = run_state(state, logger)
     if strategy.sharded_checkpoints:
         objects = {}

@@ -32,15 +32,18 @@ class TrainSettings:
     global_train_batch_size: int
     seed: int = 17
     # Samples per forward/backward on one device; null = the whole per-device batch; 'auto' =
-    # start from the whole per-device batch and halve on out-of-memory errors.
+    # start from the whole per-device batch and halve on out-of-memory errors (under fsdp only
+    # until a size has fit 2 steps: an out-of-memory error after that ends the run, and a
+    # resumed run searches again).
     device_train_microbatch_size: int | Literal["auto"] | None = None
     device_eval_batch_size: int | None = None
     # Samples per eval forward (evaluation holds one forward's logits); null =
     # device_train_microbatch_size when it is a number, else the per-device train batch.
     device_eval_microbatch_size: int | None = None
+    # auto: amp_bf16 on a GPU with bf16 tensor cores (compute capability 8.0+), else fp32.
     # amp_fp8: amp_bf16 with the blocks' matmuls in float8 (converters=[float8]; a GPU of
     # compute capability 8.9+).
-    precision: Literal["fp32", "amp_bf16", "amp_fp16", "amp_fp8"] = "fp32"
+    precision: Literal["auto", "fp32", "amp_bf16", "amp_fp16", "amp_fp8"] = "auto"
     eval_interval: str | None = None
     eval_first: bool = False
     eval_subset_num_batches: int | None = None

@@ -26,7 +26,8 @@ class State:
     max_duration: Time
     run_dir: Path
     device: torch.device
-    # Autocast and loss scaling of the step; `precision.name` is the setting ("amp_bf16"), and
+    # Autocast and loss scaling of the step; `precision.name` is the setting ("amp_bf16"; auto
+    # resolved for the device), and
     # its state_dict (amp_fp16's grad scaler) is saved in checkpoints under "scaler".
     precision: Precision = field(default_factory=lambda: Precision("fp32", torch.device("cpu")))
     # This process's place among all training processes (loggers print on rank 0 only), and

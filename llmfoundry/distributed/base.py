@@ -91,6 +91,8 @@ class Strategy:
     step's microbatches instead of the trainer's loop; None without pipeline parallelism.
     `tp`: how many processes split each block's matrices and each sequence (tensor and
     sequence parallelism; 1: none).
+    `scales_loss`: whether the engine `wrap_optimizer` hands the optimizer to scales fp16 losses
+    itself (DeepSpeed), so the trainer's `Precision` must not.
     """
 
     rank: int = 0
@@ -103,6 +105,7 @@ class Strategy:
     save_group: Any = None
     pipeline: Pipeline | None = None
     tp: int = 1
+    scales_loss: bool = False
 
     @property
     def dp_rank(self) -> int:
@@ -126,10 +129,12 @@ class Strategy:
         raise NotImplementedError
 
     def wrap_optimizer(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Hand the prepared model and the optimizer built on its parameters to an engine that
-        owns the optimizer step (DeepSpeed); returns what the loop trains and steps."""
+        owns the optimizer step (DeepSpeed), configured for `precision` (the trainer's, e.g.
+        "amp_bf16"); returns what the loop trains and steps."""
+        del precision
         return model, optimizer
 
     # ------------------------------------------------------------------ the training step
@@ -150,11 +155,20 @@ class Strategy:
         """
         del model
 
-    def guard_collectives(self, model: torch.nn.Module) -> None:
-        """Auto-microbatching is on: make collectives inside forward and backward safe from a
-        rank that runs out of memory (none here: data parallelism defers its only collective,
-        the gradient average, to `sync_gradients`)."""
-        del model
+    def guard_collectives(self, model: torch.nn.Module, guard: bool = True) -> None:
+        """Auto-microbatching is on: while `guard` (the trainer is searching for a microbatch
+        size), make collectives inside forward and backward safe from a rank that runs out of
+        memory; `guard` False: the size has settled, and the guards may come off (none here:
+        data parallelism defers its only collective, the gradient average, to
+        `sync_gradients`)."""
+        del model, guard
+
+    @property
+    def out_of_memory_retryable(self) -> bool:
+        """Whether every rank can still agree on an out-of-memory error raised in this step's
+        forward or backward (none is inside a collective the failed rank will not reach):
+        always without collectives there, otherwise while they are guarded."""
+        return True
 
     def backward(self, loss: torch.Tensor, precision: Precision) -> None:
         """Backward of one microbatch's (weighted) loss."""

@@ -9,6 +9,7 @@ data-parallel size, which this averaging turns into the exact large-batch gradie
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -19,6 +20,11 @@ from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import apply_ddp, apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
+
+# The deferred gradient average (`DDP.sync_gradients`) flattens gradients into buckets of about
+# this many bytes, one all-reduce each: DDP's own bucket size (bucket_cap_mb=25). At most two
+# buckets are alive at once (one reducing while the previous is copied back).
+BUCKET_BYTES = 25 * 2**20
 
 
 class DDP(ProcessGroupStrategy):
@@ -54,14 +60,46 @@ class DDP(ProcessGroupStrategy):
 
     @torch.no_grad()
     def sync_gradients(self, model: torch.nn.Module) -> None:
+        """Average the gradients over the data-parallel ranks in buckets (`BUCKET_BYTES`): a
+        collective per parameter would cost its latency hundreds of times per step."""
         # Every rank must reduce the same tensors in the same order, so a parameter that got no
         # gradient on this rank contributes zeros rather than being skipped.
         params = [p for p in model.parameters() if p.requires_grad]
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        handles = [dist.all_reduce(p.grad, group=self.dp_group, async_op=True) for p in params]
-        for handle in handles:
-            handle.wait()
-        for param in params:
-            param.grad.div_(self.dp_size)
+        pending = None
+        for bucket in _buckets([p.grad for p in params], BUCKET_BYTES):
+            flat = torch.cat([grad.reshape(-1) for grad in bucket])
+            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            if pending is not None:
+                self._unflatten_mean(*pending)
+            pending = work, flat, bucket
+        if pending is not None:
+            self._unflatten_mean(*pending)
+
+    def _unflatten_mean(self, work: dist.Work, flat: torch.Tensor, bucket: list) -> None:
+        """Wait for a bucket's sum, and copy its mean back into the gradients it holds."""
+        work.wait()
+        flat.div_(self.dp_size)
+        for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            grad.copy_(piece.view_as(grad))
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:
+    """`grads` in buckets of one dtype and device (a flat buffer holds one) of at most `limit`
+    bytes each (a larger gradient alone), in the order given: every rank forms the same ones."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for grad in grads:
+        kinds.setdefault((grad.dtype, grad.device), []).append(grad)
+    for same_kind in kinds.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for grad in same_kind:
+            nbytes = grad.numel() * grad.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(grad)
+            size += nbytes
+        yield bucket

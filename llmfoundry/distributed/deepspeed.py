@@ -12,8 +12,14 @@ options rather than written by hand:
   microbatch's loss by its share of the global batch's loss tokens, and marks the last
   microbatch as the accumulation boundary, so DeepSpeed neither rescales the loss nor counts
   micro steps (``gradient_accumulation_steps`` is 1 for it);
-- precision: DeepSpeed keeps fp32 weights; ``precision=amp_bf16`` runs the trainer's autocast
-  over them, as with the other strategies;
+- precision (`PRECISION_CONFIG`): ``amp_bf16`` runs torch's autocast inside the engine over
+  fp32 weights, as the trainer does for the other strategies (DeepSpeed 0.17.6+ disables an
+  autocast entered outside its engine unless its ``torch_autocast`` section enables one), with
+  gradients reduced in fp32 as FSDP's; ``amp_fp16`` is DeepSpeed's fp16 mode: fp16 weights,
+  fp32 master copies in ZeRO's partitions and DeepSpeed's dynamic loss scaler (saved in its
+  checkpoints), so the trainer's `Precision` scales nothing (`scales_loss`). Its autocast
+  route for fp16 is not used: 0.19 clips loss-scaled gradients as if unscaled and, on
+  overflow, never lowers the scale (every later step skipped);
 - clipping: `gradient_clipping` (DeepSpeed clips its partitioned gradients; the
   gradient_clipping algorithm cannot see them, so do not combine the two);
 - offload: `offload_optimizer` (stages 1-3) and `offload_params` (stage 3) to CPU memory.
@@ -37,7 +43,20 @@ from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
+# The first release whose `torch_autocast` section (0.17.2) uses no loss scaler for bf16 and
+# gathers ZeRO-3 parameters in their own dtype (both fixed in 0.17.6).
+MIN_VERSION = "0.17.6"
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
+# The trainer's precision -> the sections of DeepSpeed's config that implement it (see the
+# module docstring). An empty list of "lower precision safe" modules: none reduces its
+# gradients in bf16 (DeepSpeed's default for Linear layers).
+PRECISION_CONFIG: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "amp_bf16": {
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    },
+    "amp_fp16": {"fp16": {"enabled": True}},
+}
 
 
 def _import_deepspeed() -> Any:
@@ -45,6 +64,13 @@ def _import_deepspeed() -> Any:
         import deepspeed
     except ImportError:
         raise ImportError(f"the deepspeed strategies need DeepSpeed: {INSTALL}") from None
+    from packaging.version import Version  # a dependency of DeepSpeed's
+
+    if Version(deepspeed.__version__) < Version(MIN_VERSION):
+        raise ImportError(
+            f"the deepspeed strategies need DeepSpeed {MIN_VERSION} or newer (its torch_autocast "
+            f"section), found {deepspeed.__version__}: {INSTALL}"
+        )
     return deepspeed
 
 
@@ -52,6 +78,7 @@ class DeepSpeed(ProcessGroupStrategy):
     """ZeRO `stage` 1, 2 or 3 through DeepSpeed's engine (see the module docstring)."""
 
     sharded_checkpoints = True
+    scales_loss = True
 
     def __init__(
         self,
@@ -81,8 +108,9 @@ class DeepSpeed(ProcessGroupStrategy):
         self.offload_params = offload_params
         self.engine: Any = None
 
-    def deepspeed_config(self) -> dict[str, Any]:
-        """DeepSpeed's config, from this strategy's options (see the module docstring)."""
+    def deepspeed_config(self, precision: str) -> dict[str, Any]:
+        """DeepSpeed's config, from this strategy's options and the trainer's `precision` (see
+        the module docstring)."""
         zero: dict[str, Any] = {"stage": self.stage}
         if self.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu"}
@@ -99,6 +127,7 @@ class DeepSpeed(ProcessGroupStrategy):
             "wall_clock_breakdown": False,
             # DeepSpeed clips at norm 1.0 unless told otherwise; 0 turns its clipping off.
             "gradient_clipping": self.gradient_clipping or 0.0,
+            **PRECISION_CONFIG[precision],
         }
         return config
 
@@ -110,7 +139,7 @@ class DeepSpeed(ProcessGroupStrategy):
             return materialize(model, self.device)
 
     def wrap_optimizer(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         # On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce
         # kernel the first time it starts (230 s on a loaded 2-core machine), behind a lock file
@@ -119,7 +148,7 @@ class DeepSpeed(ProcessGroupStrategy):
         # DeepSpeed's cached op table is its switch for an op: marked incompatible, not built.
         self.deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
         self.engine, ds_optimizer, _, _ = self.deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.deepspeed_config()
+            model=model, optimizer=optimizer, config=self.deepspeed_config(precision)
         )
         return self.engine, ds_optimizer
 
@@ -128,7 +157,7 @@ class DeepSpeed(ProcessGroupStrategy):
         self.engine.set_gradient_accumulation_boundary(sync)
         return nullcontext()
 
-    def guard_collectives(self, model: torch.nn.Module) -> None:
+    def guard_collectives(self, model: torch.nn.Module, guard: bool = True) -> None:
         raise UserError(
             f"device_train_microbatch_size=auto is not supported with strategy={self.name}: "
             "ZeRO reduces gradients inside backward and cannot abandon a step; set an integer "

@@ -44,6 +44,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.mesh import ParallelDims
@@ -180,7 +181,9 @@ class FSDP(ProcessGroupStrategy):
         self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
-        self._guard_collectives = False
+        self._auto_microbatching = False
+        self._guarded = False  # (`guard_collectives`)
+        self._guards: list[RemovableHandle] = []
 
     @property
     def tp(self) -> int:
@@ -219,27 +222,50 @@ class FSDP(ProcessGroupStrategy):
     def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
         """Reduce-scatter gradients only on the last microbatch (`sync`); with auto-
         microbatching every microbatch reduces its own, so an abandoned attempt leaves no
-        unreduced gradient behind."""
-        return _gradient_sync(model, sync or self._guard_collectives)
+        unreduced gradient behind, and (once the size has settled too) memory stays what the
+        search measured: accumulating would hold a whole unsharded gradient."""
+        return _gradient_sync(model, sync or self._auto_microbatching)
 
-    def guard_collectives(self, model: torch.nn.Module) -> None:
-        """Auto-microbatching: before each block's forward and backward (where FSDP gathers
-        and reduces), all ranks agree on whether one ran out of memory. A rank that did joins
-        the agreement from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the
-        next collective, so every rank leaves the step together and none waits in an
-        all-gather or reduce-scatter another abandoned. Refused with tensor parallelism: its
-        collectives run inside each block, past any agreement before it."""
+    def guard_collectives(self, model: torch.nn.Module, guard: bool = True) -> None:
+        """Auto-microbatching, while the trainer searches for a microbatch size that fits
+        (`guard`): before each block's forward and backward (where FSDP gathers and reduces),
+        all ranks agree on whether one ran out of memory. A rank that did joins the agreement
+        from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the next collective,
+        so every rank leaves the step together and none waits in an all-gather or
+        reduce-scatter another abandoned. Refused with tensor parallelism: its collectives run
+        inside each block, past any agreement before it.
+
+        Each agreement is an all-reduce read on the host, three per unit (the blocks, the root)
+        and step, which stops the host queueing kernels ahead and so FSDP's prefetch; once the
+        size has settled (`guard` False) the hooks come off. An out-of-memory error after that cannot be agreed on (the
+        other ranks are inside a collective this rank left): the trainer raises it as a clear
+        error (`out_of_memory_retryable`), torchrun ends the other ranks within seconds, and a
+        resumed run searches again. A settled size has run the steady state of memory (the
+        optimizer's state allocated, `Trainer` SETTLE_STEPS), so what remains is a longer
+        batch or fragmentation, rare against a sync per block on every step."""
         if self.tp > 1:
             raise UserError(
                 f"device_train_microbatch_size=auto with strategy.tp={self.tp}: an "
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
-        self._guard_collectives = True
-        for unit in self._units:
-            unit.register_forward_pre_hook(self._agree_before_forward, prepend=True)
-            unit.register_full_backward_pre_hook(self._agree, prepend=True)
-            unit.register_full_backward_hook(self._agree)
+        self._auto_microbatching = True
+        if guard and not self._guarded:
+            for unit in self._units:
+                self._guards += [
+                    unit.register_forward_pre_hook(self._agree_before_forward, prepend=True),
+                    unit.register_full_backward_pre_hook(self._agree, prepend=True),
+                    unit.register_full_backward_hook(self._agree),
+                ]
+        elif not guard:
+            for handle in self._guards:
+                handle.remove()
+            self._guards = []
+        self._guarded = guard
+
+    @property
+    def out_of_memory_retryable(self) -> bool:
+        return self._guarded
 
     def abandon_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Also reset FSDP's per-step state (gathered blocks, half-run hooks) after a forward

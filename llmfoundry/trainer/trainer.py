@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 Schedule = Callable[[State], float]
+# Auto-microbatching: steps a microbatch size must fit before the strategy's guards against an
+# out-of-memory error on one rank come off (`Strategy.guard_collectives`). The first step
+# allocates the optimizer's state after its backward, so the second is the first to run
+# forward and backward at the memory every later step needs.
+SETTLE_STEPS = 2
 
 
 class Trainer:
@@ -56,6 +61,9 @@ class Trainer:
     whatever size the eval loaders batch by.
 
     `scheduler` maps the state to a learning-rate multiplier of each group's initial lr.
+
+    `precision`: "auto" (amp_bf16 on a GPU with bf16 tensor cores, else fp32:
+    `llmfoundry.core.precision`), "fp32", "amp_bf16" or "amp_fp16".
     """
 
     def __init__(
@@ -75,7 +83,7 @@ class Trainer:
         algorithms: Sequence[Algorithm] = (),
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[LoggerDestination] = (),
-        precision: str = "fp32",
+        precision: str = "auto",
         device_train_microbatch_size: int | str | None = None,
         device_eval_microbatch_size: int | None = None,
         seed: int = 17,
@@ -97,9 +105,11 @@ class Trainer:
         opt = optimizer(build_param_groups(prepared))
         for group in opt.param_groups:
             group.setdefault("initial_lr", group["lr"])
-        prepared, opt = self.strategy.wrap_optimizer(prepared, opt)
+        self.precision = Precision(
+            precision, self.strategy.device, grad_scaler=not self.strategy.scales_loss
+        )
+        prepared, opt = self.strategy.wrap_optimizer(prepared, opt, self.precision.name)
         self.schedule = scheduler
-        self.precision = Precision(precision, self.strategy.device)
         self.auto_microbatching = _is_auto(device_train_microbatch_size)
         if device_eval_microbatch_size is not None and device_eval_microbatch_size < 1:
             raise UserError(
@@ -108,8 +118,9 @@ class Trainer:
             )
         self.device_eval_microbatch_size = device_eval_microbatch_size
         if self.auto_microbatching:
-            self.strategy.guard_collectives(prepared)
+            self.strategy.guard_collectives(prepared, guard=True)
         self._logged_microbatch_size: int | None = None
+        self._steps_at_size = 0  # steps the auto microbatch size has fit (`SETTLE_STEPS`)
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
         self.eval_subset_num_batches = eval_subset_num_batches
@@ -159,7 +170,7 @@ class Trainer:
         self.engine.run_event(Event.BEFORE_LOAD)
         rng = load_checkpoint(path, self.state, self.logger, ignore_keys)
         if rng is not None and self.state.timestamp.batch_in_epoch == 0:
-            load_rng_state(rng)
+            load_rng_state(rng, self.state.device)
             rng = None
         self._resume_rng = rng
         ts = self.state.timestamp
@@ -231,7 +242,7 @@ class Trainer:
         """Fetch batches onto the device, wrapped in the dataloader events."""
         iterator = iter(dataloader)
         if self._resume_rng is not None:  # see `load`
-            load_rng_state(self._resume_rng)
+            load_rng_state(self._resume_rng, self.state.device)
             self._resume_rng = None
         while True:
             self.engine.run_event(Event.BEFORE_DATALOADER)
@@ -312,7 +323,9 @@ class Trainer:
         OOM flag after each attempt), halves the microbatch size and retries the same batch.
         Gradients are then averaged across ranks only after that agreement, so no rank is ever
         left inside a collective that another rank abandoned; a strategy with collectives inside
-        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`).
+        forward and backward (sharding) agrees before each (`Strategy.guard_collectives`) until
+        the size has fit `SETTLE_STEPS` steps, and an out-of-memory error after that is raised
+        (`_out_of_memory_after_settling`).
         """
         state, engine = self.state, self.engine
         started = time.perf_counter()
@@ -328,6 +341,8 @@ class Trainer:
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not (self.auto_microbatching and _is_out_of_memory(err)):
                     raise
+                if not self.strategy.out_of_memory_retryable:
+                    raise self._out_of_memory_after_settling() from err
                 # Learned from another rank at a collective: all ranks agreed there already.
                 out_of_memory, agreed = True, isinstance(err, OutOfMemoryElsewhere)
             if not self.auto_microbatching:
@@ -335,6 +350,7 @@ class Trainer:
             if not agreed and not self._out_of_memory_on_any_rank(out_of_memory):
                 self.strategy.sync_gradients(state.model)
                 self._log_microbatch_size()
+                self._count_step_at_size()
                 break
             self._retry_with_smaller_microbatches(batch)
         state.batch = batch
@@ -420,9 +436,28 @@ class Trainer:
         flag = torch.tensor([float(out_of_memory)], device=self.state.device)
         return self.strategy.all_reduce_sum(flag).item() > 0
 
+    def _count_step_at_size(self) -> None:
+        """The size has fit one more step; at `SETTLE_STEPS` the strategy's guards come off."""
+        self._steps_at_size += 1
+        if self._steps_at_size == SETTLE_STEPS:
+            self.strategy.guard_collectives(self.state.model, guard=False)
+
+    def _out_of_memory_after_settling(self) -> RuntimeError:
+        """An out-of-memory error once the size settled, with the guards off: the other ranks
+        may wait in a collective this rank will not reach, so this rank joins no agreement and
+        ends the run (torchrun then stops the others) rather than hang them."""
+        size = self.state.device_train_microbatch_size
+        return RuntimeError(
+            f"out of memory at device_train_microbatch_size={size} (auto) after it had fit "
+            f"{self._steps_at_size} steps: the other ranks wait in a collective this rank left, "
+            f"so the step cannot be retried; set device_train_microbatch_size={max(size // 2, 1)}"
+            ", or resume the run with auto (it searches again)"
+        )
+
     def _retry_with_smaller_microbatches(self, batch: dict[str, torch.Tensor]) -> None:
         """Free the failed attempt (gradients, outputs, cached blocks) and halve the microbatch."""
         state = self.state
+        self._steps_at_size = 0
         self.strategy.abandon_step(state.model, state.optimizer)
         state.batch, state.outputs, state.loss = batch, None, None
         if state.device.type == "cuda":
@@ -466,7 +501,8 @@ class Trainer:
         pipeline = self.strategy.pipeline
         self._check_loss_tokens()
         train_batch = state.batch
-        rng = rng_state()  # evaluating (more or less often) must not change training's randomness
+        # Evaluating (more or less often) must not change training's randomness.
+        rng = rng_state(state.device)
         state.model.eval()
         engine.run_event(Event.EVAL_BEFORE_ALL)
         for name, value in state.eval_dataloaders.items():
@@ -500,7 +536,7 @@ class Trainer:
         engine.run_event(Event.EVAL_AFTER_ALL)
         state.model.train()
         state.batch = train_batch
-        load_rng_state(rng)
+        load_rng_state(rng, state.device)
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
 

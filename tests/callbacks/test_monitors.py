@@ -44,7 +44,13 @@ def test_lr_monitor_logs_the_lr_each_step_was_taken_with(tmp_path):
 
 def test_memory_monitor_reports_process_memory_on_cpu(tmp_path):
     recorder = Recorder()
-    make_trainer(tmp_path, n_batches=2, callbacks=[MemoryMonitor()], loggers=[recorder]).fit()
+    make_trainer(
+        tmp_path,
+        n_batches=2,
+        strategy=SingleDevice("cpu"),  # the default device is a GPU where there is one
+        callbacks=[MemoryMonitor()],
+        loggers=[recorder],
+    ).fit()
     (_, rss), (_, peak) = (
         recorder.values("memory/rss_gib")[-1],
         recorder.values("memory/peak_rss_gib")[-1],

@@ -287,12 +287,12 @@ def test_loading_never_unpickles_objects(tmp_path):
 def test_rng_state_survives_weights_only_save(tmp_path):
     torch.manual_seed(1)
     np.random.seed(2)
-    state = rng_state()
+    state = rng_state(torch.device("cpu"))
     torch.save(state, tmp_path / "rng.pt")
     expected = (torch.rand(3), np.random.rand(3), __import__("random").random())
     torch.manual_seed(5)
     np.random.seed(5)
-    load_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    load_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1])
     assert __import__("random").random() == expected[2]

@@ -230,7 +230,8 @@ def test_context_parallel_is_refused_in_one_line():
 def test_enum_lists_allowed_values():
     message = error_for("precision=bf16")
     assert message == (
-        "precision: expected one of 'fp32', 'amp_bf16', 'amp_fp16', 'amp_fp8', got 'bf16' (str)"
+        "precision: expected one of 'auto', 'fp32', 'amp_bf16', 'amp_fp16', 'amp_fp8', got 'bf16' "
+        "(str)"
     )
 
 

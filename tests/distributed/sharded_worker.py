@@ -6,12 +6,14 @@ processes costs more than training the tiny model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -305,10 +307,84 @@ def forge_deepspeed_payload(saved: str, forged: str, marker: str) -> None:
     (checkpoint / MANIFEST).write_bytes(manifest_bytes(hash_tree(checkpoint)))
 
 
+class LinearDtypes(Callback):
+    """The dtypes of the first block's fused qkv projection, as seen inside the model: its
+    weight, and its output (the autocast dtype, when autocast reaches inside the engine)."""
+
+    def __init__(self) -> None:
+        self.outputs: set[str] = set()
+        self.weights: set[str] = set()
+
+    def fit_start(self, state, logger) -> None:
+        unwrap_model(state.model).transformer.blocks[0].attn.Wqkv.register_forward_hook(self._seen)
+
+    def _seen(self, module, args, output) -> None:
+        self.weights.add(str(module.weight.dtype))
+        self.outputs.add(str(output.dtype))
+
+
+@contextlib.contextmanager
+def fp16_on_cpu() -> Iterator[None]:
+    """amp_fp16 on this CPU: the product refuses it there (fp16 matmuls take torch's slow
+    fallback, affordable for the tiny model), and so does DeepSpeed's CPU accelerator without
+    native fp16 (AVX512-FP16/AMX-FP16)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from llmfoundry.core import precision
+
+    with (
+        mock.patch.object(precision, "FP16_DEVICE_TYPES", ("cuda", "cpu")),
+        mock.patch.object(type(get_accelerator()), "is_fp16_supported", lambda self: True),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def autocast_seen_as_on_cuda() -> Iterator[None]:
+    """DeepSpeed asks ``torch.is_autocast_enabled()`` without a device, which is CUDA's: on a GPU
+    it sees the trainer's autocast (and, without its own torch_autocast section, turns it off
+    inside the engine); on CPU it sees none. Here it gets the CPU's answer, as on a GPU."""
+    original = torch.is_autocast_enabled
+
+    def is_autocast_enabled(*args, **kwargs) -> bool:
+        return original(*args, **kwargs) if args or kwargs else original("cpu")
+
+    with mock.patch.object(torch, "is_autocast_enabled", is_autocast_enabled):
+        yield
+
+
+def deepspeed_precision_run(rank: int, world: int, stage: int, precision: str) -> dict:
+    """A parity run of ZeRO `stage` in `precision`: its losses, what the model computed in, the
+    loss scale DeepSpeed ended at and the trainer's own scaler state, or the error it ended with."""
+    from llmfoundry.distributed import DeepSpeed
+
+    dtypes, scaler = LinearDtypes(), {}
+
+    class Scales(Callback):
+        def fit_end(self, state, logger) -> None:
+            scaler["deepspeed"] = float(state.strategy.engine.optimizer.loss_scale)
+            scaler["trainer"] = state.precision.state_dict()
+
+    fp16 = fp16_on_cpu() if precision == "amp_fp16" else contextlib.nullcontext()
+    try:
+        with autocast_seen_as_on_cuda(), fp16:
+            recorder = parity_run(
+                DeepSpeed(stage, "cpu", timeout_s=60), rank, world, callbacks=(dtypes, Scales()),
+                device_train_microbatch_size=1, precision=precision,
+            )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - what each rank ended with is the result
+        return {"error": f"{type(err).__name__}: {err}"}
+    return {
+        "error": "", "losses": recorder.losses, "outputs": sorted(dtypes.outputs),
+        "weights": sorted(dtypes.weights), "scales": scaler,
+    }  # fmt: skip
+
+
 def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     """ZeRO 1-3 on the parity batches (two microbatches per rank: DeepSpeed must respect the
-    trainer's accumulation boundary), then a ZeRO-3 run stopped, saved and resumed, one
-    started from a one-process checkpoint's weights, and one that diverges (`diverged_run`)."""
+    trainer's accumulation boundary), in amp_bf16 and amp_fp16 too (`deepspeed_precision_run`),
+    then a ZeRO-3 run stopped, saved and resumed, one started from a one-process checkpoint's
+    weights, and one that diverges (`diverged_run`)."""
     import deepspeed
 
     from llmfoundry.distributed import DeepSpeed
@@ -324,6 +400,8 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
             DeepSpeed(stage, "cpu", timeout_s=60), rank, world, device_train_microbatch_size=1
         )
         result[f"zero{stage}"] = {"losses": recorder.losses}
+    for stage, precision in ((2, "amp_bf16"), (3, "amp_bf16"), (2, "amp_fp16"), (3, "amp_fp16")):
+        result[f"zero{stage}_{precision}"] = deepspeed_precision_run(rank, world, stage, precision)
     for name, kwargs in (
         ("zero3_straight", {}),
         ("zero3_saved", {"stop_at": STOP_AT}),

@@ -6,7 +6,8 @@ import functools
 import pytest
 import torch
 
-from llmfoundry.distributed import DDP, SingleDevice
+from llmfoundry.distributed import DDP, SingleDevice, ddp
+from llmfoundry.distributed.base import materialize
 from llmfoundry.trainer import Trainer
 from tests.trainer.conftest import tiny_model
 
@@ -88,3 +89,51 @@ def test_ddp_reads_rank_and_picks_gloo_on_cpu(monkeypatch):
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(ValueError, match="outside WORLD_SIZE"):
         DDP(device="cpu")
+
+
+class SumOfTwoRanks:
+    """torch.distributed.all_reduce as a second rank holding the same gradients would answer
+    (their sum: twice each), recording each call's dtype and size."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.dtype, int]] = []
+
+    def __call__(self, tensor, op=None, group=None, async_op=False):
+        self.calls.append((tensor.dtype, tensor.numel()))
+        tensor.mul_(2)
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_the_deferred_gradient_average_reduces_buckets_not_parameters(monkeypatch):
+    """Auto-microbatching averages gradients once every rank has finished its backward
+    (`DDP.sync_gradients`): one all-reduce per bucket of a dtype, not one per parameter."""
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="x", MASTER_PORT="1"
+    ).items():
+        monkeypatch.setenv(key, value)
+    all_reduce = SumOfTwoRanks()
+    monkeypatch.setattr(ddp.dist, "all_reduce", all_reduce)
+    model = materialize(tiny_model(), torch.device("cpu"))
+    unused = torch.nn.Parameter(torch.ones(3))  # no gradient on this rank: it sends zeros
+    model.register_parameter("unused", unused)
+    model.transformer.norm_f.to(torch.bfloat16)  # a second dtype: a bucket of its own
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters() if p is not unused}
+    for name, param in model.named_parameters():
+        param.grad = grads[name].clone() if name in grads else None
+    DDP(device="cpu").sync_gradients(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, grads.get(name, torch.zeros(3))), name  # (2 g) / 2
+    numels = {dtype: sum(p.numel() for p in model.parameters() if p.dtype == dtype)
+              for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+    # Two calls, one per dtype, where one per parameter made 15.
+    assert sorted(all_reduce.calls, key=str) == sorted(numels.items(), key=str)
+    # Buckets hold at most BUCKET_BYTES (a larger gradient alone), in parameter order.
+    all_reduce.calls.clear()
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(ddp, "BUCKET_BYTES", largest)
+    DDP(device="cpu").sync_gradients(model)
+    assert 2 < len(all_reduce.calls) < len(list(model.parameters()))
+    assert all(n * dtype.itemsize <= largest for dtype, n in all_reduce.calls)

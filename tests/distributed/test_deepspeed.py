@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO 1-3 with two processes (gloo, CPU, fp32): the same global batch gives the same
-losses as one process (tolerance and why: test_fsdp.py); a ZeRO-3 checkpoint (DeepSpeed's own
-plus our trainer state) resumes exactly, read without unpickling code (a payload in it is
-refused); a diverged ZeRO-3 run saves no NaN checkpoint."""
+losses as one process (tolerance and why: test_fsdp.py), and close ones in amp_bf16 and amp_fp16
+(each computed in its dtype, fp16 scaled by DeepSpeed's loss scaler alone); a ZeRO-3 checkpoint
+(DeepSpeed's own plus our trainer state) resumes exactly, read without unpickling code (a payload
+in it is refused); a diverged ZeRO-3 run saves no NaN checkpoint."""
 
 import importlib.util
 
@@ -38,6 +39,34 @@ def test_zero_stage_gives_the_losses_of_one_process(runs, stage):
     _, reference, ranks, _ = runs
     for rank in ranks:
         assert rank[f"zero{stage}"]["losses"] == pytest.approx(reference.losses, rel=RTOL)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_amp_bf16_autocasts_inside_the_engine_over_fp32_weights(runs, stage):
+    # DeepSpeed 0.17.6+ turns off an autocast entered outside its engine unless its config's
+    # torch_autocast section enables one: without it a GPU computed this in fp32 (the worker
+    # lets DeepSpeed see the CPU's autocast as it sees CUDA's: `autocast_seen_as_on_cuda`).
+    _, reference, ranks, _ = runs
+    for rank in ranks:
+        run = rank[f"zero{stage}_amp_bf16"]
+        assert run["error"] == ""
+        assert run["outputs"] == ["torch.bfloat16"] and run["weights"] == ["torch.float32"]
+        # bf16 keeps 8 bits of mantissa (test_fsdp.py's bf16 test): close, not equal.
+        assert run["losses"] == pytest.approx(reference.losses, rel=2e-2)
+        assert run["losses"] != pytest.approx(reference.losses, rel=RTOL)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_amp_fp16_trains_with_deepspeeds_loss_scaler_alone(runs, stage):
+    # Before, the trainer unscaled gradients with a GradScaler that never scaled the loss
+    # (DeepSpeed runs backward): AssertionError at the first step.
+    _, reference, ranks, _ = runs
+    for rank in ranks:
+        run = rank[f"zero{stage}_amp_fp16"]
+        assert run["error"] == ""
+        assert run["outputs"] == ["torch.float16"] and run["weights"] == ["torch.float16"]
+        assert run["scales"]["deepspeed"] > 1 and run["scales"]["trainer"] == {}
+        assert run["losses"] == pytest.approx(reference.losses, rel=2e-2)
 
 
 def test_no_kernel_is_compiled_for_training(runs):
@@ -87,10 +116,15 @@ def test_deepspeed_config_is_built_from_ours(monkeypatch):
         RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
     ).items():
         monkeypatch.setenv(key, value)
-    config = DeepSpeed(3, "cpu", gradient_clipping=1.0, offload_params=True).deepspeed_config()
+    strategy = DeepSpeed(3, "cpu", gradient_clipping=1.0, offload_params=True)
+    config = strategy.deepspeed_config("fp32")
     assert config["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"}}
     assert config["gradient_clipping"] == 1.0
     assert config["train_batch_size"] == 4 and config["gradient_accumulation_steps"] == 1
+    assert "fp16" not in config and "torch_autocast" not in config
+    bf16 = strategy.deepspeed_config("amp_bf16")["torch_autocast"]
+    assert bf16 == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert strategy.deepspeed_config("amp_fp16")["fp16"] == {"enabled": True}
     with pytest.raises(ValueError, match="offload_params needs ZeRO stage 3"):
         DeepSpeed(2, "cpu", offload_params=True)
     with pytest.raises(ValueError, match="stages are 1, 2 and 3"):

@@ -62,3 +62,16 @@ def test_bits_per_byte_from_the_bytes_meta_json_records(tmp_path):
         metrics["eval/val/loss"] / math.log(2) / (448 / 128), rel=1e-12
     )
     assert "eval/code/bits_per_byte" not in metrics
+
+
+def test_the_default_precision_is_resolved_once_for_the_strategys_device(tmp_path, caplog):
+    """precision=auto (conf/train.yaml) is spelled out once, where the device is known: the
+    converters and the trainer see the same precision, and the log says it once."""
+    import logging
+
+    main = write_dataset(tmp_path / "main", 1)
+    overrides = [*TINY, f"data.remote={main}", "strategy.device=cpu"]
+    with caplog.at_level(logging.INFO, logger="llmfoundry"):
+        trainer = build_trainer(compose_config(CONF, overrides), tmp_path / "r")
+    assert trainer.precision.name == "fp32"
+    assert [m for m in caplog.messages if "precision=auto" in m] == ["precision=auto: fp32 on cpu"]

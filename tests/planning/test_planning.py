@@ -17,6 +17,7 @@ from llmfoundry.planning import (
     optimizer_state_bytes,
     parse_bytes,
     plan_memory,
+    planned_precision,
     step_seconds,
 )
 
@@ -145,6 +146,21 @@ def test_plan_script_reads_hydra_overrides(capsys):
     assert "parameters  : 6,649,024,512" in out
     assert "largest microbatch fitting 80GB (74.51 GiB): " in out
     assert "at 40% MFU of 989.4 TFLOP/s" in out
+
+
+def test_auto_plans_what_training_resolves_on_the_named_gpu(capsys):
+    """The default precision=auto: bf16 on an H100 (or when no GPU is named), fp32 on a V100
+    (no bf16 tensor cores), as the trainer resolves it; a named precision is kept."""
+    assert planned_precision("auto", "NVIDIA H100 80GB HBM3") == "amp_bf16"
+    assert planned_precision("auto", None) == "amp_bf16"
+    assert planned_precision("auto", "Tesla V100-SXM2-32GB") == "fp32"
+    assert planned_precision("amp_fp16", "Tesla V100-SXM2-32GB") == "amp_fp16"
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    for name, precision, peak in (("H100", "amp_bf16", 989.4), ("V100", "fp32", 15.7)):
+        argv = ["model=mpt-125m", "--device-memory", "32GB", "--device-name", name]
+        assert plan_script["main"](argv) == 0
+        out = capsys.readouterr().out
+        assert f"; {precision}; global batch" in out and f"MFU of {peak} TFLOP/s" in out
 
 
 def test_plan_script_counts_a_llama_model(capsys):

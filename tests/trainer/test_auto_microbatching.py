@@ -13,7 +13,8 @@ import torch
 
 from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check
-from llmfoundry.trainer import Algorithm, Event, LoggerDestination, Trainer
+from llmfoundry.distributed import SingleDevice
+from llmfoundry.trainer import Algorithm, Callback, Event, LoggerDestination, Trainer
 
 from .conftest import tiny_model, token_batches
 
@@ -67,6 +68,9 @@ def masked_batches(n=2):
 
 
 def train(tmp_path, batches, **kwargs):
+    # fp32: these compare with one large batch at 1e-5, and auto is bf16 where the default
+    # device is a GPU.
+    kwargs.setdefault("precision", "fp32")
     trainer = Trainer(
         model=tiny_model(),
         train_dataloader=batches,
@@ -168,6 +172,78 @@ def test_other_errors_and_fixed_sizes_are_not_retried(tmp_path):
 def test_bad_microbatch_setting(tmp_path, bad):
     with pytest.raises(ValueError, match="device_train_microbatch_size"):
         train(tmp_path, token_batches(1, 4), device_train_microbatch_size=bad)
+
+
+class Guarded(SingleDevice):
+    """One process standing in for a sharded strategy (FSDP): its guards are recorded with the
+    batch they were set at, and an out-of-memory error can be agreed on only while they are on."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.guards: list[tuple[int, bool]] = []
+        self.agreements = 0
+        self.batch = lambda: -1
+
+    def guard_collectives(self, model, guard=True):
+        self.guards.append((self.batch(), guard))
+
+    @property
+    def out_of_memory_retryable(self) -> bool:
+        return self.guards[-1][1]
+
+    def all_reduce_sum(self, tensor, group=None):
+        self.agreements += 1
+        return tensor
+
+
+def guarded_run(tmp_path, n_batches, oom, callbacks=()):
+    strategy = Guarded()
+    trainer = Trainer(
+        model=tiny_model(),
+        train_dataloader=token_batches(n_batches, 4),
+        max_duration=f"{n_batches}ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+        strategy=strategy,
+        device_train_microbatch_size="auto",
+        algorithms=[oom],
+        callbacks=callbacks,
+    )
+    strategy.batch = lambda: trainer.state.timestamp.batch
+    return trainer, strategy
+
+
+def test_the_guards_come_off_once_the_size_has_fit_two_steps(tmp_path):
+    """Guarding every collective costs a host sync per block; once a size has fit the step
+    after the optimizer allocated its state, the strategy drops the guards."""
+    trainer, strategy = guarded_run(tmp_path, 4, InjectOOM(limit=2))
+    trainer.fit()
+    # Set when the trainer is built; off after batch 2 (index 1), the second at size 2.
+    assert strategy.guards == [(-1, True), (1, False)]
+    assert trainer.state.device_train_microbatch_size == 2
+
+
+def test_an_out_of_memory_error_after_the_guards_came_off_ends_the_run(tmp_path):
+    """The other ranks may be inside a collective this rank left: no agreement is joined (it
+    would hang them), the error says what to set instead."""
+    agreed = []  # the strategy's all-reduces so far, at the end of each batch
+
+    class Agreements(Callback):
+        def batch_end(self, state, logger):
+            agreed.append(state.strategy.agreements)
+
+    oom = InjectOOM(limit=2, from_batch=3)
+    trainer, strategy = guarded_run(tmp_path, 5, oom, callbacks=[Agreements()])
+    with pytest.raises(RuntimeError) as err:
+        trainer.fit()
+    assert str(err.value) == (
+        "out of memory at device_train_microbatch_size=4 (auto) after it had fit 3 steps: the "
+        "other ranks wait in a collective this rank left, so the step cannot be retried; set "
+        "device_train_microbatch_size=2, or resume the run with auto (it searches again)"
+    )
+    assert isinstance(err.value.__cause__, torch.OutOfMemoryError) and oom.raised == 1
+    assert len(agreed) == 3 and strategy.agreements == agreed[-1]  # none after the error
+    assert strategy.guards == [(-1, True), (1, False)]
 
 
 @pytest.mark.cuda  # a real out-of-memory error needs CUDA

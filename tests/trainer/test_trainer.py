@@ -15,6 +15,7 @@ from .conftest import tiny_model, token_batches
 def trainer_for(tmp_path, batches, **kwargs):
     kwargs.setdefault("max_duration", f"{len(batches)}ba")
     kwargs.setdefault("optimizer", functools.partial(torch.optim.SGD, lr=0.1))
+    kwargs.setdefault("precision", "fp32")  # exact comparisons; auto is bf16 on a GPU
     return Trainer(model=tiny_model(), train_dataloader=batches, run_dir=tmp_path, **kwargs)
 
 
