@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
-from llmfoundry.models.layers import flash
+from llmfoundry.models.layers import attention, flash
 from llmfoundry.models.layers.attention import AttentionMasks, torch_attention
 from llmfoundry.models.layers.flex import flex_attention
+from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.mpt.infini import infini_attention
 
@@ -138,6 +139,19 @@ def test_flash_layout_is_built_once_per_forward(flash_on_cpu, monkeypatch):
     for _ in range(3):  # three layers
         flash.flash_attention(q, k, v, mask, 0.0, 0.3)
     assert len(calls) == 1
+
+
+def test_flash_never_builds_the_dense_bias(flash_on_cpu, monkeypatch):
+    """flash takes ALiBi as slopes and documents as cu_seqlens: the [1, H, L, L] bias that
+    torch and sdpa cache must not be built (nor counted by the planner: DENSE_BIAS_IMPLS)."""
+    builds = []
+    monkeypatch.setattr(attention, "causal_alibi_bias", lambda *args: builds.append(args))
+    monkeypatch.setattr(flash, "missing_package", lambda: None)
+    _, model = _model_pair("flash", alibi=True)
+    ids = torch.randint(0, 101, (3, 40))
+    for sid in (None, _sequence_id(3, 40, pad=3)):
+        model(ids, sid)
+    assert builds == [] and "flash" not in DENSE_BIAS_IMPLS
 
 
 def test_flash_without_package_says_what_to_install(monkeypatch):

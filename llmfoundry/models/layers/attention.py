@@ -111,7 +111,8 @@ class AttentionMasks(nn.Module):
 
     `heads` are the heads whose attention the model's blocks compute: all of them, unless the
     model's projections were split by head from outside (tensor parallelism gives each rank a
-    contiguous range; `select_heads`). ALiBi's per-head slopes and bias follow that range.
+    contiguous range; `select_heads`). ALiBi's per-head slopes and bias follow that range: only
+    those heads' bias is built.
     """
 
     def __init__(
@@ -150,16 +151,25 @@ class AttentionMasks(nn.Module):
             self._slopes = self.alibi.slopes(self.n_heads)[self.heads].to(device)
         return self._slopes
 
+    def causal_bias_shape(self, seq_len: int) -> tuple[int, int, int, int]:
+        """The shape of the cache `causal_bias` keeps for inputs of `seq_len` tokens:
+        [1, len(heads) with ALiBi (else 1), size, size], size the longer of seq_len and
+        max_seq_len (the memory planner counts it)."""
+        size = max(seq_len, self.max_seq_len)
+        heads = 1 if self.alibi is None else len(range(self.n_heads)[self.heads])
+        return (1, heads, size, size)
+
     def causal_bias(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The causal bias (window, ALiBi) [1, len(heads) or 1, seq_len, seq_len], sliced from
         the cache."""
         cached = self.cached
         stale = cached is None or cached.device != device or cached.dtype != dtype
         if stale or cached.shape[-1] < seq_len:
-            size = max(seq_len, self.max_seq_len)
+            size = self.causal_bias_shape(seq_len)[-1]
             bias_max = None if self.alibi is None else self.alibi.bias_max
-            bias = causal_alibi_bias(self.n_heads, size, bias_max, device, dtype, self.window)
-            self.cached = cached = bias if self.alibi is None else bias[:, self.heads].contiguous()
+            self.cached = cached = causal_alibi_bias(
+                self.n_heads, size, bias_max, device, dtype, self.window, self.heads
+            )
         return cached[..., :seq_len, :seq_len]
 
     def shared_cached(self, key: Any, build: Callable[[], Any]) -> Any:

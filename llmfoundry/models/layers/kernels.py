@@ -25,6 +25,11 @@ ATTN_IMPLS: dict[str, AttnFn] = {
     "flash": flash.flash_attention,
 }
 
+# The kernels that take the mask as a dense additive bias (`AttentionMask.dense_bias`): with
+# ALiBi or a sliding window they keep the causal bias of the longest input cached
+# (`AttentionMasks.causal_bias`), which the memory planner counts. flex and flash never build it.
+DENSE_BIAS_IMPLS = frozenset({"torch", "sdpa"})
+
 
 def check_attn_impl(name: str, owner: str, attn_pdrop: float = 0.0) -> None:
     """Raise a ValueError that says what to do if `name` is not a usable attention kernel;
