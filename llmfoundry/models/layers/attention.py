@@ -14,6 +14,14 @@ Each kernel turns it into what it consumes (a dense additive bias for `torch` an
 the part that does not depend on the batch is cached across forwards by the `AttentionMasks`
 module that made the mask. RoPE rotates q and k before the kernel; the mask never sees it.
 
+`sdpa` runs one SDPA backend per call, chosen by `sdpa_plan` from the mask and the shapes:
+flash (grouped-query heads as they are) for plain causal attention and a decoding step's
+single query, which need no bias; the memory-efficient kernel, key/value heads expanded, for
+any bias (ALiBi, a sliding window, documents, several queries after a cache); math only where
+neither fits. On CUDA the call may use that backend alone, so a wrong plan fails instead of
+silently falling back to math's [B, H, L, L] scores. MPT's ALiBi is always a bias, so MPT never
+reaches sdpa's flash backend: its fast path is `flex`.
+
 Positions: queries are the last `q_len` of the `k_len` key positions (bottom-right aligned, as
 flash-attn's causal mode). A full forward has q_len == k_len; a decoding step with a cache of
 past keys passes only the new queries and every key, and ALiBi, causality and document masking
@@ -24,6 +32,7 @@ id is the one of its own position.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmfoundry.models.layers.position import ALiBi, causal_alibi_bias
 
@@ -74,17 +84,29 @@ class AttentionMask:
         """Document id of each query position: the last `q_len` columns of `sequence_id`."""
         return None if self.sequence_id is None else self.sequence_id[:, -q_len:]
 
+    def is_plain(self) -> bool:
+        """Causality alone: no ALiBi, no sliding window, no documents."""
+        src = self.source
+        return src.alibi is None and src.window is None and self.sequence_id is None
+
+    def needs_bias(self, q_len: int, k_len: int) -> bool:
+        """Whether a kernel without masks of its own needs `dense_bias`: not for plain causal
+        attention whose queries are every key position (is_causal) or only the last one (a
+        decoding step sees every key: no mask at all)."""
+        return not (self.is_plain() and q_len in (k_len, 1))
+
     def dense_bias(self, q_len: int, k_len: int) -> torch.Tensor | None:
         """Additive float bias broadcastable to [batch, n_heads, q_len, k_len], or None.
 
         It holds ALiBi, causality (-inf for future keys), the sliding window and the document
-        mask (-inf across documents). None means plain causal attention with q_len == k_len and nothing else, which
-        lets `sdpa` take its fastest (is_causal) path.
+        mask (-inf across documents). None means plain causal attention with q_len == k_len
+        and nothing else, which lets `sdpa` take its fastest (is_causal) path. Its strides
+        are multiples of 8 elements (the cache's side is; a document mask's rows are padded),
+        so SDPA's memory-efficient kernel takes it without the aligned copy it would make in
+        every layer.
         """
-        src = self.source
-        if src.alibi is None and src.window is None and self.sequence_id is None:
-            if q_len == k_len:
-                return None
+        if self.is_plain() and q_len == k_len:
+            return None
         return self.cached(("dense", q_len, k_len), lambda: self._dense(q_len, k_len))
 
     def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
@@ -93,8 +115,16 @@ class AttentionMask:
         if self.sequence_id is not None:
             q_sid = self.query_sequence_id(q_len)
             other_doc = q_sid[:, None, :, None] != self.sequence_id[:, None, None, :]
-            bias = bias.masked_fill(other_doc, float("-inf"))
+            rows = (other_doc.shape[0], bias.shape[1], q_len, _aligned(k_len))
+            aligned = bias.new_empty(rows)[..., :k_len].copy_(bias)
+            bias = aligned.masked_fill_(other_doc, float("-inf"))
         return bias
+
+
+def _aligned(n: int) -> int:
+    """`n` rounded up to a multiple of 8, the row alignment SDPA's efficient kernel needs of a
+    bias (torch copies an unaligned one into an aligned buffer on every call)."""
+    return -(-n // 8) * 8
 
 
 class AttentionMasks(nn.Module):
@@ -154,8 +184,9 @@ class AttentionMasks(nn.Module):
     def causal_bias_shape(self, seq_len: int) -> tuple[int, int, int, int]:
         """The shape of the cache `causal_bias` keeps for inputs of `seq_len` tokens:
         [1, len(heads) with ALiBi (else 1), size, size], size the longer of seq_len and
-        max_seq_len (the memory planner counts it)."""
-        size = max(seq_len, self.max_seq_len)
+        max_seq_len rounded up to a multiple of 8 (`dense_bias`; the memory planner counts
+        it)."""
+        size = _aligned(max(seq_len, self.max_seq_len))
         heads = 1 if self.alibi is None else len(range(self.n_heads)[self.heads])
         return (1, heads, size, size)
 
@@ -219,6 +250,88 @@ def torch_attention(
     return weights @ v
 
 
+@dataclass(frozen=True)
+class SdpaPlan:
+    """How `sdpa_attention` calls F.scaled_dot_product_attention for one mask and shape.
+
+    `kernel`: the one SDPA backend allowed ("flash", "efficient" or "math"; on CUDA it runs
+    under `sdpa_kernel` of that backend alone, so a case it cannot take fails loudly instead of
+    falling back to math). `bias`: the mask goes in as `dense_bias`; otherwise `causal` says
+    whether it is is_causal or nothing at all (a decoding step's one query sees every key).
+    `expand_kv`: the key/value heads are repeated to the query heads first, for the efficient
+    kernel, which takes no grouped-query heads (torch 2.11 to 2.13).
+    """
+
+    kernel: str
+    bias: bool
+    causal: bool
+    expand_kv: bool = False
+
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_plan(
+    mask: AttentionMask,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    dropout_p: float = 0.0,
+    device_type: str = "cuda",
+    capability: tuple[int, int] = (9, 0),
+) -> SdpaPlan:
+    """The best fused SDPA backend `mask` permits for q [B, H, Lq, D], k [B, Hkv, Lk, D] in
+    `dtype`, on a CUDA device of compute `capability` (torch's sdp_utils rules).
+
+    Flash (sm80+, fp16/bf16, head_dim <= 256, grouped-query heads as they are) takes no bias:
+    only plain causal attention (is_causal) and a decoding step's single query (no mask). Any
+    bias (ALiBi, a sliding window, documents, several queries after a cache) goes to the
+    memory-efficient kernel with key/value heads expanded to the query heads, which costs
+    [B, H, Lk, D] copies instead of math's [B, H, Lq, Lk] scores. Math is left for head dims
+    the efficient kernel cannot take. MPT's ALiBi always needs the bias, so MPT on sdpa never
+    reaches flash: attn_impl=flex is MPT's fast path. On CPU, torch's flash kernel takes any
+    bias and grouped heads but no dropout (nothing is enforced there).
+    """
+    n_heads, q_len, head_dim = q_shape[1], q_shape[2], q_shape[3]
+    kv_heads, k_len = k_shape[1], k_shape[2]
+    bias = mask.needs_bias(q_len, k_len)
+    causal = not bias and q_len == k_len
+    if device_type != "cuda":
+        return SdpaPlan("flash" if dropout_p == 0 else "math", bias, causal)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if not bias and half and capability >= (8, 0) and head_dim <= _flash_head_dim(capability):
+        return SdpaPlan("flash", bias, causal)
+    # The efficient kernel: sm50+, bf16 from sm80; head_dim a multiple of the GEMM alignment.
+    alignment = 8 if half else (4 if capability >= (8, 0) else 1)
+    dtype_ok = dtype != torch.bfloat16 or capability >= (8, 0)
+    if capability >= (5, 0) and dtype_ok and head_dim % alignment == 0:
+        return SdpaPlan("efficient", bias, causal, expand_kv=kv_heads != n_heads)
+    return SdpaPlan("math", bias, causal)
+
+
+def _flash_head_dim(capability: tuple[int, int]) -> int:
+    """The largest head_dim SDPA's flash kernel trains with: 192 on sm86-89 and sm12x (torch
+    refuses (192, 256] there when gradients are needed), else 256."""
+    return 192 if (8, 6) <= capability <= (8, 9) or capability[0] == 12 else 256
+
+
+@torch.compiler.assume_constant_result
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA `device` (a constant to torch.compile)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, dropout_p: float) -> SdpaPlan:
+    """`sdpa_plan` of these tensors on their device, in the dtype the scores will have."""
+    device = q.device
+    capability = _capability(device) if device.type == "cuda" else (0, 0)
+    return sdpa_plan(mask, q.shape, k.shape, compute_dtype(q), dropout_p, device.type, capability)
+
+
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,15 +340,21 @@ def sdpa_attention(
     dropout_p: float,
     scale: float,
 ) -> torch.Tensor:
-    """PyTorch's fused scaled_dot_product_attention; the dense bias goes in as its attn_mask."""
-    bias = mask.dense_bias(q.shape[-2], k.shape[-2])
-    return F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=bias,
-        dropout_p=dropout_p,
-        is_causal=bias is None,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    """PyTorch's fused scaled_dot_product_attention on the backend `sdpa_plan` chooses; the
+    dense bias, when the plan needs one, goes in as its attn_mask."""
+    plan = plan_for(q, k, mask, dropout_p)
+    bias = mask.dense_bias(q.shape[-2], k.shape[-2]) if plan.bias else None
+    if plan.expand_kv:
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    only = sdpa_kernel(SDPA_BACKENDS[plan.kernel]) if q.is_cuda else contextlib.nullcontext()
+    with only:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=dropout_p,
+            is_causal=plan.causal,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
