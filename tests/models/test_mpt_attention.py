@@ -260,3 +260,17 @@ def test_the_cached_bias_is_built_for_its_heads_in_its_dtype_within_twice_its_si
     peak, bias = _peak_bytes(lambda: masks.causal_bias(256, torch.device("cpu"), dtype))
     assert bias.shape == (1, 2 if alibi else 1, 256, 256) and bias.dtype == dtype
     assert 0 < peak <= 2 * bias.nbytes, peak / bias.nbytes
+
+
+def test_a_kernel_product_is_built_once_per_forward_at_its_lengths():
+    """`AttentionMask.cached` with lengths: one build however many layers ask, another when
+    asked at other lengths; the model's lengths let the kernel's `prepare` build it before the
+    blocks run."""
+    builds = []
+    mask = AttentionMasks(4, 16, ALiBi())(None, torch.device("cpu"), torch.float32)
+    for lengths in [(16, 16)] * 3 + [(1, 16)] * 2:
+        mask.cached("product", lambda lengths=lengths: builds.append(lengths), lengths)
+    assert builds == [(16, 16), (1, 16)]
+    masks = AttentionMasks(4, 16, ALiBi(), prepare=attention.prepare_dense)
+    masks(_sequence_id(2, 16), torch.device("cpu"), torch.float32, (16, 16))
+    assert masks.cached is not None  # built in the model's forward, before any block

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from llmfoundry.distributed import SingleDevice
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.generation import Decoder, GenerationConfig, generate, left_pad
 from llmfoundry.models.layers import attention, flash
@@ -286,6 +287,32 @@ def test_flex_on_cpu_pads_to_whole_blocks_and_equals_torch(q_len):
     )
 
 
+def _unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow  # compiles FlexAttention for CPU (~1 min)
+def test_compiled_blocks_with_flex_compile_once_more_for_other_lengths_and_equal_torch():
+    """model.compile=true with attn_impl=flex: the BlockMask is built in the model's forward,
+    outside the compiled blocks (built inside, inductor's CPU lowering refused it; looked up
+    there by length, every new length recompiled the blocks until torch.compile's limit of 8
+    sent them back to eager). A second length compiles once more, with dynamic shapes; a third
+    compiles nothing."""
+    ref, fast = _model_pair("flex", max_seq_len=384, compile=True)
+    fast = SingleDevice("cpu").prepare(fast)  # compiles every block
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(1)
+    graphs = []
+    with torch.no_grad():
+        for seq_len in (128, 256, 384):
+            ids = torch.randint(0, 101, (2, seq_len))
+            torch.testing.assert_close(fast(ids), ref(ids), rtol=0, atol=1e-5)
+            graphs.append(_unique_graphs())
+    assert graphs == [1, 2, 2]
+    assert fast.transformer.masks.cached is None  # flex never built the dense bias
+
+
 def test_flex_training_on_cpu_is_refused_clearly():
     _, fast = _model_pair("flex")
     with pytest.raises(RuntimeError, match="cannot train on CPU.*attn_impl=sdpa"):
@@ -325,6 +352,39 @@ def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
     assert _relative_error(outs[1], outs[0]) < 2e-2
     for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
         assert _relative_error(p_fast.grad, p_ref.grad) < 2e-2, name
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="FlexAttention's backward needs CUDA")
+@pytest.mark.parametrize("qk_ln", [False, True])
+def test_gpu_compiled_blocks_with_flex_train_at_several_lengths(qk_ln):
+    """model.compile=true, attn_impl=flex, bf16 training steps at three lengths, then with
+    documents: losses and gradients within bf16 error of the eager torch reference; the
+    blocks compile again for the second length (dynamic shapes) and for documents, and never
+    for a length after that (before: a recompile per length, eager after 8)."""
+    ref, fast = _model_pair("flex", device="cuda", max_seq_len=512, compile=True, qk_ln=qk_ln)
+    fast = SingleDevice("cuda").prepare(fast)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(1)
+    graphs = []
+    for seq_len, documents in ((256, False), (512, False), (384, False), (384, True), (512, True)):
+        ids = torch.randint(0, 101, (4, seq_len), device="cuda")
+        sid = _sequence_id(4, seq_len, pad=5).cuda() if documents else None
+        losses = []
+        for model in (ref, fast):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(ids, sid)
+            loss = MPTForCausalLM.loss(
+                logits, ids if sid is None else ids.masked_fill(sid < 0, -100)
+            )
+            loss.backward()
+            losses.append(loss.detach())
+        assert _relative_error(losses[1], losses[0]) < 2e-2, seq_len
+        for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
+            assert _relative_error(p_fast.grad, p_ref.grad) < 2e-2, (seq_len, name)
+        graphs.append(_unique_graphs())
+    assert graphs[2] == graphs[1] and graphs[4] == graphs[3] and graphs[-1] <= 4, graphs
 
 
 def test_scale_default_is_inverse_sqrt_head_dim():

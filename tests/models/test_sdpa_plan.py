@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmfoundry.distributed.parallelize import apply_compile
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.layers import attention
 from llmfoundry.models.layers.attention import (
@@ -207,3 +208,22 @@ def test_gpu_models_run_the_recorded_kernel(documents):
             logits.float().sum().backward()
         assert ran == [f"sdpa:{expected[name]}"], name
         assert ops.ran == [_OPS[expected[name]], _OPS[expected[name]] + "_backward"], name
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="SDPA's fused CUDA backends need a GPU")
+def test_gpu_compiled_blocks_run_the_planned_backend():
+    """Compiled blocks (model.compile=true's `apply_compile`): the plan and its sdpa_kernel
+    hold inside the compiled graph; the profiler names the fused op it calls."""
+    for name, model in _models("cuda").items():
+        apply_compile(list(model.transformer.blocks))
+        for seq_len, documents in ((64, False), (48, True), (56, True)):
+            ids = torch.randint(0, 101, (2, seq_len), device="cuda")
+            sid = _sequence_id(2, seq_len).cuda() if documents else None
+            kernel = "flash" if name == "llama" and not documents else "efficient"
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.autocast("cuda", dtype=BF16):
+                    logits = model(ids, sid)
+                logits.float().sum().backward()
+            ran = {e.key for e in prof.key_averages() if "_scaled_dot_product_" in e.key}
+            op = f"aten::{_OPS[kernel]}"
+            assert ran == {op, f"{op}_backward"}, (name, seq_len, ran)

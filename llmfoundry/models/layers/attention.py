@@ -10,9 +10,12 @@ with q shaped [batch, n_heads, q_len, head_dim] and k, v [batch, kv_n_heads, k_l
 family's position scheme is ALiBi (position.py), sliding window, document ids), not a tensor.
 Each kernel turns it into what it consumes (a dense additive bias for `torch` and `sdpa`, a
 `score_mod` and `BlockMask` for `flex`, `alibi_slopes` and `cu_seqlens` for `flash`) through
-`mask.cached(key, build)`, so the product is built once per forward and shared by every layer;
-the part that does not depend on the batch is cached across forwards by the `AttentionMasks`
-module that made the mask. RoPE rotates q and k before the kernel; the mask never sees it.
+`mask.cached(key, build, lengths)`, so the product is built once per forward and shared by every
+layer; the part that does not depend on the batch is cached across forwards by the
+`AttentionMasks` module that made the mask. The model gives that module the forward's lengths,
+and the kernel's `prepare` (kernels.PREPARE) builds the products then, before the blocks run:
+compiled blocks only read them, so they compile once more for a second sequence length and never
+again. RoPE rotates q and k before the kernel; the mask never sees it.
 
 `sdpa` runs one SDPA backend per call, chosen by `sdpa_plan` from the mask and the shapes:
 flash (grouped-query heads as they are) for plain causal attention and a decoding step's
@@ -47,6 +50,8 @@ from llmfoundry.models.layers.position import ALiBi, causal_alibi_bias
 AttnFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "AttentionMask", float, float], torch.Tensor
 ]
+# A kernel's preparation of a forward's mask for (q_len, k_len): see `AttentionMasks.forward`.
+Prepare = Callable[["AttentionMask", int, int], None]
 
 
 @dataclass(eq=False)
@@ -70,11 +75,21 @@ class AttentionMask:
         """float32 [heads] on the mask's device (the source's `heads`), or None without ALiBi."""
         return self.source.slopes(self.device)
 
-    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
-        """`build()` the first time `key` is asked for in this forward, the same object after."""
-        if key not in self._built:
-            self._built[key] = build()
-        return self._built[key]
+    def cached(
+        self, key: Any, build: Callable[[], Any], lengths: tuple[int, int] | None = None
+    ) -> Any:
+        """`build()` the first time `key` is asked for in this forward, the same object after.
+
+        A kernel's product for (q_len, k_len) passes those `lengths`: it is rebuilt when asked
+        at others. They are compared, not part of the key: inside a compiled block, a dict
+        lookup keyed by a length makes torch.compile specialise (and recompile) the block for
+        every sequence length, while comparing stored lengths with the current ones holds for
+        all of them once the lengths are dynamic.
+        """
+        entry = self._built.get(key)
+        if entry is None or entry[0] != lengths:
+            entry = self._built[key] = (lengths, build())
+        return entry[1]
 
     def with_sequence_id(self, sequence_id: torch.Tensor | None) -> AttentionMask:
         """The same mask for other rows (e.g. a sequence cut into segments), with its own memo."""
@@ -107,7 +122,7 @@ class AttentionMask:
         """
         if self.is_plain() and q_len == k_len:
             return None
-        return self.cached(("dense", q_len, k_len), lambda: self._dense(q_len, k_len))
+        return self.cached("dense", lambda: self._dense(q_len, k_len), (q_len, k_len))
 
     def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
         full = self.source.causal_bias(k_len, self.device, self.dtype)
@@ -143,6 +158,9 @@ class AttentionMasks(nn.Module):
     model's projections were split by head from outside (tensor parallelism gives each rank a
     contiguous range; `select_heads`). ALiBi's per-head slopes and bias follow that range: only
     those heads' bias is built.
+
+    `prepare` is the model's kernel's preparation (kernels.PREPARE): given the forward's
+    lengths, `forward` builds what the kernel will ask of the mask before any block runs.
     """
 
     def __init__(
@@ -151,12 +169,14 @@ class AttentionMasks(nn.Module):
         max_seq_len: int,
         alibi: ALiBi | None = None,
         window: int | None = None,
+        prepare: Prepare | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.window = window
         self.max_seq_len = max_seq_len
         self.alibi = alibi
+        self.prepare = prepare
         self.heads = slice(0, n_heads)
         self.reset()
 
@@ -210,9 +230,26 @@ class AttentionMasks(nn.Module):
         return self._shared[key]
 
     def forward(
-        self, sequence_id: torch.Tensor | None, device: torch.device, dtype: torch.dtype
+        self,
+        sequence_id: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        lengths: tuple[int, int] | None = None,
     ) -> AttentionMask:
-        return AttentionMask(self, sequence_id, device, dtype)
+        """This forward's mask; with the `lengths` (q_len, k_len) its attention will have, the
+        kernel's products (a dense bias, a BlockMask, a packed layout) are built now, in the
+        model's forward, outside the compiled blocks: built inside one, they would be traced
+        into it (inductor's CPU lowering refuses FlexAttention's), and looked up there in a
+        cache keyed by length, they would recompile it per length."""
+        mask = AttentionMask(self, sequence_id, device, dtype)
+        if self.prepare is not None and lengths is not None:
+            self.prepare(mask, *lengths)
+        return mask
+
+
+def prepare_dense(mask: AttentionMask, q_len: int, k_len: int) -> None:
+    """The `Prepare` of the torch and sdpa kernels: the forward's dense bias, when it has one."""
+    mask.dense_bias(q_len, k_len)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

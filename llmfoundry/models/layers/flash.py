@@ -116,6 +116,19 @@ def _cumulative(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
+def prepare(mask: AttentionMask, q_len: int, k_len: int) -> None:
+    """Derive the packed layout of a forward with documents before the blocks run
+    (`AttentionMasks.forward`)."""
+    if mask.sequence_id is not None:
+        _layout(mask, q_len, k_len)
+
+
+def _layout(mask: AttentionMask, q_len: int, k_len: int) -> VarlenLayout:
+    """`varlen_layout` of the mask's documents, once per forward."""
+    build = lambda: varlen_layout(mask.sequence_id, q_len)  # noqa: E731
+    return mask.cached("flash_varlen", build, (q_len, k_len))
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,7 +154,7 @@ def flash_attention(
         return dense_fn(q, k, v, **options).transpose(1, 2)
     batch, q_len, n_heads, head_dim = q.shape
     k_len = k.shape[1]
-    layout = mask.cached(("flash_varlen", q_len), lambda: varlen_layout(mask.sequence_id, q_len))
+    layout = _layout(mask, q_len, k_len)
     packed_q = q.reshape(batch * q_len, n_heads, head_dim)[layout.q_indices]
     packed_k, packed_v = (
         t.reshape(batch * k_len, t.shape[2], head_dim)[layout.k_indices] for t in (k, v)

@@ -5,7 +5,8 @@ Every entry has the signature of `attention.AttnFn`; see `attention.py` for the 
 device); `flex` is FlexAttention (compiled; GPU for training); `flash` is flash-attn 2 (CUDA,
 `pip install 'llmfoundry[gpu]'`). `kernel_name` says which kernel a call runs (for sdpa, the
 backend `attention.sdpa_plan` chose, which CUDA is held to); `record_kernels` collects the names
-over a model's forward.
+over a model's forward. `PREPARE` builds what each kernel takes from a forward's mask before
+the blocks run (`attention.AttentionMasks.forward`).
 
 Agreement with `torch` in fp32, as tested (tests/models/test_mpt_attention.py,
 test_mpt_kernels.py): sdpa within 1e-5 absolute, forward and gradients; flex within 1e-5
@@ -22,21 +23,30 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from llmfoundry.models.layers import flash
+from llmfoundry.models.layers import flash, flex
 from llmfoundry.models.layers.attention import (
     AttentionMask,
     AttnFn,
+    Prepare,
     plan_for,
+    prepare_dense,
     sdpa_attention,
     torch_attention,
 )
-from llmfoundry.models.layers.flex import flex_attention
 
 ATTN_IMPLS: dict[str, AttnFn] = {
     "torch": torch_attention,
     "sdpa": sdpa_attention,
-    "flex": flex_attention,
+    "flex": flex.flex_attention,
     "flash": flash.flash_attention,
+}
+
+# What each kernel builds of a forward's mask before the blocks run (`AttentionMasks.forward`).
+PREPARE: dict[str, Prepare] = {
+    "torch": prepare_dense,
+    "sdpa": prepare_dense,
+    "flex": flex.prepare,
+    "flash": flash.prepare,
 }
 
 # The kernels that take the mask as a dense additive bias (`AttentionMask.dense_bias`): with
