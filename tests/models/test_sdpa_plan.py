@@ -16,6 +16,7 @@ from llmfoundry.models.layers.attention import (
     torch_attention,
 )
 from llmfoundry.models.layers.kernels import record_kernels
+from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -160,6 +161,20 @@ def test_the_kernel_that_ran_is_recorded_per_model_and_batch():
         assert model.transformer.blocks[0].attn.attn_fn is sdpa_attention  # restored
 
 
+def test_plain_decoding_builds_no_bias():
+    """Llama's prompt (is_causal) and its decoding steps (one query sees every key) need no
+    bias: none is built, so both can run SDPA's flash kernel on CUDA."""
+    model = _models()["llama"]
+    ids = torch.randint(0, 101, (2, 9))
+    cache = KVCache.for_model(model, 16)
+    with record_kernels(model) as ran:
+        model(ids[:, :8], cache=cache)
+        model(ids[:, 8:], cache=cache)
+    assert model.transformer.masks.cached is None
+    plans = [attention.sdpa_plan(_mask(seq=9), (2, 4, q, 16), (2, 2, 9, 16), BF16) for q in (9, 1)]
+    assert [plan.kernel for plan in plans] == ["flash", "flash"] and ran == ["sdpa:flash"] * 2
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 
 _OPS = {
@@ -187,7 +202,7 @@ def test_gpu_runs_the_planned_backend_alone(case):
         out.float().sum().backward()
     ref = torch_attention(q, k, v, _mask(**options, device="cuda"), 0.0, 0.125)
     error = (out.float() - ref).norm() / ref.norm()
-    assert error < (2e-2 if dtype != FP32 else 1e-4), error
+    assert error < (2e-2 if dtype != FP32 else 5e-3), error  # fp32: TF32 tensor cores
     fused = [] if expected.kernel == "math" else [_OPS[expected.kernel]]  # math: plain ops
     assert ops.ran == fused + [f"{op}_backward" for op in fused], ops.ran
 

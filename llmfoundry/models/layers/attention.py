@@ -248,8 +248,10 @@ class AttentionMasks(nn.Module):
 
 
 def prepare_dense(mask: AttentionMask, q_len: int, k_len: int) -> None:
-    """The `Prepare` of the torch and sdpa kernels: the forward's dense bias, when it has one."""
-    mask.dense_bias(q_len, k_len)
+    """The `Prepare` of the torch and sdpa kernels: the forward's dense bias, when the mask
+    needs one (a plain decoding step needs none, nor its causal cache)."""
+    if mask.needs_bias(q_len, k_len):
+        mask.dense_bias(q_len, k_len)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
