@@ -66,9 +66,8 @@ def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, i
     `padded` (queries, keys) positions when given: padding keys are masked out, padding queries
     attend to nothing (their rows are cut off). One per row with documents, else one for all.
 
-    The length-dependent scalars are captured as tensors: torch.compile guards on a captured
-    Python int (a recompile when it changes) and then makes it symbolic, which inductor's CPU
-    lowering of FlexAttention fails to compile.
+    The length-dependent scalars are captured as tensors, not ints: torch.compile guards on a
+    captured int, so every new offset or length would compile FlexAttention again.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -123,9 +122,9 @@ def _products(mask: AttentionMask, q_len: int, k_len: int) -> tuple[object, Call
         slopes, offset = mask.alibi_slopes, k_len - q_len
         score_mod = None
         if slopes is not None:
-            offset_t = lambda: torch.tensor(offset, device=device)  # noqa: E731
             score_mod = source.shared_cached(
-                ("flex_alibi", offset, device), lambda: alibi_score_mod(slopes, offset_t())
+                ("flex_alibi", offset, device),
+                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device)),
             )
         return blocks, score_mod
 
