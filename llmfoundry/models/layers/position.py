@@ -73,10 +73,10 @@ def causal_alibi_bias(
     distances and mask) stay a fraction of the result (mpt-30b's bf16 bias at 8k is 7 GiB;
     building it through whole-tensor float32 and int64 intermediates took five times that).
     """
-    slopes = None
+    slopes = torch.zeros(1)  # no ALiBi: one head of zeros, the causal mask alone
     if alibi_bias_max is not None:
-        slopes = alibi_slopes(n_heads, alibi_bias_max)[heads or slice(None)].tolist()
-    bias = torch.empty(1, len(slopes or [0]), seq_len, seq_len, device=device, dtype=dtype)
+        slopes = alibi_slopes(n_heads, alibi_bias_max)[heads or slice(None)]
+    bias = torch.empty(1, len(slopes), seq_len, seq_len, device=device, dtype=dtype)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)  # exact below 2^24
     rows_per_block = -(-seq_len // 8)  # temporaries: 5 bytes per element of 1/8 of the rows
     for start in range(0, seq_len, rows_per_block):
@@ -85,9 +85,9 @@ def causal_alibi_bias(
         hidden = distance < 0
         if window is not None:
             hidden |= distance >= window
-        for head, slope in enumerate(slopes or [0.0]):
+        for head in range(len(slopes)):
             block = bias[0, head, rows]
-            torch.mul(distance, -slope, out=block)  # in float32, rounded once into `dtype`
+            torch.mul(distance, -slopes[head], out=block)  # float32, rounded once to `dtype`
             block.masked_fill_(hidden, float("-inf"))
     return bias
 
