@@ -45,7 +45,12 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   min(v m, 2 (pp - s - 1) + (v - 1) pp + 1) chunk-microbatches on rank s, the first rank's
   L (1 + (pp - 1) / (pp v)) layers' worth;
 - logits: the [microbatch, seq, vocab] output and its gradient, in the compute dtype, on the
-  last stage, split by tp (the vocabulary-sharded head, loss computed on the shards).
+  last stage, split by tp (the vocabulary-sharded head, loss computed on the shards);
+- attention bias: the causal bias [1, heads, L, L] that the dense-bias kernels (torch, sdpa) keep
+  cached, in the compute dtype, when the model has ALiBi (a row per head, each tp rank
+  building its own heads) or a sliding window (one mask for every head), L the longer of the
+  sequence and max_seq_len (`AttentionMasks.causal_bias_shape`); flex and flash build none. A
+  per-batch document mask (sequence_id) is not counted.
 
 Communication per device per step (bytes sent by one device, ring collectives over n ranks
 moving (n - 1) / n of the buffer: Patarasuk and Yuan 2009; all-reduce = reduce-scatter +
@@ -89,6 +94,7 @@ from llmfoundry.callbacks.peak_flops import gpu_has_bf16
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
+from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
 from llmfoundry.utils.errors import UserError
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
@@ -147,7 +153,9 @@ class ModelCounts:
     when the head is tied to it, which the last stage holds when it is not also the first).
     `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
     its plan), None when it has one; `tp_all_to_all`: its layout's all-to-all volume per
-    block forward, in block inputs (`ParallelPlan.tp_all_to_all`)."""
+    block forward, in block inputs (`ParallelPlan.tp_all_to_all`); `attn_bias`: the heads
+    (1: one mask for every head) and side of the causal bias its attention kernel keeps
+    cached, (0, 0) when it builds none (module docstring)."""
 
     n_params: int
     flops_per_token: int
@@ -162,6 +170,7 @@ class ModelCounts:
     n_kv_heads: int
     tp_refusal: str | None = None
     tp_all_to_all: float = 0.0
+    attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -187,6 +196,11 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
     )
     # The config field is kv_n_heads in MPT's config and n_kv_heads in Llama's.
     kv_heads = getattr(config, "n_kv_heads", None) or getattr(config, "kv_n_heads", None)
+    masks = model.transformer.masks  # every family's AttentionMasks
+    attn_bias = (0, 0)
+    builds = masks.alibi is not None or masks.window is not None
+    if config.attn_impl in DENSE_BIAS_IMPLS and builds:
+        attn_bias = masks.causal_bias_shape(seq_len)[1:3]
     return ModelCounts(
         n_params=model.num_params(),
         flops_per_token=model.flops_per_token(seq_len),
@@ -201,6 +215,7 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         n_kv_heads=kv_heads or config.n_heads,
         tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
         tp_all_to_all=plan.tp_all_to_all,
+        attn_bias=attn_bias,
     )
 
 
@@ -217,6 +232,7 @@ class MemoryPlan:
     working: float
     activations: float
     logits: float
+    attn_bias: float = 0.0
     stage: int = 0
 
     @property
@@ -228,6 +244,7 @@ class MemoryPlan:
             + self.working
             + self.activations
             + self.logits
+            + self.attn_bias
         )
 
 
@@ -501,6 +518,8 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     logits = 0.0
     if stage == setup.pp - 1:
         logits = held * 2 * tokens * counts.vocab_size * compute_bytes / tp
+    heads, side = counts.attn_bias  # ALiBi's heads split by tp; one mask for all heads is whole
+    attn_bias = (heads if heads == 1 else heads // tp) * side * side * compute_bytes
     return MemoryPlan(
         n_params=counts.n_params,
         flops_per_token=counts.flops_per_token,
@@ -510,6 +529,7 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
         working=working,
         activations=blocks + edges_bytes,
         logits=logits,
+        attn_bias=attn_bias,
         stage=stage,
     )
 

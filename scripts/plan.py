@@ -225,7 +225,7 @@ def plan(args: argparse.Namespace) -> int:
     print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
     where = f", pipeline rank {memory_plan.stage} of {setup.pp}" if setup.pp > 1 else ""
     print(f"memory per device at microbatch {microbatch}{where}:")
-    for part in ("params", "grads", "optimizer", "working", "activations", "logits"):
+    for part in ("params", "grads", "optimizer", "working", "activations", "logits", "attn_bias"):
         print(f"  {part:11s}: {gib(getattr(memory_plan, part))}")
     print(f"  {'total':11s}: {gib(memory_plan.total)}")
     if memory is None:

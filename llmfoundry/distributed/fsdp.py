@@ -123,8 +123,8 @@ class FSDP(ProcessGroupStrategy):
             holds only the gathered blocks in use.
         activation_checkpointing: "none", "full" (recompute every block's activations in
             backward), an integer k (every k-th block: 0, k, 2k, ...), or "selective" (every
-            block, but the outputs of its matrix multiplies are kept, so backward recomputes
-            only the cheap element-wise ops: `checkpoint_blocks`).
+            block, but the outputs of its matrix multiplies and attention are kept, so backward
+            recomputes only the cheap element-wise ops: `checkpoint_blocks`).
         async_save: write checkpoint shards in the background (`dcp.async_save`, over a gloo
             process group of its own) while training goes on; the shards are copied to CPU
             memory first (one more copy of the rank's model and optimizer state there). The

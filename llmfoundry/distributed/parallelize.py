@@ -31,13 +31,22 @@ from llmfoundry.models import find_plan, parallel_plan
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
-# What selective activation checkpointing keeps: matrix multiplies' outputs (linear layers
-# dispatch to these); everything else in a block is recomputed in backward.
+# What selective activation checkpointing keeps (torchtitan's save list): matrix multiplies'
+# outputs (linear layers dispatch to these), the fused attention kernels' outputs (the costliest
+# op after the matmuls; recomputing it would run attention three times per step: the sdpa
+# backends, CPU's flash, FlexAttention) and tensor parallelism's reduce-scatters (a recompute
+# would communicate again); everything else in a block is recomputed in backward.
 _SAVED_BY_SELECTIVE = (
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch._higher_order_ops.flex_attention,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 )
 
 
@@ -141,7 +150,7 @@ def apply_plan(
 def apply_ac(blocks: list[torch.nn.Module], setting: str | int) -> None:
     """Activation checkpointing of `blocks` by an `activation_checkpointing` setting: "none",
     "full" (every block), an integer k (every k-th block: 0, k, 2k, ...) or "selective"
-    (every block, keeping its matrix multiplies' outputs: `checkpoint_blocks`)."""
+    (every block, keeping its matrix multiplies' and attention's outputs: `checkpoint_blocks`)."""
     every, selective = _checkpointing(setting)
     checkpoint_blocks(blocks, every, selective)
 
@@ -188,9 +197,10 @@ def apply_ddp(
 
 def checkpoint_blocks(blocks: list[torch.nn.Module], every: int, selective: bool) -> None:
     """Recompute the activations of every `every`-th block in backward (0: none) instead of
-    keeping them. `selective` keeps the outputs of the matrix multiplies (the ops that cost
-    the flops) and recomputes the rest (norms, activations, attention softmax inputs), which
-    cuts most of a block's activation memory for a few percent more compute."""
+    keeping them. `selective` keeps the outputs of the matrix multiplies and of the fused
+    attention kernel (the ops that cost the flops; `_SAVED_BY_SELECTIVE`) and recomputes the
+    rest (norms, activations, rotations), which cuts most of a block's activation memory for a
+    few percent more compute."""
     options: dict[str, Any] = {"use_reentrant": False}
     if selective:
         options["context_fn"] = functools.partial(

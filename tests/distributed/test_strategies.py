@@ -134,6 +134,20 @@ def test_selective_activation_checkpointing_recomputes_all_but_the_matmuls():
     assert norms and count(selective, norms) == count(full, norms) > count(plain, norms)
 
 
+def test_selective_activation_checkpointing_keeps_the_attention_output():
+    """The fused attention op (on CPU sdpa's flash kernel) is a block's costliest after the
+    matmuls, and its backward needs its output: selective checkpointing saves it, as
+    torchtitan does, so backward never runs the attention forward again (full does)."""
+    plain, full, selective = (backward_ops(m) for m in ("none", "full", "selective"))
+    forward, backward = (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
+    assert plain.get(forward, 0) == 0 and full[forward] == 2  # one per block, recomputed
+    assert selective.get(forward, 0) == 0
+    assert selective[backward] == full[backward] == plain[backward] == 2
+
+
 def test_blocks_are_compiled_by_the_strategy_after_activation_checkpointing():
     """The model only records `compile`; preparing applies it, to the plan's blocks, after
     activation checkpointing has wrapped their forward (torch.compile traces it lazily)."""

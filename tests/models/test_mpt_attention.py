@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
 from llmfoundry.models import MPTConfig, MPTForCausalLM
@@ -230,3 +231,46 @@ def test_the_mask_of_a_head_range_is_that_range_of_the_whole_mask():
     assert torch.equal(part_mask.dense_bias(16, 16), full_mask.dense_bias(16, 16)[:, 2:4])
     with pytest.raises(ValueError, match=r"heads \[6, 10\) are not within the 8 heads"):
         part.select_heads(6, 10)
+
+
+def _peak_bytes(build):
+    """(The most CPU memory allocated at once while `build()` ran, its result), from the
+    profiler's allocation and free events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = build()
+    events = prof.profiler.kineto_results.events()
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return peak, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("alibi", "window"), [(ALiBi(8), None), (None, 100), (ALiBi(8), 100)])
+def test_the_cached_bias_is_built_for_its_heads_in_its_dtype_within_twice_its_size(
+    dtype, alibi, window
+):
+    """mpt-30b's bias at 8k is 7 GiB in bf16; building all heads in float32 and int64 first
+    took ~35 GiB. Built only for a tensor-parallel rank's heads, in the target dtype, the
+    build peaks at most at twice the result."""
+    masks = AttentionMasks(8, 256, alibi, window)
+    masks.select_heads(2, 4)
+    peak, bias = _peak_bytes(lambda: masks.causal_bias(256, torch.device("cpu"), dtype))
+    assert bias.shape == (1, 2 if alibi else 1, 256, 256) and bias.dtype == dtype
+    assert 0 < peak <= 2 * bias.nbytes, peak / bias.nbytes
+
+
+def test_a_kernel_product_is_built_once_per_forward_at_its_lengths():
+    """`AttentionMask.cached` with lengths: one build however many layers ask, another when
+    asked at other lengths; the model's lengths let the kernel's `prepare` build it before the
+    blocks run."""
+    builds = []
+    mask = AttentionMasks(4, 16, ALiBi())(None, torch.device("cpu"), torch.float32)
+    for lengths in [(16, 16)] * 3 + [(1, 16)] * 2:
+        mask.cached("product", lambda lengths=lengths: builds.append(lengths), lengths)
+    assert builds == [(16, 16), (1, 16)]
+    masks = AttentionMasks(4, 16, ALiBi(), prepare=attention.prepare_dense)
+    masks(_sequence_id(2, 16), torch.device("cpu"), torch.float32, (16, 16))
+    assert masks.cached is not None  # built in the model's forward, before any block

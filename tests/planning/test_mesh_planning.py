@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmfoundry.models.layers import flash
 from llmfoundry.models.llama import LlamaConfig
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.planning import (
@@ -204,3 +205,27 @@ def test_plan_script_refuses_an_impossible_mesh_in_one_line():
         "use --tp 1 or 2 or 4 or 8\n"
     )
     assert out.stdout == ""
+
+
+def test_the_cached_attention_bias_is_counted_per_device(monkeypatch):
+    """sdpa and torch keep the causal bias cached in the compute dtype: mpt-30b's ALiBi at 8k
+    is 56 heads x 8192^2 x 2 bytes = 7 GiB on one GPU, its 28 heads' half on each of tp 2; a
+    sliding window without ALiBi is one mask for every head; flex and flash build none."""
+    monkeypatch.setattr(flash, "missing_package", lambda: None)  # flash-attn is not needed here
+    mpt_30b = MPTConfig(d_model=7168, n_heads=56, n_layers=48, max_seq_len=8192)
+
+    def attn_bias(config, seq_len=8192, precision="amp_bf16", tp=1):
+        options = {"strategy": "fsdp", "world_size": tp, "tp": tp}
+        return plan_memory(Setup(config, seq_len, precision, **options), 1).attn_bias
+
+    assert attn_bias(mpt_30b) == 56 * 8192**2 * 2 == 7 * 2**30
+    assert attn_bias(mpt_30b, tp=2) == 28 * 8192**2 * 2
+    assert attn_bias(mpt_30b, seq_len=4096, precision="fp32") == 56 * 8192**2 * 4
+    window = dataclasses.replace(mpt_30b, alibi=False, learned_pos_emb=True, sliding_window=1024)
+    assert attn_bias(window) == 8192**2 * 2
+    for impl in ("flex", "flash"):
+        assert attn_bias(dataclasses.replace(mpt_30b, attn_impl=impl)) == 0
+    assert attn_bias(dataclasses.replace(window, sliding_window=None)) == 0
+    plan = plan_memory(Setup(mpt_30b, 8192), 1)
+    flex = plan_memory(Setup(dataclasses.replace(mpt_30b, attn_impl="flex"), 8192), 1)
+    assert plan.total - flex.total == plan.attn_bias

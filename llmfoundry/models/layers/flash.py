@@ -6,7 +6,11 @@ our queries are), `window_size` for a sliding window, and key/value heads fewer 
 Document masking is its variable-length form: the tokens of every row are packed into one
 sequence, each document is one entry of `cu_seqlens` (cumulative lengths), and padding
 (sequence_id -1, from the data loader) is dropped before the kernel and comes back as zeros.
-The layout is derived once per forward and shared by every layer.
+With a KV cache (decoding left-padded prompts, or rows that joined a running batch: their
+padding is a document of its own), queries and keys are packed separately
+(`cu_seqlens_q` != `cu_seqlens_k`): a document's queries are its last positions, so the
+kernel's bottom-right causal alignment holds in each. The layout is derived once per forward
+and shared by every layer.
 
 The kernel needs a CUDA device, fp16/bf16 tensors and `pip install 'llmfoundry[gpu]'`; each
 missing piece is named in the error. The glue here is tested on CPU against the dense
@@ -62,29 +66,67 @@ def check_inputs(q: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class VarlenLayout:
-    """Where each kept token goes in the packed sequence, and the documents' boundaries."""
+    """Where each kept query and key goes in the packed sequences, and the documents' bounds.
 
-    indices: torch.Tensor  # [n_kept] positions in the flattened [batch * seq]
-    cu_seqlens: torch.Tensor  # int32 [n_docs + 1]
-    max_seqlen: int
-
-
-def varlen_layout(sequence_id: torch.Tensor) -> VarlenLayout:
-    """Packed layout of `sequence_id` [batch, seq]: one sequence per run of equal ids per row.
-
-    Tokens with id < 0 (padding) are left out. One host sync, for max_seqlen.
+    Document i is keys k_indices[cu_seqlens_k[i]:cu_seqlens_k[i + 1]] and the queries among
+    them; with a cache, a document's queries are its last positions (queries are the tail of
+    the row), so the kernel's bottom-right causal alignment holds within every document. A
+    document without queries (left padding, or one the cached rows have finished) is an empty
+    query range.
     """
-    batch, seq_len = sequence_id.shape
+
+    q_indices: torch.Tensor  # [n_queries] positions in the flattened [batch * q_len]
+    k_indices: torch.Tensor  # [n_keys] positions in the flattened [batch * k_len]
+    cu_seqlens_q: torch.Tensor  # int32 [n_docs + 1]
+    cu_seqlens_k: torch.Tensor  # int32 [n_docs + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def varlen_layout(sequence_id: torch.Tensor, q_len: int | None = None) -> VarlenLayout:
+    """Packed layout of `sequence_id` [batch, k_len] for queries at the last `q_len` positions
+    (all of them by default): one sequence per run of equal ids per row.
+
+    Tokens with id < 0 (padding) are left out, as keys and as queries. A few host syncs (the
+    kept tokens, the documents, the longest one), once per forward.
+    """
+    batch, k_len = sequence_id.shape
+    q_len = k_len if q_len is None else q_len
     flat = sequence_id.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)
     starts[1:] = flat[1:] != flat[:-1]
-    starts[::seq_len] = True  # every row starts a document
-    indices = torch.nonzero(flat >= 0).squeeze(1)
-    doc_starts = torch.nonzero(starts[indices]).squeeze(1)
-    total = torch.tensor([indices.numel()], device=flat.device)
-    cu_seqlens = torch.cat([doc_starts, total]).to(torch.int32)
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if indices.numel() else 0
-    return VarlenLayout(indices, cu_seqlens, max_seqlen)
+    starts[::k_len] = True  # every row starts a document
+    k_indices = torch.nonzero(flat >= 0).squeeze(1)
+    doc_of_key = torch.cumsum(starts[k_indices], 0) - 1
+    k_counts = torch.bincount(doc_of_key)
+    column = k_indices % k_len
+    is_query = column >= k_len - q_len
+    q_counts = torch.bincount(doc_of_key[is_query], minlength=len(k_counts))
+    q_indices = (k_indices // k_len * q_len + column - (k_len - q_len))[is_query]
+    longest = [0, 0]
+    if len(k_counts):
+        longest = torch.stack([q_counts.max(), k_counts.max()]).tolist()
+    return VarlenLayout(
+        q_indices, k_indices, _cumulative(q_counts), _cumulative(k_counts), *longest
+    )
+
+
+def _cumulative(counts: torch.Tensor) -> torch.Tensor:
+    """int32 [0, c0, c0 + c1, ...]: flash-attn's cu_seqlens of sequence lengths `counts`."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+def prepare(mask: AttentionMask, q_len: int, k_len: int) -> None:
+    """Derive the packed layout of a forward with documents before the blocks run
+    (`AttentionMasks.forward`)."""
+    if mask.sequence_id is not None:
+        _layout(mask, q_len, k_len)
+
+
+def _layout(mask: AttentionMask, q_len: int, k_len: int) -> VarlenLayout:
+    """`varlen_layout` of the mask's documents, once per forward."""
+    build = lambda: varlen_layout(mask.sequence_id, q_len)  # noqa: E731
+    return mask.cached("flash_varlen", build, (q_len, k_len))
 
 
 def flash_attention(
@@ -111,19 +153,21 @@ def flash_attention(
     if mask.sequence_id is None:
         return dense_fn(q, k, v, **options).transpose(1, 2)
     batch, q_len, n_heads, head_dim = q.shape
-    if k.shape[1] != q_len:
-        raise NotImplementedError(
-            "attn_impl='flash' with sequence_id needs queries for every key position (no cache)"
-        )
-    layout = mask.cached("flash_varlen", lambda: varlen_layout(mask.sequence_id))
-    packed = [t.reshape(batch * q_len, t.shape[2], head_dim)[layout.indices] for t in (q, k, v)]
+    k_len = k.shape[1]
+    layout = _layout(mask, q_len, k_len)
+    packed_q = q.reshape(batch * q_len, n_heads, head_dim)[layout.q_indices]
+    packed_k, packed_v = (
+        t.reshape(batch * k_len, t.shape[2], head_dim)[layout.k_indices] for t in (k, v)
+    )
     out = varlen_fn(
-        *packed,
-        cu_seqlens_q=layout.cu_seqlens,
-        cu_seqlens_k=layout.cu_seqlens,
-        max_seqlen_q=layout.max_seqlen,
-        max_seqlen_k=layout.max_seqlen,
+        packed_q,
+        packed_k,
+        packed_v,
+        cu_seqlens_q=layout.cu_seqlens_q,
+        cu_seqlens_k=layout.cu_seqlens_k,
+        max_seqlen_q=layout.max_seqlen_q,
+        max_seqlen_k=layout.max_seqlen_k,
         **options,
     )
-    full = out.new_zeros(batch * q_len, n_heads, head_dim).index_copy(0, layout.indices, out)
+    full = out.new_zeros(batch * q_len, n_heads, head_dim).index_copy(0, layout.q_indices, out)
     return full.view(batch, q_len, n_heads, head_dim).transpose(1, 2)

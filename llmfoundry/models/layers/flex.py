@@ -4,7 +4,11 @@ The mask description becomes a `BlockMask` (causal, sliding window, and per-docu
 `sequence_id` is given), whose empty blocks the kernel skips, so packed documents cost only
 their own attention. The causal/window BlockMask and the ALiBi score_mod do not depend on the
 batch and are kept across forwards by the model's `AttentionMasks`; a per-document BlockMask is
-built once per forward and shared by every layer.
+built once per forward and shared by every layer. Both are built by `prepare`, in the model's
+forward before the blocks run, so compiled blocks (model.compile=true) find them in the
+forward's mask without building or looking anything up by length: a second sequence length
+compiles the blocks once more, with dynamic shapes, and no later one does (measured on CPU,
+tests/models/test_mpt_kernels.py). The dense [B, H, L, L] bias is never built.
 
 PyTorch has no CPU backward for FlexAttention: on CPU it runs inference only (training there
 raises an error that says to use sdpa, which takes the same weights). On CPU, torch 2.13's
@@ -29,51 +33,102 @@ _CPU_BLOCK = 128
 
 
 @functools.cache
-def _compiled() -> Callable:
+def _compiled(device_type: str) -> Callable:
+    """FlexAttention compiled on its own (when the blocks run eagerly). On CUDA, with dynamic
+    shapes after the first (torch.compile's default): `dynamic=False` recompiled it for every
+    sequence length and fell back to the eager kernel ([B, H, L, L] scores) after 8. On CPU
+    (inference only), static: inductor's CPU lowering of FlexAttention fails to compile with
+    a dynamic batch (torch 2.13)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
-def block_mask(
-    mask: AttentionMask,
-    batch: int,
-    q_len: int,
-    k_len: int,
-    device: torch.device,
-    padded: tuple[int, int] | None = None,
-):
+def _kernel(device: torch.device) -> Callable:
+    """FlexAttention as this call can run it: inside a compiled block, the plain function (the
+    block's compile takes it in); outside, the one compiled on its own."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+    return _compiled(device.type)
+
+
+def _padded(q_len: int, k_len: int, device: torch.device) -> tuple[int, int] | None:
+    """(queries, keys) padded to whole blocks on CPU (module docstring), None elsewhere."""
+    if device.type != "cpu" or not (q_len % _CPU_BLOCK or k_len % _CPU_BLOCK):
+        return None
+    return (-(-q_len // _CPU_BLOCK) * _CPU_BLOCK, -(-k_len // _CPU_BLOCK) * _CPU_BLOCK)
+
+
+def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, int] | None):
     """The BlockMask of `mask` for queries at the last `q_len` of `k_len` key positions, over
     `padded` (queries, keys) positions when given: padding keys are masked out, padding queries
-    attend to nothing (their rows are cut off)."""
+    attend to nothing (their rows are cut off). One per row with documents, else one for all.
+
+    The length-dependent scalars are captured as tensors, not ints: torch.compile guards on a
+    captured int, so every new offset or length would compile FlexAttention again.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    offset, window, sid = k_len - q_len, mask.source.window, mask.sequence_id
-    q_size, k_size = padded or (q_len, k_len)
+    window, sid, pad = mask.source.window, mask.sequence_id, padded is not None
+    offset, last = (torch.tensor(n, device=mask.device) for n in (k_len - q_len, k_len - 1))
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_pos = q_idx + offset
         keep = q_pos >= kv_idx
-        if padded is not None:
-            keep = keep & (q_pos < k_len)
+        if pad:
+            keep = keep & (q_pos <= last)
         if window is not None:
             keep = keep & (q_pos - kv_idx < window)
         if sid is not None:
-            last = k_len - 1
-            keep = keep & (sid[b, q_pos.clamp(max=last)] == sid[b, kv_idx.clamp(max=last)])
+            in_rows = torch.minimum(q_pos, last), torch.minimum(kv_idx, last)
+            keep = keep & (sid[b, in_rows[0]] == sid[b, in_rows[1]])
         return keep
 
-    rows = batch if sid is not None else None
-    return create_block_mask(mask_mod, rows, None, q_size, k_size, device=device)
+    rows = None if sid is None else sid.shape[0]
+    q_size, k_size = padded or (q_len, k_len)
+    return create_block_mask(mask_mod, rows, None, q_size, k_size, device=mask.device)
 
 
-def alibi_score_mod(slopes: torch.Tensor, offset: int) -> Callable:
-    """score - slope_h * (i - j), the relative ALiBi bias, for queries offset by `offset`."""
+def alibi_score_mod(slopes: torch.Tensor, offset: torch.Tensor) -> Callable:
+    """score - slope_h * (i - j), the relative ALiBi bias, for queries offset by `offset` (a
+    tensor, as `block_mask`'s scalars)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx + offset - kv_idx)
 
     return score_mod
+
+
+def prepare(mask: AttentionMask, q_len: int, k_len: int) -> None:
+    """Build the BlockMask and ALiBi score_mod `flex_attention` will use at these lengths
+    (`AttentionMasks.forward` calls it before the blocks run)."""
+    _products(mask, q_len, k_len)
+
+
+def _products(mask: AttentionMask, q_len: int, k_len: int) -> tuple[object, Callable | None]:
+    """(BlockMask, score_mod or None) of `mask` at these lengths: per forward in the mask's
+    memo; the batch-free ones (no documents) also across forwards, keyed by length."""
+    source, device = mask.source, mask.device
+
+    def build() -> tuple[object, Callable | None]:
+        padded = _padded(q_len, k_len, device)
+        if mask.sequence_id is None:
+            key = ("flex", q_len, k_len, device)
+            blocks = source.shared_cached(key, lambda: block_mask(mask, q_len, k_len, padded))
+        else:
+            blocks = block_mask(mask, q_len, k_len, padded)
+        slopes, offset = mask.alibi_slopes, k_len - q_len
+        score_mod = None
+        if slopes is not None:
+            score_mod = source.shared_cached(
+                ("flex_alibi", offset, device),
+                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device)),
+            )
+        return blocks, score_mod
+
+    return mask.cached("flex", build, (q_len, k_len))
 
 
 def flex_attention(
@@ -93,29 +148,17 @@ def flex_attention(
             "FlexAttention. Train on a GPU, or use attn_impl=sdpa on CPU (same weights); flex "
             "runs CPU inference under torch.no_grad()"
         )
-    batch, q_len, k_len, device = q.shape[0], q.shape[-2], k.shape[-2], q.device
-    padded = None
-    if device.type == "cpu" and (q_len % _CPU_BLOCK or k_len % _CPU_BLOCK):
-        padded = (-(-q_len // _CPU_BLOCK) * _CPU_BLOCK, -(-k_len // _CPU_BLOCK) * _CPU_BLOCK)
-    key = ("flex", q_len, k_len, device)
-
-    def build() -> object:
-        return block_mask(mask, batch, q_len, k_len, device, padded)
-
-    if mask.sequence_id is None:
-        blocks = mask.source.shared_cached(key, build)
-    else:
-        blocks = mask.cached(key, build)
-    score_mod = None
-    slopes = mask.alibi_slopes
-    if slopes is not None:
-        score_mod = mask.source.shared_cached(
-            ("flex_alibi", k_len - q_len, device), lambda: alibi_score_mod(slopes, k_len - q_len)
-        )
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    blocks, score_mod = _products(mask, q_len, k_len)
+    padded = _padded(q_len, k_len, q.device)
     if padded is not None:
         q = F.pad(q, (0, 0, 0, padded[0] - q_len))
         k, v = (F.pad(t, (0, 0, 0, padded[1] - k_len)) for t in (k, v))
-    out = _compiled()(
+    if q.device.type == "cpu" and torch.compiler.is_compiling():
+        # Inductor's CPU lowering of FlexAttention fails on head views of a 3-D buffer
+        # (MPT's fused projection, qk_ln's output); the block's compile fuses the copy.
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    out = _kernel(q.device)(
         q,
         k,
         v,

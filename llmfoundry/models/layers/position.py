@@ -56,28 +56,40 @@ def causal_alibi_bias(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    heads: slice | None = None,
 ) -> torch.Tensor:
     """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
 
-    With a sliding `window`, keys `window` or more positions back are -inf too.
+    With a sliding `window`, keys `window` or more positions back are -inf too. `heads` selects
+    the heads built (all `n_heads` by default; a tensor-parallel rank's range).
 
     The bias is relative to the query (0 on the diagonal) rather than MPT's key-only form
     (j - (L - 1)) * slope. Both give the same softmax (they differ by a per-row constant), but the
     relative form keeps the values near the diagonal small, which keeps bf16 scores precise.
     With `alibi_bias_max=None` (no ALiBi) the result is the causal mask alone, shaped [1, 1, L, L].
+
+    It is written into its `dtype` result a block of rows at a time, each value computed in
+    float32 (exact distances) and rounded once: the build's temporaries (a block's float32
+    distances and mask) stay a fraction of the result (mpt-30b's bf16 bias at 8k is 7 GiB;
+    building it through whole-tensor float32 and int64 intermediates took five times that).
     """
-    pos = torch.arange(seq_len, device=device)
-    distance = pos[:, None] - pos[None, :]  # i - j
-    if alibi_bias_max is None:
-        bias = torch.zeros(1, 1, seq_len, seq_len, device=device, dtype=torch.float32)
-    else:
-        slopes = alibi_slopes(n_heads, alibi_bias_max).to(device)
-        bias = -(distance[None, None] * slopes[None, :, None, None])
-    hidden = distance < 0
-    if window is not None:
-        hidden |= distance >= window
-    bias = bias.masked_fill(hidden, float("-inf"))
-    return bias.to(dtype)
+    slopes = torch.zeros(1)  # no ALiBi: one head of zeros, the causal mask alone
+    if alibi_bias_max is not None:
+        slopes = alibi_slopes(n_heads, alibi_bias_max)[heads or slice(None)]
+    bias = torch.empty(1, len(slopes), seq_len, seq_len, device=device, dtype=dtype)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)  # exact below 2^24
+    rows_per_block = -(-seq_len // 8)  # temporaries: 5 bytes per element of 1/8 of the rows
+    for start in range(0, seq_len, rows_per_block):
+        rows = slice(start, start + rows_per_block)
+        distance = pos[rows, None] - pos[None, :]  # i - j
+        hidden = distance < 0
+        if window is not None:
+            hidden |= distance >= window
+        for head in range(len(slopes)):
+            block = bias[0, head, rows]
+            torch.mul(distance, -slopes[head], out=block)  # float32, rounded once to `dtype`
+            block.masked_fill_(hidden, float("-inf"))
+    return bias
 
 
 def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
-from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
 from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
 from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
 from llmfoundry.models.llama.config import LlamaConfig
@@ -145,7 +145,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.masks = AttentionMasks(cfg.n_heads, min(cfg.max_seq_len, MASK_CACHE_LEN))
+        mask_len = min(cfg.max_seq_len, MASK_CACHE_LEN)
+        self.masks = AttentionMasks(cfg.n_heads, mask_len, prepare=PREPARE[cfg.attn_impl])
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
 
@@ -166,7 +167,7 @@ class LlamaModel(nn.Module):
             positions = positions_in_document(sequence_id)[:, -seq_len:]
         x = self.wte(input_ids)
         rope = self.rope(positions)
-        mask = self.masks(sequence_id, x.device, compute_dtype(x))
+        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, past + seq_len))
         layers = [None] * len(self.blocks) if cache is None else cache.layers
         for block, layer_cache in zip(self.blocks, layers, strict=True):
             x = block(x, mask, rope, layer_cache)

@@ -80,7 +80,7 @@ def pipeline_stage_forward(
     else:
         positions = positions_in_document(sequence_id)
     rope = transformer.rope(positions)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x))
+    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, seq_len))
     for block in transformer.blocks:
         x = block(x, mask, rope)
     if not last:

@@ -20,7 +20,7 @@ from torch import nn
 
 from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
-from llmfoundry.models.layers.kernels import ATTN_IMPLS
+from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
 from llmfoundry.models.layers.position import ALiBi, positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
@@ -196,7 +196,11 @@ class MPTModel(nn.Module):
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
         alibi = ALiBi(cfg.alibi_bias_max) if cfg.alibi else None
-        self.masks = AttentionMasks(cfg.n_heads, cfg.max_seq_len, alibi, cfg.sliding_window)
+        # Infini-attention's kernel runs on segments, not the forward's lengths: no preparing.
+        prepare = PREPARE[cfg.attn_impl] if cfg.infini is None else None
+        self.masks = AttentionMasks(
+            cfg.n_heads, cfg.max_seq_len, alibi, cfg.sliding_window, prepare
+        )
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
 
@@ -219,7 +223,7 @@ class MPTModel(nn.Module):
                 pos = positions_in_document(sequence_id)[:, -seq_len:]
             x = x + self.wpe(pos)
         x = self.emb_drop(x)
-        mask = self.masks(sequence_id, x.device, compute_dtype(x))
+        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, past + seq_len))
         layers = [None] * len(self.blocks) if cache is None else cache.layers
         for block, layer_cache in zip(self.blocks, layers, strict=True):
             x = block(x, mask, layer_cache)

@@ -78,7 +78,7 @@ def pipeline_stage_forward(
                 pos = positions_in_document(sequence_id)
             x = x + transformer.wpe(pos)
         x = transformer.emb_drop(x)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x))
+    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, seq_len))
     for block in transformer.blocks:
         x = block(x, mask)
     if not last:
