@@ -352,7 +352,7 @@ def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
         assert _relative_error(p_fast.grad, p_ref.grad) < 2e-2, name
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="FlexAttention's backward needs CUDA")
+@pytest.mark.cuda  # FlexAttention's backward needs CUDA
 @pytest.mark.parametrize("qk_ln", [False, True])
 def test_gpu_compiled_blocks_with_flex_train_at_several_lengths(qk_ln):
     """model.compile=true, attn_impl=flex, bf16 training steps at three lengths, then with

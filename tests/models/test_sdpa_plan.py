@@ -20,7 +20,6 @@ from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 
-HAS_GPU = torch.cuda.is_available()
 H100 = (9, 0)
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -183,7 +182,7 @@ _OPS = {
 }
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="SDPA's fused CUDA backends need a GPU")
+@pytest.mark.cuda  # SDPA's fused CUDA backends need a GPU
 @pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec[5] == H100])
 def test_gpu_runs_the_planned_backend_alone(case):
     """With only the planned backend allowed (sdpa_attention's sdpa_kernel), each case runs,
@@ -207,7 +206,7 @@ def test_gpu_runs_the_planned_backend_alone(case):
     assert ops.ran == fused + [f"{op}_backward" for op in fused], ops.ran
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="SDPA's fused CUDA backends need a GPU")
+@pytest.mark.cuda  # SDPA's fused CUDA backends need a GPU
 @pytest.mark.parametrize("documents", [False, True])
 def test_gpu_models_run_the_recorded_kernel(documents):
     """MPT (ALiBi: always a bias) and Llama (grouped kv) in bf16: the kernel `record_kernels`
@@ -225,7 +224,7 @@ def test_gpu_models_run_the_recorded_kernel(documents):
         assert ops.ran == [_OPS[expected[name]], _OPS[expected[name]] + "_backward"], name
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="SDPA's fused CUDA backends need a GPU")
+@pytest.mark.cuda  # SDPA's fused CUDA backends need a GPU
 def test_gpu_compiled_blocks_run_the_planned_backend():
     """Compiled blocks (model.compile=true's `apply_compile`): the plan and its sdpa_kernel
     hold inside the compiled graph; the profiler names the fused op it calls."""
