@@ -35,9 +35,10 @@ def reset_fsdp_iter_state(root: FSDPModule) -> None:
     collectives, reshard every unit, and clear its per-iteration trackers, so the next forward
     starts as the first one of a step. torch 2.13: `FSDPModule.reset_iter_state()`. torch 2.11
     has no such call; `_reset_iter_state_2_11` does what 2.13's does with 2.11's attributes
-    (delete it when the floor reaches 2.13). Resetting less is not enough: a training state
-    left at FORWARD or a stale `iter_forward_root` makes the failed rank's next step skip or
-    repeat all-gathers its peers run, and the ranks wait on each other for good."""
+    (delete it when the floor reaches 2.13). Without it (only the parameter groups found under
+    2.11's name) the retry leaves FSDP mid-step (training states, `iter_forward_root`, gathered
+    blocks): tests/distributed/test_fsdp.py's two-rank out-of-memory runs then wait on each
+    other until gloo's timeout."""
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
     else:
