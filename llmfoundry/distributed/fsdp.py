@@ -51,6 +51,7 @@ from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import ParallelSettings, _checkpointing, parallelize
 from llmfoundry.distributed.pipeline import Pipeline
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
+from llmfoundry.distributed.torch_compat import fsdp_param_groups, reset_fsdp_iter_state
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
 
@@ -271,10 +272,11 @@ class FSDP(ProcessGroupStrategy):
         """Also reset FSDP's per-step state (gathered blocks, half-run hooks) after a forward
         or backward that an out-of-memory error cut short, and drop the gradients a cut-short
         backward left on gathered (unsharded) parameters: FSDP would otherwise add them into
-        the next reduce-scatter. torch has no public call for the latter (2.13)."""
-        model.reset_iter_state()
+        the next reduce-scatter. torch has no public call for the latter (2.13), and 2.11 none
+        for either (torch_compat.py)."""
+        reset_fsdp_iter_state(model)
         for unit in self._units:
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(unit):
                 for param in group.fsdp_params:
                     param.unsharded_accumulated_grad = None
                     if getattr(param, "_unsharded_param", None) is not None:

@@ -200,6 +200,12 @@ class Pipeline:
             self._model, self.stage_index, self.pp, self._device, group=self._pp_group
         )
 
+    def _stage_args(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The stage's input: the token ids on the first stage; the other stages receive theirs
+        from the stage before and take none (torch 2.11's schedules refuse any there, 2.13's
+        ignore them)."""
+        return (batch["input_ids"],) if self.is_first else ()
+
     @staticmethod
     def _stage_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """What every stage's forward takes besides its input: the whole sequence length and
@@ -233,7 +239,7 @@ class Pipeline:
 
         self._loss_fn = weighted_loss
         schedule.step(
-            batch["input_ids"],
+            *self._stage_args(batch),
             target=batch["labels"],
             return_outputs=False,
             **self._stage_kwargs(batch),
@@ -253,7 +259,8 @@ class Pipeline:
         shape = tuple(batch["input_ids"].shape)
         if shape not in self._eval_schedules:
             self._eval_schedules[shape] = ScheduleGPipe(self._new_stage(), min(shape[0], self.pp))
-        return self._eval_schedules[shape].eval(batch["input_ids"], **self._stage_kwargs(batch))
+        schedule = self._eval_schedules[shape]
+        return schedule.eval(*self._stage_args(batch), **self._stage_kwargs(batch))
 
     def sum_over_stages(self, tensor: torch.Tensor) -> None:
         """All-reduce `tensor` (in place) over this process's column of stages: what only the

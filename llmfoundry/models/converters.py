@@ -200,7 +200,7 @@ class Float8Training:
             from torchao.float8.float8_linear import Float8Linear
         except ImportError:
             raise UserError(
-                "converters.float8 needs torchao: pip install 'llmfoundry[fp8]' (torchao>=0.18)"
+                "converters.float8 needs torchao: pip install 'llmfoundry[fp8]' (torchao>=0.17)"
             ) from None
         names = {module: name for name, module in model.named_modules()}
         linears = {

@@ -4,7 +4,8 @@ As torchtitan keeps one per model, each model family has its own plan beside its
 (`llmfoundry/models/mpt/parallelize.py`), and the model itself stays ignorant of it: strategies
 (llmfoundry/distributed) read the plan and apply tensor parallelism, FSDP and activation
 checkpointing from outside. The plan is data (modules and torch's tensor-parallel styles), so
-the family code needs nothing of llmfoundry.distributed.
+the family code needs nothing of llmfoundry.distributed. A style more than one family's layout
+uses is here (`GatheredSequenceParallel`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 # A pipeline stage's forward: (model, inputs, sequence_id, seq_len=, first=, last=) -> output.
 # The first stage's inputs are token ids, the others' the previous stage's hidden states (split
@@ -67,3 +70,22 @@ class ParallelPlan:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     tensor_parallel_refusal: str = "this model family has no tensor-parallel plan"
     tp_all_to_all: float = 0.0
+
+
+class GatheredSequenceParallel(SequenceParallel):
+    """SequenceParallel for the final norm before a tied head (MPT's, a tied Llama's): the norm
+    runs on this rank's sequence positions, then its output is gathered over the sequence
+    (backward: its gradient reduce-scattered), as ColwiseParallel gathers an untied head's
+    input. The head, `F.linear` by the row-split embedding, then gives vocabulary-sharded
+    logits without any redistribution of its own. torch 2.11's DTensor cannot multiply a
+    sequence-sharded input (it refuses to flatten batch and sequence with the sequence split),
+    torch 2.13's chooses its own redistribution; this layout is the same on both."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(lambda _module, _args, output: _gathered(output))
+        return module
+
+
+def _gathered(output: DTensor) -> DTensor:
+    return output.redistribute(output.device_mesh, [Replicate()])

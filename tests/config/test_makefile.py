@@ -1,6 +1,8 @@
-"""The Makefile's choices that no script makes: which model `make finetune-demo` starts from."""
+"""The Makefile's choices that no script makes: which model `make finetune-demo` starts from,
+which torch `make test-torch-min` tests."""
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -13,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def pretrained(folder: Path) -> str:
     """What PRETRAINED expands to in `folder`, as finetune-demo's recipe runs it."""
+    return expand("PRETRAINED", folder)
+
+
+def expand(variable: str, folder: Path = ROOT) -> str:
+    """What the Makefile's `variable` expands to in `folder`."""
     result = subprocess.run(
         [
             "make",
@@ -20,7 +27,7 @@ def pretrained(folder: Path) -> str:
             "-f",
             str(ROOT / "Makefile"),
             "--eval",
-            "show: ; @echo $(PRETRAINED)",
+            f"show: ; @echo $({variable})",
             "show",
         ],
         cwd=folder,
@@ -44,3 +51,22 @@ def test_finetune_demo_starts_from_the_newest_demo_run_not_the_newest_run(tmp_pa
     newest = tmp_path / "outputs" / "run-2026-12-02" / "checkpoints"
     newest.mkdir(parents=True)
     assert pretrained(tmp_path) == "outputs/demo-1/checkpoints"
+
+
+def release(version: str) -> tuple[int, ...]:
+    """A version's numbers, padded to three: 2.11 and 2.11.0 alike give (2, 11, 0)."""
+    numbers = tuple(int(part) for part in version.split("."))
+    return numbers + (0,) * (3 - len(numbers))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_torch_floor_run_installs_the_lowest_versions_pyproject_allows():
+    # A floor raised (or lowered) in one place and not the other would test another torch than
+    # the one pyproject promises.
+    pins = dict(pin.split("==") for pin in expand("TORCH_MIN").split())
+    assert set(pins) == {"torch", "torchao"}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for name, pinned in pins.items():
+        floors = re.findall(rf'"{name}>=([0-9.]+)', pyproject)  # torchao: dev and fp8 extras
+        assert floors, name
+        assert {release(floor) for floor in floors} == {release(pinned)}, name

@@ -27,7 +27,7 @@ from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, sample_ids
-from tests.trainer.conftest import tiny_model
+from tests.trainer.conftest import tiny_model, token_batches
 
 from .spawn import join_env
 from .workers import global_batches, rank_slice
@@ -284,6 +284,29 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         folder = f"{out}/{name}"
         record(name, resume_run(make("cpu", timeout_s=60), mds, folder, **kwargs))
     torch.save(result, Path(out) / f"rank{rank}.pt")
+
+
+def real_oom_rank(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP on the GPU (nccl), its memory capped 1 GiB above what it holds, with a batch whose
+    activations cannot fit (as tests/trainer/test_auto_microbatching.py's real out-of-memory
+    test): auto-microbatching resets FSDP's state after each real error and halves until a
+    step fits. Saves the microbatch size it settled on."""
+    join_env(rank, world, port)
+    torch.cuda.set_device(rank)
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 2**30) / total)
+    state = Trainer(
+        model=tiny_model(vocab_size=50000, seq_len=256),
+        strategy=FSDP("cuda", timeout_s=120),
+        train_dataloader=token_batches(2, 512, seq_len=256, vocab=50000),
+        max_duration="2ba",
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=out,
+        device_train_microbatch_size="auto",
+    ).fit()
+    size = torch.tensor(state.device_train_microbatch_size)
+    torch.save({"microbatch": size}, Path(out) / f"rank{rank}.pt")
 
 
 def single_resume_run(mds: str, folder: str, **kwargs) -> Recorder:

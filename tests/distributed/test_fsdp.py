@@ -28,7 +28,15 @@ from llmfoundry.trainer import Trainer
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
-from .sharded_worker import PARITY, RESUME_BATCHES, STOP_AT, Recorder, rank_main, resume_run
+from .sharded_worker import (
+    PARITY,
+    RESUME_BATCHES,
+    STOP_AT,
+    Recorder,
+    rank_main,
+    real_oom_rank,
+    resume_run,
+)
 from .spawn import free_port, run_ranks
 from .workers import global_batches
 
@@ -109,6 +117,15 @@ def test_auto_microbatching_agrees_when_one_rank_runs_out_of_memory_mid_step(run
     # instead of entering an all-gather or reduce-scatter alone, and halves with it (the losses
     # then equal one process's: test_same_losses_as_one_process).
     assert [r[name]["raised"] for r in ranks] == [0, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-memory error needs CUDA")
+def test_real_cuda_oom_under_fsdp_is_recovered(tmp_path):
+    # One rank: FSDP's own state after a real error (gathered blocks, CUDA events, its per-step
+    # trackers) is what the retry resets (llmfoundry/distributed/torch_compat.py).
+    run_ranks(real_oom_rank, 1, free_port(), str(tmp_path), limit_s=LIMIT_S)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert 1 <= result["microbatch"] < 512
 
 
 def test_bf16_mixed_precision_stays_close_to_fp32(runs):

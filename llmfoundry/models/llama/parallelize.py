@@ -15,7 +15,8 @@ all-gathered over the sequence first (PrepareModuleInput). The token embedding i
 vocabulary row (its lookups reduce-scattered to sequence shards), the untied output head by
 vocabulary column: its logits stay vocabulary-sharded and the loss reads them so
 (llmfoundry/core/loss.py), never gathering [tokens, vocab]. A tied head multiplies
-by the row-split embedding, which DTensor lays out the same way.
+by the row-split embedding, which gives the same layout once its input, the final norm's
+output, is gathered over the sequence (`GatheredSequenceParallel`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.tensor.parallel import (
 from llmfoundry.models.layers.attention import compute_dtype
 from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.llama.model import LlamaForCausalLM
-from llmfoundry.models.plan import ParallelPlan, PipelineSplit
+from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
 
 
 def parallelize_plan(model: LlamaForCausalLM) -> ParallelPlan:
@@ -93,11 +94,12 @@ def pipeline_stage_forward(
 
 def tensor_parallel_layout(model: LlamaForCausalLM) -> dict[str, ParallelStyle]:
     sequence_sharded, whole = Shard(1), Replicate()
+    tied = model.config.tie_word_embeddings
     layout: dict[str, ParallelStyle] = {
         "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=sequence_sharded),
-        "transformer.norm_f": SequenceParallel(),
+        "transformer.norm_f": GatheredSequenceParallel() if tied else SequenceParallel(),
     }
-    if not model.config.tie_word_embeddings:
+    if not tied:
         layout["lm_head"] = ColwiseParallel(
             input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False
         )

@@ -11,7 +11,8 @@ token embedding (`tied`).
 Tensor parallel: Llama's layout (Megatron's, with sequence parallelism; see
 models/llama/parallelize.py), the MLP's up projection split by column and its down projection
 by row, out_proj by row, norms and the residual stream split by sequence position, the
-embedding (the tied head) by vocabulary row. Two things are MPT's own:
+embedding (the tied head) by vocabulary row, the final norm's output gathered over the
+sequence for the head (`GatheredSequenceParallel`). Two things are MPT's own:
 
 - The fused Wqkv. Split by output column like any colwise linear (`Shard(0)` of its
   [q | k | v] rows), rank r computes a contiguous slice of [q | k | v] that cuts across q, k
@@ -53,7 +54,7 @@ from llmfoundry.models.layers.attention import AttentionMasks, compute_dtype
 from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
-from llmfoundry.models.plan import ParallelPlan, PipelineSplit
+from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
 
 
 def pipeline_stage_forward(
@@ -136,7 +137,7 @@ def tensor_parallel_layout(model: MPTForCausalLM) -> dict[str, ParallelStyle]:
     layout: dict[str, ParallelStyle] = {
         "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=sequence_sharded),
         "transformer.masks": SelectHeads(),
-        "transformer.norm_f": SequenceParallel(),
+        "transformer.norm_f": GatheredSequenceParallel(),
     }
     for index in range(len(model.transformer.blocks)):
         block = f"transformer.blocks.{index}"
