@@ -400,6 +400,7 @@ class Trainer:
                 engine.run_event(Event.BEFORE_BACKWARD)
                 self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
+                state.outputs = None  # the logits: not held through the next forward or step
             loss_sum += state.loss.detach().double() * mb_tokens
         return loss_sum
 

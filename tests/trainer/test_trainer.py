@@ -131,3 +131,29 @@ def test_training_is_deterministic(tmp_path):
         a.model.named_parameters(), b.model.named_parameters(), strict=True
     ):
         assert torch.equal(x, y), name
+
+
+def test_a_microbatch_s_logits_are_not_held_through_the_next_forward_or_the_step(tmp_path):
+    """state.outputs (a [rows, seq, vocab] tensor) is dropped after each microbatch's backward:
+    held, it would sit beside the next microbatch's logits and through the optimizer step."""
+
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.outputs: list[tuple[str, bool]] = []
+
+        def run_event(self, event, state, logger):
+            if event.value in ("before_forward", "after_backward", "after_train_batch"):
+                self.outputs.append((event.value, state.outputs is not None))
+
+    seen = Seen()
+    trainer = trainer_for(
+        tmp_path, token_batches(1, 4), callbacks=[seen], device_train_microbatch_size=2
+    )
+    trainer.fit()
+    assert seen.outputs == [
+        ("before_forward", False),
+        ("after_backward", True),  # the callbacks of the microbatch still see its logits
+        ("before_forward", False),
+        ("after_backward", True),
+        ("after_train_batch", False),
+    ]
