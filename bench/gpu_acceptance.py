@@ -10,7 +10,7 @@ own timeout (and the whole run under --deadline-s), and prints one JSON line, {"
 The phases, most important first:
 
   prepare      a token corpus, tokenizer and MDS shards from Python's standard library (CPU)
-  cuda_tests   `pytest -m cuda`: every CUDA-gated test (on CPU: that the selection is not empty)
+  cuda_tests   `pytest -m "cuda and not slow"`: the CUDA-gated tests (on CPU: that there are some)
   parity       MPT and Llama x sdpa/flex x with and without document ids: logits, loss and
                gradients in bf16 on the device against fp32 on the CPU, and the attention
                kernel that ran (read from the profiler)
@@ -21,13 +21,15 @@ The phases, most important first:
   oom          a real out-of-memory error (the process's memory capped) recovered by
                auto-microbatching under FSDP
   serve        scripts/serve.py on fsdp_resume's checkpoint, two concurrent requests
-  fp8          mpt-1b, compiled, amp_fp8 against amp_bf16 on the same 30 batches: loss gap,
-               tokens/s and MFU of both
-  throughput   bench/train_throughput.py --gpu: mpt-125m and mpt-1b x sdpa/flex, MFU
+  fp8          mpt-1b (sdpa), compiled blocks, amp_fp8 against amp_bf16 on the same 30 batches
+               of 4 x 2048 tokens: loss gap, tokens/s and MFU of both (the compiled row)
+  throughput   bench/train_throughput.py --gpu: mpt-125m and mpt-1b x sdpa/flex, eager, MFU
+  cuda_compile_tests  `pytest -m "cuda and slow"`: the CUDA-gated tests that compile blocks
 
 The untimed phases run concurrently (serve after fsdp_resume, the data users after prepare);
-fp8 and throughput then run alone, so their timings see an idle device. Results: <out>/
-results.jsonl and each phase's log in <out>/logs/. Exit status 1 when a phase failed or timed out.
+fp8 and throughput then run alone, so their timings see an idle device, and the compiling tests
+last. Results: <out>/results.jsonl and each phase's log in <out>/logs/. Exit status 1 when a
+phase failed or timed out.
 Hand-written because the phases are processes (torchrun, a server), not tests: pytest would
 add nothing but a second layer of capture around them.
 """
@@ -147,9 +149,11 @@ def seq_len(ctx: Context) -> int:
     return 128 if ctx.tiny else 2048
 
 
-def cuda_tests(ctx: Context) -> dict:
-    log = ctx.logs / "cuda_tests.log"
-    args = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+def cuda_tests(ctx: Context, selection: str = "cuda and not slow") -> dict:
+    """The CUDA-gated tests (`pytest -m cuda`); on CPU only that the selection is not empty."""
+    name = "cuda_tests" if selection == "cuda and not slow" else "cuda_compile_tests"
+    log = ctx.logs / f"{name}.log"
+    args = ["-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m", selection, "tests"]
     if ctx.tiny:
         args.append("--collect-only")
     rc = sh(python() + args, log)
@@ -157,6 +161,12 @@ def cuda_tests(ctx: Context) -> dict:
     counts = _pytest_counts(tail[0] if tail else "")
     ok = rc == 0 and (counts.get("passed", 0) > 0 or (ctx.tiny and counts.get("selected", 0) > 0))
     return {"status": "ok" if ok else "failed", "rc": rc, **counts}
+
+
+def cuda_compile_tests(ctx: Context) -> dict:
+    """The CUDA-gated tests that compile the blocks (`-m "cuda and slow"`): minutes of
+    compiling, so they run last."""
+    return cuda_tests(ctx, "cuda and slow")
 
 
 def _pytest_counts(summary: str) -> dict[str, int]:
@@ -504,7 +514,7 @@ def _bare_run(ctx: Context, precision: str, steps: int) -> dict:
     from llmfoundry.optim import DecoupledAdamW
 
     device = torch.device(ctx.device)
-    length, batch = seq_len(ctx), 2 if ctx.tiny else 8
+    length, batch = seq_len(ctx), 2 if ctx.tiny else 4
     cfg = _tiny_config("mpt", "sdpa") if ctx.tiny else _named_config("mpt-1b")
     cfg = dataclasses.replace(cfg, max_seq_len=length, init_device="meta")
     torch.manual_seed(0)
@@ -577,6 +587,7 @@ PHASES = [
     Phase("serve", serve, 120, 600, after="fsdp_resume"),
     Phase("fp8", fp8, 240, 900, after="prepare", timed=True),
     Phase("throughput", throughput, 180, 600, timed=True),
+    Phase("cuda_compile_tests", cuda_compile_tests, 240, 600, timed=True),
 ]
 
 

@@ -20,6 +20,7 @@ PHASES = [
     "serve",
     "fp8",
     "throughput",
+    "cuda_compile_tests",
 ]
 NEEDS_CUDA = {"oom", "fp8"}  # a real out-of-memory error, float8 matmuls
 
@@ -44,7 +45,7 @@ def test_cpu_dry_run_runs_every_phase(tmp_path):
     assert lines[-1]["summary"] == {n: r["status"] for n, r in results.items()}
     assert (out / "results.jsonl").read_text().splitlines() == done.stdout.splitlines()[:-1]
     # What each phase measured is there, not only its status.
-    assert results["cuda_tests"]["selected"] > 0
+    assert results["cuda_tests"]["selected"] > 0 and results["cuda_compile_tests"]["selected"] > 0
     assert all(c["kernels"] for c in results["parity"]["cases"])
     assert results["fsdp_resume"]["bitwise"] and results["fsdp_resume"]["steps_compared"] == 4
     assert [r["tokens_per_s"] > 0 for r in results["throughput"]["rows"]] == [True]

@@ -119,7 +119,7 @@ def test_auto_microbatching_agrees_when_one_rank_runs_out_of_memory_mid_step(run
     assert [r[name]["raised"] for r in ranks] == [0, 1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-memory error needs CUDA")
+@pytest.mark.cuda  # a real out-of-memory error needs CUDA
 def test_real_cuda_oom_under_fsdp_is_recovered(tmp_path):
     # One rank: FSDP's own state after a real error (gathered blocks, CUDA events, its per-step
     # trackers) is what the retry resets (llmfoundry/distributed/torch_compat.py).

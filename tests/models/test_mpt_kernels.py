@@ -353,6 +353,7 @@ def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
 
 
 @pytest.mark.cuda  # FlexAttention's backward needs CUDA
+@pytest.mark.slow  # compiles the blocks at several lengths
 @pytest.mark.parametrize("qk_ln", [False, True])
 def test_gpu_compiled_blocks_with_flex_train_at_several_lengths(qk_ln):
     """model.compile=true, attn_impl=flex, bf16 training steps at three lengths, then with

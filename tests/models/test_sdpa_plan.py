@@ -225,6 +225,7 @@ def test_gpu_models_run_the_recorded_kernel(documents):
 
 
 @pytest.mark.cuda  # SDPA's fused CUDA backends need a GPU
+@pytest.mark.slow  # compiles the blocks
 def test_gpu_compiled_blocks_run_the_planned_backend():
     """Compiled blocks (model.compile=true's `apply_compile`): the plan and its sdpa_kernel
     hold inside the compiled graph; the profiler names the fused op it calls."""
