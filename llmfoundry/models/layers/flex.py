@@ -7,8 +7,10 @@ batch and are kept across forwards by the model's `AttentionMasks`; a per-docume
 built once per forward and shared by every layer. Both are built by `prepare`, in the model's
 forward before the blocks run, so compiled blocks (model.compile=true) find them in the
 forward's mask without building or looking anything up by length: a second sequence length
-compiles the blocks once more, with dynamic shapes, and no later one does (measured on CPU,
-tests/models/test_mpt_kernels.py). The dense [B, H, L, L] bias is never built.
+compiles the blocks once more, with dynamic shapes, and a third does not (tests/models/
+test_mpt_kernels.py; on the H200, torch 2.11: 1, 2, 2 graphs over three lengths, then
+documents once and once more at their second length). The dense [B, H, L, L] bias is never
+built.
 
 PyTorch has no CPU backward for FlexAttention: on CPU it runs inference only (training there
 raises an error that says to use sdpa, which takes the same weights). On CPU, torch 2.13's
