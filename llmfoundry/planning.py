@@ -90,7 +90,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from llmfoundry.callbacks.peak_flops import gpu_has_bf16
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
@@ -276,13 +275,13 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def planned_precision(precision: str, device_name: str | None) -> str:
+def planned_precision(precision: str, has_bf16: bool) -> str:
     """`precision` as training resolves it on the planned GPU (llmfoundry.core.precision): auto
-    is amp_bf16, but fp32 on a GPU without bf16 tensor cores (`gpu_has_bf16`); with no GPU
-    named, a current one is planned for."""
+    is amp_bf16, but fp32 on a GPU without bf16 tensor cores (`has_bf16` False; scripts/plan.py
+    asks callbacks.peak_flops.gpu_has_bf16 of the GPU it plans for)."""
     if precision != "auto":
         return precision
-    return "amp_bf16" if device_name is None or gpu_has_bf16(device_name) else "fp32"
+    return "amp_bf16" if has_bf16 else "fp32"
 
 
 @dataclass

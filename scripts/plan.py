@@ -34,7 +34,7 @@ from pathlib import Path
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 
-from llmfoundry.callbacks.peak_flops import gpu_peak_flops, number_format
+from llmfoundry.callbacks.peak_flops import gpu_has_bf16, gpu_peak_flops, number_format
 from llmfoundry.config import validate_config
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.planning import (
@@ -187,7 +187,8 @@ def plan(args: argparse.Namespace) -> int:
         args.world_size = args.world_size or 1
     gpu_name, gpu_memory = detected_gpu()
     name = args.device_name or gpu_name
-    precision = planned_precision(settings.precision, name)
+    # With no GPU named or found, a current one (bf16 tensor cores) is planned for.
+    precision = planned_precision(settings.precision, name is None or gpu_has_bf16(name))
     setup = _setup(args, cfg, settings, model_cfg, seq_len, precision)
     memory = parse_bytes(args.device_memory) if args.device_memory else gpu_memory
     configured = settings.device_train_microbatch_size

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmfoundry.callbacks.peak_flops import gpu_has_bf16
 from llmfoundry.models.families import FAMILIES
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.planning import (
@@ -151,10 +152,10 @@ def test_plan_script_reads_hydra_overrides(capsys):
 def test_auto_plans_what_training_resolves_on_the_named_gpu(capsys):
     """The default precision=auto: bf16 on an H100 (or when no GPU is named), fp32 on a V100
     (no bf16 tensor cores), as the trainer resolves it; a named precision is kept."""
-    assert planned_precision("auto", "NVIDIA H100 80GB HBM3") == "amp_bf16"
-    assert planned_precision("auto", None) == "amp_bf16"
-    assert planned_precision("auto", "Tesla V100-SXM2-32GB") == "fp32"
-    assert planned_precision("amp_fp16", "Tesla V100-SXM2-32GB") == "amp_fp16"
+    assert gpu_has_bf16("NVIDIA H100 80GB HBM3") and not gpu_has_bf16("Tesla V100-SXM2-32GB")
+    assert planned_precision("auto", has_bf16=True) == "amp_bf16"
+    assert planned_precision("auto", has_bf16=False) == "fp32"
+    assert planned_precision("amp_fp16", has_bf16=False) == "amp_fp16"
     plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
     for name, precision, peak in (("H100", "amp_bf16", 989.4), ("V100", "fp32", 15.7)):
         argv = ["model=mpt-125m", "--device-memory", "32GB", "--device-name", name]
