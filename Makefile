@@ -16,29 +16,45 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+# The suite in two processes (pytest-xdist; a file's tests stay in one, so its module fixtures
+# run once), and beside it the floor's tests (below) in a third.
+test: setup $(if $(FLOOR_TESTS),$(VENV_MIN)/.installed)
+	@$(if $(FLOOR_TESTS),$(PY_MIN) -m pytest -q -p no:cacheprovider -m "not slow" $(FLOOR_TESTS) \
+		>$(VENV_MIN)/floor.log 2>&1 & floor=$$!;) \
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests; status=$$?; \
+	$(if $(FLOOR_TESTS),wait $$floor || status=1; \
+		echo "--- the floor (torch 2.11.0): $(FLOOR_TESTS)"; tail -n 25 $(VENV_MIN)/floor.log;) \
+	exit $$status
 
 # Everything but the end-to-end script runs (tests marked `slow`): a quick check while editing.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
-# The floor pyproject states (torch>=2.11, what GPU images ship, with torchao 0.17 as there),
-# tested: the fast suite in a venv of its own. From the registry torch 2.11.0 is the CUDA build
-# (4.6 GB with its CUDA libraries); it runs on CPU. TESTS_MIN narrows the run (e.g. to
-# tests/distributed, where torch's internals moved between 2.11 and 2.13).
+# The floor pyproject states (torch>=2.11: what GPU images ship, with torchao 0.17 as there),
+# tested. `make test` runs the tests of what moved in torch between the floor and the torch
+# `setup` installs (FLOOR_TESTS: the distributed strategies, planned and compiled attention;
+# FLOOR_TESTS= skips them) on torch 2.11.0, and `make test-torch-min` the whole fast suite. Their
+# venv holds torch and torchao alone and reads every other package from .venv (a .pth file adds
+# .venv's site-packages after its own): from the registry torch 2.11.0 is the CUDA build (4.6 GB
+# with its CUDA libraries; it runs on CPU), about 50 s to install, where a whole second venv
+# took 3 minutes.
 VENV_MIN ?= .venv-torch-min
 TORCH_MIN ?= torch==2.11.0 torchao==0.17.0
+FLOOR_TESTS ?= tests/distributed tests/models/test_sdpa_plan.py tests/models/test_mpt_compile.py
 TESTS_MIN ?= tests
 PY_MIN := $(VENV_MIN)/bin/python
+SITE := import sysconfig; print(sysconfig.get_path('purelib'))
 
-$(VENV_MIN)/.installed: pyproject.toml
+$(VENV_MIN)/.installed: $(STAMP)
 	test -x $(PY_MIN) || $(PYTHON) -m venv $(VENV_MIN)
-	$(PY_MIN) -m pip install -q $(TORCH_MIN) -e '.[dev]'
+	$(PY_MIN) -m pip install -q $(TORCH_MIN)
+	echo "import site; site.addsitedir('$$($(PY) -c "$(SITE)")')" \
+		>"$$($(PY_MIN) -c "$(SITE)")/llmfoundry-dev.pth"
+	$(PY_MIN) -c "import torch, hydra; print('floor venv: torch', torch.__version__)"
 	touch $@
 
 test-torch-min: $(VENV_MIN)/.installed
-	$(PY_MIN) -m pytest -q -m "not slow" $(PYTEST_ARGS) $(TESTS_MIN)
+	$(PY_MIN) -m pytest -q -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS) $(TESTS_MIN)
 
 # The demo corpus: this Python's own standard library sources (every Python ships them).
 DEMO := data/demo
