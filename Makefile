@@ -16,20 +16,6 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The suite in two processes (pytest-xdist; a file's tests stay in one, so its module fixtures
-# run once), and beside it the floor's tests (below) in a third.
-test: setup $(if $(FLOOR_TESTS),$(VENV_MIN)/.installed)
-	@$(if $(FLOOR_TESTS),$(PY_MIN) -m pytest -q -p no:cacheprovider -m "not slow" $(FLOOR_TESTS) \
-		>$(VENV_MIN)/floor.log 2>&1 & floor=$$!;) \
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests; status=$$?; \
-	$(if $(FLOOR_TESTS),wait $$floor || status=1; \
-		echo "--- the floor (torch 2.11.0): $(FLOOR_TESTS)"; tail -n 25 $(VENV_MIN)/floor.log;) \
-	exit $$status
-
-# Everything but the end-to-end script runs (tests marked `slow`): a quick check while editing.
-test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
-
 # The floor pyproject states (torch>=2.11: what GPU images ship, with torchao 0.17 as there),
 # tested. `make test` runs the tests of what moved in torch between the floor and the torch
 # `setup` installs (FLOOR_TESTS: the distributed strategies, planned and compiled attention;
@@ -52,6 +38,20 @@ $(VENV_MIN)/.installed: $(STAMP)
 		>"$$($(PY_MIN) -c "$(SITE)")/llmfoundry-dev.pth"
 	$(PY_MIN) -c "import torch, hydra; print('floor venv: torch', torch.__version__)"
 	touch $@
+
+# The suite in two processes (pytest-xdist; a file's tests stay in one, so its module fixtures
+# run once), and beside it the floor's tests (above) in a third.
+test: setup $(if $(FLOOR_TESTS),$(VENV_MIN)/.installed)
+	@$(if $(FLOOR_TESTS),$(PY_MIN) -m pytest -q -p no:cacheprovider -m "not slow" $(FLOOR_TESTS) \
+		>$(VENV_MIN)/floor.log 2>&1 & floor=$$!;) \
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests; status=$$?; \
+	$(if $(FLOOR_TESTS),wait $$floor || status=1; \
+		echo "--- the floor (torch 2.11.0): $(FLOOR_TESTS)"; tail -n 25 $(VENV_MIN)/floor.log;) \
+	exit $$status
+
+# Everything but the end-to-end script runs (tests marked `slow`): a quick check while editing.
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 test-torch-min: $(VENV_MIN)/.installed
 	$(PY_MIN) -m pytest -q -n 2 --dist loadfile -m "not slow" $(PYTEST_ARGS) $(TESTS_MIN)

@@ -1,5 +1,6 @@
 """The Makefile's choices that no script makes: which model `make finetune-demo` starts from,
-which torch `make test-torch-min` tests."""
+which torch `make test-torch-min` tests, and that `make test` runs the floor's tests beside the
+suite."""
 
 import os
 import re
@@ -70,3 +71,27 @@ def test_the_torch_floor_run_installs_the_lowest_versions_pyproject_allows():
         floors = re.findall(rf'"{name}>=([0-9.]+)', pyproject)  # torchao: dev and fp8 extras
         assert floors, name
         assert {release(floor) for floor in floors} == {release(pinned)}, name
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_builds_the_floor_venv_and_runs_its_tests_beside_the_suite(tmp_path):
+    """`make -n` in fresh venv folders: the floor venv is built before the suite starts (a
+    prerequisite expanded before its variables were defined once left it out, and the floor's
+    tests then failed to start), reads .venv's packages, and its tests run; FLOOR_TESTS= skips
+    both."""
+
+    def planned(*extra: str) -> str:
+        venvs = [f"VENV={tmp_path / 'v'}", f"VENV_MIN={tmp_path / 'floor'}"]
+        result = subprocess.run(
+            ["make", "-n", "test", *venvs, *extra],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return result.stdout
+
+    floor = str(tmp_path / "floor" / "bin" / "python")
+    commands = planned()
+    install = commands.index(f"{floor} -m pip install -q {expand('TORCH_MIN')}")
+    suite = commands.index("-m pytest -q -n 2 --dist loadfile")
+    assert install < commands.index("llmfoundry-dev.pth") < suite
+    assert f'{floor} -m pytest -q -p no:cacheprovider -m "not slow" tests/distributed' in commands
+    assert floor not in planned("FLOOR_TESTS=")
