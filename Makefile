@@ -18,15 +18,18 @@ $(STAMP): pyproject.toml
 
 # The floor pyproject states (torch>=2.11: what GPU images ship, with torchao 0.17 as there),
 # tested. `make test` runs the tests of what moved in torch between the floor and the torch
-# `setup` installs (FLOOR_TESTS: the distributed strategies, planned and compiled attention;
-# FLOOR_TESTS= skips them) on torch 2.11.0, and `make test-torch-min` the whole fast suite. Their
+# `setup` installs (FLOOR_TESTS: FSDP, its checkpoints, tensor and pipeline parallelism, planned
+# and compiled attention; FLOOR_TESTS= skips them) on torch 2.11.0, and `make test-torch-min`
+# the whole fast suite (TESTS_MIN=tests/distributed: all the strategies). Their
 # venv holds torch and torchao alone and reads every other package from .venv (a .pth file adds
 # .venv's site-packages after its own): from the registry torch 2.11.0 is the CUDA build (4.6 GB
 # with its CUDA libraries; it runs on CPU), about 50 s to install, where a whole second venv
 # took 3 minutes.
 VENV_MIN ?= .venv-torch-min
 TORCH_MIN ?= torch==2.11.0 torchao==0.17.0
-FLOOR_TESTS ?= tests/distributed tests/models/test_sdpa_plan.py tests/models/test_mpt_compile.py
+FLOOR_TESTS ?= $(addprefix tests/distributed/test_,fsdp.py fsdp_checkpoints.py \
+	fsdp_mixed_precision.py tensor_parallel.py pipeline_parallel.py) \
+	tests/models/test_sdpa_plan.py tests/models/test_mpt_compile.py
 TESTS_MIN ?= tests
 PY_MIN := $(VENV_MIN)/bin/python
 SITE := import sysconfig; print(sysconfig.get_path('purelib'))
