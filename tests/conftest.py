@@ -4,6 +4,7 @@ process-wide settings (logging handlers, storage options, Ctrl-C) as every test 
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import signal
 import socket
@@ -62,10 +63,34 @@ def _restore_process_settings() -> Iterator[None]:
     storage.configure()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a server or a process group a test starts.
+
+    Chosen below the kernel's ephemeral range (where source ports of outgoing connections come
+    from): a port the OS hands out for a bind to port 0 is free only until some connection takes
+    it as its source port, which happened under `make test`'s concurrent runs (EADDRINUSE when a
+    process group's store bound it). Drawn from the OS's randomness, not the `random` module
+    that tests seed, so two test processes rarely try the same one; bound once to check that
+    it is free now."""
+    low, high = 20000, _ephemeral_start()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(low, high) if high - low >= 1000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError("no free TCP port on 127.0.0.1 after 100 tries")
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux: 32768 unless configured)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _moto_server() -> str:
@@ -82,7 +107,7 @@ def _moto_server() -> str:
 def s3_endpoint() -> Iterator[str]:
     """URL of a moto S3 server, answering HTTP before the first test uses it."""
     pytest.importorskip("s3fs")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [_moto_server(), "-H", "127.0.0.1", "-p", str(port)],

@@ -1,22 +1,16 @@
 """Checkpoints with two DDP processes (gloo, CPU): each rank saves and restores its own RNG."""
 
 import json
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
 from llmfoundry.checkpoint import read_latest
+from tests.conftest import free_port
 
 from .ddp_worker import rank_main
 
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_ranks_stop_and_resume_exactly(tmp_path):

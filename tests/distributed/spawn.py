@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 
@@ -11,11 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.conftest import free_port  # noqa: F401 (the ranks' port, for the tests here)
 
 
 def join_env(rank: int, world: int, port: int) -> None:

@@ -23,15 +23,10 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, write_mds
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "slurmctld", "slurmd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def daemon_path(name: str) -> str | None:

@@ -20,7 +20,7 @@ from llmfoundry.checkpoint.pretrained import save_weights
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer, train_bpe
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
-from tests.conftest import _free_port
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 1024
@@ -70,7 +70,7 @@ def running_server(
     """scripts/serve.py on a free loopback port; yields its URL once /health answers."""
     import httpx
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("LLMFOUNDRY_API_KEY", None)
     if api_key is not None:

@@ -21,7 +21,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from tests.conftest import _free_port
+from tests.conftest import free_port
 from tests.serving.conftest import API_KEY
 
 pytestmark = pytest.mark.slow  # ~1k requests through the model
@@ -34,7 +34,7 @@ MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGAT
 def on_loopback(app) -> Iterator[str]:
     """`app` served by uvicorn in a thread on a free loopback port; yields its URL."""
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

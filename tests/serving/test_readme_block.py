@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import _free_port
+from tests.conftest import free_port
 from tests.e2e.test_readme_blocks import ROOT, readme_block
 
 
@@ -19,7 +19,7 @@ def test_serving_block_runs_as_pasted(served_model, tmp_path):
     """The block as a bash script in the checkout: the checkpoint, a free port and the manifest's
     path filled in, `pip install` left out (the serve extra is installed here); the completion
     must be authorised and streamed."""
-    port = _free_port()
+    port = free_port()
     script = readme_block("pip install -e '.[serve]'").text
     script = script.replace("pip install -e '.[serve]'\n", "")
     script = script.replace("outputs/my-run/checkpoints", f"{served_model / 'ckpt'} --port {port}")
