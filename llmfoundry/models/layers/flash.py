@@ -125,8 +125,9 @@ def prepare(mask: AttentionMask, q_len: int, k_len: int) -> None:
 
 def _layout(mask: AttentionMask, q_len: int, k_len: int) -> VarlenLayout:
     """`varlen_layout` of the mask's documents, once per forward."""
-    build = lambda: varlen_layout(mask.sequence_id, q_len)  # noqa: E731
-    return mask.cached("flash_varlen", build, (q_len, k_len))
+    return mask.cached(
+        "flash_varlen", lambda: varlen_layout(mask.sequence_id, q_len), (q_len, k_len)
+    )
 
 
 def flash_attention(
