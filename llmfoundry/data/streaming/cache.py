@@ -45,7 +45,7 @@ from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils import storage
-from llmfoundry.utils.files import atomic_write, join_url, temp_name
+from llmfoundry.utils.files import atomic_write, fsync_path, join_url, temp_name
 
 __all__ = ["ShardCache"]
 
@@ -256,18 +256,19 @@ class ShardCache:
         raw_path = self.path(j)
         raw_path.parent.mkdir(parents=True, exist_ok=True)
         stored_tmp = temp_name(self.local / stored.basename)
+        raw_tmp = temp_name(raw_path)
         hashes = [self.validate_hash] if self.validate_hash else []
         try:
             download(url, stored_tmp, self.storage_options, self.retries)
-            data = unpack_shard(stored_tmp, info, hashes, url)
-            if data is None:
-                os.replace(stored_tmp, raw_path)
-            else:
-                atomic_write(raw_path, data)
+            raw = unpack_shard(stored_tmp, info, raw_tmp, hashes, url)
+            if raw == raw_tmp:  # decompressed here
+                fsync_path(raw)
                 if self.keep_zip:
                     os.replace(stored_tmp, self.local / stored.basename)
+            os.replace(raw, raw_path)
         finally:
             stored_tmp.unlink(missing_ok=True)
+            raw_tmp.unlink(missing_ok=True)
         atomic_write(self._source_file(j), self._source(j))  # after the shard: never ahead
 
     def touch(self, j: int) -> bool:
