@@ -205,12 +205,14 @@ def _hash_names(expected: FileInfo, hashes: Iterable[str] | None) -> list[str]:
     return sorted(expected.hashes if hashes is None else set(hashes) & set(expected.hashes))
 
 
-def _check_digests(actual: dict[str, str], expected: FileInfo, source: object) -> None:
+def _check_digests(
+    actual: dict[str, str], expected: FileInfo, source: object, fix: str = _FIX
+) -> None:
     for algo, got in sorted(actual.items()):
         if got != expected.hashes[algo]:
             raise ShardCorruptError(
                 f"corrupt MDS shard {source}: {algo} is {got}, index.json says "
-                f"{expected.hashes[algo]}; {_FIX}"
+                f"{expected.hashes[algo]}; {fix}"
             )
 
 
@@ -219,11 +221,13 @@ def verify_file(
     expected: FileInfo,
     hashes: Iterable[str] | None = None,
     source: str | None = None,
+    fix: str = _FIX,
 ) -> None:
     """Check a file's size and hashes against its index entry; raise ShardCorruptError.
 
     ``hashes`` limits the check to those names (None: every hash the index lists); ``source``
-    is how the message names the file (its URL when ``path`` is a download's temp file).
+    is how the message names the file (its URL when ``path`` is a download's temp file);
+    ``fix`` ends the message (what to do about it).
     """
     path = Path(path)
     source = source or str(path)
@@ -232,9 +236,9 @@ def verify_file(
     size = path.stat().st_size
     if size != expected.bytes:
         raise ShardCorruptError(
-            f"corrupt MDS shard {source}: {size} bytes, index.json says {expected.bytes}; {_FIX}"
+            f"corrupt MDS shard {source}: {size} bytes, index.json says {expected.bytes}; {fix}"
         )
-    _check_digests(file_digest(_hash_names(expected, hashes), path), expected, source)
+    _check_digests(file_digest(_hash_names(expected, hashes), path), expected, source, fix)
 
 
 def unpack_shard(
