@@ -40,6 +40,7 @@ from llmfoundry.utils.secrets import redact_urls
 __all__ = [
     "configure",
     "configure_settings",
+    "endpoint",
     "falling_back_to",
     "is_local",
     "is_unreachable",
@@ -180,6 +181,38 @@ def options_for(url: str, extra: Mapping[str, Any] | None = None) -> dict[str, A
                 merged.update(_overrides[prefix])
     merged.update(extra or {})
     return merged
+
+
+# What picks the server a URL is read from, as opposed to credentials: fsspec options at any depth
+# (``client_kwargs.endpoint_url``) and the environment variables the backends read themselves.
+_ENDPOINT_OPTIONS = frozenset(
+    ("endpoint_url", "endpoint", "host", "port", "account_name", "account_url", "profile")
+)
+_ENDPOINT_ENV = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "STORAGE_EMULATOR_HOST",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+)  # fmt: skip
+
+
+def endpoint(url: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The settings that choose which server ``url`` is read from (credentials left out), from
+    fsspec's configuration, :func:`options_for` and the environment: ``s3://bucket/x`` on two
+    S3-compatible servers are two datasets, and a cache must tell them apart."""
+    if is_local(url):
+        return {}
+    found: dict[str, str] = {}
+
+    def collect(options: Mapping[str, Any], prefix: str = "") -> None:
+        for key, value in options.items():
+            if isinstance(value, Mapping):
+                collect(value, f"{prefix}{key}.")
+            elif key in _ENDPOINT_OPTIONS and value is not None:
+                found[prefix + key] = str(value)
+
+    collect(fsspec.config.conf.get(fsspec.utils.get_protocol(url), {}))
+    collect(options_for(url, extra))
+    found.update({f"${name}": os.environ[name] for name in _ENDPOINT_ENV if os.environ.get(name)})
+    return found
 
 
 def url_to_fs(url: str, **extra: Any) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -231,7 +231,11 @@ def _rows(folder: Path, tmp: Path) -> np.ndarray:
         if info.zip_data is not None:
             path = tmp / info.raw_basename
             path.write_bytes(
-                decompress((folder / info.zip_basename).read_bytes(), info.compression)
+                decompress(
+                    (folder / info.zip_basename).read_bytes(),
+                    info.compression,
+                    info.raw_data.bytes,
+                )
             )
         out.append(np.array(ShardReader(path, info).array("tokens")))
     return np.concatenate(out)

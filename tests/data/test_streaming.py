@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import bz2
+import importlib
 import multiprocessing as mp
 import os
 import signal
 import time
+import tracemalloc
 import warnings
+import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from fsspec.implementations.local import LocalFileSystem
 
-from llmfoundry.data.mds import MDSWriter, ShardCorruptError
+from llmfoundry.data.mds import MDSWriter, ShardCorruptError, load_index, write_index
 from llmfoundry.data.streaming import Stream, StreamingDataLoader, StreamingDataset
 from llmfoundry.data.streaming import download as download_mod
 from llmfoundry.data.streaming.locking import file_lock
@@ -115,6 +121,49 @@ def test_corrupt_download_names_the_file_and_leaves_nothing(tmp_path: Path, comp
     )
     assert not list((tmp_path / "cache").glob("*.tmp.*"))
     assert ds[0]["id"] == 0  # other shards still fine
+
+
+def _bomb(algo: str, size: int) -> bytes:
+    """``size`` zero bytes compressed with ``algo``, made without holding them (except snappy,
+    whose ratio is bounded: its bomb is the size header the reader checks first)."""
+    zeros = b"\0" * (1 << 20)
+    if algo == "snappy":
+        return importlib.import_module("snappy").compress(zeros * (size >> 20))
+    if algo == "br":
+        packer = importlib.import_module("brotli").Compressor(quality=1)
+        return b"".join(packer.process(zeros) for _ in range(size >> 20)) + packer.finish()
+    make = {
+        "zstd": lambda: zstandard.ZstdCompressor().compressobj(),
+        "gz": lambda: zlib.compressobj(9, wbits=31),
+        "bz2": lambda: bz2.BZ2Compressor(9),
+    }[algo]
+    packer = make()
+    return b"".join(packer.compress(zeros) for _ in range(size >> 20)) + packer.flush()
+
+
+@pytest.mark.parametrize("algo", ["zstd", "gz", "bz2", "br", "snappy"])
+def test_a_decompression_bomb_is_refused_within_the_index_raw_size(tmp_path: Path, algo):
+    """A shard whose index says ~1 KB raw but which expands to 64 MiB is refused with one line
+    naming it, having held a few chunks of 1 MiB: never the 64 MiB (issue 32.4)."""
+    if algo in ("br", "snappy"):
+        pytest.importorskip({"br": "brotli", "snappy": "snappy"}[algo])
+    remote = tmp_path / "remote"
+    write_mds(remote, 3, compression=algo)
+    [info] = load_index(remote)
+    bomb = _bomb(algo, 64 << 20)
+    (remote / info.zip_basename).write_bytes(bomb)
+    write_index(remote, [replace(info, zip_data=replace(info.zip_data, bytes=len(bomb)))])
+    ds = StreamingDataset(str(remote), str(tmp_path / "cache"))
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match="decompresses to more than") as err:
+            ds[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.zip_basename in str(err.value) and "\n" not in str(err.value)
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB held while refusing a 64 MiB bomb"
+    assert not list((tmp_path / "cache").glob("shard.*"))  # nothing left, not even a part
 
 
 def test_validate_hash_must_be_recorded(tmp_path: Path):

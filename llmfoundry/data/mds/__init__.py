@@ -16,7 +16,7 @@ from llmfoundry.data.mds.encodings import (
     get_encoding,
     is_encoding,
 )
-from llmfoundry.data.mds.hashing import HASH_NAMES, digest, file_digest, is_hash
+from llmfoundry.data.mds.hashing import HASH_NAMES, digest, fastest, file_digest, is_hash
 from llmfoundry.data.mds.index import (
     INDEX_NAME,
     FileInfo,
@@ -53,6 +53,7 @@ __all__ = [
     "decode",
     "decompress",
     "digest",
+    "fastest",
     "dump_index",
     "encode",
     "encoding_size",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import xxhash
 
-__all__ = ["HASH_NAMES", "digest", "file_digest", "is_hash"]
+__all__ = ["HASH_NAMES", "digest", "fastest", "file_digest", "is_hash"]
 
 _HASHLIB = (
     "blake2b", "blake2s", "md5", "sha1", "sha224", "sha256", "sha384", "sha512",
@@ -31,10 +31,23 @@ _CONSTRUCTORS: dict[str, Callable[[], Any]] = {
 #: Every supported hash name.
 HASH_NAMES = frozenset(_CONSTRUCTORS)
 
+# Fastest first (one core, 32 MiB in memory: the xxh family 6-25 GB/s, sha1 and sha256 with
+# CPU instructions ~1.7 GB/s, md5 0.7, the rest below 0.5).
+_BY_SPEED = (
+    "xxh3_64", "xxh3_128", "xxh128", "xxh64", "xxh32", "sha1", "sha256", "sha224", "md5",
+    "sha384", "sha512", "blake2b", "blake2s", "sha3_224", "sha3_256", "sha3_384", "sha3_512",
+)  # fmt: skip
+
 
 def is_hash(algo: str) -> bool:
     """Whether ``algo`` is a supported hash name."""
     return algo in _CONSTRUCTORS
+
+
+def fastest(algos: Iterable[str]) -> str | None:
+    """The fastest supported hash among ``algos`` (names an index lists), or None."""
+    given = set(algos)
+    return next((name for name in _BY_SPEED if name in given), None)
 
 
 def _new(algo: str) -> Any:

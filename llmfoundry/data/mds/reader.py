@@ -16,16 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from llmfoundry.data.mds.compression import decompress
+from llmfoundry.data.mds.compression import decompress_to
 from llmfoundry.data.mds.encodings import NDArray, UnsafeEncodingError, get_encoding
-from llmfoundry.data.mds.hashing import digest, file_digest
+from llmfoundry.data.mds.hashing import file_digest
 from llmfoundry.data.mds.index import FileInfo, ShardInfo
+from llmfoundry.utils.errors import UserError
 
 __all__ = ["ShardCorruptError", "ShardReader", "unpack_shard", "verify_file", "verify_shard"]
 
 
-class ShardCorruptError(ValueError):
-    """A shard file does not match its index entry (truncated, wrong, or bit-flipped)."""
+class ShardCorruptError(UserError):
+    """A shard file does not match its index entry (truncated, wrong, or bit-flipped).
+
+    A UserError: the message names the file and the fix (delete it, fetch or rewrite it), so
+    the scripts report it as one line rather than a traceback through the data loader.
+    """
 
 
 class ShardReader:
@@ -200,12 +205,14 @@ def _hash_names(expected: FileInfo, hashes: Iterable[str] | None) -> list[str]:
     return sorted(expected.hashes if hashes is None else set(hashes) & set(expected.hashes))
 
 
-def _check_digests(actual: dict[str, str], expected: FileInfo, source: object) -> None:
+def _check_digests(
+    actual: dict[str, str], expected: FileInfo, source: object, fix: str = _FIX
+) -> None:
     for algo, got in sorted(actual.items()):
         if got != expected.hashes[algo]:
             raise ShardCorruptError(
                 f"corrupt MDS shard {source}: {algo} is {got}, index.json says "
-                f"{expected.hashes[algo]}; {_FIX}"
+                f"{expected.hashes[algo]}; {fix}"
             )
 
 
@@ -214,11 +221,13 @@ def verify_file(
     expected: FileInfo,
     hashes: Iterable[str] | None = None,
     source: str | None = None,
+    fix: str = _FIX,
 ) -> None:
     """Check a file's size and hashes against its index entry; raise ShardCorruptError.
 
     ``hashes`` limits the check to those names (None: every hash the index lists); ``source``
-    is how the message names the file (its URL when ``path`` is a download's temp file).
+    is how the message names the file (its URL when ``path`` is a download's temp file);
+    ``fix`` ends the message (what to do about it).
     """
     path = Path(path)
     source = source or str(path)
@@ -227,40 +236,44 @@ def verify_file(
     size = path.stat().st_size
     if size != expected.bytes:
         raise ShardCorruptError(
-            f"corrupt MDS shard {source}: {size} bytes, index.json says {expected.bytes}; {_FIX}"
+            f"corrupt MDS shard {source}: {size} bytes, index.json says {expected.bytes}; {fix}"
         )
-    _check_digests(file_digest(_hash_names(expected, hashes), path), expected, source)
+    _check_digests(file_digest(_hash_names(expected, hashes), path), expected, source, fix)
 
 
 def unpack_shard(
     stored: str | os.PathLike,
     info: ShardInfo,
+    raw_dest: str | os.PathLike,
     hashes: Iterable[str] | None = None,
     source: str | None = None,
-) -> bytes | None:
-    """Verify a shard file as stored (compressed or not) and decompress it.
+) -> Path:
+    """Verify a shard file as stored (compressed or not) and decompress it; returns the raw file.
 
     The one check of a fetched shard, shared by the streaming cache and ``verify_mds``: stored
-    size and hashes, then (for compressed shards) decompression, raw size and raw hashes.
-    Returns the verified raw bytes, or None when ``stored`` is already the raw shard.
+    size and hashes, then (for compressed shards) decompression into ``raw_dest`` (overwritten;
+    not atomic: pass a temp name), capped at the index's raw size, then raw hashes. Returns
+    ``stored`` itself when it is the raw shard (nothing is written), else ``raw_dest``.
     """
     source = source or str(stored)
     if info.zip_data is None:
         verify_file(stored, info.raw_data, hashes, source)
-        return None
+        return Path(stored)
     verify_file(stored, info.zip_data, hashes, source)
+    expected = info.raw_data.bytes
     try:
-        data = decompress(Path(stored).read_bytes(), info.compression or "")
+        with open(stored, "rb") as src, open(raw_dest, "wb") as dst:
+            size = decompress_to(src, dst, info.compression or "", expected)
     except ValueError as err:
-        raise ShardCorruptError(f"corrupt MDS shard {source}: {err}") from err
-    if len(data) != info.raw_data.bytes:
+        raise ShardCorruptError(f"corrupt MDS shard {source}: {err}; {_FIX}") from err
+    if size != expected:
         raise ShardCorruptError(
-            f"corrupt MDS shard {source}: decompresses to {len(data)} bytes, index.json says "
-            f"{info.raw_data.bytes}; {_FIX}"
+            f"corrupt MDS shard {source}: decompresses to {size} bytes, index.json says "
+            f"{expected}; {_FIX}"
         )
     names = _hash_names(info.raw_data, hashes)
-    _check_digests({n: digest(n, data) for n in names}, info.raw_data, source)
-    return data
+    _check_digests(file_digest(names, raw_dest), info.raw_data, source)
+    return Path(raw_dest)
 
 
 def verify_shard(path: str | os.PathLike, info: ShardInfo) -> None:

@@ -158,11 +158,8 @@ def verify_mds(
                     else:
                         stored = Path(tmp, info.stored.basename.replace("/", "_"))
                         fs.get_file(stored_url, str(stored))
-                    data = unpack_shard(stored, info, source=stored_url)
-                    raw = stored
-                    if data is not None:
-                        raw = Path(tmp, info.raw_basename.replace("/", "_"))
-                        raw.write_bytes(data)
+                    raw_dest = Path(tmp, info.raw_basename.replace("/", "_"))
+                    raw = unpack_shard(stored, info, raw_dest, source=stored_url)
                     _verify_shard(raw, info, vocab_size, report, allow_unsafe, stored_url)
                     for path in {stored, raw} - {Path(stored_url)}:
                         path.unlink()

@@ -28,6 +28,15 @@ file's mtime), listed in one call per stream. On open, a cached shard whose reco
 the current index entry and listing (or that has no record) is deleted and fetched again; an
 index with hashes (data_prep records xxh64 by default) catches a rewrite even where the store
 cannot be listed.
+
+A cached file can also change after it was checked (a disk error, a stray write, a process that
+could write in the folder: private.py refuses folders others can write). So when the index lists
+hashes, each process hashes a shard's local file the first time it uses it, with the fastest
+hash listed, never per sample and never again in that process (xxh64 reads ~2 GiB/s from the
+page cache on one core: ~30 ms per 64 MiB shard, and the file is then in the page cache for the
+reader). A mismatching cached shard is fetched again (with a warning); a mismatching in-place
+shard, the only copy, is refused. DataLoader workers and local ranks each check the shards they
+read, once; a shard this process downloaded was checked as it arrived.
 """
 
 from __future__ import annotations
@@ -37,15 +46,17 @@ import json
 import logging
 import os
 import posixpath
+import threading
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.data.mds import ShardInfo, unpack_shard
+from llmfoundry.data.mds import ShardCorruptError, ShardInfo, fastest, unpack_shard, verify_file
 from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils import storage
-from llmfoundry.utils.files import atomic_write, join_url, temp_name
+from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.files import atomic_write, fsync_path, join_url, temp_name
 
 __all__ = ["ShardCache"]
 
@@ -55,6 +66,8 @@ _MARKER = ".remote"
 # Keys of fsspec's file info that change when an object is rewritten, most specific first.
 _VERSION_KEYS = ("ETag", "etag", "generation", "version_id", "mtime", "LastModified",
                  "last_modified", "updated")  # fmt: skip
+_REFETCH = "fetching it again"
+_ONLY_COPY = "it is read in place, the only copy: restore it from a backup or rewrite the dataset"
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +80,9 @@ class ShardCache:
         local: folder holding (or receiving) the raw shards.
         remote: folder URL of the stream's files; None when ``local`` is the only copy (read in
             place: never written, never evicted).
-        validate_hash: hash to check downloads against (and in-place shards on first use), or
-            None for only a size check.
+        validate_hash: the hash (one index.json lists) that downloads and, on their first use
+            in a process, local shards are checked against; None: the fastest one the index
+            lists (shards without hashes get only a size check).
         keep_zip: keep compressed shards next to the raw ones after decompressing them.
         storage_options: fsspec options for ``remote`` (credentials, endpoint_url, ...).
         retries: download attempts after the first.
@@ -95,11 +109,12 @@ class ShardCache:
         self.storage_options = storage_options
         self.retries = retries
         self.node = node if remote is not None else None
-        self._verified: set[int] = set()
+        # (pid, shards hashed by that process, the lock its threads hash under); see _check.
+        self._process: tuple[int, set[int], threading.Lock] | None = None
         if validate_hash is not None:
             lacking = [i for i, s in enumerate(shards) if validate_hash not in s.hashes]
             if lacking:
-                raise ValueError(
+                raise UserError(
                     f"validate_hash={validate_hash!r} but shard(s) {lacking[:5]} of "
                     f"{remote or self.local} record only hashes "
                     f"{list(shards[lacking[0]].hashes)}; pick one of those or validate_hash=None"
@@ -111,6 +126,11 @@ class ShardCache:
             self._drop_stale()
         else:
             self._check_complete()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_process"] = None  # a copy in a DataLoader worker checks shards itself
+        return state
 
     def _list_versions(self) -> dict[str, str]:
         """The remote's object versions, listed by the machine's leader when there is one."""
@@ -224,19 +244,58 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
+    def _hash(self, j: int) -> str | None:
+        """The hash shard ``j`` is checked with (``validate_hash``, else the index's fastest)."""
+        return self.validate_hash or fastest(self.shards[j].raw_data.hashes)
+
+    def _checked(self) -> tuple[set[int], threading.Lock]:
+        """The shards this process has hashed, and the lock its threads hash under."""
+        if self._process is None or self._process[0] != os.getpid():
+            self._process = (os.getpid(), set(), threading.Lock())
+        return self._process[1], self._process[2]
+
+    def _check(self, j: int) -> None:
+        """Hash shard ``j``'s local file against index.json on its first use in this process
+        (module docstring); raises ShardCorruptError naming it, or FileNotFoundError."""
+        name = self._hash(j)
+        checked, lock = self._checked()
+        if name is None or j in checked:
+            return
+        with lock:  # the predownload thread and the reader: one hashes, the other waits
+            if j not in checked:
+                fix = _REFETCH if self.remote is not None else _ONLY_COPY
+                verify_file(self.path(j), self.shards[j].raw_data, [name], fix=fix)
+                checked.add(j)
+
+    def _usable(self, j: int) -> bool:
+        """Whether shard ``j``'s cached file is complete and matches index.json."""
+        if not self.present(j):
+            return False
+        try:
+            self._check(j)
+        except (ShardCorruptError, FileNotFoundError):  # changed, or evicted meanwhile
+            return False
+        return True
+
     def ensure(self, j: int) -> tuple[Path, bool]:
         """Make shard ``j`` local; returns its raw path and whether this call downloaded it."""
         path = self.path(j)
         if self.remote is None:
-            if self.validate_hash is not None and j not in self._verified:
-                self._verify_file(path, self.shards[j].raw_data, str(path))
-                self._verified.add(j)
+            self._check(j)
             return path, False
-        if self.present(j):
+        if self._usable(j):
             return path, False
         with file_lock(self._lock(j)):
-            if self.present(j):  # another process finished it while we waited
+            if self._usable(j):  # another process fetched it while we waited
                 return path, False
+            if self.present(j):
+                log.warning(
+                    "cached shard %s does not match its %s in index.json (changed since it was "
+                    "fetched); fetching it again from %s",
+                    path,
+                    self._hash(j),
+                    self.remote,
+                )
             self._remove_leftovers(j)
             self._fetch(j)
         return path, True
@@ -256,18 +315,21 @@ class ShardCache:
         raw_path = self.path(j)
         raw_path.parent.mkdir(parents=True, exist_ok=True)
         stored_tmp = temp_name(self.local / stored.basename)
-        hashes = [self.validate_hash] if self.validate_hash else []
+        raw_tmp = temp_name(raw_path)
+        name = self._hash(j)
+        hashes = [name] if name else []
         try:
             download(url, stored_tmp, self.storage_options, self.retries)
-            data = unpack_shard(stored_tmp, info, hashes, url)
-            if data is None:
-                os.replace(stored_tmp, raw_path)
-            else:
-                atomic_write(raw_path, data)
+            raw = unpack_shard(stored_tmp, info, raw_tmp, hashes, url)
+            if raw == raw_tmp:  # decompressed here
+                fsync_path(raw)
                 if self.keep_zip:
                     os.replace(stored_tmp, self.local / stored.basename)
+            self._checked()[0].add(j)  # checked above, before another thread can see the file
+            os.replace(raw, raw_path)
         finally:
             stored_tmp.unlink(missing_ok=True)
+            raw_tmp.unlink(missing_ok=True)
         atomic_write(self._source_file(j), self._source(j))  # after the shard: never ahead
 
     def touch(self, j: int) -> bool:

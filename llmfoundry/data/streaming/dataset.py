@@ -57,9 +57,10 @@ class StreamingDataset(EpochDataset):
 
     Args:
         remote: URL (``s3://b/ds``, ``gs://``, ``az://``, ...) or local path of the dataset.
-        local: cache folder for ``remote`` (default: a per-remote folder in the temp dir), or
-            the dataset folder when ``remote`` is None; with ``streams`` given as a mapping,
-            the folder their caches go under (``local/<name>``). See stream.py for the cases.
+        local: cache folder for ``remote``, the user's own (default: a folder per user, endpoint
+            and remote in the temp dir, stream.py), or the dataset folder when ``remote`` is
+            None; with ``streams`` given as a mapping, the folder their caches go under
+            (``local/<name>``). See stream.py for the cases.
         split: sub-folder to read (``"train"``); None reads ``remote``/``local`` itself.
         streams: several sources mixed in one epoch instead of ``remote``: Stream objects, or
             the config's ``{name: {remote, local, proportion | repeat | choose}}``.
@@ -79,7 +80,9 @@ class StreamingDataset(EpochDataset):
             plus the window, :meth:`working_set`) is exceeded rather than fetching shards
             twice, and a warning at start gives the size that works.
         predownload: samples to download ahead of the reader (default 8 batches, at least 64).
-        validate_hash: check downloads against this hash of index.json (``"xxh64"``, ...).
+        validate_hash: the hash of index.json (``"xxh64"``, ...) that downloads, and local
+            shards on their first use in each process, are checked against; None: the fastest
+            one the index lists (cache.py).
         keep_zip: keep compressed shards after decompressing them.
         download_retry: download attempts after a failed one (exponential backoff).
         storage_options: fsspec options for the remote (``{"client_kwargs": {...}}``, ...).

@@ -4,7 +4,8 @@ Where the shards are read from:
 
 - ``remote`` is an object-store URL (``s3://``, ``gs://``, ``az://``, ...): shards are copied
   into ``local`` on first use; ``local`` defaults to a folder under the system temp dir named
-  after the remote, so every process of a machine shares one cache.
+  after the remote and its endpoint (:func:`default_cache_dir`), so every process of a machine
+  shares one cache.
 - ``remote`` is a local path and ``local`` is None (or the same folder): read in place.
 - ``remote`` is a local path and ``local`` another folder: copied like an object store (useful
   for a slow network filesystem and a fast local disk).
@@ -12,12 +13,14 @@ Where the shards are read from:
 
 In-place data is the only copy: it is never written to and never evicted. Compressed shards
 cannot be read in place, so a folder that holds them is cached like a remote (decompressed into
-the default cache folder, or ``local`` when it names another folder).
+the default cache folder, or ``local`` when it names another folder). A cache folder must be the
+user's own (private.py); in-place data may belong to anyone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -29,9 +32,10 @@ from llmfoundry.data.mds import INDEX_NAME, ShardInfo, load_index, parse_index
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.download import list_dirs, read_bytes
 from llmfoundry.data.streaming.node import NodeShare
+from llmfoundry.data.streaming.private import private_folder
 from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import atomic_write, join_url
-from llmfoundry.utils.storage import is_local, local_path
+from llmfoundry.utils.storage import endpoint, is_local, local_path
 
 __all__ = ["Stream", "default_cache_dir"]
 
@@ -44,10 +48,17 @@ _HOW_TO_MAKE = (
 )
 
 
-def default_cache_dir(remote: str) -> Path:
-    """Cache folder for ``remote`` when none is given: the same on every process of a machine."""
-    key = hashlib.sha1(remote.rstrip("/").encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "llmfoundry-streaming" / key
+def default_cache_dir(remote: str, storage_options: dict[str, Any] | None = None) -> Path:
+    """Cache folder for ``remote`` when none is given: the same on every process of a machine
+    that reads it as this user from the same server.
+
+    Under a root per user (``<tmp>/llmfoundry-streaming-<uid>``, mode 0700), so no other user
+    can plant shards in it; named after the endpoint (storage.endpoint) as well as the URL, so
+    ``s3://bucket/x`` of two S3-compatible servers are two caches, not one mixing both.
+    """
+    identity = {"url": remote.rstrip("/"), "endpoint": endpoint(remote, storage_options)}
+    key = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"llmfoundry-streaming-{os.geteuid()}" / key
 
 
 @dataclass(frozen=True)
@@ -121,10 +132,16 @@ class Stream:
                 "%s holds compressed shards: decompressing them into %s (set local, i.e. "
                 "data.local, to choose the folder)",
                 folder,
-                default_cache_dir(remote),
+                default_cache_dir(remote, storage_options),
             )
-        root_local = Path(local) if local is not None else default_cache_dir(remote)
+        if local is None:
+            root_local = default_cache_dir(remote, storage_options)
+            private_folder(root_local.parent)  # the user's root of default caches
+        else:
+            root_local = Path(local)
         folder = root_local / split if split else root_local
+        for level in dict.fromkeys((root_local, folder)):  # before anything is read from them
+            private_folder(level)
         url = join_url(remote, split or "")
         index_url = join_url(url, INDEX_NAME)
         node = NodeShare(folder)  # local rank 0 fetches the index and listing for the machine
