@@ -4,8 +4,10 @@ folder is the user's own and names the endpoint as well as the URL."""
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
@@ -109,6 +111,10 @@ def test_each_process_hashes_a_shard_once(tmp_path, monkeypatch):
     assert sorted(int(r) for r in rows) == list(range(60))
 
 
+def user() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
 def test_cache_folders_others_can_write_are_refused(tmp_path, monkeypatch):
     remote, cache = tmp_path / "remote", tmp_path / "cache"
     write(remote)
@@ -119,6 +125,13 @@ def test_cache_folders_others_can_write_are_refused(tmp_path, monkeypatch):
         StreamingDataset(str(remote), str(cache))
     cache.chmod(0o755)  # the user's own folder, as mkdir makes it
     assert firsts(StreamingDataset(str(remote), str(cache))) == list(range(24))
+    cache.chmod(0o775)  # as mkdir makes it under umask 002, with the user's private group
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group((user(), "x", gid, [])))
+    assert firsts(StreamingDataset(str(remote), str(cache))) == list(range(24))
+    shared = grp.struct_group(("staff", "x", cache.stat().st_gid, [user(), "someone"]))
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: shared)  # a group others are in
+    with pytest.raises(UserError, match="writable by group/others"):
+        StreamingDataset(str(remote), str(cache))
     me = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: me + 1)  # now the folder is another user's
     with pytest.raises(UserError, match=rf"{cache} belongs to uid {me}, not to this user"):

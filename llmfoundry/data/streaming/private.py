@@ -5,11 +5,17 @@ index.json and the launch's metadata copies sit in the same folder). So a cache 
 per-user root of the default ones, must belong to the user running and be writable by nobody
 else; otherwise the first user of a shared machine to create ``<tmp>/<cache>`` could serve
 their shards to everyone who reads the same remote. Folders created here get mode 0700.
+
+Group write is allowed only for the user's private group (named after the user, no other
+members): distributions that give each user such a group also set umask 002, so every folder a
+user makes by hand is group-writable, and only the user is in that group.
 """
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -33,7 +39,8 @@ def private_folder(folder: Path) -> Path:
             f"cache folder {folder} belongs to uid {owner}, not to this user (uid {uid}), who "
             f"could plant shards in it; {_FIX}, or have its owner delete it"
         )
-    if target.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    writers = stat.S_IWOTH | (0 if _private_group(target.st_gid) else stat.S_IWGRP)
+    if target.st_mode & writers:
         mode = stat.S_IMODE(target.st_mode)
         raise UserError(
             f"cache folder {folder} is writable by group/others (mode {mode:o}), who could plant "
@@ -41,3 +48,12 @@ def private_folder(folder: Path) -> Path:
             f"{_FIX}"
         )
     return folder
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's private group: named after the user, no other member."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:  # a uid or gid without a name (containers): not known to be private
+        return False
+    return group.gr_name == user and set(group.gr_mem) <= {user}
