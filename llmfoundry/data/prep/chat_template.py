@@ -152,6 +152,33 @@ def _charged(estimate: int, what: str, build: Callable[[], Any]) -> Any:
 
 _END = object()
 _WALK_OVERHEAD = 64  # what an object that is not data shows of itself (`<Macro 'm'>`)
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_VIEWS = (Mapping, ItemsView, KeysView, ValuesView)  # abstract: checked last, they are slower
+
+
+def _scalar_size(item: Any) -> int | None:
+    """Characters of `str(item)` for a string or a number (from above), else None."""
+    if isinstance(item, str):
+        return len(item) + 2  # quoted inside a container
+    if isinstance(item, int):
+        return item.bit_length() // 3 + 2
+    if isinstance(item, float) or item is None:
+        return 24
+    return None
+
+
+def _children(item: Any) -> tuple[Any, int] | None:
+    """(the items of a container, a mapping's keys and values; how many), or None when `item`
+    is not one."""
+    if isinstance(item, Namespace):
+        item = object.__getattribute__(item, "_Namespace__attrs")
+    if isinstance(item, (dict, Mapping)):
+        return chain.from_iterable(item.items()), len(item)
+    if isinstance(item, ItemsView):
+        return chain.from_iterable(item), len(item)
+    if isinstance(item, (*_CONTAINERS, *_VIEWS)):
+        return iter(item), len(item)
+    return None
 
 
 def _shape(value: Any, limit: int) -> tuple[int, int]:
@@ -165,22 +192,16 @@ def _shape(value: Any, limit: int) -> tuple[int, int]:
         if item is _END:
             pending.pop()
             continue
-        if isinstance(item, str):
-            size += len(item) + 2
+        scalar = _scalar_size(item)
+        if scalar is not None:
+            size += scalar
             continue
-        if isinstance(item, int):
-            size += item.bit_length() // 3 + 2
+        container = _children(item)
+        if container is None:
+            size += _WALK_OVERHEAD
             continue
-        if isinstance(item, Namespace):
-            item = object.__getattribute__(item, "_Namespace__attrs")
-        if isinstance(item, (Mapping, ItemsView)):
-            children = chain.from_iterable(item.items() if isinstance(item, Mapping) else item)
-        elif isinstance(item, (list, tuple, set, frozenset, KeysView, ValuesView)):
-            children = iter(item)
-        else:
-            size += _WALK_OVERHEAD if item is not None else 4
-            continue
-        size += 2 + 4 * len(item)
+        children, count = container
+        size += 2 + 4 * count
         if any(id(item) == seen for _, seen in pending):
             continue
         pending.append((children, id(item)))
@@ -192,7 +213,8 @@ def _text_size(value: Any) -> int:
     """Characters of `str(value)` (an estimate from above, see `_shape`)."""
     if isinstance(value, str):
         return len(value)
-    return _shape(value, _budget().left)[0]
+    scalar = _scalar_size(value)
+    return scalar if scalar is not None else _shape(value, _budget().left)[0]
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -373,18 +395,17 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args[extra:], **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        if name in _LISTED:
-            a[_LISTED[name]] = list(a[_LISTED[name]])
-            args, kwargs = (*args[:extra], *bound.args), bound.kwargs
-        if size is not None:
+        estimate = 0
+        if size is not None:  # its arguments by name
+            bound = signature.bind(*args[extra:], **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            if name in _LISTED:
+                a[_LISTED[name]] = list(a[_LISTED[name]])
+                args, kwargs = (*args[:extra], *bound.args), bound.kwargs
             estimate = size(a)
         elif grows is not None:
             estimate = grows * _text_size(args[1 if passes_state else 0])
-        else:
-            estimate = 0
         return _charged(estimate, f"filter '{name}'", lambda: func(*args, **kwargs))
 
     return bounded
