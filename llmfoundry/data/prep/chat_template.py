@@ -75,8 +75,18 @@ class _StepsSpent(Exception):
 
 
 class _SizeSpent(Exception):
-    """Raised before a template builds what its size budget cannot pay for. Not a TypeError or
-    ValueError, which jinja2 and filters catch to try something else."""
+    """Raised before a template builds what its size budget cannot pay for (its text: where).
+    Not a TypeError or ValueError, which jinja2 and filters catch to try something else."""
+
+    def describe(self, limit: int) -> str:
+        return f"more than {limit} characters (at {self})"
+
+
+class _IntegerTooLarge(_SizeSpent):
+    """Raised before a template computes an integer past `MAX_INT_BITS` (its text: which)."""
+
+    def describe(self, limit: int) -> str:
+        return str(self)
 
 
 class _StepBudget:
@@ -309,10 +319,12 @@ def _binop_size(op: str, left: Any, right: Any) -> int:
         bits = max(left.bit_length(), right.bit_length()) + 1
         if op == "*":
             bits = left.bit_length() + right.bit_length()
-        elif op == "**":
-            bits = max(right, 0) * left.bit_length()
+        elif op == "**":  # 0, 1 and -1 stay one bit whatever the power
+            bits = 1 if abs(left) <= 1 else max(right, 0) * left.bit_length()
         if bits > MAX_INT_BITS:
-            raise _SizeSpent(f"an integer of {bits} bits from '{op}' (at most {MAX_INT_BITS})")
+            raise _IntegerTooLarge(
+                f"an integer of {bits} bits from '{op}' (at most {MAX_INT_BITS})"
+            )
         return bits // 8
     return 0
 
@@ -623,8 +635,8 @@ class ChatTemplate:
         except ChatTemplateError as err:
             if isinstance(err.__cause__, _SizeSpent):
                 raise UserError(
-                    f"the chat template of {where} builds more than {TEMPLATE_CHARS} characters "
-                    f"for a one-word message (at {err.__cause__}); fix it or use another template"
+                    f"the chat template of {where} builds {err.__cause__.describe(TEMPLATE_CHARS)} "
+                    "for a one-word message; fix it or use another template"
                 ) from None
 
     def render(
@@ -656,8 +668,8 @@ class ChatTemplate:
             ) from None
         except _SizeSpent as err:
             raise ChatTemplateError(
-                f"the chat template built more than {budget.limit} characters on these messages "
-                f"(at {err}); send shorter messages or fix the template"
+                f"the chat template built {err.describe(budget.limit)} on these messages; send "
+                "shorter messages or fix the template"
             ) from err
         except jinja2.exceptions.SecurityError as err:
             raise ChatTemplateError(
