@@ -70,7 +70,14 @@ class ServedTokenizer:
     @functools.cached_property
     def _template(self) -> ChatTemplate:
         assert self.chat_template is not None
-        return ChatTemplate(self.chat_template, "the served tokenizer")
+        return ChatTemplate(self.chat_template, "the served tokenizer", self._variables)
+
+    @property
+    def _variables(self) -> dict[str, str]:
+        """The special tokens a template is given (transformers' `special_tokens_map`)."""
+        assert isinstance(self.prepared, PreparedTokenizer)  # __post_init__: with a template
+        special = {"eos_token": self.prepared.eos_token, "bos_token": self.prepared.bos_token}
+        return {name: token for name, token in special.items() if token is not None}
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt for `messages` under the chat template, ending where the assistant's
@@ -84,17 +91,14 @@ class ServedTokenizer:
             template = self._template
         except UserError as err:  # made without check_template, which refuses it at start
             raise ChatTemplateError(str(err)) from None
-        assert isinstance(self.prepared, PreparedTokenizer)  # __post_init__: with a template
-        special = {"eos_token": self.prepared.eos_token, "bos_token": self.prepared.bos_token}
-        variables = {name: token for name, token in special.items() if token is not None}
-        return template.render(messages, add_generation_prompt=True, variables=variables)
+        return template.render(messages, add_generation_prompt=True, variables=self._variables)
 
     def check_template(self, where: str) -> None:
         """Refuse, at start, a chat template that does not parse or builds past its bound for
         one short message (a UserError naming `where`). Its other answers to that message do
         not matter: each request gets the template's answer to its messages."""
         if self.chat_template is not None:
-            ChatTemplate(self.chat_template, where)
+            ChatTemplate(self.chat_template, where, self._variables)
 
 
 def load_served_tokenizer(

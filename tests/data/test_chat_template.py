@@ -22,8 +22,10 @@ transformers = pytest.importorskip("transformers")
 
 TEXTS = ["hello world, hello template\n", "<|im_start|>user\nhi<|im_end|>\n"] * 20
 BIG = 1 << 26  # past the bound (TEMPLATE_CHARS), small enough to build where nothing bounds it
+# Behind a special token (a template is given them when it is tried at load, too).
 CONSTANT_BOMB = (
-    '{% set a = "x" * ' + str(BIG) + " %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    "{{ eos_token + '\\n' }}{% set a = 'x' * " + str(BIG) + " %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
 )
 
 

@@ -608,9 +608,10 @@ _ENV = _BoundedSandbox()
 
 
 class ChatTemplate:
-    """A chat template, compiled (a `UserError` naming `where` when it does not compile)."""
+    """A chat template, compiled (a `UserError` naming `where` when it does not compile) and
+    tried on a one-word message with `variables` (the special tokens it will be given)."""
 
-    def __init__(self, source: str, where: str) -> None:
+    def __init__(self, source: str, where: str, variables: Mapping[str, Any] | None = None) -> None:
         self.source = source
         try:
             self._template = _ENV.from_string(source)
@@ -624,14 +625,14 @@ class ChatTemplate:
                 f"the chat template of {where} nests too deeply to compile; fix it or use another "
                 "template"
             ) from None
-        self._refuse_building_too_much(where)
+        self._refuse_building_too_much(where, variables)
 
-    def _refuse_building_too_much(self, where: str) -> None:
+    def _refuse_building_too_much(self, where: str, variables: Mapping[str, Any] | None) -> None:
         """A template that builds past its budget for one short message would for every
         conversation (`"x" * 10**9` as a constant): refused now. Its other answers to the probe
         (`raise_exception`, a step budget spent) do not matter: requests report them."""
         try:
-            self.render(PROBE, add_generation_prompt=True)
+            self.render(PROBE, add_generation_prompt=True, variables=variables)
         except ChatTemplateError as err:
             if isinstance(err.__cause__, _SizeSpent):
                 raise UserError(

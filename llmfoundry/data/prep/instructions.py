@@ -137,8 +137,8 @@ class Formatter:
         self.template: ChatTemplate | None = None
         hf = _chat_template_tokenizer(tokenizer)
         if hf is not None:
-            self.template = ChatTemplate(hf.get_chat_template(), tokenizer)
             self._variables = hf.special_tokens_map  # as transformers passes them
+            self.template = ChatTemplate(hf.get_chat_template(), tokenizer, self._variables)
             # The template's text holds special tokens that must encode as themselves.
             self._special = hf.backend_tokenizer
             self._special.encode_special_tokens = False
