@@ -94,6 +94,10 @@ RUNTIME_BOMBS = {
     "str method": "{{ messages[0].content.ljust(messages[0].content|length * 2**20) }}",
     "percent format": "{{ '%*s' % (messages[0].content|length * 2**20, 'x') }}",
     "str.format": "{{ '{:>{}}'.format('x', messages[0].content|length * 2**20) }}",
+    "format filter": "{{ '%*s'|format(messages[0].content|length * 2**20, 'x') }}",
+    "replace": "{{ (messages[0].content * 1024)|replace('y', 'z' * 1024) }}",
+    "expandtabs": "{{ ('\\t' * (messages[0].content|length * 16)).expandtabs(2**16) }}",
+    "to_bytes": "{{ (1).to_bytes(messages[0].content|length * 2**20, 'big')|length }}",
 }
 LONG = [{"role": "user", "content": "y" * 64}]
 
