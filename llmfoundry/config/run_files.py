@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.secrets import redact_secrets, redact_text
+from llmfoundry.utils.yaml_guard import safe_load
 
 __all__ = [
     "CONFIG_DIR",
@@ -67,7 +67,7 @@ def redact_multirun_config(path: Path) -> None:
 def redacted_yaml(text: str) -> str:
     """YAML text (a config as Hydra prints or saves it) without secret-named keys and with URL
     credentials hidden, by the policy of the saved config; a scalar by `redact_text`."""
-    content = yaml.safe_load(text)
+    content = safe_load(text)
     if not isinstance(content, dict | list):
         return redact_text(text)
     return OmegaConf.to_yaml(OmegaConf.create(redact_secrets(content)))

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import yaml
 from omegaconf import OmegaConf
 
 from llmfoundry.callbacks.run_status import read_status
@@ -32,6 +31,7 @@ from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.utils import storage
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import url_to_fs
+from llmfoundry.utils.yaml_guard import safe_load
 
 # Seconds without a heartbeat after which a "running" run is taken for dead.
 STALE_S = 900.0
@@ -80,8 +80,9 @@ def save_folders_without_runs(root: str) -> list[str]:
 def saved_storage(folder: str) -> dict[str, Any] | None:
     """The ``storage:`` block of the run's saved config (resolved), or None without one."""
     try:
-        with storage.open_url(f"{folder}/{CONFIG_DIR}/config.yaml", "r", encoding="utf-8") as f:
-            config = yaml.safe_load(f)
+        path = f"{folder}/{CONFIG_DIR}/config.yaml"
+        with storage.open_url(path, "r", encoding="utf-8") as f:
+            config = safe_load(f, path)
     except FileNotFoundError:
         return None
     if not isinstance(config, dict) or not config.get("storage"):

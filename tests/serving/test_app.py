@@ -160,6 +160,21 @@ def test_template_errors_are_400s_in_the_error_shape(in_process_app, template, m
             assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
+def test_a_template_that_builds_too_much_is_a_400_and_the_next_request_is_served(
+    in_process_app,
+):
+    doubling = (  # 2**26 characters for a 64-character message, 4 for the next
+        "{% set ns = namespace(s='x') %}{% for i in range(messages[0].content|length // 2 - 6) %}"
+        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}"
+    )
+    with in_process_app(chat_template=doubling) as client:
+        long = {"messages": [{"role": "user", "content": "y" * 64}], "max_tokens": 2}
+        response = client.post("/v1/chat/completions", json=long)
+        assert response.status_code == 400, response.text
+        assert "built more than" in response.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
 def test_a_template_that_does_not_parse_is_refused_at_start(served_model, tmp_path):
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}\n{{ m['content'] }")

@@ -5,8 +5,9 @@ user turn and an assistant turn) or a conversation ``{"messages": [{"role", "con
 with roles ``system``, ``user`` and ``assistant``. Inputs are local files or fsspec URLs.
 
 Formatting. A tokenizer folder whose transformers config has a ``chat_template`` renders the
-conversation with it (its special tokens, such as ``<|im_start|>``, are encoded as such). Any
-other tokenizer gets the default format (plain text, so it needs no new tokens)::
+conversation with it, within the bounds of ``chat_template.py``'s sandbox (its special tokens,
+such as ``<|im_start|>``, are encoded as such). Any other tokenizer gets the default format
+(plain text, so it needs no new tokens)::
 
     ### System:\\n{content}\\n\\n       (untrained)
     ### User:\\n{content}\\n\\n         (untrained)
@@ -47,6 +48,7 @@ import numpy as np
 
 from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils import storage
@@ -132,10 +134,13 @@ class Formatter:
 
     def __init__(self, tokenizer: str, eos_token: str | None = None) -> None:
         self.prepared: PreparedTokenizer = prepare_tokenizer(tokenizer, eos_token)
-        self.template = _chat_template_tokenizer(tokenizer)
-        if self.template is not None:
+        self.template: ChatTemplate | None = None
+        hf = _chat_template_tokenizer(tokenizer)
+        if hf is not None:
+            self._variables = hf.special_tokens_map  # as transformers passes them
+            self.template = ChatTemplate(hf.get_chat_template(), tokenizer, self._variables)
             # The template's text holds special tokens that must encode as themselves.
-            self._special = self.template.backend_tokenizer
+            self._special = hf.backend_tokenizer
             self._special.encode_special_tokens = False
 
     @property
@@ -154,10 +159,10 @@ class Formatter:
                     pieces.append((f"{header}{m['content']}\n\n", False))
             return pieces
 
+        template = self.template
+
         def render(upto: int, prompt: bool) -> str:
-            return self.template.apply_chat_template(
-                messages[:upto], tokenize=False, add_generation_prompt=prompt
-            )
+            return template.render(messages[:upto], prompt, self._variables)
 
         pieces, done = [], ""
         for i, m in enumerate(messages):
