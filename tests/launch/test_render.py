@@ -215,6 +215,21 @@ def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them
     assert not list(tmp_path.iterdir())  # nothing rendered
 
 
+def test_launch_cli_refuses_a_password_in_an_env_url_without_showing_it(tmp_path, capsys):
+    """An env value is rendered in clear into the .sbatch and the manifest: a URL's password
+    there must come through secrets: instead."""
+    launch = load_script("launch")
+    for backend in ("slurm", "kubernetes"):
+        argv = ["render", backend, str(EXAMPLE), "env.DATABASE_URL=postgres://u:SUPERSECRET@db/x"]
+        with pytest.raises(SystemExit) as exited:
+            launch.main([*argv, "--out", str(tmp_path)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Job error: env.DATABASE_URL: 'postgres://<redacted>@db/x' holds")
+        assert "under secrets:" in err and "SUPERSECRET" not in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing rendered
+
+
 def test_kubernetes_submit_creates_service_and_job_and_explains_a_clash(monkeypatch, tmp_path):
     kubernetes = pytest.importorskip("kubernetes")
     from llmfoundry.launch.backends import submit_kubernetes
