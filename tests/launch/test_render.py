@@ -215,6 +215,19 @@ def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them
     assert not list(tmp_path.iterdir())  # nothing rendered
 
 
+def test_launch_cli_refuses_a_run_name_that_is_not_one_folder_name(tmp_path, capsys):
+    """The job's name is one (a DNS label); a --train run_name=, which wins over it, is held to
+    the training config's rule before anything is rendered."""
+    launch = load_script("launch")
+    argv = ["render", "local", str(EXAMPLE), "--train", "run_name=../../x", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        launch.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Job error: run_name: '../../x' is not one folder name")
+    assert not list(tmp_path.iterdir())
+
+
 def test_launch_cli_refuses_a_password_in_an_env_url_without_showing_it(tmp_path, capsys):
     """An env value is rendered in clear into the .sbatch and the manifest: a URL's password
     there must come through secrets: instead."""
