@@ -404,3 +404,13 @@ def test_outcome_of_a_status_file_that_is_not_one_is_the_exit_code(tmp_path, cap
     with within(30):
         assert outcome(str(tmp_path / "status.json"), exit_code=3) == 3
     assert "is not a regular file" in caplog.text
+
+
+def test_a_sweep_trial_with_a_broken_status_file_is_listed_as_unreadable(tmp_path):
+    from llmfoundry.launch.sweeps import trials
+
+    for number, status in (("0", b'{"status": "finished"}'), ("1", b'{"status": ["x"]}')):
+        (tmp_path / number / ".hydra").mkdir(parents=True)
+        (tmp_path / number / ".hydra/overrides.yaml").write_text(f"- optimizer.lr={number}\n")
+        (tmp_path / number / "status.json").write_bytes(status)
+    assert [t.status for t in trials(tmp_path)] == ["finished", "unreadable"]
