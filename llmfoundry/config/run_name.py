@@ -26,19 +26,17 @@ RUN_NAME_RULE = "use 1-128 ASCII letters, digits and '._+=-', starting with a le
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+=-]")
 
 
-def check_run_name(name: str, key: str = "run_name") -> None:
+def check_run_name(name: str) -> None:
     """Raise ConfigError unless `name` is a run name (`RUN_NAME`), or the name of a trial of the
-    running sweep (``<sweep folder>/<job number>``, `default_run_name`) whose two parts are.
-
-    `key` names the setting in the message (a job's ``name``, ``run_name``)."""
+    running sweep (``<sweep folder>/<job number>``, `default_run_name`) whose two parts are."""
     parts = name.split("/") if name and name == _multirun_job_name() else [name]
     if all(RUN_NAME.match(part) for part in parts):
         return
     shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
     raise ConfigError(
-        key,
+        "run_name",
         f"{shown} is not one folder name (the run's folder is outputs/<run_name>); "
-        f"{RUN_NAME_RULE}, e.g. {key}=my-run-2",
+        f"{RUN_NAME_RULE}, e.g. run_name=my-run-2",
     )
 
 
