@@ -23,6 +23,7 @@ carries one-off costs) times the progress still to go.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -32,11 +33,21 @@ from typing import Any
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import TimeUnit
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.secrets import redact_urls
-from llmfoundry.utils.storage import is_local, local_path, open_url, url_to_fs
+from llmfoundry.utils.storage import is_local, local_path, read_small, url_to_fs
 
 STATUSES = ("running", "finished", "preempted", "failed")
+# A record is well under 2 KB (its error at most 500 characters): a larger file is not one.
+MAX_STATUS_BYTES = 64 << 10
+# The record's fields and the type each is written with (float: any number); readers rely on it.
+FIELD_TYPES: dict[str, type] = {
+    "run_name": str, "status": str, "step": int, "total_steps": int, "max_duration": str,
+    "progress": float, "loss": float, "tokens_per_sec": float, "eta_s": float,
+    "save_folder": str, "started": float, "updated": float, "host": str, "pid": int,
+    "world_size": int, "error": str,
+}  # fmt: skip
 
 
 def write_status(path: str, record: dict[str, Any]) -> None:
@@ -50,12 +61,53 @@ def write_status(path: str, record: dict[str, Any]) -> None:
 
 
 def read_status(path: str) -> dict[str, Any] | None:
-    """The status at `path`, or None when there is none yet."""
+    """The status at `path`, or None when there is none yet.
+
+    Run folders are written by other processes, often other users' (a shared outputs folder or
+    bucket): a file that is not a record as `write_status` writes it (too large, not a regular
+    file, not UTF-8 JSON, NaN, a field of another type) raises ValueError (`UserError`, or
+    json's JSONDecodeError) naming the problem, and is never read beyond `MAX_STATUS_BYTES`.
+    """
     try:
-        with open_url(path, "r", encoding="utf-8") as f:
-            return json.load(f)
+        data = read_small(path, MAX_STATUS_BYTES)
     except FileNotFoundError:
         return None
+    try:
+        record = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 (byte {err.start}); not a status file") from None
+    except RecursionError:
+        raise UserError(f"{path}: JSON nested too deeply; not a status file") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: a JSON {type(record).__name__}, not a status record")
+    if record.get("loss") in NON_FINITE:
+        record["loss"] = float(record["loss"])
+    for key, kind in FIELD_TYPES.items():
+        value = record.get(key)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (number if kind is float else type(value) is kind):
+            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+            kinds = {str: "a string", int: "an integer", float: "a number"}
+            raise UserError(f"{path}: {key} is {shown}, not {kinds[kind]}")
+        if number and key != "loss" and not math.isfinite(value):  # (1e999 reads as inf)
+            raise UserError(f"{path}: {key} is {value}, not a finite number")
+    return record
+
+
+# A diverged run's loss: JSON has no NaN, so it is written as this text (and read back).
+NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _json_number(value: float | None) -> float | str | None:
+    """`value` as JSON holds it: NaN and infinities as their text (`NON_FINITE`); the strict
+    JSON writer refused them, which ended a diverging run at its next heartbeat."""
+    return str(value) if value is not None and not math.isfinite(value) else value
+
+
+def _refuse_constant(name: str) -> None:
+    raise UserError(f"{name} in a status file, which the writer never writes")
 
 
 class RunStatus(Callback):
@@ -137,7 +189,7 @@ class RunStatus(Callback):
             step=ts.batch,
             progress=progress,
             total_steps=self._total_steps(state, progress),
-            loss=state.train_loss,
+            loss=_json_number(state.train_loss),
         )
         if now > self._last_write and ts.token > self._last_tokens:
             record["tokens_per_sec"] = (ts.token - self._last_tokens) / (now - self._last_write)

@@ -263,12 +263,15 @@ def _write_latest(fs: fsspec.AbstractFileSystem, root: str, name: str) -> None:
 
 
 def read_latest(folder: str) -> str | None:
-    """The checkpoint `latest` names in a save folder, or None when there is no `latest`."""
-    fs, root = storage.url_to_fs(folder)
+    """The checkpoint `latest` names in a save folder, or None when there is no `latest`.
+
+    Read no further than a name can be long (`storage.read_small`): `scripts/runs.py` reads
+    the save folders that status files name, which may be anyone's."""
     try:
-        name = fs.cat_file(join_url(root, LATEST)).decode().strip()
+        name = storage.read_small(join_url(folder, LATEST), 4096).decode("utf-8", "replace")
     except FileNotFoundError:
         return None
+    name = name.strip()
     if not _NAME.match(name):
         raise ValueError(
             f"{folder}/{LATEST} contains {name[:80]!r}, not a checkpoint name like 'ep0-ba100'; "

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llmfoundry.config.run_name import default_run_name
+from llmfoundry.config.run_name import check_run_name, default_run_name
 from llmfoundry.config.schema import (
     ConfigError,
     check_keys,
@@ -54,6 +54,7 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     except ValueError as err:
         key, _, message = str(err).partition(": ")
         raise ConfigError(key if message else "", message or str(err)) from None
+    check_run_name(settings.run_name)  # before Hydra makes outputs/<run_name>
     # First from the targets' source, so that an error in any group is reported before the
     # targets (and torch) are imported; then each node against its imported target.
     data_hints = _static_data_hints()

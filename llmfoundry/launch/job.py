@@ -43,18 +43,21 @@ _SLURM_TIME = re.compile(
 _MEMORY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|[kmgtpe])?\Z")  # 512G (Slurm), 512Gi (Kubernetes)
 _DIRECTIVE = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\x00-\x1f\x7f]*)?\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# A URL's user-info: scheme://user[:password]@host (group 1: the scheme, 2: the user-info).
-_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://([^/@]*)@")
+# A URL's user-info, anywhere in a value: scheme://user[:password]@host (group 1: the scheme,
+# 2: the user-info).
+_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://([^/@\s'\"]*)@")
 # A training override whose value is read from the environment when the run starts.
 _FROM_ENV = re.compile(r"\$\{oc\.env:[A-Za-z_][A-Za-z0-9_]*(,[^}]*)?\}\Z")
 
 
-def _repo_credentials(url: str) -> bool:
-    """Whether a git URL carries a password or token: ``https://user:pw@``, or over HTTP(S) any
-    user-info at all (``https://ghp_x@github.com``: a token alone reads as a user name). A
-    plain SSH user (``ssh://git@host``) is not a secret."""
-    found = _USERINFO.match(url)
-    return bool(found) and (":" in found[2] or found[1].lower() in ("http", "https"))
+def _url_credentials(text: str) -> bool:
+    """Whether a URL in `text` carries a password or token: ``postgres://user:pw@``, or over
+    HTTP(S) any user-info at all (``https://ghp_x@github.com``: a token alone reads as a user
+    name). A plain user name (``ssh://git@host``, ``postgres://me@db/x``) is not a secret."""
+    return any(
+        ":" in userinfo or scheme.lower().rsplit("+", 1)[-1] in ("http", "https")
+        for scheme, userinfo in _USERINFO.findall(text)
+    )
 
 
 def _secret_named(key: str) -> bool:
@@ -125,7 +128,7 @@ class Code:
     workdir: str = "/workspace/llmfoundry"
 
     def __post_init__(self) -> None:
-        if self.repo and _repo_credentials(self.repo):
+        if self.repo and _url_credentials(self.repo):
             raise ValueError(
                 "repo: the URL holds a password or token, which would be written into the "
                 "rendered script and manifest; give the URL without it and the credentials "
@@ -192,6 +195,8 @@ class Job:
     code: Code = field(default_factory=Code)
     # Shell commands run on every node before training, in the code folder.
     setup: list[str] = field(default_factory=list)
+    # Plain variables, rendered in clear: secret-named ones and URLs with a password or token are
+    # refused (list them under secrets:).
     env: dict[str, str] = field(default_factory=dict)
     # Names of secret environment variables; values never appear in rendered files.
     secrets: list[str] = field(default_factory=list)
@@ -226,6 +231,13 @@ class Job:
                 )
             if not isinstance(value, str):
                 raise ValueError(f"env.{key}: expected a string, got {value!r}; quote it")
+            if _url_credentials(value):
+                raise ValueError(
+                    f"env.{key}: {redact_urls(value)!r} holds credentials in a URL, and env "
+                    f"values are written into the rendered script and manifest; list {key} "
+                    "under secrets: instead (its value then comes from the submitting "
+                    "environment or the Kubernetes Secret)"
+                )
         for name in self.secrets:
             if not _ENV_NAME.match(name):
                 raise ValueError(f"secrets: {name!r} is not a valid environment variable name")

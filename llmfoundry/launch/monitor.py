@@ -29,6 +29,7 @@ from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError, printable
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import url_to_fs
 from llmfoundry.utils.yaml_guard import safe_load
@@ -37,6 +38,12 @@ from llmfoundry.utils.yaml_guard import safe_load
 STALE_S = 900.0
 # Log files of a run folder, most specific first: the launcher's, Slurm's, Hydra's job log.
 LOG_PATTERNS = ("launch.log", "slurm-*.log", "*.log")
+# A saved config is a few KB; a file far larger is not one (read no further).
+MAX_CONFIG_BYTES = 1 << 20
+# Bytes of a log read at once while following it (a log may be gigabytes).
+LOG_CHUNK_BYTES = 1 << 20
+# Characters shown of one table cell (a name or note from a status file can be any length).
+MAX_CELL = 80
 
 
 @dataclass
@@ -81,8 +88,7 @@ def saved_storage(folder: str) -> dict[str, Any] | None:
     """The ``storage:`` block of the run's saved config (resolved), or None without one."""
     try:
         path = f"{folder}/{CONFIG_DIR}/config.yaml"
-        with storage.open_url(path, "r", encoding="utf-8") as f:
-            config = safe_load(f, path)
+        config = safe_load(storage.read_small(path, MAX_CONFIG_BYTES), path)
     except FileNotFoundError:
         return None
     if not isinstance(config, dict) or not config.get("storage"):
@@ -97,8 +103,9 @@ def _read_run(folder: str, name: str, stale_s: float, now: float | None) -> Run:
     try:
         with storage.falling_back_to(saved_storage(folder)):
             return _run(folder, f"{folder}/status.json", stale_s, now)
-    except Exception as err:  # noqa: BLE001 - one run's store must not hide the other runs
+    except Exception as err:  # noqa: BLE001 - one run's store or file must not hide the others
         reason = (str(err).splitlines() or [""])[0]
+        kind = "" if isinstance(err, UserError) else f"{type(err).__name__}: "
         return Run(
             name=name,
             folder=folder,
@@ -110,7 +117,7 @@ def _read_run(folder: str, name: str, stale_s: float, now: float | None) -> Run:
             eta_s=None,
             checkpoint=None,
             updated=None,
-            note=redact_urls(f"{type(err).__name__}: {reason}"),
+            note=redact_urls(f"{kind}{reason}"),
         )
 
 
@@ -150,32 +157,34 @@ def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Ru
 def format_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "-"
+    if not 0 <= seconds < 1e7:  # (a status file's ETA may be anything)
+        return "?"
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def table(runs: list[Run]) -> str:
-    """The runs as an aligned text table, like `mcli get runs`."""
+    """The runs as an aligned text table, like `mcli get runs`.
+
+    Every cell is shown as printable text of at most `MAX_CELL` characters (the note: twice
+    that): names and notes come from status files, which anyone who can write the runs folder
+    writes, and the table goes to a terminal."""
     header = ("NAME", "STATUS", "STEP", "LOSS", "TOKENS/S", "ETA", "CHECKPOINT", "UPDATED", "NOTE")
     rows = [header]
     for run in runs:
         step = "-" if run.step is None else f"{run.step}/{run.total_steps or '?'}"
-        rows.append(
-            (
-                run.name,
-                run.status,
-                step,
-                "-" if run.loss is None else f"{run.loss:.4f}",
-                "-" if run.tokens_per_sec is None else f"{run.tokens_per_sec:,.0f}",
-                format_seconds(run.eta_s),
-                run.checkpoint or "-",
-                "-"
-                if run.updated is None
-                else time.strftime("%m-%d %H:%M", time.localtime(run.updated)),
-                run.note,
-            )
+        cells = (
+            run.name,
+            run.status,
+            step,
+            "-" if run.loss is None else f"{run.loss:.4f}",
+            "-" if run.tokens_per_sec is None else f"{run.tokens_per_sec:,.0f}",
+            format_seconds(run.eta_s),
+            run.checkpoint or "-",
+            _clock(run.updated),
         )
+        rows.append((*(_cell(c, MAX_CELL) for c in cells), _cell(run.note, 2 * MAX_CELL)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -183,11 +192,27 @@ def table(runs: list[Run]) -> str:
     )
 
 
+def _cell(text: str, width: int) -> str:
+    shown = printable(text)
+    return shown if len(shown) <= width else f"{shown[: width - 3]}..."
+
+
+def _clock(stamp: float | None) -> str:
+    """`stamp` (seconds since the epoch) as month-day hour:minute, '?' if no clock has it."""
+    if stamp is None:
+        return "-"
+    try:
+        return time.strftime("%m-%d %H:%M", time.localtime(stamp))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
 def find_run(root: str, name: str) -> Run:
     runs = find_runs(root)
     matches = [r for r in runs if name in (r.name, r.folder.rsplit("/", 1)[-1])]
     if not matches:
-        known = ", ".join(r.name for r in runs) or "none"
+        known = ", ".join(_cell(r.name, MAX_CELL) for r in runs[:10]) or "none"
+        known += f" and {len(runs) - 10} more" if len(runs) > 10 else ""
         raise LookupError(f"no run named {name!r} under {root} (runs: {known})")
     return matches[0]
 
@@ -223,10 +248,14 @@ def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[
     while True:
         size = fs.size(local)
         if size > offset:
-            yield fs.cat_file(local, start=offset, end=size)
-            offset = size
+            end = min(size, offset + LOG_CHUNK_BYTES)
+            yield fs.cat_file(local, start=offset, end=end)
+            offset = end
             continue
-        record = read_status(status_file) if status_file else None
+        try:
+            record = read_status(status_file) if status_file else None
+        except ValueError:  # a status file broken since the listing: nothing says it runs
+            record = None
         if not record or record.get("status") != "running":
             return
         time.sleep(poll_s)

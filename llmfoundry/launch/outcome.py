@@ -30,7 +30,11 @@ log = logging.getLogger(__name__)
 def outcome(path: str, wait_s: float = 0.0, exit_code: int = 1, poll_s: float = 1.0) -> int:
     deadline = time.monotonic() + wait_s
     while True:
-        record = read_status(path)
+        try:
+            record = read_status(path)
+        except ValueError as err:  # not a status file (`read_status`): the run's end is unknown
+            log.warning("%s", err)
+            record = None
         status = (record or {}).get("status")
         if status == "finished":
             return 0

@@ -58,7 +58,10 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
         overrides = [str(o) for o in OmegaConf.load(folder / ".hydra" / "overrides.yaml")]
         metrics = folder / "metrics.jsonl"
         series = read_metrics(metrics) if metrics.is_file() else {}
-        status = read_status(str(folder / "status.json")) or {}
+        try:
+            status = read_status(str(folder / "status.json")) or {}
+        except ValueError:  # not a status file (`read_status`): the trial is still listed
+            status = {"status": "unreadable"}
         found.append(
             Trial(
                 name=f"{root.name}/{folder.name}",

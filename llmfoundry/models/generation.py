@@ -45,6 +45,11 @@ from llmfoundry.models.layers.kv_cache import KVCache
 
 Decode = Callable[[list[int]], str]
 
+# Prompt positions scored at once (`prompt_logprobs`): their float32 log-probabilities
+# [chunk, vocab] beside the forward's logits, not a second copy of all of them ([prompt, vocab]:
+# 0.5 GB for a 1k-token prompt over a 128k vocabulary, per prompt scored).
+PROMPT_SCORE_CHUNK = 256
+
 # Temperatures below this are greedy: dividing logits by them overflows float32, and the
 # distribution they describe is the most likely token already.
 GREEDY_BELOW = 1e-5
@@ -353,9 +358,14 @@ class Decoder:
             if not cfg.prompt_logprobs:
                 continue
             prompt = self._next_input[j]  # the rows' prompts, as the first forward read them
-            ids = prompt if self.sid is None else prompt[self.sid[j] != 0]
-            lp = logits[j, logits.shape[1] - len(ids) : -1].float().log_softmax(dim=-1)
-            self.prompt_logprobs[row] = _entries(lp, ids[1:].tolist(), cfg.logprobs or 0)
+            ids = (prompt if self.sid is None else prompt[self.sid[j] != 0]).tolist()
+            first, scored = logits.shape[1] - len(ids), []
+            # Position first + i predicts ids[i + 1]; a chunk at a time (`PROMPT_SCORE_CHUNK`).
+            for start in range(0, len(ids) - 1, PROMPT_SCORE_CHUNK):
+                stop = min(start + PROMPT_SCORE_CHUNK, len(ids) - 1)
+                lp = logits[j, first + start : first + stop].float().log_softmax(dim=-1)
+                scored += _entries(lp, ids[start + 1 : stop + 1], cfg.logprobs or 0)
+            self.prompt_logprobs[row] = scored
 
     def _drop_finished(self) -> None:
         """Take finished (or cancelled) rows out of the batch, so they cost no more compute."""

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# Strict: JSON's true is not token 1 (a client's bug, answered as if it were a prompt).
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, strict=True)]], Field(min_length=1)]
 
 
 def _unicode(text: str) -> str:
@@ -105,7 +106,9 @@ class CompletionRequest(Sampling):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5, description="top alternatives per token")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, strict=True, description="top alternatives per token"
+    )
 
     @model_validator(mode="after")
     def _scored_whole(self) -> CompletionRequest:

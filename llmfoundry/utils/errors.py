@@ -29,6 +29,7 @@ __all__ = [
     "UserError",
     "exit_on_user_error",
     "find_user_error",
+    "printable",
     "split_debug_flag",
 ]
 
@@ -50,6 +51,15 @@ class UserError(ValueError):
 
 class MissingInput(UserError, FileNotFoundError):
     """An input path or URL that does not exist (still a FileNotFoundError for callers)."""
+
+
+def printable(text: str) -> str:
+    """`text` with what a terminal would act on rather than show (escape sequences, carriage
+    returns, bidirectional overrides: any non-printable character) written as its Python escape,
+    for text read from files others write (a run's name or error in its status file)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def split_debug_flag(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -91,7 +101,7 @@ def exit_on_user_error(
         found = find_user_error(err, also)
         if debug or found is None:
             raise
-        message = redact_urls(" ".join(str(found).split())) or type(found).__name__
+        message = printable(redact_urls(" ".join(str(found).split()))) or type(found).__name__
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
         raise SystemExit(EXIT_USAGE) from None

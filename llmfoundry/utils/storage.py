@@ -25,6 +25,7 @@ import contextlib
 import functools
 import importlib
 import os
+import stat
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "options_for",
     "parse_settings",
     "probe_writable",
+    "read_small",
     "url_to_fs",
 ]
 SETTINGS_KEYS = ("options", "overrides")
@@ -228,6 +230,29 @@ def open_url(url: str, mode: str = "rb", **kwargs: Any) -> Any:
     """
     _refuse_credentials(url)
     return fsspec.open(url, mode, **options_for(url, kwargs))
+
+
+def read_small(url: str, limit: int) -> bytes:
+    """The bytes of the small file `url` (a status file, a ``latest`` pointer, a saved config),
+    read from folders other processes or users write.
+
+    Raises `UserError` for a file larger than `limit` (read no further than that) and, on this
+    machine, for what is not a regular file: a FIFO would block the reader forever, a link to
+    /dev/zero fill its memory. FileNotFoundError when there is nothing at `url`.
+    """
+    if is_local(url):
+        path = local_path(url)
+        # Non-blocking: a FIFO opens at once instead of waiting for a writer.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UserError(f"{url} is not a regular file; remove it or replace it by one")
+            data = f.read(limit + 1)
+    else:
+        with open_url(url, "rb") as f:
+            data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UserError(f"{url} is larger than {limit:,} bytes, more than such a file holds")
+    return data
 
 
 # Object stores whose URLs never carry credentials: ``s3://KEY:SECRET@bucket/x`` is read as a

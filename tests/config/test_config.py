@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError, default_run_name, validate_config
 from llmfoundry.config.preflight import check, compose_config
+from llmfoundry.config.run_name import check_run_name
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -298,3 +299,82 @@ def test_config_errors_and_cfg_job_answer_before_torch_is_imported():
     code, err, out, torch_loaded = results[-1]
     assert code in (0, None) and "n_layers: 3" in out, err
     assert not torch_loaded, "--cfg job imported torch"
+
+
+# scripts/train.py with run names that are not one folder name, run from a project folder that
+# holds a file and another run (a user's checkout), in one interpreter (as _TRAIN_CASES).
+_RUN_NAME_CASES = r"""
+import contextlib, io, json, os, runpy, sys
+script, results = os.path.abspath("scripts/train.py"), []
+os.chdir(sys.argv[2])
+for name in json.loads(sys.argv[1]):
+    sys.argv = [script, f"run_name={name}"]
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_a_run_name_that_is_not_one_folder_name_is_refused_before_any_folder(tmp_path):
+    """Refused at config time, before Hydra makes the run folder: nothing is written anywhere
+    (old: `..` made the project folder the run folder, `''` made outputs/ it, `../../x` wrote
+    next to the project's parent)."""
+    project = tmp_path / "home" / "project"
+    (project / "outputs" / "other-run").mkdir(parents=True)
+    (project / "README.md").write_text("mine")
+    (project / "outputs" / "other-run" / "metrics.jsonl").write_text("{}\n")
+    before = sorted(tmp_path.rglob("*"))
+    names = ["..", "", "../../x"]
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_NAME_CASES, json.dumps(names), str(project)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name, (code, err) in zip(names, json.loads(result.stdout), strict=True):
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"Config error: run_name: {name!r} is not one folder name"), err
+        assert "e.g. run_name=my-run-2" in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing removed
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("mpt-1b_lr=3e-3+warmup.v2", True),
+        ("_x", True),
+        ("a" * 128, True),
+        ("a" * 129, False),
+        (".", False),
+        (".hidden", False),
+        ("-x", False),
+        ("a/b", False),
+        ("a\\b", False),
+        ("a b", False),
+        ("a\x1b[2Jb", False),
+        ("a\nb", False),
+        ("r\u00e9sum\u00e9", False),
+    ],
+)
+def test_run_name_rule(name, ok):
+    if ok:
+        check_run_name(name)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_run_name(name)
+    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
+
+
+def test_default_run_names_follow_the_rule():
+    """Rendezvous ids and addresses come from the user (`--rdzv-id`, an IPv6 MASTER_ADDR)."""
+    for env in (
+        {"TORCHELASTIC_RUN_ID": "../../x"},
+        {"WORLD_SIZE": "2", "MASTER_ADDR": "::1", "MASTER_PORT": "29500"},
+        {},
+    ):
+        check_run_name(default_run_name(env))

@@ -83,6 +83,17 @@ def test_example_job_loads_and_overrides_apply():
         ),
         ("name: a\ntrain: [+storage.options.secret=pw]", [], "read it in the override"),
         ("name: a\ntrain: ['data.remote=https://tok@host/d']", [], "through secrets: (e.g."),
+        (
+            "name: a",
+            ["env.DATABASE_URL=postgres://u:pass@db/x"],
+            "env.DATABASE_URL: 'postgres://<redacted>@db/x' holds credentials in a URL",
+        ),
+        (
+            "name: a\nenv: {PIP_EXTRA_INDEX_URL: 'https://tok@pypi.example.com/simple'}",
+            [],
+            "list PIP_EXTRA_INDEX_URL under secrets: instead",
+        ),
+        ("name: a\nenv: {REDIS: 'redis://:pw@cache:6379'}", [], "env.REDIS: 'redis://<redacted>@"),
         ('name: a\noutputs: "runs\\nid"', [], "outputs: 'runs\\nid' is not a folder or URL"),
         ("name: a\noutputs: ''", [], "outputs: '' is not a folder or URL"),
         ("name: a\noutputs: 's3://k:pw@b/r'", [], "outputs: 's3://<redacted>@b/r' holds"),
@@ -104,6 +115,11 @@ def test_slurm_fields_in_their_usual_forms_load(tmp_path):
     assert job.slurm.directives == ["--qos=high", "--constraint=h100&ib"]
     plain = load_job(write(tmp_path, "name: a\nenv: {TOKENIZERS_PARALLELISM: 'false'}"))
     assert plain.env == {"TOKENIZERS_PARALLELISM": "false"}
+    users = {"DB": "postgres://me@db/x", "REMOTE": "ssh://git@github.com/o/r"}  # no secret
+    assert (
+        load_job(write(tmp_path, "name: a"), [f"env.{k}={v}" for k, v in users.items()]).env
+        == users
+    )
     assert load_job(write(tmp_path, "name: a\ncode: {repo: 'https://github.com/o/r'}")).code.repo
     ssh = load_job(write(tmp_path, "name: a\ncode: {repo: 'ssh://git@github.com/o/r'}"))
     assert ssh.code.repo == "ssh://git@github.com/o/r"  # a user name, no secret

@@ -215,6 +215,34 @@ def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them
     assert not list(tmp_path.iterdir())  # nothing rendered
 
 
+def test_launch_cli_refuses_a_run_name_that_is_not_one_folder_name(tmp_path, capsys):
+    """The job's name is one (a DNS label); a --train run_name=, which wins over it, is held to
+    the training config's rule before anything is rendered."""
+    launch = load_script("launch")
+    argv = ["render", "local", str(EXAMPLE), "--train", "run_name=../../x", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        launch.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Job error: run_name: '../../x' is not one folder name")
+    assert not list(tmp_path.iterdir())
+
+
+def test_launch_cli_refuses_a_password_in_an_env_url_without_showing_it(tmp_path, capsys):
+    """An env value is rendered in clear into the .sbatch and the manifest: a URL's password
+    there must come through secrets: instead."""
+    launch = load_script("launch")
+    for backend in ("slurm", "kubernetes"):
+        argv = ["render", backend, str(EXAMPLE), "env.DATABASE_URL=postgres://u:SUPERSECRET@db/x"]
+        with pytest.raises(SystemExit) as exited:
+            launch.main([*argv, "--out", str(tmp_path)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Job error: env.DATABASE_URL: 'postgres://<redacted>@db/x' holds")
+        assert "under secrets:" in err and "SUPERSECRET" not in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing rendered
+
+
 def test_kubernetes_submit_creates_service_and_job_and_explains_a_clash(monkeypatch, tmp_path):
     kubernetes = pytest.importorskip("kubernetes")
     from llmfoundry.launch.backends import submit_kubernetes

@@ -1,6 +1,8 @@
 """The run status file (RunStatus callback), the outcome check and the runs listing."""
 
+import contextlib
 import json
+import math
 import os
 import runpy
 import signal
@@ -283,3 +285,132 @@ def test_a_root_of_save_folders_says_where_the_runs_are(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert _runs_script()([str(tmp_path / "empty")]) == 0
     assert capsys.readouterr().out.strip() == f"no runs under {tmp_path / 'empty'}"
+
+
+def test_a_diverged_runs_status_records_its_nan_loss(tmp_path):
+    """JSON has no NaN: the strict writer raised at the first heartbeat after the loss went NaN,
+    which ended the run (and left its status at running)."""
+    make_trainer(tmp_path, n_batches=2, lr=1e30, callbacks=[RunStatus(interval_s=1e-9)]).fit()
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "finished" and status["loss"] == "nan"
+    assert math.isnan(read_status(str(tmp_path / "status.json"))["loss"])
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail instead of hanging (a reader blocked on a FIFO)."""
+
+    def timeout(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+ESCAPES = "\x1b]0;pwned\x07\x1b[2J\r\u202e"
+
+
+def _hostile_runs(root: Path, outside: Path) -> dict[str, str]:
+    """Run folders holding status files no run writes, by folder name, with the note each gets."""
+    (outside / "notes.txt").write_text("not json, and not the lister's business")
+    (outside / "ckpt").mkdir()
+    (outside / "ckpt/latest").symlink_to("/dev/zero")
+    cases = {
+        "huge": (b" " * (1 << 20) + b"{}", "is larger than 65,536 bytes"),
+        "deep": (b"[" * 30_000 + b"]" * 30_000, "JSON nested too deeply"),
+        "latin1": (b'{"run_name": "caf\xe9"}', "not UTF-8 (byte 17)"),
+        "nan": (b'{"status": "running", "updated": NaN}', "NaN in a status file"),
+        "inf": (b'{"status": "running", "updated": 1e999}', "updated is inf, not a finite"),
+        "loss-text": (b'{"status": "running", "loss": "low"}', "loss is 'low', not a number"),
+        "step-dict": (
+            b'{"status": "running", "step": {"a": 1}}',
+            "step is {'a': 1}, not an integer",
+        ),
+        "a-list": (b"[1, 2]", "a JSON list, not a status record"),
+    }
+    for name, (data, _) in cases.items():
+        (root / name).mkdir()
+        (root / name / "status.json").write_bytes(data)
+    for name, target in {
+        "fifo": None,
+        "zero": "/dev/zero",
+        "outside": outside / "notes.txt",
+    }.items():
+        (root / name).mkdir()
+        if target is None:
+            os.mkfifo(root / name / "status.json")
+        else:
+            (root / name / "status.json").symlink_to(target)
+    notes = {name: note for name, (_, note) in cases.items()}
+    notes |= {"fifo": "is not a regular file", "zero": "is not a regular file"}
+    notes["outside"] = "JSONDecodeError: Expecting value"
+    # Valid records whose strings and numbers a terminal or a clock cannot take as they are.
+    write_status(
+        str(root / "escapes/status.json"),
+        {"run_name": f"x{ESCAPES}y", "status": "failed", "error": f"boom{ESCAPES}", "step": 1},
+    )
+    write_status(
+        str(root / "long/status.json"),
+        {"run_name": "n" * 10_000, "status": "running", "updated": 1e300, "eta_s": 1e300},
+    )
+    write_status(
+        str(root / "pointer/status.json"),
+        {"run_name": "pointer", "status": "finished", "save_folder": str(outside / "ckpt")},
+    )
+    return notes
+
+
+def test_runs_lists_hostile_status_files_one_line_each_without_hanging(tmp_path, capsys):
+    """Anyone who can write the runs folder writes status files: each bad one is one listed run
+    with a note, read no further than a status file can be long, and nothing reaches the
+    terminal as an escape sequence (old: a FIFO hung the listing, /dev/zero filled memory, a
+    wrong type or a huge clock ended it with a traceback, escapes were printed as they are)."""
+    root, outside = tmp_path / "outputs", tmp_path / "elsewhere"
+    root.mkdir(), outside.mkdir()
+    notes = _hostile_runs(root, outside)
+    _local_run(root, "good", None)
+    with within(60):
+        assert _runs_script()([str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "\u202e" not in out and "\x07" not in out
+    lines = out.splitlines()[1:]
+    assert len(lines) == len(notes) + 4 and max(map(len, lines)) < 400
+    rows = {line.split()[0]: line for line in lines}
+    assert rows["good"].split()[:3] == ["good", "finished", "2/2"]
+    for name, note in notes.items():
+        assert rows[name].split()[1] == "unreadable" and note in rows[name], rows[name]
+    escaped = next(line for line in lines if line.startswith("x\\x1b]0;pwned\\x07"))
+    assert "boom\\x1b]0;pwned" in escaped and "\\u202e" in escaped
+    long = next(line for line in lines if line.startswith("nnnn"))
+    assert "..." in long and "running" in long
+    assert rows["pointer"].split()[:3] == ["pointer", "finished", "-"]
+    assert "checkpoints unreadable" in rows["pointer"] and "not a regular file" in rows["pointer"]
+    with within(60), pytest.raises(SystemExit):  # an error naming the runs: one line, escaped
+        _runs_script()(["logs", "nope", str(root)])
+    err = capsys.readouterr().err
+    assert err.startswith("error: no run named 'nope'") and "x\\x1b]0;pwned" in err
+    assert err.count("\n") == 1 and "\x1b" not in err
+
+
+def test_outcome_of_a_status_file_that_is_not_one_is_the_exit_code(tmp_path, caplog):
+    """The node script's outcome check: a broken status file is a failure with a reason, not a
+    traceback (nor a hang on a FIFO)."""
+    os.mkfifo(tmp_path / "status.json")
+    with within(30):
+        assert outcome(str(tmp_path / "status.json"), exit_code=3) == 3
+    assert "is not a regular file" in caplog.text
+
+
+def test_a_sweep_trial_with_a_broken_status_file_is_listed_as_unreadable(tmp_path):
+    from llmfoundry.launch.sweeps import trials
+
+    for number, status in (("0", b'{"status": "finished"}'), ("1", b'{"status": ["x"]}')):
+        (tmp_path / number / ".hydra").mkdir(parents=True)
+        (tmp_path / number / ".hydra/overrides.yaml").write_text(f"- optimizer.lr={number}\n")
+        (tmp_path / number / "status.json").write_bytes(status)
+    assert [t.status for t in trials(tmp_path)] == ["finished", "unreadable"]

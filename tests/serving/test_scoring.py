@@ -107,6 +107,34 @@ def test_n_choices_per_prompt(served):
         ({"logprobs": 6}, "logprobs"),
         ({"prompt": [[1, -2]]}, "prompt"),
         ({"n": 10**9}, "at most 8"),  # refused before anything is built for it
+        ({"logprobs": True}, "logprobs: Input should be a valid integer"),  # not logprobs=1
+        ({"prompt": [[True, 5]]}, "prompt"),  # not the ids [1, 5]
     ]:
         response = client.post("/v1/completions", json={"prompt": "hi", **body})
         assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_a_long_prompt_is_scored_a_chunk_of_positions_at_a_time(served, monkeypatch):
+    """echo + logprobs over a prompt of 600 tokens: the same scores as one log_softmax over all
+    positions, computed PROMPT_SCORE_CHUNK positions at a time (before: a float32 copy of the
+    whole [prompt, vocab] logits per prompt scored, 0.5 GB at 1k tokens and a 128k vocab)."""
+    from llmfoundry.models import generation
+
+    scored_rows = []
+    entries = generation._entries
+
+    def spy(logprobs, tokens, k):
+        scored_rows.append(logprobs.shape[0])
+        return entries(logprobs, tokens, k)
+
+    monkeypatch.setattr(generation, "_entries", spy)
+    client, model, _ = served
+    ids = [(7 * i) % 250 + 3 for i in range(600)]
+    body = complete(client, prompt=[ids], echo=True, logprobs=2, max_tokens=1, temperature=0)
+    assert max(scored_rows) < len(ids) - 1, "the whole prompt's positions scored at once"
+    assert max(scored_rows) <= generation.PROMPT_SCORE_CHUNK
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]))[0].float().log_softmax(dim=-1)
+    token_logprobs = body["choices"][0]["logprobs"]["token_logprobs"]
+    scored = expected[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(token_logprobs[1 : len(ids)]), scored, atol=1e-5)
