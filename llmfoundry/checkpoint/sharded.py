@@ -169,10 +169,15 @@ def load_sharded_state(
         return
     options = StateDictOptions(flatten_optimizer_state_dict=by_name)
     loaded = state["optimizer"]
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if by_name:  # this run's own parameter names, which were not saved
         current = get_optimizer_state_dict(model, optimizer, options=options)
         loaded = {**loaded, **{k: v for k, v in current.items() if _is_param_names(k)}}
     set_optimizer_state_dict(model, optimizer, loaded, options=options)
+    if not by_name:  # a pipeline stage's groups that a checkpoint by index lost: this run's
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            for key, value in values.items():
+                group.setdefault(key, value)
 
 
 def split_shards(tree: Any) -> tuple[Any, dict[str, Any]]:
