@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -101,10 +102,12 @@ def load_shards(
     if isinstance(strategy, DeepSpeed):
         deepspeed.load_shards(strategy, path, keys)
         return
-    state = _dcp_state(model, optimizer, objects, keys)
+    reader = shard_reader(path)
+    by_name = saved_by_name(reader.read_metadata())
+    state = _dcp_state(model, optimizer, objects, keys, by_name)
     if state:
-        load_shards_state(state, path)
-        load_sharded_state(model, optimizer, state)
+        load_shards_state(state, path, reader=reader)
+        load_sharded_state(model, optimizer, state, by_name)
 
 
 def _dcp_state(
@@ -112,29 +115,69 @@ def _dcp_state(
     optimizer: torch.optim.Optimizer,
     objects: Mapping[str, Any] | None,
     keys: Collection[str] = SHARDED_KEYS,
+    by_name: bool = True,
 ) -> dict[str, Any]:
-    state = {k: v for k, v in sharded_state(model, optimizer).items() if k in keys}
+    state = {k: v for k, v in sharded_state(model, optimizer, by_name).items() if k in keys}
     return {**state, "objects": objects} if objects else state
 
 
-def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, by_name: bool = True
+) -> dict[str, Any]:
     """Model and optimizer state as this rank holds it, for torch.distributed.checkpoint:
     shards (DTensors) for sharded models, whole tensors otherwise. Loading such a dict
-    in place through DCP reshards whatever was saved onto this layout."""
+    in place through DCP reshards whatever was saved onto this layout.
+
+    The optimizer's parameter groups are saved by parameter name (`by_name`, torch's flattened
+    layout: ``param_groups.<name>.lr``), as its state is. Saved by index (``param_groups.0.lr``,
+    the layout before, `by_name=False` to read it), each pipeline stage's groups had the same
+    keys and DCP kept one stage's (it writes a key that several ranks hold once): the other
+    stages resumed without their groups' hyperparameters (issue 32). A group's
+    ``param_names`` (build_param_groups) are not saved: they name this run's own parameters,
+    and under a flattened layout every parameter would carry its whole group's list.
+    """
+    options = StateDictOptions(flatten_optimizer_state_dict=by_name)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return {
         "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "optimizer": {k: v for k, v in optimizer_state.items() if not _is_param_names(k)}
+        if by_name
+        else optimizer_state,
     }
 
 
+def _is_param_names(key: str) -> bool:
+    return key.startswith("param_groups.") and key.endswith(".param_names")
+
+
+def saved_by_name(metadata: Metadata) -> bool:
+    """Whether shards saved their optimizer's parameter groups by parameter name (today's
+    layout, `sharded_state`) rather than by index (checkpoints saved before issue 32)."""
+    return "optimizer.param_groups.0.params" not in metadata.state_dict_metadata
+
+
 def load_sharded_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    by_name: bool = True,
 ) -> None:
     """Apply what `sharded_state` returned after DCP filled it (either key may be absent)."""
     if "model" in state:
         set_model_state_dict(model, state["model"])
-    if "optimizer" in state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if "optimizer" not in state:
+        return
+    options = StateDictOptions(flatten_optimizer_state_dict=by_name)
+    loaded = state["optimizer"]
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if by_name:  # this run's own parameter names, which were not saved
+        current = get_optimizer_state_dict(model, optimizer, options=options)
+        loaded = {**loaded, **{k: v for k, v in current.items() if _is_param_names(k)}}
+    set_optimizer_state_dict(model, optimizer, loaded, options=options)
+    if not by_name:  # a pipeline stage's groups that a checkpoint by index lost: this run's
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
+            for key, value in values.items():
+                group.setdefault(key, value)
 
 
 def split_shards(tree: Any) -> tuple[Any, dict[str, Any]]:

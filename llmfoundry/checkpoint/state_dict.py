@@ -43,7 +43,7 @@ from llmfoundry.checkpoint.io import (
     PendingCheckpoint,
     begin_checkpoint,
     checkpoint_name,
-    read_checkpoint,
+    read_checkpoint_together,
     rng_file,
     write_checkpoint,
     write_object,
@@ -99,8 +99,9 @@ def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
 def load_checkpoint(
     path: str, state: State, logger: Logger, ignore_keys: Sequence[str] = ()
 ) -> dict[str, Any] | None:
-    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`."""
-    return restore(state, logger, read_checkpoint(path, state.rank), ignore_keys)
+    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`.
+    Every rank calls it (a damaged file fails them all: `read_checkpoint_together`)."""
+    return restore(state, logger, read_checkpoint_together(path, state.rank), ignore_keys)
 
 
 def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:

@@ -107,7 +107,9 @@ def test_a_payload_in_an_optimizer_value_of_the_shards_is_refused_and_never_runs
         whole = tmp_path / "whole.pt"
         dcp_to_torch_save(shards, whole)  # the author's own genuine state, as one file
         state = torch.load(whole, weights_only=False)
-        state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+        optimizer = state["optimizer"]  # flat, groups by parameter name (sharded_state)
+        lr = next(k for k in optimizer if k.startswith("param_groups.") and k.endswith(".lr"))
+        optimizer[lr] = Payload(marker)
         shutil.rmtree(shards)
         dcp.save(state, checkpoint_id=str(shards), no_dist=True)
 

@@ -183,6 +183,7 @@ def resume_run(
     keep: int = -1,
     family: str = "mpt",
     model: Callable[[], torch.nn.Module] | None = None,
+    device_train_microbatch_size: int | None = None,
 ) -> Recorder:
     """Training on the real data pipeline, its partition taken from the strategy; stopped
     after batch `stop_at`, or by SIGTERM to rank 1 after batch `sigterm_at` (preemption);
@@ -212,6 +213,7 @@ def resume_run(
         run_dir=folder,
         load_path=load,
         load_ignore_keys=load_ignore_keys,
+        device_train_microbatch_size=device_train_microbatch_size,
     ).fit()
     return recorder
 

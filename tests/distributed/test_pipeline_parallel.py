@@ -14,12 +14,18 @@ unsummed tied gradient moved the second loss by 2e-4, a microbatch weighted wron
 skipped by 1e-3 or more.
 """
 
+import re
+import shutil
+import signal
+from pathlib import Path
+
 import pytest
 import torch
 
 from llmfoundry.algorithms import GradientClipping
 from llmfoundry.callbacks.generate import Generate
 from llmfoundry.callbacks.icl_eval import ICLEval
+from llmfoundry.checkpoint import read_latest
 from llmfoundry.core.engine import Callback
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
@@ -30,18 +36,38 @@ from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
 
-from .pipeline_worker import CLIP, PARITY, TP_X_PP, WORLD, StageWeights, rank_main
+from .pipeline_worker import (
+    CLIP,
+    CRASHED,
+    DAMAGED,
+    KILL_AT,
+    PARITY,
+    RESUMED_BY_PP,
+    TP_X_PP,
+    WORLD,
+    StageWeights,
+    crashed_rank_main,
+    damaged_rank_main,
+    rank_main,
+    resumed_rank_main,
+)
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
+from .test_fsdp_checkpoints import shard_tensors
 from .workers import global_batches
 
 LIMIT_S, RTOL = 600, 1e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def out(tmp_path_factory) -> Path:
+    """The folder of the `runs` spawn's runs and checkpoints."""
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def runs(out):
     """One-process references, then one spawn of four ranks running every pipeline case."""
-    out = tmp_path_factory.mktemp("pipeline")
     mds = str(write_mds(out / "mds", {"train": 32}))
     weights = StageWeights()
     everything = {"train": global_batches()}
@@ -61,7 +87,7 @@ def runs(tmp_path_factory):
         },
         "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
     }
-    ports = [free_port() for _ in range(len(PARITY) + len(TP_X_PP) + 4)]
+    ports = [free_port() for _ in range(len(PARITY) + len(TP_X_PP) + 4 + len(RESUMED_BY_PP))]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single["single_from_pp"] = resume_run(
@@ -144,6 +170,121 @@ def test_checkpoint_saved_at_pp2_x_dp2_resumes_at_dp4_and_one_process(runs, resu
     assert len(losses) == RESUME_BATCHES - STOP_AT
     assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
     assert [sorted(i) for i in ids] == [sorted(i) for i in straight.ids[STOP_AT:]]
+
+
+def final_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the latest checkpoint in `folder` (weights and optimizer state), whole."""
+    return shard_tensors(folder / read_latest(str(folder)))
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    assert any(k.startswith("optimizer.state.") for k in got)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_pipeline_run_resumes_from_its_own_checkpoint_bitwise(runs, out):
+    """Saved at pp=2 x dp=2 after STOP_AT and resumed by the same layout, it goes on as the run
+    that did not stop: the same losses and samples, the same final weights and optimizer state
+    (before issue 32 the last stage's ranks lost their optimizer groups: KeyError 'initial_lr')."""
+    _, _, ranks = runs
+    for rank in ranks:
+        straight, resumed = rank["pp2_fsdp2_straight"], rank["pp2_from_pp2"]
+        assert len(straight["losses"]) == RESUME_BATCHES
+        assert rank["pp2_fsdp2_saved"]["losses"] == straight["losses"][:STOP_AT]
+        assert resumed["losses"] == straight["losses"][STOP_AT:]
+        assert resumed["ids"] == straight["ids"][STOP_AT:]
+    assert_bitwise(final_shards(out / "pp2_from_pp2"), final_shards(out / "pp2_fsdp2_straight"))
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory) -> Path:
+    """Each CRASHED run killed by SIGKILL after batch KILL_AT (its last checkpoint at batch 2),
+    one spawn each; then one spawn resuming them and running them uninterrupted."""
+    out = tmp_path_factory.mktemp("pipeline_crashes")
+    mds = str(write_mds(out / "mds", {"train": 32}))
+    for name in CRASHED:
+        exit_codes = run_ranks(
+            crashed_rank_main, WORLD, free_port(), str(out), mds, name, limit_s=LIMIT_S,
+            killed=True,
+        )  # fmt: skip
+        assert exit_codes == [-signal.SIGKILL] * WORLD, name
+        assert read_latest(str(out / f"{name}_crashed")) == "ep0-ba2", name
+    ports = [free_port() for _ in range(2 * len(CRASHED))]
+    run_ranks(resumed_rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
+    return out
+
+
+def flip_a_byte(path: Path) -> None:
+    """Same size, other bytes: only hashing the file finds it (one rank hashes each file)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# How each DAMAGED copy is damaged, and what every rank of its resume must say.
+DAMAGE = {
+    "shard_flipped": lambda c: flip_a_byte(c / "sharded" / "__1_0.distcp"),
+    "rng_flipped": lambda c: flip_a_byte(c / "rng-rank3.pt"),  # read by rank 3 alone
+    "metadata_truncated": lambda c: (c / "sharded" / ".metadata").write_bytes(b"\x80"),
+    "manifest_deleted": lambda c: (c / "manifest.json").unlink(),
+}
+DAMAGE_SAID = {
+    "shard_flipped": r"CheckpointError: \S+/ep0-ba2/sharded/__1_0\.distcp is corrupt: .*; load an "
+    "earlier checkpoint$",
+    "rng_flipped": r"CheckpointError: \S+/ep0-ba2/rng-rank3\.pt is corrupt: .*; load an earlier "
+    "checkpoint$",
+    "metadata_truncated": r"CheckpointError: load_path \S+ holds no complete checkpoint: its "
+    r"newest, \S+/ep0-ba2, is incomplete: sharded/\.metadata \(1 bytes, the manifest says \d+\)"
+    "; copy that checkpoint again",
+    "manifest_deleted": r"CheckpointError: load_path \S+ holds no complete checkpoint: its "
+    r"newest, \S+/ep0-ba2, has no manifest\.json: its save was cut short",
+}
+
+
+@pytest.fixture(scope="module")
+def damaged(runs, out) -> list[dict[str, str]]:
+    """Copies of the pp2 run saved after STOP_AT, each damaged as DAMAGE says, then one spawn
+    resuming each: the error every rank ended with, by damage."""
+    assert DAMAGE.keys() == set(DAMAGED)
+    for damage, spoil in DAMAGE.items():
+        copy = out / f"damaged_{damage}"
+        shutil.copytree(out / "pp2_fsdp2_saved", copy)
+        spoil(copy / f"ep0-ba{STOP_AT}")
+    ports = [free_port() for _ in DAMAGED]
+    run_ranks(damaged_rank_main, WORLD, ports, str(out), str(out / "mds"), limit_s=LIMIT_S)
+    return [torch.load(out / f"damaged_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_pipeline_checkpoint_fails_every_rank_in_one_line_naming_the_file(
+    damaged, damage
+):
+    """Each rank hashes only its share of the files (and reads its own RNG file): a flipped
+    byte failed one rank while the others waited for it in the shards' load, and ended with a
+    peer's traceback ("Connection closed by peer"). Now every rank raises the same line."""
+    errors = {rank[damage] for rank in damaged}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert re.match(DAMAGE_SAID[damage], error), error
+    assert "\n" not in error
+
+
+@pytest.mark.slow  # three spawns; the resume itself is test_a_pipeline_run_resumes_from_its_...
+@pytest.mark.parametrize("name", CRASHED)
+def test_a_pipeline_run_killed_with_sigkill_resumes_bitwise(crashes, name):
+    """pp=2 x dp=2 and tp=2 x pp=2: killed after batch 3, resumed from batch 2 (as autoresume
+    does, from the save folder), it redoes batch 3 and ends as the run that was not killed."""
+    ranks = [torch.load(crashes / f"resumed_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for rank in ranks:
+        straight, resumed = rank[f"{name}_straight"], rank[f"{name}_crashed"]
+        assert len(straight["losses"]) == RESUME_BATCHES > KILL_AT
+        assert resumed["losses"] == straight["losses"][2:]
+        assert resumed["ids"] == straight["ids"][2:]
+    assert_bitwise(
+        final_shards(crashes / f"{name}_crashed"), final_shards(crashes / f"{name}_straight")
+    )
 
 
 def test_stages_split_the_blocks_contiguously_and_evenly():
