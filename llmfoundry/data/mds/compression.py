@@ -13,6 +13,8 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from llmfoundry.utils.errors import UserError
+
 __all__ = ["compress", "decompress", "extension", "is_compression", "parse_compression"]
 
 
@@ -38,20 +40,20 @@ def parse_compression(algo: str) -> tuple[str, int | None]:
     family, sep, level_text = algo.partition(":") if isinstance(algo, str) else ("", "", "")
     spec = _FAMILIES.get(family)
     if spec is None:
-        raise ValueError(
+        raise UserError(
             f"unknown compression {algo!r}; use one of {sorted(_FAMILIES)}, optionally "
             "with :LEVEL (e.g. zstd:7)"
         )
     if not sep:
         return family, spec.default
     if spec.levels is None:
-        raise ValueError(f"compression {family!r} takes no level, got {algo!r}")
+        raise UserError(f"compression {family!r} takes no level, got {algo!r}")
     try:
         level = int(level_text)
     except ValueError:
         level = -1
     if level not in spec.levels or str(level) != level_text:
-        raise ValueError(
+        raise UserError(
             f"bad level in {algo!r}; {family} levels are "
             f"{spec.levels.start}..{spec.levels.stop - 1}"
         )

@@ -45,6 +45,7 @@ from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write, join_url, temp_name
 
 __all__ = ["ShardCache"]
@@ -99,7 +100,7 @@ class ShardCache:
         if validate_hash is not None:
             lacking = [i for i, s in enumerate(shards) if validate_hash not in s.hashes]
             if lacking:
-                raise ValueError(
+                raise UserError(
                     f"validate_hash={validate_hash!r} but shard(s) {lacking[:5]} of "
                     f"{remote or self.local} record only hashes "
                     f"{list(shards[lacking[0]].hashes)}; pick one of those or validate_hash=None"
@@ -129,7 +130,7 @@ class ShardCache:
         for j in range(len(self.shards)):
             if self.path(j).is_file():
                 continue
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"shard {self.path(j)} listed in {self.local / 'index.json'} is missing; the "
                 "dataset folder is incomplete (rewrite it, or copy the missing shards)"
             )
@@ -211,7 +212,7 @@ class ShardCache:
                 tmp.unlink()
         owner = marker.read_text()
         if owner != self.remote:
-            raise ValueError(
+            raise UserError(
                 f"cache folder {self.local} already caches {owner!r}, not {self.remote!r}; "
                 "give each dataset its own local folder (data.local in a training config, "
                 "data.eval_datasets.<label>.local for an eval set), or delete the old cache"
