@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingPackage, UserError
 
 __all__ = ["compress", "decompress", "extension", "is_compression", "parse_compression"]
 
@@ -81,7 +81,7 @@ def _module(family: str) -> ModuleType:
     try:
         return importlib.import_module(spec.module)
     except ImportError:
-        raise ImportError(
+        raise MissingPackage(
             f"compression {family!r} needs the {spec.package!r} package: pip install {spec.package}"
         ) from None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingPackage, UserError
 
 __all__ = [
     "Encoding",
@@ -344,7 +344,7 @@ def _pil():
     try:
         from PIL import Image
     except ImportError:
-        raise ImportError("image encodings need Pillow: pip install pillow") from None
+        raise MissingPackage("image encodings need Pillow: pip install pillow") from None
     return Image
 
 

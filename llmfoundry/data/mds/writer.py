@@ -29,7 +29,7 @@ from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import digest, is_hash
 from llmfoundry.data.mds.index import INDEX_NAME, FileInfo, ShardInfo, write_index
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import OutputExists, UserError
 from llmfoundry.utils.files import atomic_write, join_url, parse_size
 
 __all__ = ["MDSWriter"]
@@ -133,7 +133,7 @@ class MDSWriter:
     def _prepare_out(self, exist_ok: bool) -> None:
         existing = self._existing()
         if existing and not exist_ok:
-            raise FileExistsError(
+            raise OutputExists(
                 f"{self.out} already holds an MDS dataset ({len(existing)} files); pass "
                 "exist_ok=True (CLI: --overwrite) to replace it, or choose another folder"
             )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import MissingInput, MissingPackage, UserError
 
 __all__ = ["Task", "fingerprint", "iter_documents", "plan_tasks", "read_task"]
 
@@ -48,7 +48,7 @@ def _import(module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(
+        raise MissingPackage(
             f"this source needs {package}: pip install {package} (or pip install 'llmfoundry[data]')"
         ) from None
 

@@ -41,7 +41,7 @@ from llmfoundry.data.prep.tokenizer import (
     prepare_tokenizer,
     train_bpe,
 )
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import MissingInput, OutputExists, UserError
 from llmfoundry.utils.files import atomic_path, atomic_write
 
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
@@ -253,14 +253,14 @@ def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None
     try:
         meta = open_tokens(tokens_path)[1]
     except (ValueError, FileNotFoundError) as err:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tokens_path} exists but is unusable ({err}); pass --overwrite to redo it"
         ) from None
     if not is_reusable(meta, key, overwrite, str(tokens_path)):
         return None
     tok_file = sidecar.parent / meta["tokenizer"]
     if not tok_file.is_file() or _sha256(tok_file) != meta["tokenizer_sha256"]:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tok_file} is missing or no longer the tokenizer {tokens_path} was made with; "
             "pass --overwrite to redo it"
         )
@@ -404,7 +404,7 @@ def _place_tokenizer(
     if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
         return tok_path
     if tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tok_path} holds a different tokenizer; write token files made with different "
             "tokenizers to different folders, or pass --overwrite to replace it"
         )
