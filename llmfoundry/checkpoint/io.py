@@ -64,7 +64,7 @@ from llmfoundry.checkpoint.manifest import (
     read_manifest,
 )
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import FileWriter, atomic_write, fsync_path, join_url
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def read_latest(folder: str) -> str | None:
     except FileNotFoundError:
         return None
     if not _NAME.match(name):
-        raise ValueError(
+        raise UserError(
             f"{folder}/{LATEST} contains {name[:80]!r}, not a checkpoint name like 'ep0-ba100'; "
             "fix or delete the file"
         )
