@@ -30,6 +30,7 @@ from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import url_to_fs
 
@@ -58,7 +59,7 @@ def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> 
     """Every run under `root` (a folder or URL), newest update first."""
     fs, path = url_to_fs(root)
     if not fs.exists(path):
-        raise FileNotFoundError(f"{root} does not exist: pass the outputs folder or its URL")
+        raise MissingInput(f"{root} does not exist: pass the outputs folder or its URL")
     protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
     base = path.rstrip("/")
     files = fs.glob(f"{base}/*/status.json") + fs.glob(f"{base}/*/*/status.json")
@@ -187,7 +188,7 @@ def find_run(root: str, name: str) -> Run:
     matches = [r for r in runs if name in (r.name, r.folder.rsplit("/", 1)[-1])]
     if not matches:
         known = ", ".join(r.name for r in runs) or "none"
-        raise LookupError(f"no run named {name!r} under {root} (runs: {known})")
+        raise MissingInput(f"no run named {name!r} under {root} (runs: {known})")
     return matches[0]
 
 
@@ -200,7 +201,7 @@ def log_file(run: Run) -> str:
             newest = max(found, key=lambda f: _modified(fs, f))
             protocol = run.folder.split("://", 1)[0] + "://" if "://" in run.folder else ""
             return protocol + newest
-    raise FileNotFoundError(
+    raise MissingInput(
         f"run {run.name} has no log file in {run.folder} (looked for {', '.join(LOG_PATTERNS)})"
     )
 
