@@ -32,6 +32,7 @@ from typing import Any
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import TimeUnit
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import is_local, local_path, open_url, url_to_fs
@@ -63,7 +64,7 @@ class RunStatus(Callback):
         """`path`: the file; relative paths are inside the run folder, URLs (s3://...) are
         written through fsspec. `interval_s`: seconds between heartbeat writes while training."""
         if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+            raise UserError(f"interval_s must be positive, got {interval_s}")
         self.path = path
         self.interval_s = interval_s
         self._record: dict[str, Any] = {}
