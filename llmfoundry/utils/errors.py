@@ -93,8 +93,17 @@ def exit_on_user_error(
     """Turn a :class:`UserError` (and the ``also`` types) into one stderr line and exit 2.
 
     ``prefix`` starts the line (the script's name, say). With ``debug`` the exception propagates
-    unchanged, traceback included.
+    unchanged, traceback included. ``also`` takes a third-party library's own error types only:
+    a built-in one (ValueError, FileNotFoundError, LookupError, ...) is what a bug raises too,
+    so catching it would print a bug as one line and hide its traceback; the code that knows the
+    cause raises :class:`UserError` instead.
     """
+    broad = [t.__name__ for t in also if t.__module__ == "builtins"]
+    if broad:
+        raise TypeError(
+            f"exit_on_user_error(also=...) takes third-party error types, not {broad}: raise "
+            "UserError (or MissingInput, OutputExists, MissingPackage) where the cause is known"
+        )
     try:
         yield
     except Exception as err:
