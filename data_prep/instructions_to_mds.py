@@ -26,6 +26,7 @@ from llmfoundry.data.prep.instructions import TOO_LONG, instructions_to_mds
 from llmfoundry.data.prep.interrupt import prep_script
 from llmfoundry.utils import storage
 from llmfoundry.utils.cli import add_script_arguments
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url, parse_size
 from llmfoundry.utils.logs import configure_logging
 
@@ -74,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         inputs = list(args.inputs)
         if args.from_python_sources:
             if inputs:
-                raise ValueError("give .jsonl inputs or --from-python-sources, not both")
+                raise UserError("give .jsonl inputs or --from-python-sources, not both")
             if not storage.is_local(args.out):
-                raise ValueError("--from-python-sources writes a local --out folder; give a path")
+                raise UserError("--from-python-sources writes a local --out folder; give a path")
             Path(storage.local_path(args.out)).mkdir(parents=True, exist_ok=True)
             inputs = [join_url(args.out, "examples.jsonl")]
             write_docstring_examples(args.from_python_sources, inputs[0])

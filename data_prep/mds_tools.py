@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         add_script_arguments(command)
     args = parser.parse_args(argv)
     configure_logging()
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return args.func(args)
 
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> Path:
     # Imported after parsing so --help answers without loading torch.
     from llmfoundry.checkpoint.sharded import convert_to_safetensors
 
-    with script_errors(args, also=(FileNotFoundError, ValueError)):
+    with script_errors(args):
         written = convert_to_safetensors(args.checkpoint, args.output)
     print(f"wrote {written}")
     return written

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return run(args)
 
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this file")
     add_script_arguments(parser)
     args = parser.parse_args(argv)
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return run(args)
 
 

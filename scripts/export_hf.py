@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return export(args)
 
 

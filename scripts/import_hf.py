@@ -82,7 +82,7 @@ def train_overrides(config: Any, conf_dir: Path = CONF_DIR) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return run(args)
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--out", help="folder for the PNG files (default: <first run>/plots)")
     add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
-    with script_errors(args, also=(FileNotFoundError, ValueError)):
+    with script_errors(args):
         written = plot(args)
     for path in written:
         print(path)

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("-f", "--follow", action="store_true", help="follow while running")
         add_script_arguments(parser)
         args = parser.parse_args(argv[1:])
-        with script_errors(args, also=(LookupError, FileNotFoundError)):
+        with script_errors(args):
             return logs(args)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="outputs", help="folder or URL of runs")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_script_arguments(parser)
     args = parser.parse_args(argv)
-    with script_errors(args, also=(FileNotFoundError,)):
+    with script_errors(args):
         runs = find_runs(args.root, stale_s=args.stale_after)
         print(table(runs) if runs else no_runs(args.root))
     return 0

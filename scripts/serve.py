@@ -121,7 +121,7 @@ def vllm_args(args: argparse.Namespace, name: str) -> list[str]:
     """The `vllm serve` command for these arguments; flags vLLM cannot honour are refused."""
     unsupported = [f"--{k.replace('_', '-')}" for k in NOT_FOR_VLLM if getattr(args, k)]
     if unsupported:
-        raise ValueError(
+        raise UserError(
             f"{', '.join(unsupported)} apply to --engine llmfoundry only; vLLM has its own "
             "limits (vllm serve --help)"
         )
@@ -154,7 +154,7 @@ def serve_vllm(args: argparse.Namespace, name: str, api_key: str | None) -> None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with script_errors(args, also=(ValueError, FileNotFoundError)):
+    with script_errors(args):
         return serve(args)
 
 

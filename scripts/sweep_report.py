@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
     add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
-    with script_errors(args, also=(FileNotFoundError,)):
+    with script_errors(args):
         return report(args)
 
 

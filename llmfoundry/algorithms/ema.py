@@ -18,6 +18,7 @@ from llmfoundry.core.events import Event
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, Timestamp, TimeString, TimeUnit
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.utils.errors import UserError
 
 
 class EMA(Algorithm):
@@ -37,15 +38,15 @@ class EMA(Algorithm):
         self, half_life: TimeString | None = "1000ba", smoothing: float | None = None
     ) -> None:
         if (half_life is None) == (smoothing is None):
-            raise ValueError(
+            raise UserError(
                 "EMA needs exactly one of half_life (a time such as '1000ba') and smoothing "
                 f"(a number in [0, 1)); got half_life={half_life!r}, smoothing={smoothing!r}"
             )
         self.half_life = Time.parse(half_life) if half_life is not None else None
         if self.half_life is not None and self.half_life.value == 0:
-            raise ValueError("EMA half_life must be positive")
+            raise UserError("EMA half_life must be positive")
         if smoothing is not None and not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"EMA smoothing must be in [0, 1), got {smoothing}")
+            raise UserError(f"EMA smoothing must be in [0, 1), got {smoothing}")
         self.smoothing = smoothing
         self.averages: dict[str, torch.Tensor] | None = None
         self._loaded: dict[str, torch.Tensor] | None = None
@@ -79,7 +80,7 @@ class EMA(Algorithm):
             return self.smoothing
         assert self.half_life is not None
         if self.half_life.unit is TimeUnit.EPOCH and not state.dataloader_len:
-            raise ValueError(
+            raise UserError(
                 "EMA half_life in epochs needs a train dataloader with a length; "
                 "give it in batches, samples or tokens instead"
             )
@@ -136,7 +137,7 @@ class EMA(Algorithm):
         if self._loaded.keys() != self.averages.keys():
             missing = sorted(self.averages.keys() - self._loaded.keys())
             extra = sorted(self._loaded.keys() - self.averages.keys())
-            raise ValueError(
+            raise UserError(
                 f"the checkpoint's EMA does not match the model: missing {missing[:5]}, "
                 f"unexpected {extra[:5]}; was it saved from another model configuration?"
             )

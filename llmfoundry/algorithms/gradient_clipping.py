@@ -10,6 +10,7 @@ from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 
 class GradientClipping(Algorithm):
@@ -20,9 +21,9 @@ class GradientClipping(Algorithm):
         self, clipping_type: Literal["norm", "value"] = "norm", threshold: float = 1.0
     ) -> None:
         if clipping_type not in ("norm", "value"):
-            raise ValueError(f"clipping_type must be 'norm' or 'value', got {clipping_type!r}")
+            raise UserError(f"clipping_type must be 'norm' or 'value', got {clipping_type!r}")
         if threshold <= 0:
-            raise ValueError(f"threshold must be positive, got {threshold}")
+            raise UserError(f"threshold must be positive, got {threshold}")
         self.clipping_type = clipping_type
         self.threshold = threshold
 

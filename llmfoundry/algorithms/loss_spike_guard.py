@@ -17,6 +17,7 @@ from typing import Any
 from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,17 @@ class LossSpikeGuard(Algorithm):
         max_consecutive: int = 5,
     ) -> None:
         if not 2 <= min_history <= window:
-            raise ValueError(
+            raise UserError(
                 f"LossSpikeGuard needs 2 <= min_history <= window, got min_history={min_history}, "
                 f"window={window}"
             )
         if num_std <= 0 or min_ratio < 1.0:
-            raise ValueError(
+            raise UserError(
                 f"LossSpikeGuard needs num_std > 0 and min_ratio >= 1, got num_std={num_std}, "
                 f"min_ratio={min_ratio}"
             )
         if max_consecutive < 1:
-            raise ValueError(f"LossSpikeGuard max_consecutive must be >= 1, got {max_consecutive}")
+            raise UserError(f"LossSpikeGuard max_consecutive must be >= 1, got {max_consecutive}")
         self.min_history = min_history
         self.num_std = num_std
         self.min_ratio = min_ratio

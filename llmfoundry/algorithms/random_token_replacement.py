@@ -13,14 +13,15 @@ import torch
 from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 
 class RandomTokenReplacement(Algorithm):
     def __init__(self, probability: float = 0.05, vocab_size: int = 8192, seed: int = 0) -> None:
         if not 0.0 <= probability <= 1.0:
-            raise ValueError(f"probability must be in [0, 1], got {probability}")
+            raise UserError(f"probability must be in [0, 1], got {probability}")
         if vocab_size < 1:
-            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+            raise UserError(f"vocab_size must be positive, got {vocab_size}")
         self.probability = probability
         self.vocab_size = vocab_size
         self.seed = seed

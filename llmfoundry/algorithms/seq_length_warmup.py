@@ -17,6 +17,7 @@ from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, TimeString
+from llmfoundry.utils.errors import UserError
 
 
 class SeqLengthWarmup(Algorithm):
@@ -33,18 +34,18 @@ class SeqLengthWarmup(Algorithm):
     ) -> None:
         self.duration = Time.parse(duration)
         if self.duration.value == 0:
-            raise ValueError("SeqLengthWarmup duration must be positive, e.g. '0.3dur' or '1000ba'")
+            raise UserError("SeqLengthWarmup duration must be positive, e.g. '0.3dur' or '1000ba'")
         if min_seq_len < 2:
-            raise ValueError(
+            raise UserError(
                 f"SeqLengthWarmup min_seq_len must be >= 2 (a shorter sequence has no next-token "
                 f"target), got {min_seq_len}"
             )
         if max_seq_len is not None and max_seq_len < min_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"SeqLengthWarmup max_seq_len={max_seq_len} is below min_seq_len={min_seq_len}"
             )
         if step_size < 1:
-            raise ValueError(f"SeqLengthWarmup step_size must be >= 1, got {step_size}")
+            raise UserError(f"SeqLengthWarmup step_size must be >= 1, got {step_size}")
         self.min_seq_len = min_seq_len
         self.max_seq_len = max_seq_len
         self.step_size = step_size

@@ -36,6 +36,7 @@ from llmfoundry.checkpoint import (
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, Timestamp, TimeUnit
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,9 @@ class CheckpointSaver(Callback):
         overwrite: bool = False,
     ) -> None:
         if not save_folder:
-            raise ValueError("save_folder must name a folder or URL to save checkpoints to")
+            raise UserError("save_folder must name a folder or URL to save checkpoints to")
         if num_checkpoints_to_keep == 0 or num_checkpoints_to_keep < -1:
-            raise ValueError(
+            raise UserError(
                 f"num_checkpoints_to_keep must be -1 (keep all) or a positive number, got "
                 f"{num_checkpoints_to_keep}"
             )

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, Timestamp, TimeString
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +36,17 @@ class EarlyStopper(Callback):
         patience: TimeString = "1ep",
     ) -> None:
         if monitor != TRAIN_LOSS and not monitor.startswith("eval/"):
-            raise ValueError(
+            raise UserError(
                 f"early_stopper.monitor={monitor!r}: monitor {TRAIN_LOSS!r} or an eval metric "
                 "'eval/<eval set>/<loss|perplexity|accuracy>', e.g. 'eval/val/loss'"
             )
         if comparison not in ("min", "max"):
-            raise ValueError(
+            raise UserError(
                 f"early_stopper.comparison={comparison!r}: use 'min' (loss, perplexity) or "
                 "'max' (accuracy)"
             )
         if min_delta < 0:
-            raise ValueError(f"early_stopper.min_delta must be >= 0, got {min_delta}")
+            raise UserError(f"early_stopper.min_delta must be >= 0, got {min_delta}")
         self.monitor = monitor
         self.comparison = comparison
         self.min_delta = min_delta
@@ -59,7 +60,7 @@ class EarlyStopper(Callback):
         eval_set = self.monitor.split("/")[1]
         if eval_set not in state.eval_dataloaders:
             sets = ", ".join(sorted(state.eval_dataloaders)) or "none (data.eval_split is null)"
-            raise ValueError(
+            raise UserError(
                 f"early_stopper.monitor={self.monitor!r} names eval set {eval_set!r}, but the "
                 f"run's eval sets are: {sets}; monitor one of them, or {TRAIN_LOSS!r}"
             )
@@ -75,7 +76,7 @@ class EarlyStopper(Callback):
             return
         if self.monitor not in state.eval_metrics:
             available = ", ".join(sorted(state.eval_metrics)) or "none"
-            raise ValueError(
+            raise UserError(
                 f"early_stopper.monitor={self.monitor!r} is not an eval metric of this run "
                 f"(available: {available})"
             )

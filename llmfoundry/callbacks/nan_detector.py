@@ -24,12 +24,13 @@ import torch
 
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 
 class NaNDetector(Callback):
     def __init__(self, check_every: int = 10) -> None:
         if check_every < 1:
-            raise ValueError(f"nan_detector.check_every must be >= 1 batches, got {check_every}")
+            raise UserError(f"nan_detector.check_every must be >= 1 batches, got {check_every}")
         self.check_every = check_every
         # On the device: the loss of the first non-finite batch since the last look, and its
         # position in `_batches` (-1: none).

@@ -115,7 +115,7 @@ class RunStatus(Callback):
         """`path`: the file; relative paths are inside the run folder, URLs (s3://...) are
         written through fsspec. `interval_s`: seconds between heartbeat writes while training."""
         if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+            raise UserError(f"interval_s must be positive, got {interval_s}")
         self.path = path
         self.interval_s = interval_s
         self._record: dict[str, Any] = {}

@@ -21,6 +21,7 @@ from time import perf_counter
 
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,9 @@ class RuntimeEstimator(Callback):
         """`expected_minutes`: the whole run's expected wall time (None: nothing is expected);
         `hint`: what to do instead, said with the warning."""
         if skip_batches < 0:
-            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+            raise UserError(f"skip_batches must be >= 0, got {skip_batches}")
         if expected_minutes is not None and expected_minutes <= 0:
-            raise ValueError(f"expected_minutes must be > 0 or null, got {expected_minutes}")
+            raise UserError(f"expected_minutes must be > 0 or null, got {expected_minutes}")
         self.skip_batches = skip_batches
         self.expected_minutes = expected_minutes
         self.hint = hint

@@ -39,6 +39,7 @@ from llmfoundry.callbacks.peak_flops import device_peak_flops
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ class SpeedMonitor(Callback):
         """`peak_flops`: flop/s of one device; overrides the lookup by device name (and the CPU
         benchmark), e.g. for a GPU missing from the table or a power-capped one."""
         if window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {window_size}")
+            raise UserError(f"window_size must be >= 1, got {window_size}")
         if peak_flops is not None and peak_flops <= 0:
-            raise ValueError(f"peak_flops must be a positive flop/s per device, got {peak_flops}")
+            raise UserError(f"peak_flops must be a positive flop/s per device, got {peak_flops}")
         self.window_size = window_size
         self.peak_flops = peak_flops
         self._history: deque[_Point] = deque(maxlen=window_size + 1)

@@ -14,6 +14,7 @@ import torch
 
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 
 class TokenIdCheck(Callback):
@@ -26,7 +27,7 @@ class TokenIdCheck(Callback):
 
     def __init__(self, vocab_size: int, key: str = "input_ids") -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+            raise UserError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.key = key
 
@@ -44,7 +45,7 @@ class TokenIdCheck(Callback):
             return
         bad = high if high >= self.vocab_size else low
         ts = state.timestamp
-        raise ValueError(
+        raise UserError(
             f"{where} batch {ts.batch + 1} (epoch {ts.epoch}) holds token id {bad}, outside the "
             f"model's vocabulary [0, {self.vocab_size}); the data was tokenized with another "
             "tokenizer or is corrupt: set model.vocab_size to the tokenizer's size, or rewrite "

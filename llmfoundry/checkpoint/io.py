@@ -273,7 +273,7 @@ def read_latest(folder: str) -> str | None:
         return None
     name = name.strip()
     if not _NAME.match(name):
-        raise ValueError(
+        raise UserError(
             f"{folder}/{LATEST} contains {name[:80]!r}, not a checkpoint name like 'ep0-ba100'; "
             "fix or delete the file"
         )

@@ -7,6 +7,8 @@ import functools
 import logging
 from collections.abc import Iterable
 
+from llmfoundry.utils.errors import UserError
+
 log = logging.getLogger(__name__)
 
 LOADABLE_KEYS = (
@@ -35,11 +37,11 @@ def check_ignore_keys(keys: Iterable[str]) -> tuple[str, ...]:
         keys = tuple(k for k in keys if k not in _REMOVED_KEYS)
     unknown = [k for k in keys if k not in LOADABLE_KEYS]
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"load_ignore_keys: unknown key(s) {unknown}; allowed: {', '.join(LOADABLE_KEYS)}"
         )
     if "timestamp" in keys and "data" not in keys:
-        raise ValueError(
+        raise UserError(
             "load_ignore_keys: has 'timestamp' but not 'data', yet the data position only makes "
             "sense with the timestamp it was saved at; add 'data' (the data then starts from the "
             "beginning of epoch 0)"

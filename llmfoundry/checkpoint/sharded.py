@@ -44,6 +44,7 @@ from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
 from llmfoundry.distributed import DeepSpeed, Strategy
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
 # What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
@@ -221,7 +222,7 @@ def fit_layout(saved: Any, current: Any, loaded: Mapping[str, Any]) -> Any:
     loading into FSDP; every rank holds the whole tensor, so no communication)."""
     if isinstance(saved, str) and saved == IN_SHARDS:
         if not isinstance(loaded, torch.Tensor):
-            raise ValueError(
+            raise UserError(
                 "the checkpoint keeps a tensor of an algorithm's or callback's state in its shards "
                 "that this run's has no tensor for (another model config?); add 'algorithms' or "
                 "'callbacks' to load_ignore_keys to start that state afresh"
@@ -251,7 +252,7 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
     }
     if not model:
-        raise ValueError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
+        raise UserError(f"{folder!r} holds no model weights (was it saved by llmfoundry?)")
     load_shards_state({"model": model}, folder, no_dist=True, reader=reader)
     return model
 

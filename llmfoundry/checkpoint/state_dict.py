@@ -69,6 +69,7 @@ from llmfoundry.checkpoint.state import (
 from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.rng import rng_state
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ def restore(
     ignore = set(check_ignore_keys(ignore_keys))
     saved, where = checkpoint.state, checkpoint.path
     if saved.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
@@ -201,7 +202,7 @@ def restore(
         except CheckpointError:  # a shard that is damaged or refused: already names its file
             raise
         except (RuntimeError, ValueError, KeyError) as err:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {where!r}: its shards do not fit this model and optimizer "
                 f"({str(err)[:300]}); load it into the same model config and optimizer, or add "
                 "'optimizer' to load_ignore_keys"
@@ -209,7 +210,7 @@ def restore(
         ignore |= set(SHARDED_KEYS)
     absent = [k for k in LOADABLE_KEYS if k not in ("model", "rng", *ignore) and k not in saved]
     if absent:
-        raise ValueError(
+        raise UserError(
             f"checkpoint {where!r} has no {', '.join(absent)} (it holds weights only, e.g. from "
             f"scripts/import_hf.py); load just its weights with load_ignore_keys=["
             f"{', '.join(WEIGHTS_ONLY)}]"
@@ -218,7 +219,7 @@ def restore(
         try:
             load_model_state_dict(strategy, state.model, checkpoint.model)
         except (RuntimeError, KeyError) as err:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {where!r}: its weights do not fit this model ({err}); load it "
                 "into the same model config"
             ) from None
@@ -229,7 +230,7 @@ def restore(
                     strategy, state.model, state.optimizer, saved["optimizer"]
                 )
         except (ValueError, KeyError, RuntimeError) as err:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {where!r}: its optimizer state does not fit this optimizer ({err}); "
                 "add 'optimizer' to load_ignore_keys to start the optimizer afresh"
             ) from None
@@ -307,7 +308,7 @@ def _load_data_state(state: State, saved: dict[str, Any] | None, where: str) -> 
         if saved is None
         else "this run's train dataloader has no state_dict/load_state_dict"
     )
-    raise ValueError(
+    raise UserError(
         f"checkpoint {where!r} was taken {state.timestamp.batch_in_epoch} batches into epoch "
         f"{state.timestamp.epoch}, but {why}, so resuming would repeat or skip samples. Use a "
         "dataloader whose dataset has state_dict(num_samples)/load_state_dict (like "

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from llmfoundry.checkpoint import check_ignore_keys
 from llmfoundry.core.time import Time, TimeUnit
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.storage import parse_settings
 
 # Config groups under conf/, each selected in train.yaml's defaults list.
@@ -80,7 +81,7 @@ class TrainSettings:
                 try:
                     time = Time.parse(value)
                 except ValueError as err:
-                    raise ValueError(f"{key}: {err}") from None
+                    raise UserError(f"{key}: {err}") from None
                 _check_duration(key, time)
         for key in (
             "global_train_batch_size",
@@ -94,20 +95,20 @@ class TrainSettings:
             if key == "device_train_microbatch_size" and value == "auto":
                 continue
             if value is not None and value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value}")
+                raise UserError(f"{key} must be a positive integer, got {value}")
         if self.num_checkpoints_to_keep == 0 or self.num_checkpoints_to_keep < -1:
-            raise ValueError(
+            raise UserError(
                 f"num_checkpoints_to_keep: must be -1 (keep all) or positive, got "
                 f"{self.num_checkpoints_to_keep}"
             )
         check_ignore_keys(self.load_ignore_keys)
         if self.load_ignore_keys and not self.load_path and not self.autoresume:
-            raise ValueError(
+            raise UserError(
                 "load_ignore_keys: set, but load_path is null, so nothing is loaded; give "
                 "load_path=<checkpoint or save folder> (e.g. the pretraining run's to finetune)"
             )
         if self.autoresume and not self.save_folder:
-            raise ValueError(
+            raise UserError(
                 "autoresume: it continues from <save_folder>/latest, but save_folder is null; "
                 "set save_folder"
             )
@@ -116,10 +117,10 @@ class TrainSettings:
 def _check_duration(key: str, time: Time) -> None:
     """Durations the loop cannot act on: a run length relative to itself, an empty interval."""
     if key == "max_duration" and time.unit is TimeUnit.DURATION:
-        raise ValueError(
+        raise UserError(
             f"max_duration: {time}: 'dur' is a fraction of max_duration itself; give the run's length "
             "in ep, ba, sp, tok or wall-clock time (e.g. 1000ba, 1ep, 2h)"
         )
     if time.value == 0:
         what = "the run would not train" if key == "max_duration" else f"{key}=null turns it off"
-        raise ValueError(f"{key}: {time} is empty; give a positive amount ({what})")
+        raise UserError(f"{key}: {time} is empty; give a positive amount ({what})")

@@ -19,6 +19,7 @@ from typing import Any
 from llmfoundry.core.events import Event
 from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.core.state import State
+from llmfoundry.utils.errors import UserError
 
 
 class Algorithm:
@@ -127,7 +128,7 @@ def check_event_methods(callback: Callback) -> None:
         close = difflib.get_close_matches(name, _EVENT_NAMES, n=1, cutoff=0.8)
         if params[1:] == ["state", "logger"] and (close or name.startswith(_EVENT_PREFIXES)):
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ValueError(
+            raise UserError(
                 f"{type(callback).__name__}.{name}(state, logger) matches no event and would "
                 f"never be called; {hint}events are listed in llmfoundry/core/events.md "
                 "(rename it, or make it private with a leading underscore)"

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from llmfoundry.core.loss import IGNORE_INDEX, next_token_scores
+from llmfoundry.utils.errors import UserError
 
 # Eval batches may carry this bool [batch] key: False marks a sample repeated only to pad the
 # last batches, so that every rank reads as many batches as the others.
@@ -98,7 +99,7 @@ class LanguageMetrics:
     def compute(self) -> dict[str, float]:
         loss_sum, tokens, correct = self.totals.tolist()
         if tokens == 0:
-            raise ValueError("evaluation saw no loss tokens: is the eval split empty?")
+            raise UserError("evaluation saw no loss tokens: is the eval split empty?")
         loss = loss_sum / tokens
         metrics = {
             "loss": loss,

@@ -57,7 +57,7 @@ class Precision:
         precision = resolve_auto(precision, device)
         if precision not in PRECISIONS:
             choices = ", ".join((AUTO, *PRECISIONS))
-            raise ValueError(f"precision={precision!r} is not one of {choices}")
+            raise UserError(f"precision={precision!r} is not one of {choices}")
         if precision == "amp_fp16" and device.type not in FP16_DEVICE_TYPES:
             raise UserError(
                 "precision=amp_fp16 needs a CUDA device (fp16 matmul is unusably slow on CPU); "

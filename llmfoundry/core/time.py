@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Annotated
 
+from llmfoundry.utils.errors import UserError
+
 
 class TimeUnit(str, Enum):
     EPOCH = "ep"
@@ -43,12 +45,12 @@ def _wall_clock_seconds(text: str) -> float:
     for number, suffix in _PART.findall(text):
         length = _WALL_CLOCK.get(suffix.lower())
         if length is None:
-            raise ValueError(
+            raise UserError(
                 f"{text!r}: only wall-clock units (s, m, h, d) combine, e.g. '1h30m'; "
                 f"{suffix!r} does not"
             )
         if length >= previous:
-            raise ValueError(f"{text!r}: write the largest unit first, each once, e.g. '1h30m'")
+            raise UserError(f"{text!r}: write the largest unit first, each once, e.g. '1h30m'")
         total, previous = total + float(number) * length, length
     return total
 
@@ -62,10 +64,10 @@ class Time:
 
     def __post_init__(self) -> None:
         if self.value < 0:
-            raise ValueError(f"time must not be negative, got {self.value}{self.unit.value}")
+            raise UserError(f"time must not be negative, got {self.value}{self.unit.value}")
         if self.unit in (TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN):
             if self.value != int(self.value):
-                raise ValueError(
+                raise UserError(
                     f"{self.value}{self.unit.value}: {self.unit.name.lower()}s are counted in "
                     "whole numbers; use 'dur' for a fraction of the run"
                 )
@@ -77,19 +79,19 @@ class Time:
         if isinstance(text, Time):
             return text
         if not isinstance(text, str):
-            raise ValueError(f"expected a time string with a unit ({_UNITS_HELP}), got {text!r}")
+            raise UserError(f"expected a time string with a unit ({_UNITS_HELP}), got {text!r}")
         match = _PATTERN.match(text)
         if not match and _COMPOUND.match(text):
             return cls(_wall_clock_seconds(text), TimeUnit.SECOND)
         if not match:
-            raise ValueError(f"cannot parse time {text!r}: use a number and a unit ({_UNITS_HELP})")
+            raise UserError(f"cannot parse time {text!r}: use a number and a unit ({_UNITS_HELP})")
         number, suffix = float(match.group(1)), match.group(2).lower()
         if suffix in _WALL_CLOCK:
             return cls(number * _WALL_CLOCK[suffix], TimeUnit.SECOND)
         try:
             unit = TimeUnit(suffix)
         except ValueError:
-            raise ValueError(
+            raise UserError(
                 f"unknown time unit {suffix!r} in {text!r}: use {_UNITS_HELP}"
             ) from None
         return cls(number, unit)

@@ -31,6 +31,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.utils.errors import MissingInput, UserError
 
 __all__ = ["PasskeyTask", "score_passkey", "write_passkey_dataset"]
 
@@ -52,9 +53,9 @@ class PasskeyTask:
 
     def __post_init__(self) -> None:
         if self.n_digits < 1 or self.n_filler < 2:
-            raise ValueError("passkey needs n_digits >= 1 and n_filler >= 2")
+            raise UserError("passkey needs n_digits >= 1 and n_filler >= 2")
         if self.seq_len < 3 * self.n_digits + 2:
-            raise ValueError(
+            raise UserError(
                 f"seq_len={self.seq_len} leaves no room for a {self.n_digits}-digit key, its "
                 f"query and answer; use seq_len >= {3 * self.n_digits + 2}"
             )
@@ -104,7 +105,7 @@ def write_passkey_dataset(
     column = {"tokens": f"ndarray:uint16:{task.seq_len}"}
     for split, n, split_seed in (("train", train_rows, seed), ("val", val_rows, seed + 1)):
         if n < 1:
-            raise ValueError(f"passkey {split} split needs at least one row, got {n}")
+            raise UserError(f"passkey {split} split needs at least one row, got {n}")
         rows, _ = task.rows(n, split_seed)
         with MDSWriter(out / split, column, exist_ok=True) as writer:
             for row in rows:
@@ -131,12 +132,10 @@ def read_task(folder: str | Path) -> PasskeyTask:
     """The task a passkey dataset folder was written with (from its meta.json)."""
     path = Path(folder) / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(
-            f"{path} not found: point at a folder written by data_prep/passkey.py"
-        )
+        raise MissingInput(f"{path} not found: point at a folder written by data_prep/passkey.py")
     meta = json.loads(path.read_text())
     if meta.get("format") != META_FORMAT:
-        raise ValueError(f"{path} is not a passkey dataset (format {meta.get('format')!r})")
+        raise UserError(f"{path} is not a passkey dataset (format {meta.get('format')!r})")
     return PasskeyTask(meta["seq_len"], meta["n_digits"], meta["n_filler"])
 
 

@@ -98,7 +98,7 @@ class StreamingTextDataset(StreamingDataset):
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
         with_labels = [LABELS in s.column_names for _, s in shards]
         if any(with_labels) and not all(with_labels):
-            raise ValueError(
+            raise UserError(
                 "some shards have a labels column (instruction data) and others do not; "
                 "train on one kind at a time"
             )
@@ -119,24 +119,24 @@ class StreamingTextDataset(StreamingDataset):
             for column in self.columns:
                 coder = get_encoding(shard.columns[column]) if column in shard.columns else None
                 if not isinstance(coder, NDArray):
-                    raise ValueError(
+                    raise UserError(
                         f"{where} has no ndarray {column!r} column (columns: "
                         f"{shard.columns}); text datasets need token rows written as "
                         "ndarray:uint16:L or ndarray:uint32:L by the data_prep/ scripts"
                     )
                 if coder.dtype is not None and coder.dtype not in _TOKEN_DTYPES:
-                    raise ValueError(
+                    raise UserError(
                         f"{where}: column {column!r} holds {coder.dtype}; token ids must be one "
                         f"of {_TOKEN_DTYPES}"
                     )
                 if coder.shape is not None and len(coder.shape) != 1:
-                    raise ValueError(
+                    raise UserError(
                         f"{where}: column {column!r} rows must be 1-D, not {coder.shape}"
                     )
                 coders[column] = coder
             shapes = {column: coder.shape for column, coder in coders.items()}
             if len(set(shapes.values())) > 1:
-                raise ValueError(f"{where}: column rows differ in shape {shapes}")
+                raise UserError(f"{where}: column rows differ in shape {shapes}")
             fixed = all(size is not None for size in shard.column_sizes)
             if shapes[TOKENS] and max_seq_len is not None and shapes[TOKENS][0] > max_seq_len:
                 _warn_cut(shapes[TOKENS][0], max_seq_len, cache.remote or cache.local)
@@ -152,7 +152,7 @@ class StreamingTextDataset(StreamingDataset):
         reader = self._readers().get(shard)
         row = reader.get_array(index, column)
         if row.ndim != 1 or row.dtype.name not in _TOKEN_DTYPES:
-            raise ValueError(
+            raise UserError(
                 f"sample {index} of {reader.path}: {column!r} is {row.dtype}{list(row.shape)}; "
                 f"expected a 1-D array of integer ids ({_TOKEN_DTYPES})"
             )

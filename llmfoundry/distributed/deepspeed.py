@@ -40,7 +40,7 @@ import torch
 from llmfoundry.distributed.base import materialize
 from llmfoundry.distributed.parallelize import apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingPackage, UserError
 
 INSTALL = "pip install 'llmfoundry[deepspeed]'"
 # The first release whose `torch_autocast` section (0.17.2) uses no loss scaler for bf16 and
@@ -63,11 +63,11 @@ def _import_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError:
-        raise ImportError(f"the deepspeed strategies need DeepSpeed: {INSTALL}") from None
+        raise MissingPackage(f"the deepspeed strategies need DeepSpeed: {INSTALL}") from None
     from packaging.version import Version  # a dependency of DeepSpeed's
 
     if Version(deepspeed.__version__) < Version(MIN_VERSION):
-        raise ImportError(
+        raise MissingPackage(
             f"the deepspeed strategies need DeepSpeed {MIN_VERSION} or newer (its torch_autocast "
             f"section), found {deepspeed.__version__}: {INSTALL}"
         )

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.generation import GenerationConfig, generate
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.jsonl import read_jsonl
 
 __all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]
@@ -62,7 +63,7 @@ def _kind(example: dict[str, Any], where: str) -> str:
     for kind, keys in KINDS.items():
         if all(k in example for k in keys):
             return kind
-    raise ValueError(
+    raise UserError(
         f"{where}: cannot tell the task kind from keys {sorted(example)}; lines need one of "
         + "; ".join(f"{k}: {list(v)}" for k, v in KINDS.items())
     )
@@ -74,19 +75,19 @@ def load_task(url: str, name: str | None = None) -> Task:
     for where, example in read_jsonl(url):
         this = _kind(example, where)
         if kind is not None and this != kind:
-            raise ValueError(f"{where}: a {this} example in a {kind} task; one kind per file")
+            raise UserError(f"{where}: a {this} example in a {kind} task; one kind per file")
         kind = this
         if kind == "multiple_choice":
             choices, gold = example["choices"], example["gold"]
             if not (isinstance(choices, list) and len(choices) >= 2):
-                raise ValueError(f"{where}: 'choices' must list at least two strings")
+                raise UserError(f"{where}: 'choices' must list at least two strings")
             if not (isinstance(gold, int) and 0 <= gold < len(choices)):
-                raise ValueError(f"{where}: 'gold' must index 'choices', got {gold!r}")
+                raise UserError(f"{where}: 'gold' must index 'choices', got {gold!r}")
         if kind == "qa" and isinstance(example["answer"], str):
             example["answer"] = [example["answer"]]
         examples.append(example)
     if kind is None:
-        raise ValueError(f"{url} holds no examples")
+        raise UserError(f"{url} holds no examples")
     return Task(name or PurePosixPath(url).stem, kind, examples)
 
 
@@ -102,7 +103,7 @@ def _shot(task: Task, example: dict[str, Any]) -> str:
 def _check_shots(task: Task, shots: int) -> None:
     """Each query's shots are other examples of its task, so a task needs `shots` + 1 of them."""
     if shots >= len(task.examples):
-        raise ValueError(
+        raise UserError(
             f"task {task.name} has {len(task.examples)} examples, too few for {shots} shots "
             f"(each query's shots are other examples of its task); use --shots "
             f"{len(task.examples) - 1} or fewer, or add examples"
@@ -121,10 +122,10 @@ def _continuation_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities [A, V] at the positions predicting `answer`'s A tokens, and `answer`."""
     if not answer:
-        raise ValueError("an answer that tokenizes to nothing cannot be scored")
+        raise UserError("an answer that tokenizes to nothing cannot be scored")
     ids = (prompt + answer)[-max_seq_len:]
     if len(ids) <= len(answer):
-        raise ValueError(f"an answer of {len(answer)} tokens leaves no room for its prompt")
+        raise UserError(f"an answer of {len(answer)} tokens leaves no room for its prompt")
     with torch.no_grad():
         logits = logits_fn(torch.tensor([ids]))[0].float()
     start = len(ids) - len(answer)
@@ -185,9 +186,9 @@ def evaluate_tasks(
     `limit` scores only the first examples of each task (shots still come from all of them).
     """
     if shots < 0:
-        raise ValueError(f"shots must be >= 0, got {shots}")
+        raise UserError(f"shots must be >= 0, got {shots}")
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )

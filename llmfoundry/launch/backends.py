@@ -40,6 +40,7 @@ from llmfoundry.launch.command import (
 )
 from llmfoundry.launch.job import Job
 from llmfoundry.launch.layout import Layout, plan
+from llmfoundry.utils.errors import UserError
 
 _CONTROL_OR_BACKSLASH = re.compile(r"[\x00-\x1f\x7f\\]")
 
@@ -311,7 +312,7 @@ def submit_slurm(path: Path, job: Job, checkout: Path) -> int:
     Path(slurm_log_dir(job, checkout)).mkdir(parents=True, exist_ok=True)
     result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if result.returncode:
-        raise RuntimeError(f"sbatch failed: {result.stderr.strip()}")
+        raise UserError(f"sbatch failed: {result.stderr.strip()}")
     log.info("submitted Slurm job %s (%s)", result.stdout.strip(), job.name)
     return 0
 

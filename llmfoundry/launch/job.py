@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config import ConfigError, check_keys, check_type
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.secrets import SECRET_WORDS, redact_urls
 
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
@@ -69,17 +70,17 @@ def check_train_override(override: str) -> None:
     """A training override that would write credentials in clear into the rendered script and
     manifest (a URL's user-info, a secret-named key's value) is refused, naming `secrets:`."""
     if "=" not in override or override.startswith("-"):
-        raise ValueError(f"train: {override!r} is not a key=value override")
+        raise UserError(f"train: {override!r} is not a key=value override")
     key, _, value = override.partition("=")
     if redact_urls(override) != override:
-        raise ValueError(
+        raise UserError(
             f"train: {redact_urls(override)!r} holds credentials in a URL, which would be "
             "written in clear into the rendered script and manifest; give the URL without them "
             "and the credentials through secrets: (e.g. secrets: [AWS_ACCESS_KEY_ID, "
             "AWS_SECRET_ACCESS_KEY], which the storage backend reads)"
         )
     if _secret_named(key) and not _FROM_ENV.match(value.strip("'\"")):
-        raise ValueError(
+        raise UserError(
             f"train: {key}=... is named like a secret, and training overrides are written in "
             f"clear into the rendered script and manifest; list an environment variable under "
             f"secrets: and read it in the override: {key}='${{oc.env:NAME}}'"
@@ -104,14 +105,14 @@ class Compute:
 
     def __post_init__(self) -> None:
         if self.memory is not None and not _MEMORY.match(self.memory):
-            raise ValueError(
+            raise UserError(
                 f"memory: {self.memory!r} is not a memory size; write a number with a unit, "
                 "e.g. 512G (Slurm) or 512Gi (Kubernetes)"
             )
         for key in ("gpus", "gpus_per_node", "procs_per_node", "nodes", "cpus_per_node"):
             value = getattr(self, key)
             if value is not None and value < (0 if key == "gpus" else 1):
-                raise ValueError(
+                raise UserError(
                     f"{key}: must be {'>= 0' if key == 'gpus' else '>= 1'}, got {value}"
                 )
 
@@ -129,16 +130,16 @@ class Code:
 
     def __post_init__(self) -> None:
         if self.repo and _url_credentials(self.repo):
-            raise ValueError(
+            raise UserError(
                 "repo: the URL holds a password or token, which would be written into the "
                 "rendered script and manifest; give the URL without it and the credentials "
                 "through secrets: (e.g. secrets: [GIT_TOKEN] with a git credential helper in "
                 "setup:) or an SSH key"
             )
         if (self.branch or self.commit) and not self.repo:
-            raise ValueError("branch/commit: set code.repo to the git URL they belong to")
+            raise UserError("branch/commit: set code.repo to the git URL they belong to")
         if self.commit and not re.fullmatch(r"[0-9a-f]{7,40}", self.commit):
-            raise ValueError(f"commit: {self.commit!r} is not a git commit hash")
+            raise UserError(f"commit: {self.commit!r} is not a git commit hash")
 
 
 @dataclass
@@ -157,18 +158,18 @@ class Slurm:
         for key in ("partition", "account"):
             value = getattr(self, key)
             if value is not None and not _SLURM_NAMES.match(value):
-                raise ValueError(
+                raise UserError(
                     f"{key}: {value!r} is not a Slurm {key} name (letters, digits, '_.+-', "
                     "comma-separated; no spaces or line breaks)"
                 )
         if self.time is not None and not _SLURM_TIME.match(self.time):
-            raise ValueError(
+            raise UserError(
                 f"time: {self.time!r} is not a Slurm time limit; write minutes, HH:MM:SS or "
                 "D-HH:MM:SS (e.g. 2-00:00:00)"
             )
         for directive in self.directives:
             if not isinstance(directive, str) or not _DIRECTIVE.match(directive):
-                raise ValueError(
+                raise UserError(
                     f"directives: {directive!r} is not one sbatch option; write each as "
                     "--name=value on one line (no line breaks or control characters)"
                 )
@@ -214,25 +215,25 @@ class Job:
         for key in ("setup", "secrets", "train"):
             for item in getattr(self, key):
                 if not isinstance(item, str):
-                    raise ValueError(f"{key}: expected strings, got {item!r}; quote it")
+                    raise UserError(f"{key}: expected strings, got {item!r}; quote it")
         if not _NAME.match(self.name):
-            raise ValueError(
+            raise UserError(
                 f"name: {self.name!r} must be lowercase letters, digits and '-', at most 40 "
                 "characters (it names Slurm jobs, Kubernetes objects and the run folder)"
             )
         for key, value in self.env.items():
             if not _ENV_NAME.match(key):
-                raise ValueError(f"env.{key}: not a valid environment variable name")
+                raise UserError(f"env.{key}: not a valid environment variable name")
             if key not in self.secrets and _secret_named(key):
-                raise ValueError(
+                raise UserError(
                     f"env.{key}: named like a secret, and env values are written into the "
                     f"rendered script and manifest; list {key} under secrets: instead (its value "
                     "then comes from the submitting environment or the Kubernetes Secret)"
                 )
             if not isinstance(value, str):
-                raise ValueError(f"env.{key}: expected a string, got {value!r}; quote it")
+                raise UserError(f"env.{key}: expected a string, got {value!r}; quote it")
             if _url_credentials(value):
-                raise ValueError(
+                raise UserError(
                     f"env.{key}: {redact_urls(value)!r} holds credentials in a URL, and env "
                     f"values are written into the rendered script and manifest; list {key} "
                     "under secrets: instead (its value then comes from the submitting "
@@ -240,21 +241,21 @@ class Job:
                 )
         for name in self.secrets:
             if not _ENV_NAME.match(name):
-                raise ValueError(f"secrets: {name!r} is not a valid environment variable name")
+                raise UserError(f"secrets: {name!r} is not a valid environment variable name")
             if name in self.env:
-                raise ValueError(
+                raise UserError(
                     f"env.{name}: also listed in secrets; remove it from env (a secret's value "
                     "comes from the environment or a Kubernetes Secret, never from the job file)"
                 )
         for override in self.train:
             check_train_override(override)
         if not self.outputs or _CONTROL.search(self.outputs):
-            raise ValueError(
+            raise UserError(
                 f"outputs: {self.outputs!r} is not a folder or URL; write it on one line, "
                 "without control characters (e.g. outputs or s3://bucket/runs)"
             )
         if redact_urls(self.outputs) != self.outputs:
-            raise ValueError(
+            raise UserError(
                 f"outputs: {redact_urls(self.outputs)!r} holds credentials, which would be "
                 "written in clear into the rendered script and manifest; give the URL without "
                 "them and the credentials through secrets: (e.g. AWS_ACCESS_KEY_ID, "

@@ -29,7 +29,7 @@ from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError, printable
+from llmfoundry.utils.errors import MissingInput, UserError, printable
 from llmfoundry.utils.secrets import redact_urls
 from llmfoundry.utils.storage import url_to_fs
 from llmfoundry.utils.yaml_guard import safe_load
@@ -65,7 +65,7 @@ def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> 
     """Every run under `root` (a folder or URL), newest update first."""
     fs, path = url_to_fs(root)
     if not fs.exists(path):
-        raise FileNotFoundError(f"{root} does not exist: pass the outputs folder or its URL")
+        raise MissingInput(f"{root} does not exist: pass the outputs folder or its URL")
     protocol = root.split("://", 1)[0] + "://" if "://" in root else ""
     base = path.rstrip("/")
     files = fs.glob(f"{base}/*/status.json") + fs.glob(f"{base}/*/*/status.json")
@@ -213,7 +213,7 @@ def find_run(root: str, name: str) -> Run:
     if not matches:
         known = ", ".join(_cell(r.name, MAX_CELL) for r in runs[:10]) or "none"
         known += f" and {len(runs) - 10} more" if len(runs) > 10 else ""
-        raise LookupError(f"no run named {name!r} under {root} (runs: {known})")
+        raise MissingInput(f"no run named {name!r} under {root} (runs: {known})")
     return matches[0]
 
 
@@ -226,7 +226,7 @@ def log_file(run: Run) -> str:
             newest = max(found, key=lambda f: _modified(fs, f))
             protocol = run.folder.split("://", 1)[0] + "://" if "://" in run.folder else ""
             return protocol + newest
-    raise FileNotFoundError(
+    raise MissingInput(
         f"run {run.name} has no log file in {run.folder} (looked for {', '.join(LOG_PATTERNS)})"
     )
 

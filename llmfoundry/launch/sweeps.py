@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.core.state import State
 from llmfoundry.loggers.plot import Series, read_metrics
+from llmfoundry.utils.errors import MissingInput
 
 
 def objective(state: State) -> float:
@@ -48,7 +49,7 @@ def trials(sweep_dir: str | Path) -> list[Trial]:
     root = Path(sweep_dir)
     folders = [p.parent.parent for p in root.glob("*/.hydra/overrides.yaml")]
     if not folders:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no trials in {root}: pass a sweep folder (outputs/sweep-<time>) whose numbered "
             "folders hold .hydra/overrides.yaml"
         )

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from llmfoundry.utils.errors import MissingInput, MissingPackage, UserError
+
 # The x axis of every figure: batches trained, the step of each JSONL record.
 Series = dict[str, tuple[list[int], list[float]]]
 
@@ -27,7 +29,7 @@ def metrics_file(run: str | Path) -> Path:
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no metrics file at {path}: pass a run folder holding metrics.jsonl, or a .jsonl file "
             "written by the jsonl logger (add it with loggers=[console,progress,jsonl])"
         )
@@ -52,7 +54,7 @@ def read_metrics(path: str | Path) -> Series:
         except json.JSONDecodeError as err:
             if number == len(lines):
                 break
-            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from None
+            raise UserError(f"{path}:{number}: not a JSON line ({err.msg})") from None
         if "metrics" not in record:
             continue  # hyperparameters
         for name, value in record["metrics"].items():
@@ -70,7 +72,7 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'llmfoundry[plot]'") from None
+        raise MissingPackage("plots need matplotlib: pip install 'llmfoundry[plot]'") from None
     matplotlib.use("Agg")  # files only: no display needed, works on headless machines
     import matplotlib.pyplot as plt
 
@@ -116,7 +118,7 @@ def plot_runs(runs: dict[str, Series], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     if not written:
-        raise ValueError(
+        raise UserError(
             "none of the runs logged loss, lr or throughput metrics: were the jsonl logger and the "
             "lr_monitor / speed_monitor callbacks on?"
         )

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from llmfoundry.core.engine import Logger, LoggerDestination
 from llmfoundry.core.state import State
 from llmfoundry.core.time import TimeUnit
+from llmfoundry.utils.errors import UserError
 
 # Seconds between reads of the loss for a terminal's bar (tqdm redraws up to 10 times a second).
 _LOSS_REFRESH_S = 1.0
@@ -29,11 +30,11 @@ class ProgressBarLogger(LoggerDestination):
         one of those, else batches. When max_duration is in another unit the total (and so the
         ETA) is extrapolated from the fraction of the run done."""
         if unit is not None and unit not in _COUNTERS.values():
-            raise ValueError(
+            raise UserError(
                 f"progress.unit={unit!r}: use ba, sp, tok, or null for max_duration's unit"
             )
         if non_tty_interval < 0:
-            raise ValueError(f"non_tty_interval must be >= 0 seconds, got {non_tty_interval}")
+            raise UserError(f"non_tty_interval must be >= 0 seconds, got {non_tty_interval}")
         self.unit = TimeUnit(unit) if unit else None
         self.non_tty_interval = non_tty_interval
         self._bar: tqdm | None = None

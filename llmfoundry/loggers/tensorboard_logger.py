@@ -14,6 +14,7 @@ from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import TimeString
 from llmfoundry.loggers.buffered import BufferedDestination
+from llmfoundry.utils.errors import MissingPackage, UserError
 from llmfoundry.utils.secrets import redact_secrets
 
 
@@ -29,7 +30,7 @@ class TensorBoardLogger(BufferedDestination):
         least every `flush_secs` seconds, before every checkpoint save, and at close."""
         super().__init__(flush_interval)
         if flush_secs < 1:
-            raise ValueError(f"flush_secs must be >= 1, got {flush_secs}")
+            raise UserError(f"flush_secs must be >= 1, got {flush_secs}")
         self.log_dir = log_dir
         self.flush_secs = flush_secs
         self._writer: Any = None
@@ -40,7 +41,7 @@ class TensorBoardLogger(BufferedDestination):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError(
+            raise MissingPackage(
                 "loggers.tensorboard needs the tensorboard package: "
                 "pip install 'llmfoundry[tensorboard]'"
             ) from None

@@ -16,6 +16,7 @@ from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.time import TimeString
 from llmfoundry.loggers.buffered import BufferedDestination
+from llmfoundry.utils.errors import MissingPackage
 from llmfoundry.utils.secrets import redact_argv, redact_secrets
 
 
@@ -55,7 +56,7 @@ class WandBLogger(BufferedDestination):
         try:
             import wandb
         except ImportError:
-            raise ImportError(
+            raise MissingPackage(
                 "loggers.wandb needs the wandb package: pip install 'llmfoundry[wandb]'"
             ) from None
         args = dict(self.init_args)

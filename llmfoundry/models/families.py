@@ -3,7 +3,6 @@ family of a config, a recorded config, a model or a transformers folder."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,9 +10,10 @@ from typing import Any
 from torch import nn
 
 from llmfoundry.models.family import ModelFamily
+from llmfoundry.models.hf_config import CONFIG_FILE, read_config_json
 from llmfoundry.models.llama.spec import LLAMA
 from llmfoundry.models.mpt.spec import MPT
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import UserError
 
 FAMILIES: dict[str, ModelFamily] = {"mpt": MPT, "llama": LLAMA}
 # A model config recorded without a _target_ (checkpoints older than the families) is MPT.
@@ -29,7 +29,7 @@ def family_of(config_or_model: Any) -> ModelFamily:
     for family in FAMILIES.values():
         if isinstance(config_or_model, family.config_class | family.model_class):
             return family
-    raise ValueError(
+    raise UserError(
         f"{type(config_or_model).__name__} belongs to no model family (known configs: "
         f"{_known()}); add the family's spec.py to llmfoundry/models/families.py"
     )
@@ -53,13 +53,8 @@ def config_from_record(fields: Mapping[str, Any], **overrides: Any) -> Any:
 
 def family_of_hf(hf_dir: str | Path) -> ModelFamily:
     """The family of the transformers folder `hf_dir`, by its config.json's ``model_type``."""
-    path = Path(hf_dir, "config.json")
-    if not path.is_file():
-        raise MissingInput(f"{hf_dir} is not a transformers model folder (no {path.name})")
-    try:
-        model_type = json.loads(path.read_text()).get("model_type")
-    except (OSError, ValueError) as err:
-        raise UserError(f"{path}: not a readable transformers config.json ({err})") from None
+    path = Path(hf_dir, CONFIG_FILE)
+    model_type = read_config_json(hf_dir).get("model_type")
     for family in FAMILIES.values():
         if family.hf_model_type == model_type:
             return family

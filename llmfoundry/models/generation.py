@@ -42,6 +42,7 @@ import torch
 from llmfoundry.models.families import family_of
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.layers.kv_cache import KVCache
+from llmfoundry.utils.errors import UserError
 
 Decode = Callable[[list[int]], str]
 
@@ -89,23 +90,23 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(
+            raise UserError(
                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
             )
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+            raise UserError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+            raise UserError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+            raise UserError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         if not self.repetition_penalty > 0:
-            raise ValueError(
+            raise UserError(
                 f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty!r}"
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+            raise UserError(f"stop must hold non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+            raise UserError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def left_pad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) [batch, longest] for token lists of any lengths, left-padded."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise UserError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -200,7 +201,7 @@ class Decoder:
             raise ValueError("stop strings need `decode` (e.g. tokenizer.decode) to read the text")
         cfg = model.config
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"input_ids must be token ids in [0, {cfg.vocab_size}) (the model's vocab_size), "
                 f"got values from {int(input_ids.min())} to {int(input_ids.max())}"
             )
@@ -217,7 +218,7 @@ class Decoder:
             )
         self.max_len = prompt_len + max(c.max_new_tokens for c in configs)
         if (limit := family.position_limit(cfg)) is not None and self.max_len > limit:
-            raise ValueError(
+            raise UserError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens is {self.max_len} tokens, more "
                 f"than max_seq_len {limit} (the learned position table); shorten one"
             )

@@ -1,16 +1,37 @@
 """A transformers model folder, for any family: writing one (the step every family's HF export
-ends with), and how closely it computes what our model does (import and export check it)."""
+ends with), reading one (each family's import), and how closely it computes what our model does
+(import and export check it).
+
+A folder to import is untrusted input: its config's sizes are checked before anything divides by
+them (`llmfoundry.models.hf_config`), and weights transformers cannot read (a pickle the
+weights-only unpickler refuses, a damaged safetensors file) or that do not fit the config (a
+tensor of another shape, a missing or extra one, which transformers would fill in randomly or
+drop with a warning) are a one-line :class:`UserError` naming the file or tensor and the fix.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from tokenizers import Tokenizer
 from torch import nn
+from transformers.utils import logging as hf_logging
 
-__all__ = ["logits_relative_error", "save_hf_folder"]
+from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_json
+from llmfoundry.utils.errors import UserError
+
+__all__ = ["load_hf_weights", "logits_relative_error", "read_hf_config", "save_hf_folder"]
+
+_REFETCH = "export or download the folder again"
+# What transformers raises for a config or weights file it cannot read (not a bug of ours).
+_UNREADABLE = (OSError, ValueError, TypeError, KeyError, RuntimeError, EOFError)
+_UNREADABLE_WEIGHTS = (*_UNREADABLE, pickle.UnpicklingError, SafetensorError)
 
 
 def save_hf_folder(
@@ -48,3 +69,80 @@ def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
     with torch.no_grad():
         ours, theirs = model(ids), hf_model(ids).logits
     return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bar or load report from transformers: `load_hf_weights` reports problems."""
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def read_hf_config(
+    hf_dir: str | Path, sizes: Iterable[str], optional_sizes: Iterable[str] = ()
+) -> transformers.PretrainedConfig:
+    """The transformers config of folder `hf_dir`, after checking its config.json: bounded,
+    JSON, and each of `sizes` (and of `optional_sizes` if set) a positive integer."""
+    check_sizes(hf_dir, read_config_json(hf_dir), tuple(sizes), tuple(optional_sizes))
+    try:
+        with _quiet_transformers():
+            return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    except _UNREADABLE as err:
+        path = Path(hf_dir, CONFIG_FILE)
+        raise UserError(
+            f"{path}: transformers cannot read it ({_first_line(err)}); fix it or {_REFETCH}"
+        ) from None
+
+
+def load_hf_weights(
+    model_class: type[transformers.PreTrainedModel],
+    hf_dir: str | Path,
+    config: transformers.PretrainedConfig,
+) -> transformers.PreTrainedModel:
+    """`model_class` with the weights of folder `hf_dir`, in float32: every tensor of the model
+    read from the folder with the shape `config` gives it, none missing and none left over."""
+    files = sorted(p.name for p in Path(hf_dir).glob("*") if p.suffix in (".safetensors", ".bin"))
+    where = f"{hf_dir} ({', '.join(files) or 'no weights file'})"
+    try:
+        with _quiet_transformers():
+            model, info = model_class.from_pretrained(
+                hf_dir,
+                config=config,
+                dtype=torch.float32,
+                local_files_only=True,
+                ignore_mismatched_sizes=True,  # reported below, naming the tensor
+                output_loading_info=True,
+            )
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{where}: its pickle holds objects other than tensors, refused since unpickling "
+            "them could run code; use a safetensors export of the model (model.safetensors)"
+        ) from None
+    except _UNREADABLE_WEIGHTS as err:
+        raise UserError(
+            f"{where}: cannot read its weights ({_first_line(err)}); {_REFETCH}"
+        ) from None
+    for key, found, expected in sorted(info.get("mismatched_keys") or ()):
+        raise UserError(
+            f"{where}: tensor {key} has shape {list(found)}, but {CONFIG_FILE} makes it "
+            f"{list(expected)}; {_REFETCH} (weights and config.json from the same export)"
+        )
+    for kind in ("missing_keys", "unexpected_keys"):
+        keys = sorted(info.get(kind) or ())
+        if keys:
+            what = "lack" if kind == "missing_keys" else "hold tensors the model has no place for:"
+            raise UserError(f"{where}: the weights {what} {', '.join(keys[:5])}; {_REFETCH}")
+    if info.get("error_msgs"):
+        raise UserError(f"{where}: cannot load its weights ({info['error_msgs'][0]}); {_REFETCH}")
+    return model

@@ -6,6 +6,7 @@ from torch import nn
 
 from llmfoundry.models.families import FAMILIES
 from llmfoundry.models.plan import ParallelPlan
+from llmfoundry.utils.errors import UserError
 
 
 def find_plan(model: nn.Module) -> ParallelPlan | None:
@@ -22,7 +23,7 @@ def parallel_plan(model: nn.Module) -> ParallelPlan:
     if plan is not None:
         return plan
     known = ", ".join(f.model_class.__name__ for f in FAMILIES.values())
-    raise ValueError(
+    raise UserError(
         f"no parallelization plan for {type(model).__name__} (plans exist for {known}); add "
         "the family's spec.py (see llmfoundry/models/family.py) to use a sharding strategy"
     )

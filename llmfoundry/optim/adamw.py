@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from llmfoundry.optim.param_groups import decay_factor, decoupled_groups
+from llmfoundry.utils.errors import UserError
 
 
 class DecoupledAdamW(torch.optim.AdamW):
@@ -37,7 +38,7 @@ class DecoupledAdamW(torch.optim.AdamW):
         fused: bool | None = None,
     ) -> None:
         if lr <= 0:
-            raise ValueError(f"optimizer.lr must be positive, got {lr}")
+            raise UserError(f"optimizer.lr must be positive, got {lr}")
         groups = decoupled_groups(params, weight_decay, no_decay_norm_bias_embedding)
         # torch's own weight decay stays 0: the decay is applied in `step`, scaled by the schedule.
         if fused is None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from llmfoundry.optim.param_groups import decay_factor, decoupled_groups
+from llmfoundry.utils.errors import UserError
 
 
 class DecoupledLionW(torch.optim.Optimizer):
@@ -34,10 +35,10 @@ class DecoupledLionW(torch.optim.Optimizer):
         no_decay_norm_bias_embedding: bool = False,
     ) -> None:
         if lr <= 0:
-            raise ValueError(f"optimizer.lr must be positive, got {lr}")
+            raise UserError(f"optimizer.lr must be positive, got {lr}")
         betas = tuple(betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(betas)}")
+            raise UserError(f"optimizer.betas must be two numbers in [0, 1), got {list(betas)}")
         groups = decoupled_groups(params, weight_decay, no_decay_norm_bias_embedding)
         super().__init__(groups, {"lr": lr, "betas": betas})
         for group in self.param_groups:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.utils.errors import UserError
 
 # The key marking the norm / bias / embedding group, and the key holding each group's decoupled
 # weight decay (torch's own "weight_decay" key stays 0 so torch never applies a coupled decay).
@@ -106,10 +107,10 @@ def decoupled_groups(
     """
     given = list(params)
     if not given:
-        raise ValueError("the optimizer got an empty parameter list: the model has no parameters")
+        raise UserError("the optimizer got an empty parameter list: the model has no parameters")
     groups = [dict(g) for g in given] if isinstance(given[0], dict) else [{"params": given}]
     if no_decay_norm_bias_embedding and not any(NORM_BIAS_EMBEDDING in g for g in groups):
-        raise ValueError(
+        raise UserError(
             "optimizer.no_decay_norm_bias_embedding=true needs the parameter groups of "
             "llmfoundry.optim.build_param_groups(model) (the trainer passes them); it got plain "
             "parameters, so it cannot tell norms, biases and embeddings apart"
@@ -119,7 +120,7 @@ def decoupled_groups(
         if no_decay_norm_bias_embedding and group.get(NORM_BIAS_EMBEDDING, False):
             decay = 0.0
         if decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {decay}")
+            raise UserError(f"optimizer.weight_decay must be >= 0, got {decay}")
         group[DECOUPLED_DECAY] = decay
     return groups
 

@@ -12,6 +12,7 @@ import math
 
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, TimeString
+from llmfoundry.utils.errors import UserError
 
 
 class WarmupSchedule:
@@ -20,7 +21,7 @@ class WarmupSchedule:
     def __init__(self, t_warmup: TimeString = "0ba", alpha_f: float = 0.0) -> None:
         self.t_warmup = Time.parse(t_warmup)
         if not 0.0 <= alpha_f <= 1.0:
-            raise ValueError(f"scheduler.alpha_f must be in [0, 1], got {alpha_f}")
+            raise UserError(f"scheduler.alpha_f must be in [0, 1], got {alpha_f}")
         self.alpha_f = alpha_f
 
     def __call__(self, state: State) -> float:
@@ -73,7 +74,7 @@ class InverseSqrtWithWarmup(WarmupSchedule):
     def __init__(self, t_warmup: TimeString = "100ba", alpha_f: float = 0.0) -> None:
         super().__init__(t_warmup, alpha_f)
         if self.t_warmup.value == 0:
-            raise ValueError("scheduler.t_warmup must be non-zero for the inverse-sqrt schedule")
+            raise UserError("scheduler.t_warmup must be non-zero for the inverse-sqrt schedule")
 
     def after_warmup(self, state: State) -> float:
         return max(self.alpha_f, 1.0 / math.sqrt(state.elapsed(self.t_warmup)))

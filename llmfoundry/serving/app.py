@@ -50,6 +50,7 @@ from llmfoundry.serving import protocol
 from llmfoundry.serving.auth import BearerAuth
 from llmfoundry.serving.engine import Completion, Engine, Event
 from llmfoundry.serving.tokenizer import ChatTemplateError, ServedTokenizer
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self).items():
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+                raise UserError(f"limit {name} must be a positive integer, got {value!r}")
 
     @property
     def max_prompt_chars(self) -> int:

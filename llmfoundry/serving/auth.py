@@ -77,7 +77,7 @@ class BearerAuth:
 
     def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
         if not api_key:
-            raise ValueError("an empty API key would match a bare 'Bearer' header; give a key")
+            raise UserError("an empty API key would match a bare 'Bearer' header; give a key")
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:

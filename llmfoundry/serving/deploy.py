@@ -30,10 +30,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.serving.vllm import API_KEY_ENV, vllm_command
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.secrets import is_secret
 from llmfoundry.utils.storage import parse_settings
 
@@ -102,12 +104,18 @@ def load_spec(path: str, overrides: list[str] = (), engine: str | None = None) -
             merged.engine = engine
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
-            raise ValueError(f"{path}: set {', '.join(missing)} (in the file or as key=value)")
+            raise UserError(f"{path}: set {', '.join(missing)} (in the file or as key=value)")
         spec = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         where = f"{path}: {key}" if key else path
-        raise ValueError(f"{where}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"{where}: {str(err).splitlines()[0]}") from None
+    except yaml.YAMLError as err:  # a value YAML cannot read (a backtick, an unclosed quote)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(
+            f"{path} or its overrides: YAML cannot read a value ({problem}); quote it, e.g. "
+            "key='value'"
+        ) from None
     assert isinstance(spec, DeploySpec)
     _check(spec)
     return spec
@@ -115,33 +123,33 @@ def load_spec(path: str, overrides: list[str] = (), engine: str | None = None) -
 
 def _check(spec: DeploySpec) -> None:
     if spec.engine not in ENGINES:
-        raise ValueError(f"engine {spec.engine!r} is not one of {', '.join(ENGINES)}")
+        raise UserError(f"engine {spec.engine!r} is not one of {', '.join(ENGINES)}")
     if spec.replicas < 1 or not 0 < spec.port < 65536 or spec.gpus < 0:
-        raise ValueError(
+        raise UserError(
             f"replicas ({spec.replicas}) must be >= 1, port ({spec.port}) in 1..65535 and gpus "
             f"({spec.gpus}) >= 0"
         )
     if spec.engine == "vllm" and spec.gpus < 1:
-        raise ValueError("engine vllm runs on GPUs: set gpus=1 (or more)")
+        raise UserError("engine vllm runs on GPUs: set gpus=1 (or more)")
     unknown = set(spec.resources) - {"requests", "limits"}
     if unknown:
-        raise ValueError(f"resources takes requests and limits, not {', '.join(sorted(unknown))}")
+        raise UserError(f"resources takes requests and limits, not {', '.join(sorted(unknown))}")
     options, overrides = parse_settings(spec.storage)
     for where, values in [("options", options), *(("overrides", o) for o in overrides.values())]:
         secret = next((k for k in values if is_secret(k)), None)
         if secret:
-            raise ValueError(
+            raise UserError(
                 f"storage.{where}: {secret!r} is a credential, which the manifest would show; "
                 "put it in the Secret named by storage_secret.name instead"
             )
     names = spec.storage_secret.keys
     if spec.storage_secret.name and (not names or not all(ENV_NAME.match(n) for n in names)):
-        raise ValueError(
+        raise UserError(
             f"storage_secret.keys: {names!r} must be environment variable names (the Secret's "
             "keys, e.g. [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY])"
         )
     if spec.engine == "vllm" and (overrides or set(options) - set(VLLM_STORAGE_ENV)):
-        raise ValueError(
+        raise UserError(
             "engine vllm reads object stores with its own client, which takes only "
             f"storage.options {' and '.join(VLLM_STORAGE_ENV)}; remove the other storage settings"
         )

@@ -28,6 +28,7 @@ import torch
 
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.generation import Decoder, GenerationConfig, TokenLogprob
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Engine:
         max_len: int,
     ) -> None:
         if max_rows < 1:
-            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+            raise UserError(f"max_rows must be at least 1, got {max_rows}")
         self.model, self.decode = model, decode
         self.max_rows, self.max_len = max_rows, max_len
         self.metrics = Metrics()

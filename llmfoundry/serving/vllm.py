@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from llmfoundry.utils.errors import MissingPackage
+
 __all__ = ["API_KEY_ENV", "require_vllm", "vllm_command"]
 
 API_KEY_ENV = "VLLM_API_KEY"
@@ -32,7 +34,7 @@ def vllm_command(model: str, host: str, port: int, model_name: str) -> list[str]
 def require_vllm() -> None:
     """Refuse, saying how to fix it, when vLLM is not installed here."""
     if importlib.util.find_spec("vllm") is None:
-        raise ImportError(
+        raise MissingPackage(
             "--engine vllm needs vLLM, which is not installed: pip install 'llmfoundry[vllm]' "
             "(on a machine with a CUDA GPU), or serve with the default --engine llmfoundry"
         )

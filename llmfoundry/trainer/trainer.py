@@ -226,7 +226,7 @@ class Trainer:
                 break
         # A run resumed at the end of an epoch has no batch left in it; that is no error.
         if not saw_batch and state.timestamp.batch_in_epoch == 0:
-            raise ValueError(
+            raise UserError(
                 "the train dataloader yielded no batch: the dataset is smaller than one global "
                 "batch per rank, or empty; check data.remote and global_train_batch_size"
             )
@@ -296,7 +296,7 @@ class Trainer:
         samples, tokens, signalled, total_loss_tokens = counts.tolist()
         self._signalled = signalled > 0
         if total_loss_tokens == 0:
-            raise ValueError(
+            raise UserError(
                 f"training batch {state.timestamp.batch + 1} has no loss tokens: every label is "
                 "-100"
             )
@@ -306,7 +306,7 @@ class Trainer:
         """Raise if a batch had no loss tokens (one process; `_global_counts`)."""
         batch = int(self._no_loss_tokens)
         if batch >= 0:
-            raise ValueError(
+            raise UserError(
                 f"training batch {batch + 1} had no loss tokens (every label is -100); its step "
                 "changed nothing but the optimizer's state. Check the data and its label masking"
             )
@@ -629,13 +629,13 @@ def _row_slices(rows: int, size: int | None) -> Iterator[slice]:
 def _is_auto(microbatch_size: int | str | None) -> bool:
     if isinstance(microbatch_size, str):
         if microbatch_size != "auto":
-            raise ValueError(
+            raise UserError(
                 f"device_train_microbatch_size={microbatch_size!r}: use a positive integer, "
                 "null (the whole per-device batch) or 'auto'"
             )
         return True
     if microbatch_size is not None and microbatch_size < 1:
-        raise ValueError(f"device_train_microbatch_size must be positive, got {microbatch_size}")
+        raise UserError(f"device_train_microbatch_size must be positive, got {microbatch_size}")
     return False
 
 

@@ -2,14 +2,14 @@
 
 A wrong config value, a missing data folder, ``strategy=ddp`` without torchrun: a traceback
 through the trainer's internals only hides the one sentence that matters. Library code raises
-:class:`UserError` (or :class:`MissingInput` for a path that is not there) with a message that
-names the problem, the path or key, and the fix; ``scripts/train.py`` and the ``data_prep``
-scripts run under :func:`exit_on_user_error`, which prints that message on one line and exits
-with status 2, as config errors do. ``--debug`` on the command line, or ``LLMFOUNDRY_DEBUG=1``
-in the environment, lets the exception through with its traceback. Bugs (any other exception)
-always keep their traceback. A full disk, a quota, a read-only or forbidden path (`OSError` with
-one of `_ENVIRONMENT_FIXES`' error numbers) is the machine's state, not a bug, and is reported
-the same way with the path it concerns.
+:class:`UserError` (or a subclass: :class:`MissingInput` for a path that is not there,
+:class:`OutputExists`, :class:`MissingPackage`) with a message that names the problem, the path
+or key, and the fix; every script (scripts/, data_prep/) runs under :func:`exit_on_user_error`,
+which prints that message on one line and exits with status 2, as config errors do. ``--debug``
+on the command line, or ``LLMFOUNDRY_DEBUG=1`` in the environment, lets the exception through
+with its traceback. Bugs (any other exception) always keep their traceback. A full disk, a quota,
+a read-only or forbidden path (`OSError` with one of `_ENVIRONMENT_FIXES`' error numbers) is the
+machine's state, not a bug, and is reported the same way with the path it concerns.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ __all__ = [
     "DEBUG_ENV",
     "DEBUG_FLAG",
     "MissingInput",
+    "MissingPackage",
+    "OutputExists",
     "UserError",
     "exit_on_user_error",
     "find_user_error",
@@ -51,6 +53,14 @@ class UserError(ValueError):
 
 class MissingInput(UserError, FileNotFoundError):
     """An input path or URL that does not exist (still a FileNotFoundError for callers)."""
+
+
+class OutputExists(UserError, FileExistsError):
+    """An output that is already there and is not overwritten (still a FileExistsError)."""
+
+
+class MissingPackage(UserError, ImportError):
+    """An optional package a feature needs and that is not installed (still an ImportError)."""
 
 
 def printable(text: str) -> str:
@@ -93,8 +103,17 @@ def exit_on_user_error(
     """Turn a :class:`UserError` (and the ``also`` types) into one stderr line and exit 2.
 
     ``prefix`` starts the line (the script's name, say). With ``debug`` the exception propagates
-    unchanged, traceback included.
+    unchanged, traceback included. ``also`` takes a third-party library's own error types only:
+    a built-in one (ValueError, FileNotFoundError, LookupError, ...) is what a bug raises too,
+    so catching it would print a bug as one line and hide its traceback; the code that knows the
+    cause raises :class:`UserError` instead.
     """
+    broad = [t.__name__ for t in also if t.__module__ == "builtins"]
+    if broad:
+        raise TypeError(
+            f"exit_on_user_error(also=...) takes third-party error types, not {broad}: raise "
+            "UserError (or MissingInput, OutputExists, MissingPackage) where the cause is known"
+        )
     try:
         yield
     except Exception as err:

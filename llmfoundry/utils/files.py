@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from llmfoundry.utils.errors import UserError
+
 __all__ = [
     "FileWriter",
     "atomic_path",
@@ -100,10 +102,10 @@ def parse_size(value: int | str | None, name: str = "size") -> int | None:
     ):
         unit = _UNITS.get(m.group(2).lower())
         if unit is None:
-            raise ValueError(f"unknown size unit in {name}={value!r}; use b, kb, mb, gb or tb")
+            raise UserError(f"unknown size unit in {name}={value!r}; use b, kb, mb, gb or tb")
         size = int(float(m.group(1)) * unit)
     else:
-        raise ValueError(f"bad {name} {value!r}; use a byte count or text like '64mb'")
+        raise UserError(f"bad {name} {value!r}; use a byte count or text like '64mb'")
     if size <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+        raise UserError(f"{name} must be positive, got {value!r}")
     return size

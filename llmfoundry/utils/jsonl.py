@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingInput, UserError
 
 __all__ = ["MAX_LINE_BYTES", "read_jsonl"]
 
@@ -32,7 +32,11 @@ def read_jsonl(
     it, in bounded chunks), not UTF-8, not JSON, or JSON but not an object raises `UserError`
     naming the line, so callers can prefix their own checks with ``where``.
     """
-    with storage.open_url(url, "rb") as f:
+    try:
+        f = storage.open_url(url, "rb").open()  # opened here, so a missing file is named
+    except FileNotFoundError:
+        raise MissingInput(f"{url} does not exist; check the path") from None
+    with f:
         for number, raw in enumerate(_lines(f, url, max_line_bytes), 1):
             where = f"{url} line {number}"
             try:

@@ -66,10 +66,10 @@ def configure(
 ) -> None:
     """Set the fsspec options every remote URL of this process gets (replaces earlier ones)."""
     if options is not None and not isinstance(options, Mapping):
-        raise ValueError(f"storage options must be a mapping of fsspec options, got {options!r}")
+        raise UserError(f"storage options must be a mapping of fsspec options, got {options!r}")
     for prefix, extra in (overrides or {}).items():
         if "://" not in prefix or not isinstance(extra, Mapping):
-            raise ValueError(
+            raise UserError(
                 f"storage override {prefix!r} must map a URL prefix like 's3://bucket/' to a "
                 "mapping of fsspec options"
             )
@@ -88,23 +88,23 @@ def parse_settings(
     """
     settings = settings or {}
     if not isinstance(settings, Mapping):
-        raise ValueError(f"storage: expected {{options: ..., overrides: ...}}, got {settings!r}")
+        raise UserError(f"storage: expected {{options: ..., overrides: ...}}, got {settings!r}")
     unknown = sorted(set(settings) - set(SETTINGS_KEYS))
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"storage.{unknown[0]}: unknown key; allowed: options (fsspec options for every "
             "remote URL), overrides (options by URL prefix)"
         )
     options, overrides = settings.get("options") or {}, settings.get("overrides") or {}
     if not isinstance(options, Mapping):
-        raise ValueError(f"storage.options: expected a mapping of fsspec options, got {options!r}")
+        raise UserError(f"storage.options: expected a mapping of fsspec options, got {options!r}")
     if not isinstance(overrides, Mapping):
-        raise ValueError(
+        raise UserError(
             "storage.overrides: expected {'s3://bucket/': {option: value}}, got " + repr(overrides)
         )
     for prefix, extra in overrides.items():
         if "://" not in str(prefix) or not isinstance(extra, Mapping):
-            raise ValueError(
+            raise UserError(
                 f"storage.overrides: {prefix!r} must map a URL prefix like 's3://bucket/' to a "
                 "mapping of fsspec options"
             )

@@ -20,6 +20,7 @@ from llmfoundry.launch.command import RESUME_EXIT
 from llmfoundry.launch.monitor import find_run, find_runs, follow, log_file, table
 from llmfoundry.launch.outcome import outcome
 from llmfoundry.trainer import Callback
+from llmfoundry.utils.errors import MissingInput
 from tests.callbacks.conftest import make_trainer
 
 
@@ -193,7 +194,7 @@ def test_logs_follow_until_the_run_ends(runs):
         chunks.append(chunk)
     thread.join()
     assert b"".join(chunks) == b"line 1\nline 2\nline 3\n"
-    with pytest.raises(LookupError, match="no run named 'nope'"):
+    with pytest.raises(MissingInput, match="no run named 'nope'"):
         find_run(runs, "nope")
 
 

@@ -22,6 +22,7 @@ from llmfoundry.models.layers.flex import flex_attention
 from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.mpt.infini import infini_attention
+from llmfoundry.utils.errors import UserError
 
 
 def _sequence_id(batch, seq_len, pad=0):
@@ -231,7 +232,7 @@ def test_flash_without_package_says_what_to_install(monkeypatch):
 def test_flash_on_cpu_says_it_needs_cuda():
     q, k, v = _qkv()
     mask = AttentionMasks(4, 40, alibi=ALiBi(8))(None, "cpu", q.dtype)
-    with pytest.raises(RuntimeError, match="attn_impl='flash' needs a CUDA device"):
+    with pytest.raises(UserError, match="attn_impl='flash' needs a CUDA device"):
         flash.flash_attention(q, k, v, mask, 0.0, 0.3)
 
 
@@ -313,7 +314,7 @@ def test_compiled_blocks_with_flex_compile_once_more_for_other_lengths_and_equal
 
 def test_flex_training_on_cpu_is_refused_clearly():
     _, fast = _model_pair("flex")
-    with pytest.raises(RuntimeError, match="cannot train on CPU.*attn_impl=sdpa"):
+    with pytest.raises(UserError, match="cannot train on CPU.*attn_impl=sdpa"):
         fast(torch.randint(0, 101, (1, 8)))
 
 

@@ -5,6 +5,8 @@ tests/config/test_cli_errors.py."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 import dataclasses
 import json
 import runpy
@@ -104,6 +106,112 @@ def test_user_error_is_one_line_and_debug_shows_it(script, tmp_path, capsys, mon
     with pytest.raises(Exception) as raised:  # not SystemExit: the exception, traceback and all
         main([*argv, "--debug"])
     assert names in str(raised.value) or isinstance(raised.value, UserError)
+
+
+def _more_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
+    """More user errors, in files and arguments, that no longer reach a script as a ValueError
+    caught wholesale: each is a UserError where it is found."""
+    (tmp / "bad.yaml").write_text("image: [")
+    (tmp / "metrics.jsonl").write_text('garbage\n{"loss/train": 1}\n')
+    (tmp / "t.txt").write_text("some text\n")
+    hf = tmp / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 0}))
+    return [
+        ("scripts/deploy.py", ["render", str(tmp / "bad.yaml")], "YAML cannot read a value"),
+        ("scripts/plot.py", [str(tmp / "metrics.jsonl")], "metrics.jsonl:1: not a JSON line"),
+        ("scripts/serve.py", [str(hf)], "has no 'num_attention_heads'"),
+        (
+            "data_prep/passkey.py",
+            ["--out", str(tmp / "pk"), "--seq-len", "64", "--train-rows", "0"],
+            "one row",
+        ),
+        (
+            "data_prep/text_to_tokens.py",
+            [str(tmp / "t.txt"), "--out", str(tmp / "o.txt"), "--train-tokenizer"],
+            "must end in .bin",
+        ),
+        ("data_prep/mds_tools.py", ["merge", str(tmp / "nowhere")], "does not exist"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_more_user_errors_are_one_line(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLMFOUNDRY_DEBUG", raising=False)
+    script, argv, names = _more_cases(tmp_path)[case]
+    assert names in one_line_error(capsys, main_of(script), argv)
+
+
+# Per entry point that once caught every ValueError and FileNotFoundError: the function its
+# error block calls (a bug deep in the library raises through it) and the error the bug raises.
+BUG_SITES = {
+    "scripts/convert_checkpoint.py": (
+        "llmfoundry.checkpoint.sharded.convert_to_safetensors",  # imported after parsing
+        ValueError,
+    ),
+    "scripts/deploy.py": ("write", FileNotFoundError),
+    "scripts/eval.py": ("run", ValueError),
+    "scripts/eval_passkey.py": ("run", FileNotFoundError),
+    "scripts/export_hf.py": ("export", ValueError),
+    "scripts/generate.py": ("run", FileNotFoundError),
+    "scripts/import_hf.py": ("run", ValueError),
+    "scripts/plot.py": ("plot", FileNotFoundError),
+    "scripts/runs.py": ("find_runs", FileNotFoundError),
+    "scripts/serve.py": ("serve", ValueError),
+    "scripts/sweep_report.py": ("report", FileNotFoundError),
+    "data_prep/mds_tools.py": ("_verify", ValueError),
+    "data_prep/tokens_to_mds.py": ("tokens_to_mds", FileExistsError),
+    "data_prep/text_to_tokens.py": ("text_to_tokens", ImportError),
+}
+
+
+@pytest.mark.parametrize("script", sorted(BUG_SITES))
+def test_a_bug_keeps_its_traceback(script, tmp_path, capsys, monkeypatch):
+    """An internal error (a built-in exception, not a UserError) is not printed as the user's
+    one-line mistake: it keeps its traceback."""
+    monkeypatch.delenv("LLMFOUNDRY_DEBUG", raising=False)
+    monkeypatch.chdir(ROOT)
+    argv, _ = _cases(tmp_path)[script]
+    main = main_of(script)
+    site, bug = BUG_SITES[script]
+
+    def broken(*args, **kwargs):
+        raise bug("an internal invariant failed")
+
+    if "." in site:
+        monkeypatch.setattr(site, broken)
+    else:
+        monkeypatch.setitem(main.__globals__, site, broken)
+    with pytest.raises(bug, match="an internal invariant failed"):
+        main(argv)
+    assert capsys.readouterr().err == ""
+
+
+def _builtin_errors_in_also(path: Path) -> list[str]:
+    """Built-in exception names given in an ``also=`` argument anywhere in the file at `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        for keyword in getattr(node, "keywords", []) if isinstance(node, ast.Call) else []:
+            if keyword.arg != "also":
+                continue
+            for name in ast.walk(keyword.value):
+                value = getattr(builtins, getattr(name, "id", ""), None)
+                if isinstance(value, type) and issubclass(value, BaseException):
+                    found.append(name.id)
+    return found
+
+
+def test_no_entry_point_reports_a_builtin_error_as_the_users():
+    """The rule: code that knows the cause raises UserError; no script catches ValueError,
+    FileNotFoundError & co. wholesale (that printed bugs as one line). `exit_on_user_error`
+    refuses a built-in type in `also` when it runs; this finds one in the source."""
+    offenders = {
+        str(path.relative_to(ROOT)): names
+        for folder in (*ENTRY_DIRS, "llmfoundry", "bench")
+        for path in (ROOT / folder).rglob("*.py")
+        if (names := _builtin_errors_in_also(path))
+    }
+    assert offenders == {}
 
 
 def test_plan_names_a_misspelt_key_of_a_group(capsys):

@@ -42,3 +42,13 @@ def test_url_passwords_are_hidden(capsys):
     with pytest.raises(SystemExit), exit_on_user_error(debug=False):
         raise MissingInput("no MDS dataset at s3://bob:hunter2@minio/b")
     assert "hunter2" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("broad", [ValueError, FileNotFoundError, LookupError, Exception])
+def test_a_builtin_error_type_is_refused_as_also(broad):
+    """A built-in type is what bugs raise too: catching it would print a bug as one line."""
+    with (
+        pytest.raises(TypeError, match="raise UserError"),
+        exit_on_user_error(False, also=(broad,)),
+    ):
+        pass

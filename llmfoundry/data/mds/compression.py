@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import BinaryIO
 
+from llmfoundry.utils.errors import MissingPackage, UserError
+
 __all__ = [
     "compress",
     "decompress",
@@ -57,20 +59,20 @@ def parse_compression(algo: str) -> tuple[str, int | None]:
     family, sep, level_text = algo.partition(":") if isinstance(algo, str) else ("", "", "")
     spec = _FAMILIES.get(family)
     if spec is None:
-        raise ValueError(
+        raise UserError(
             f"unknown compression {algo!r}; use one of {sorted(_FAMILIES)}, optionally "
             "with :LEVEL (e.g. zstd:7)"
         )
     if not sep:
         return family, spec.default
     if spec.levels is None:
-        raise ValueError(f"compression {family!r} takes no level, got {algo!r}")
+        raise UserError(f"compression {family!r} takes no level, got {algo!r}")
     try:
         level = int(level_text)
     except ValueError:
         level = -1
     if level not in spec.levels or str(level) != level_text:
-        raise ValueError(
+        raise UserError(
             f"bad level in {algo!r}; {family} levels are "
             f"{spec.levels.start}..{spec.levels.stop - 1}"
         )
@@ -98,7 +100,7 @@ def _module(family: str) -> ModuleType:
     try:
         return importlib.import_module(spec.module)
     except ImportError:
-        raise ImportError(
+        raise MissingPackage(
             f"compression {family!r} needs the {spec.package!r} package: pip install {spec.package}"
         ) from None
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from llmfoundry.utils.errors import MissingPackage, UserError
+
 __all__ = [
     "Encoding",
     "NDArray",
@@ -64,7 +66,7 @@ class Encoding(ABC):
 
     def _check_size(self, data: Buffer) -> None:
         if self.size is not None and len(data) != self.size:
-            raise ValueError(
+            raise UserError(
                 f"encoding {self.name!r} expects {self.size} bytes, got {len(data)} "
                 "(corrupt shard or wrong column encoding)"
             )
@@ -232,12 +234,12 @@ class NDArray(Encoding):
 
     def __init__(self, dtype: str | None = None, shape: tuple[int, ...] | None = None) -> None:
         if dtype is not None and dtype not in self.DTYPE_CODES:
-            raise ValueError(
+            raise UserError(
                 f"unsupported ndarray dtype {dtype!r}; allowed: {sorted(self.DTYPE_CODES)}"
             )
         if shape is not None:
             if not shape or len(shape) > 63 or any(int(d) < 1 for d in shape):
-                raise ValueError(
+                raise UserError(
                     f"ndarray shape {shape} must have 1..63 dimensions, each at least 1"
                 )
             shape = tuple(int(d) for d in shape)
@@ -260,7 +262,7 @@ class NDArray(Encoding):
         """Parse the text after ``ndarray:`` (``"uint16:2048"``, ``"float32"``, ``":2,3"``)."""
         parts = args.split(":")
         if len(parts) > 2 or (len(parts) == 1 and not parts[0]):
-            raise ValueError(
+            raise UserError(
                 f"bad ndarray encoding 'ndarray:{args}'; use ndarray, ndarray:DTYPE or "
                 "ndarray:DTYPE:D0,D1,..."
             )
@@ -270,7 +272,7 @@ class NDArray(Encoding):
             try:
                 shape = tuple(int(d) for d in parts[1].split(","))
             except ValueError:
-                raise ValueError(
+                raise UserError(
                     f"bad ndarray shape {parts[1]!r} in 'ndarray:{args}'; use comma-separated "
                     "positive integers"
                 ) from None
@@ -317,7 +319,7 @@ class NDArray(Encoding):
             pos = 1
             dtype = self.CODE_DTYPES.get(code)
             if dtype is None:
-                raise ValueError(f"corrupt ndarray: unknown dtype code {code}")
+                raise UserError(f"corrupt ndarray: unknown dtype code {code}")
         shape = self.shape
         if shape is None:
             head = view[pos]
@@ -326,13 +328,13 @@ class NDArray(Encoding):
             shape_dtype = np.dtype(self.SHAPE_DTYPES[code])
             end = pos + ndim * shape_dtype.itemsize
             if ndim == 0 or end > len(view):
-                raise ValueError("corrupt ndarray: bad shape header")
+                raise UserError("corrupt ndarray: bad shape header")
             shape = tuple(int(d) for d in np.frombuffer(view[pos:end], shape_dtype))
             pos = end
         item = np.dtype(dtype)
         count = int(np.prod(shape))
         if len(view) - pos != count * item.itemsize:
-            raise ValueError(
+            raise UserError(
                 f"corrupt ndarray: {len(view) - pos} value bytes for shape {shape} of {dtype}"
             )
         return np.frombuffer(view, item, count=count, offset=pos).reshape(shape)
@@ -342,7 +344,7 @@ def _pil():
     try:
         from PIL import Image
     except ImportError:
-        raise ImportError("image encodings need Pillow: pip install pillow") from None
+        raise MissingPackage("image encodings need Pillow: pip install pillow") from None
     return Image
 
 
@@ -400,7 +402,7 @@ class JPEG(_SavedImage):
 
     def __init__(self, quality: int = 75) -> None:
         if not 0 <= quality <= 100:
-            raise ValueError(f"jpeg quality must be 0..100, got {quality}")
+            raise UserError(f"jpeg quality must be 0..100, got {quality}")
         self.quality = quality
         self.name = "jpeg" if quality == 75 else f"jpeg:{quality}"
 
@@ -445,9 +447,9 @@ def _parse(name: str) -> Encoding:
         try:
             return JPEG(int(args))
         except ValueError:
-            raise ValueError(f"bad jpeg encoding {name!r}; use jpeg or jpeg:QUALITY") from None
+            raise UserError(f"bad jpeg encoding {name!r}; use jpeg or jpeg:QUALITY") from None
     if sep:
-        raise ValueError(f"encoding {family!r} takes no arguments, got {name!r}")
+        raise UserError(f"encoding {family!r} takes no arguments, got {name!r}")
     if family in _SCALARS:
         return Scalar(family, family)
     if family == "jpeg":
@@ -455,8 +457,8 @@ def _parse(name: str) -> Encoding:
     if family in _SIMPLE:
         return _SIMPLE[family]()
     if family.startswith("list["):
-        raise ValueError(f"list image encodings ({name!r}) are not supported")
-    raise ValueError(f"unknown MDS encoding {name!r}; known: {sorted(ENCODING_NAMES)}")
+        raise UserError(f"list image encodings ({name!r}) are not supported")
+    raise UserError(f"unknown MDS encoding {name!r}; known: {sorted(ENCODING_NAMES)}")
 
 
 def get_encoding(name: str, allow_unsafe: bool = False) -> Encoding:

@@ -15,6 +15,8 @@ from typing import Any
 
 import xxhash
 
+from llmfoundry.utils.errors import UserError
+
 __all__ = ["HASH_NAMES", "digest", "fastest", "file_digest", "is_hash"]
 
 _HASHLIB = (
@@ -53,7 +55,7 @@ def fastest(algos: Iterable[str]) -> str | None:
 def _new(algo: str) -> Any:
     ctor = _CONSTRUCTORS.get(algo)
     if ctor is None:
-        raise ValueError(f"unknown hash {algo!r}; use one of {sorted(HASH_NAMES)}")
+        raise UserError(f"unknown hash {algo!r}; use one of {sorted(HASH_NAMES)}")
     return ctor()
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from llmfoundry.data.mds.compression import extension, is_compression
 from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import is_hash
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
@@ -48,7 +48,7 @@ def check_basename(basename: str) -> str:
     A crafted index must not make us read or write outside the folder (``../../etc/passwd``).
     """
     if not isinstance(basename, str) or not basename:
-        raise ValueError(f"shard basename must be a non-empty string, got {basename!r}")
+        raise UserError(f"shard basename must be a non-empty string, got {basename!r}")
     path = PurePosixPath(basename)
     if (
         path.is_absolute()
@@ -57,7 +57,7 @@ def check_basename(basename: str) -> str:
         or any(part in ("..", ".", "") for part in path.parts)
         or str(path) != basename
     ):
-        raise ValueError(
+        raise UserError(
             f"unsafe shard basename {basename!r}: it must be a relative path inside the dataset "
             "folder (like 'shard.00000.mds' or 'train/shard.00000.mds'), without '..'"
         )
@@ -66,7 +66,7 @@ def check_basename(basename: str) -> str:
 
 def _require(cond: bool, where: str, msg: str) -> None:
     if not cond:
-        raise ValueError(f"{where}: {msg}")
+        raise UserError(f"{where}: {msg}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class FileInfo:
         try:
             basename = check_basename(obj["basename"])
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise UserError(f"{where}: {err}") from None
         return cls(basename, size, dict(hashes))
 
     def to_json(self) -> dict[str, Any]:
@@ -265,7 +265,7 @@ def _check_columns(obj: dict[str, Any], where: str) -> tuple[list, list, list]:
         try:
             coder = get_encoding(enc)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"{where}: column {name!r}: {err}") from None
+            raise UserError(f"{where}: column {name!r}: {err}") from None
         _require(
             coder.size == size,
             where,
@@ -333,7 +333,7 @@ def load_index(path: str | os.PathLike) -> list[ShardInfo]:
     if path.is_dir():
         path = path / INDEX_NAME
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no MDS index at {path}; expected a folder containing {INDEX_NAME} "
             "(written by MDSWriter or data_prep/tokens_to_mds.py)"
         )

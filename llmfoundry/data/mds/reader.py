@@ -20,7 +20,7 @@ from llmfoundry.data.mds.compression import decompress_to
 from llmfoundry.data.mds.encodings import NDArray, UnsafeEncodingError, get_encoding
 from llmfoundry.data.mds.hashing import file_digest
 from llmfoundry.data.mds.index import FileInfo, ShardInfo
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingInput, UserError
 
 __all__ = ["ShardCorruptError", "ShardReader", "unpack_shard", "verify_file", "verify_shard"]
 
@@ -50,7 +50,7 @@ class ShardReader:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            raise FileNotFoundError(f"shard file {self.path} does not exist") from None
+            raise MissingInput(f"shard file {self.path} does not exist") from None
         try:
             stat = os.fstat(fd)
             size = stat.st_size
@@ -232,7 +232,7 @@ def verify_file(
     path = Path(path)
     source = source or str(path)
     if not path.is_file():
-        raise FileNotFoundError(f"shard file {source} does not exist")
+        raise MissingInput(f"shard file {source} does not exist")
     size = path.stat().st_size
     if size != expected.bytes:
         raise ShardCorruptError(

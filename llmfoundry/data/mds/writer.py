@@ -29,6 +29,7 @@ from llmfoundry.data.mds.encodings import get_encoding
 from llmfoundry.data.mds.hashing import digest, is_hash
 from llmfoundry.data.mds.index import INDEX_NAME, FileInfo, ShardInfo, write_index
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import OutputExists, UserError
 from llmfoundry.utils.files import atomic_write, join_url, parse_size
 
 __all__ = ["MDSWriter"]
@@ -70,7 +71,7 @@ class MDSWriter:
         try:
             self._coders = [get_encoding(columns[n]) for n in self.column_names]
         except ValueError as err:
-            raise ValueError(f"bad column encoding: {err}") from None
+            raise UserError(f"bad column encoding: {err}") from None
         self.column_encodings = [columns[n] for n in self.column_names]
         self.column_sizes = [c.size for c in self._coders]
         self.compression = compression or None
@@ -78,11 +79,11 @@ class MDSWriter:
             compression_lib.check_available(self.compression)
         unknown = [h for h in hashes if not is_hash(h)]
         if unknown:
-            raise ValueError(f"unknown hash(es) {unknown}; see llmfoundry.data.mds.HASH_NAMES")
+            raise UserError(f"unknown hash(es) {unknown}; see llmfoundry.data.mds.HASH_NAMES")
         self.hashes = sorted(set(hashes))
         self.size_limit = parse_size(size_limit, "size_limit")
         if self.size_limit is not None and self.size_limit > _MAX_SHARD:
-            raise ValueError(
+            raise UserError(
                 f"size_limit={size_limit!r} is 4 GiB or more, but MDS shard offsets are 32-bit; "
                 "use a size_limit below 4gb (the default is 64mb)"
             )
@@ -132,7 +133,7 @@ class MDSWriter:
     def _prepare_out(self, exist_ok: bool) -> None:
         existing = self._existing()
         if existing and not exist_ok:
-            raise FileExistsError(
+            raise OutputExists(
                 f"{self.out} already holds an MDS dataset ({len(existing)} files); pass "
                 "exist_ok=True (CLI: --overwrite) to replace it, or choose another folder"
             )
@@ -180,7 +181,7 @@ class MDSWriter:
         lengths = np.fromiter((len(s) for s in self._samples), np.int64, count=n)
         offsets = header_size + np.concatenate([[0], np.cumsum(lengths)])
         if offsets[-1] > _MAX_SHARD:
-            raise ValueError(
+            raise UserError(
                 f"shard of {int(offsets[-1])} bytes exceeds the format's 4 GiB limit; "
                 "set a smaller size_limit"
             )

@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = ["choice_task", "docstring_examples", "write_docstring_examples"]
@@ -52,7 +53,7 @@ def choice_task(
     a generator seeded by ``seed``; the query is the example's ``prompt`` as given."""
     responses = sorted({ex["response"] for ex in examples})
     if len(responses) < n_choices:
-        raise ValueError(f"{len(responses)} distinct responses, fewer than {n_choices} choices")
+        raise UserError(f"{len(responses)} distinct responses, fewer than {n_choices} choices")
     rng = random.Random(seed)
     lines = []
     for ex in examples:
@@ -79,7 +80,7 @@ def write_docstring_examples(
                 continue
             lines += [json.dumps(ex) + "\n" for ex in docstring_examples(source)]
     if not lines:
-        raise ValueError(f"no documented functions found under {list(map(str, roots))}")
+        raise UserError(f"no documented functions found under {list(map(str, roots))}")
     atomic_write(out, "".join(lines))
     log.info("%s: %d examples", out, len(lines))
     return len(lines)

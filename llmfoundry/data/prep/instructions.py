@@ -52,6 +52,7 @@ from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.jsonl import MAX_LINE_BYTES, read_jsonl
 
@@ -76,14 +77,14 @@ def _conversation(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+            raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
         for i, m in enumerate(messages):
             if (
                 not isinstance(m, dict)
                 or m.get("role") not in ROLES
                 or not isinstance(m.get("content"), str)
             ):
-                raise ValueError(
+                raise UserError(
                     f"{where}: messages[{i}] must be {{'role': one of {list(ROLES)}, "
                     f"'content': str}}, got {m!r}"
                 )
@@ -91,15 +92,15 @@ def _conversation(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
     elif "prompt" in obj or "response" in obj:
         prompt, response = obj.get("prompt"), obj.get("response")
         if not isinstance(prompt, str) or not isinstance(response, str):
-            raise ValueError(f"{where}: 'prompt' and 'response' must both be strings")
+            raise UserError(f"{where}: 'prompt' and 'response' must both be strings")
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
-        raise ValueError(
+        raise UserError(
             f"{where}: an example needs 'prompt' and 'response', or 'messages'; got keys "
             f"{sorted(obj)}"
         )
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message, so nothing to train on")
+        raise UserError(f"{where}: no assistant message, so nothing to train on")
     return messages
 
 
@@ -170,7 +171,7 @@ class Formatter:
                 continue
             prompt, full = render(i, True), render(i + 1, False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise ValueError(
+                raise UserError(
                     "the tokenizer's chat template does not render a conversation as a prefix of "
                     "its continuation, so response tokens cannot be told apart; use a tokenizer "
                     "without a chat template (the default format) or fix the template"
@@ -296,13 +297,13 @@ def instructions_to_mds(
     refused, naming it.
     """
     if seq_len < 2:
-        raise ValueError(f"--seq-len must be at least 2, got {seq_len}")
+        raise UserError(f"--seq-len must be at least 2, got {seq_len}")
     if too_long not in TOO_LONG:
-        raise ValueError(f"--too-long must be one of {TOO_LONG}, got {too_long!r}")
+        raise UserError(f"--too-long must be one of {TOO_LONG}, got {too_long!r}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if not inputs:
-        raise ValueError("give at least one instruction .jsonl file")
+        raise UserError("give at least one instruction .jsonl file")
     formatter = Formatter(tokenizer, eos_token)
     prepared = formatter.prepared
     settings = {
@@ -386,7 +387,7 @@ def instructions_to_mds(
         writer.finish()
         rows = packers[split].rows
         if rows == 0:
-            raise ValueError(
+            raise UserError(
                 f"no {split} example left (counts: {counts}); give more examples, a larger "
                 "--seq-len or --too-long truncate"
                 + (", or a larger --val-fraction" if split == "val" else "")

@@ -21,10 +21,7 @@ from types import FrameType
 
 from llmfoundry.utils.cli import script_errors
 
-__all__ = ["PREP_ERRORS", "Terminated", "exit_on_interrupt", "prep_script", "stop_on_signals"]
-
-# What data prep raises for a problem the user can fix (a bad path, option or file).
-PREP_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ImportError)
+__all__ = ["Terminated", "exit_on_interrupt", "prep_script", "stop_on_signals"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -71,5 +68,5 @@ def exit_on_interrupt() -> Iterator[None]:
 def prep_script(args: argparse.Namespace) -> Iterator[None]:
     """A data_prep script's work: ``--storage`` applied, user errors one line (exit 2), SIGTERM
     and Ctrl-C cleaned up (exit 128 + signum)."""
-    with script_errors(args, also=PREP_ERRORS), exit_on_interrupt():
+    with script_errors(args), exit_on_interrupt():
         yield

@@ -30,6 +30,7 @@ from llmfoundry.data.mds import (
     unpack_shard,
 )
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import join_url
 
 __all__ = ["IndexReport", "find_indexes", "merge_indexes", "verify_mds"]
@@ -75,9 +76,7 @@ def find_indexes(url: str) -> list[str]:
         return [""]
     subs = _subfolders_with_index(fs, root)
     if not subs:
-        raise FileNotFoundError(
-            f"no {INDEX_NAME} in {url} or its sub-folders; is this an MDS dataset?"
-        )
+        raise MissingInput(f"no {INDEX_NAME} in {url} or its sub-folders; is this an MDS dataset?")
     return subs
 
 
@@ -176,15 +175,15 @@ def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardIn
     fs, root = storage.url_to_fs(url)
     if subfolders is None:
         if not fs.exists(root):
-            raise FileNotFoundError(f"{url} does not exist")
+            raise MissingInput(f"{url} does not exist")
         subfolders = _subfolders_with_index(fs, root)
     if not subfolders:
-        raise FileNotFoundError(f"no sub-folder of {url} holds an {INDEX_NAME} to merge")
+        raise MissingInput(f"no sub-folder of {url} holds an {INDEX_NAME} to merge")
     merged: list[ShardInfo] = []
     for sub in subfolders:
         index_url = join_url(join_url(root, sub), INDEX_NAME)
         if not fs.exists(index_url):
-            raise FileNotFoundError(f"{index_url} does not exist")
+            raise MissingInput(f"{index_url} does not exist")
         merged += [s.with_prefix(sub) for s in parse_index(fs.cat_file(index_url), index_url)]
     # mosaicml-streaming writes merged indexes with "version" first and without sort_keys.
     text = json.dumps({"version": 2, "shards": [s.to_json() for s in merged]})

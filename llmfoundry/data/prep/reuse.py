@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import OutputExists
 from llmfoundry.utils.files import join_url
 
 __all__ = ["is_reusable", "previous_output", "settings_fingerprint"]
@@ -34,7 +35,7 @@ def is_reusable(previous: Mapping[str, Any] | None, key: str, overwrite: bool, o
         return False
     if previous.get("fingerprint") == key:
         return True
-    raise FileExistsError(
+    raise OutputExists(
         f"{out} was made from other inputs or settings; pass --overwrite to replace it, or "
         "choose another output"
     )

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmfoundry.utils.errors import MissingInput, MissingPackage, UserError
+
 __all__ = ["Task", "fingerprint", "iter_documents", "plan_tasks", "read_task"]
 
 TASK_BYTES = 4 << 20  # target text per task: large enough to amortise IPC, small for memory
@@ -46,7 +48,7 @@ def _import(module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(
+        raise MissingPackage(
             f"this source needs {package}: pip install {package} (or pip install 'llmfoundry[data]')"
         ) from None
 
@@ -119,7 +121,7 @@ def _jsonl_tasks(path: Path, text_field: str) -> list[Task]:
 def _parquet_tasks(path: Path, text_field: str) -> list[Task]:
     meta = _import("pyarrow.parquet", "pyarrow").ParquetFile(path)
     if text_field not in meta.schema_arrow.names:
-        raise ValueError(
+        raise UserError(
             f"{path} has no column {text_field!r} (columns: {meta.schema_arrow.names}); "
             "choose one with --text-field"
         )
@@ -128,7 +130,7 @@ def _parquet_tasks(path: Path, text_field: str) -> list[Task]:
         text_columns = [
             f.name for f in meta.schema_arrow if str(f.type) in ("string", "large_string")
         ]
-        raise ValueError(
+        raise UserError(
             f"{path}: column {text_field!r} holds {kind}, not text; choose a text column with "
             f"--text-field (text columns: {text_columns})"
         )
@@ -146,14 +148,14 @@ def _load_hf(spec: str) -> Any:
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"{path} holds splits {sorted(ds)}; choose one with --hf-split")
+                raise UserError(f"{path} holds splits {sorted(ds)}; choose one with --hf-split")
             ds = ds[split]
         return ds
     name, config, split = json.loads(rest)
     try:
         return datasets.load_dataset(name, config, split=split)
     except Exception as err:  # the hub or a loader failed: say which dataset and why
-        raise ValueError(
+        raise UserError(
             f"could not load Hugging Face dataset {name!r} (config {config}, split {split}): "
             f"{type(err).__name__}: {err}. Offline? Give a local path or a save_to_disk folder."
         ) from err
@@ -172,7 +174,7 @@ def _hf_dataset(spec: str) -> Any:
 def _hf_tasks(spec: str, text_field: str, rows_per_task: int = 2048) -> list[Task]:
     ds = _hf_dataset(spec)
     if text_field not in ds.column_names:
-        raise ValueError(
+        raise UserError(
             f"dataset {spec} has no column {text_field!r} (columns: {ds.column_names}); "
             "choose one with --text-field"
         )
@@ -193,7 +195,7 @@ def plan_tasks(
 ) -> list[Task]:
     """Ordered reading tasks covering every source, in the order given."""
     if not sources:
-        raise ValueError("no sources given; pass folders, .jsonl/.parquet files or hf:NAME")
+        raise UserError("no sources given; pass folders, .jsonl/.parquet files or hf:NAME")
     tasks: list[Task] = []
     for source in sources:
         if source.startswith(HF_PREFIX):
@@ -202,13 +204,13 @@ def plan_tasks(
             continue
         path = Path(source)
         if not path.exists():
-            raise FileNotFoundError(f"source {source} does not exist")
+            raise MissingInput(f"source {source} does not exist")
         if _is_saved_hf_dataset(path):
             tasks += _hf_tasks(f"disk:{path}::{hf_split}", text_field)
         elif path.is_dir():
             files = _list_files(path, globs, excludes)
             if not files:
-                raise ValueError(
+                raise UserError(
                     f"no files in {path} match --glob {list(globs)} "
                     f"(minus --exclude {list(excludes)})"
                 )
@@ -226,12 +228,10 @@ def _text_of(obj: Any, field: str, where: str) -> str | None:
     """The text field of a row; None (a null) is skipped by the caller, as in parquet."""
     if not isinstance(obj, dict) or field not in obj:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(
-            f"{where}: no field {field!r} (found {keys}); choose one with --text-field"
-        )
+        raise UserError(f"{where}: no field {field!r} (found {keys}); choose one with --text-field")
     text = obj[field]
     if text is not None and not isinstance(text, str):
-        raise ValueError(
+        raise UserError(
             f"{where}: field {field!r} is {type(text).__name__}, not text; choose a text field "
             "with --text-field"
         )
@@ -268,12 +268,12 @@ def read_task(task: Task) -> tuple[list[str], int]:
             try:
                 obj = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError as err:
-                raise ValueError(
+                raise UserError(
                     f"{where}: not UTF-8 ({err.reason} at byte {pos - len(line) - 1 + err.start}); "
                     "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
                 ) from None
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON: {err}; fix or remove the line") from None
+                raise UserError(f"{where}: invalid JSON: {err}; fix or remove the line") from None
             text = _text_of(obj, task.text_field, where)
             if text is None:
                 skipped += 1

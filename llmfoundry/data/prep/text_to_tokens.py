@@ -41,6 +41,7 @@ from llmfoundry.data.prep.tokenizer import (
     prepare_tokenizer,
     train_bpe,
 )
+from llmfoundry.utils.errors import MissingInput, OutputExists, UserError
 from llmfoundry.utils.files import atomic_path, atomic_write
 
 __all__ = ["TOKENS_FORMAT", "open_doc_index", "open_tokens", "sidecar_path", "text_to_tokens"]
@@ -252,14 +253,14 @@ def _check_existing(tokens_path: Path, key: str, overwrite: bool) -> dict | None
     try:
         meta = open_tokens(tokens_path)[1]
     except (ValueError, FileNotFoundError) as err:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tokens_path} exists but is unusable ({err}); pass --overwrite to redo it"
         ) from None
     if not is_reusable(meta, key, overwrite, str(tokens_path)):
         return None
     tok_file = sidecar.parent / meta["tokenizer"]
     if not tok_file.is_file() or _sha256(tok_file) != meta["tokenizer_sha256"]:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tok_file} is missing or no longer the tokenizer {tokens_path} was made with; "
             "pass --overwrite to redo it"
         )
@@ -338,7 +339,7 @@ def text_to_tokens(
     with atomic_path(out) as tmp_tokens, atomic_path(_docs_path(out)) as tmp_docs:
         counts = _write_stream(tasks, workers, init, max_bytes, tmp_tokens, tmp_docs, progress)
         if counts["tokens"] == 0:
-            raise ValueError(
+            raise UserError(
                 f"sources {list(sources)} produced no documents (all empty or unreadable)"
             )
     if not doc_boundaries:
@@ -377,13 +378,13 @@ def _check_arguments(
     max_bytes: int | None,
 ) -> None:
     if out.suffix != ".bin":
-        raise ValueError(f"output {out} must end in .bin (the sidecar goes to {out.stem}.json)")
+        raise UserError(f"output {out} must end in .bin (the sidecar goes to {out.stem}.json)")
     if (tokenizer is None) == (not train_tokenizer):
-        raise ValueError("give exactly one of --tokenizer PATH and --train-tokenizer")
+        raise UserError("give exactly one of --tokenizer PATH and --train-tokenizer")
     if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
+        raise UserError(f"--workers must be at least 1, got {workers}")
     if max_bytes is not None and max_bytes <= 0:
-        raise ValueError(f"--max-bytes must be positive, got {max_bytes}")
+        raise UserError(f"--max-bytes must be positive, got {max_bytes}")
 
 
 def _place_tokenizer(
@@ -403,7 +404,7 @@ def _place_tokenizer(
     if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
         return tok_path
     if tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
-        raise FileExistsError(
+        raise OutputExists(
             f"{tok_path} holds a different tokenizer; write token files made with different "
             "tokenizers to different folders, or pass --overwrite to replace it"
         )
@@ -429,18 +430,18 @@ def open_tokens(path: str | os.PathLike) -> tuple[np.memmap, dict[str, Any]]:
     path = Path(path)
     sidecar = path if path.suffix == ".json" else sidecar_path(path)
     if not sidecar.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no sidecar {sidecar}: run data_prep/text_to_tokens.py to (re)make the token file"
         )
     meta = json.loads(sidecar.read_text())
     if meta.get("format") != TOKENS_FORMAT:
-        raise ValueError(f"{sidecar} is not a {TOKENS_FORMAT} sidecar")
+        raise UserError(f"{sidecar} is not a {TOKENS_FORMAT} sidecar")
     tokens_file = sidecar.parent / meta["tokens_file"]
     dtype = np.dtype(meta["dtype"])
     expected = meta["num_tokens"] * dtype.itemsize
     actual = tokens_file.stat().st_size if tokens_file.is_file() else -1
     if actual != expected:
-        raise ValueError(
+        raise UserError(
             f"{tokens_file} is {actual} bytes, sidecar says {expected} "
             f"({meta['num_tokens']} x {dtype}); the file is incomplete or replaced"
         )
@@ -452,8 +453,8 @@ def open_doc_index(path: str | os.PathLike) -> np.ndarray:
     _, meta = open_tokens(path)
     sidecar = Path(path) if Path(path).suffix == ".json" else sidecar_path(path)
     if not meta.get("doc_index"):
-        raise ValueError(f"{sidecar} has no document index; rerun with --doc-boundaries")
+        raise UserError(f"{sidecar} has no document index; rerun with --doc-boundaries")
     starts = np.fromfile(sidecar.parent / meta["doc_index"], dtype=np.int64)
     if len(starts) != meta["num_documents"]:
-        raise ValueError(f"document index of {sidecar} is incomplete")
+        raise UserError(f"document index of {sidecar} is incomplete")
     return starts

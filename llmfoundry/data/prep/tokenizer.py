@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
@@ -88,7 +88,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
     Byte level means every string is representable (no unknown token) and decoding is exact.
     """
     if vocab_size < 257 or vocab_size > (1 << 32):
-        raise ValueError(f"--vocab-size must be at least 257 (256 bytes + EOS), got {vocab_size}")
+        raise UserError(f"--vocab-size must be at least 257 (256 bytes + EOS), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -133,7 +133,7 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray | None:
 def _token_id(tok: Tokenizer, token: str, flag: str) -> int:
     token_id = tok.token_to_id(token)
     if token_id is None:
-        raise ValueError(f"token {token!r} is not in the tokenizer's vocabulary; fix {flag}")
+        raise UserError(f"token {token!r} is not in the tokenizer's vocabulary; fix {flag}")
     return token_id
 
 
@@ -147,7 +147,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             with storage.open_url(url, "r", encoding="utf-8") as f:
                 return _parse(f.read(), url)
         except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer {url} not found") from None
+            raise MissingInput(f"tokenizer {url} not found") from None
     path = Path(storage.local_path(url))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
@@ -162,12 +162,12 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if not getattr(hf, "is_fast", False):
-            raise ValueError(
+            raise UserError(
                 f"{path} holds a slow (Python) tokenizer; a fast one is needed "
                 "(a folder with tokenizer.json)"
             )
         return hf.backend_tokenizer
-    raise FileNotFoundError(
+    raise MissingInput(
         f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
     )
 
@@ -233,7 +233,7 @@ def prepare(
         bos_id = _token_id(tok, bos_token, "--bos-token") if bos_token is not None else None
         return PreparedTokenizer(tok, None, bos_id, None, bos_token)
     if eos_token is None:
-        raise ValueError(
+        raise UserError(
             f"the tokenizer has no {EOS_TOKEN!r} token and no eos_token; name one with --eos-token"
         )
     eos_id = _token_id(tok, eos_token, "--eos-token")

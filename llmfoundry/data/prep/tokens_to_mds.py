@@ -53,14 +53,14 @@ def split_rows(rows: int, val_fraction: float = 0.0, val_rows: int | None = None
     """
     if val_rows is not None:
         if val_rows < 0:
-            raise ValueError(f"--val-rows must be >= 0, got {val_rows}")
+            raise UserError(f"--val-rows must be >= 0, got {val_rows}")
         n_val = val_rows
     else:
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+            raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
         n_val = max(1, round(rows * val_fraction)) if val_fraction > 0 else 0
     if n_val >= rows:
-        raise ValueError(
+        raise UserError(
             f"{n_val} validation rows leave no training rows out of {rows}; use fewer "
             "validation rows, a smaller --seq-len, or more text"
         )
@@ -87,11 +87,11 @@ def tokens_to_mds(
     dataset's shards from the ones it holds.
     """
     if seq_len < 1:
-        raise ValueError(f"--seq-len must be positive, got {seq_len}")
+        raise UserError(f"--seq-len must be positive, got {seq_len}")
     stream, source = open_tokens(tokens)
     rows = len(stream) // seq_len
     if rows < 1:
-        raise ValueError(
+        raise UserError(
             f"{tokens} has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}"
         )
     n_val = split_rows(rows, val_fraction, val_rows)

@@ -55,7 +55,7 @@ from llmfoundry.data.streaming.download import download
 from llmfoundry.data.streaming.locking import file_lock
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write, fsync_path, join_url, temp_name
 
 __all__ = ["ShardCache"]
@@ -149,7 +149,7 @@ class ShardCache:
         for j in range(len(self.shards)):
             if self.path(j).is_file():
                 continue
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"shard {self.path(j)} listed in {self.local / 'index.json'} is missing; the "
                 "dataset folder is incomplete (rewrite it, or copy the missing shards)"
             )
@@ -231,7 +231,7 @@ class ShardCache:
                 tmp.unlink()
         owner = marker.read_text()
         if owner != self.remote:
-            raise ValueError(
+            raise UserError(
                 f"cache folder {self.local} already caches {owner!r}, not {self.remote!r}; "
                 "give each dataset its own local folder (data.local in a training config, "
                 "data.eval_datasets.<label>.local for an eval set), or delete the old cache"

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from llmfoundry.utils import storage
+from llmfoundry.utils.errors import MissingInput
 
 __all__ = ["download", "list_dirs", "read_bytes"]
 
@@ -48,7 +49,7 @@ def download(
         try:
             fs.get_file(path, os.fspath(dest))
         except FileNotFoundError:
-            raise FileNotFoundError(f"{url} does not exist") from None
+            raise MissingInput(f"{url} does not exist") from None
 
     _retry(f"downloading {url}", fetch, retries, backoff)
 
@@ -66,7 +67,7 @@ def read_bytes(
         try:
             return fs.cat_file(path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{url} does not exist") from None
+            raise MissingInput(f"{url} does not exist") from None
 
     return _retry(f"reading {url}", fetch, retries, backoff)
 

@@ -146,7 +146,7 @@ class EpochDataset(IterableDataset):
             detail = ", ".join(
                 f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in changed.items()
             )
-            raise ValueError(
+            raise UserError(
                 f"cannot resume: the data order changed since the checkpoint ({detail}); "
                 "resume with the same data and shuffle settings, or start a fresh run"
             )

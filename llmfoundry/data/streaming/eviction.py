@@ -23,6 +23,7 @@ import numpy as np
 
 from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.pins import pinned
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import parse_size
 
 __all__ = ["CacheLimiter", "working_set_bytes"]
@@ -49,7 +50,7 @@ class CacheLimiter:
             return
         largest = max(c.max_shard_bytes() for c in self.caches)
         if self.limit < largest:
-            raise ValueError(
+            raise UserError(
                 f"cache_limit={limit!r} ({self.limit} bytes) cannot hold the largest shard "
                 f"({largest} bytes); raise cache_limit well above it (a shuffle block's shards "
                 "should fit), or write smaller shards"

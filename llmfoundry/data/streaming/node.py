@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmfoundry.data.streaming.world import World, _env_int
+from llmfoundry.utils.errors import MissingInput
 from llmfoundry.utils.files import atomic_write
 
 __all__ = ["NodeShare"]
@@ -128,7 +129,7 @@ class NodeShare:
         line, _, data = raw.partition(b"\n")
         header = json.loads(line)
         if "missing" in header:
-            raise FileNotFoundError(header["missing"])
+            raise MissingInput(header["missing"])
         if "error" in header:
             raise OSError(f"local rank 0 could not fetch {what}: {header['error']}")
         return data

@@ -76,6 +76,8 @@ from functools import cached_property
 
 import numpy as np
 
+from llmfoundry.utils.errors import UserError
+
 __all__ = ["EpochOrder", "RankPlan", "SpanLayout", "stream_counts"]
 
 # Distinct first words of the seed sequences, so no two random draws ever share a stream.
@@ -114,19 +116,19 @@ def stream_counts(
         raise ValueError("no streams given")
     if np.any(sizes_arr <= 0):
         empty = [i for i, n in enumerate(sizes) if n <= 0]
-        raise ValueError(f"stream(s) {empty} have no samples; remove them or write data to them")
+        raise UserError(f"stream(s) {empty} have no samples; remove them or write data to them")
     if epoch_size is not None and (isinstance(epoch_size, bool) or epoch_size <= 0):
-        raise ValueError(f"epoch_size must be a positive integer, got {epoch_size!r}")
+        raise UserError(f"epoch_size must be a positive integer, got {epoch_size!r}")
     with_prop = [p is not None for p in proportion]
     if any(with_prop):
         if not all(with_prop):
-            raise ValueError(
+            raise UserError(
                 "either every stream sets a proportion or none does; streams "
                 f"{[i for i, p in enumerate(with_prop) if not p]} have none"
             )
         bad = [i for i, (r, c) in enumerate(zip(repeat, choose, strict=True)) if r or c]
         if bad:
-            raise ValueError(f"stream(s) {bad} set proportion with repeat/choose; pick one")
+            raise UserError(f"stream(s) {bad} set proportion with repeat/choose; pick one")
         total = int(epoch_size) if epoch_size is not None else int(sizes_arr.sum())
         return _apportion(total, np.asarray(proportion, dtype=np.float64))
     counts = np.array(
@@ -137,7 +139,7 @@ def stream_counts(
         dtype=np.int64,
     )
     if counts.sum() <= 0:
-        raise ValueError(f"the streams contribute no samples per epoch (counts {counts.tolist()})")
+        raise UserError(f"the streams contribute no samples per epoch (counts {counts.tolist()})")
     if epoch_size is not None:
         counts = _apportion(int(epoch_size), counts.astype(np.float64))
     return counts
@@ -170,9 +172,9 @@ class EpochOrder:
         global_batch: int = 1,
     ) -> None:
         if block_size <= 0:
-            raise ValueError(f"shuffle_block_size must be positive, got {block_size}")
+            raise UserError(f"shuffle_block_size must be positive, got {block_size}")
         if seed < 0 or epoch < 0:
-            raise ValueError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
+            raise UserError(f"seed and epoch must be non-negative, got {seed}, {epoch}")
         self.seed, self.epoch, self.shuffle, self.block_size = seed, epoch, shuffle, block_size
         units: list[tuple[int, int] | np.ndarray] = []  # (first id, length) or explicit ids
         base = 0
@@ -270,7 +272,7 @@ class SpanLayout:
 
     def __post_init__(self) -> None:
         if self.canonical_nodes < 1 or self.global_batch < 1:
-            raise ValueError(
+            raise UserError(
                 f"canonical_nodes ({self.canonical_nodes}) and the global batch "
                 f"({self.global_batch}) must be positive"
             )
@@ -354,7 +356,7 @@ class RankPlan:
         if self.start < 0:
             raise ValueError(f"samples consumed must be >= 0, got {self.start}")
         if self.nodes < 1 or self.world_size % self.nodes:
-            raise ValueError(f"{self.world_size} ranks cannot be split over {self.nodes} nodes")
+            raise UserError(f"{self.world_size} ranks cannot be split over {self.nodes} nodes")
 
     @cached_property  # span() needs it for every batch
     def num_samples(self) -> int:

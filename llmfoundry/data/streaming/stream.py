@@ -33,7 +33,7 @@ from llmfoundry.data.streaming.cache import ShardCache
 from llmfoundry.data.streaming.download import list_dirs, read_bytes
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.data.streaming.private import private_folder
-from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write, join_url
 from llmfoundry.utils.storage import endpoint, is_local, local_path
 
@@ -87,18 +87,18 @@ class Stream:
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"stream {name} must be a string path, got {value!r}")
         if self.remote is None and self.local is None:
-            raise ValueError("a stream needs remote (URL or path) or local (an MDS folder)")
+            raise UserError("a stream needs remote (URL or path) or local (an MDS folder)")
         given = [n for n in ("proportion", "repeat", "choose") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise ValueError(f"a stream sets at most one of proportion/repeat/choose, got {given}")
+            raise UserError(f"a stream sets at most one of proportion/repeat/choose, got {given}")
         for name in ("proportion", "repeat"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value > 0):
-                raise ValueError(f"stream {name} must be a positive number, got {value!r}")
+                raise UserError(f"stream {name} must be a positive number, got {value!r}")
         if self.choose is not None and (
             isinstance(self.choose, bool) or not isinstance(self.choose, int) or self.choose < 1
         ):
-            raise ValueError(f"stream choose must be a positive integer, got {self.choose!r}")
+            raise UserError(f"stream choose must be a positive integer, got {self.choose!r}")
 
     def open(
         self,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from torch.utils.data import get_worker_info
 
+from llmfoundry.utils.errors import UserError
+
 __all__ = ["World"]
 
 
@@ -29,7 +31,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+        raise UserError(f"environment variable {name}={value!r} must be an integer") from None
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,14 @@ class World:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"RANK={self.rank} must be in [0, WORLD_SIZE={self.world_size})")
+            raise UserError(f"RANK={self.rank} must be in [0, WORLD_SIZE={self.world_size})")
         if self.local_world_size < 1 or not 0 <= self.local_rank < self.local_world_size:
-            raise ValueError(
+            raise UserError(
                 f"LOCAL_RANK={self.local_rank} must be in [0, "
                 f"LOCAL_WORLD_SIZE={self.local_world_size})"
             )
         if self.world_size % self.local_world_size:
-            raise ValueError(
+            raise UserError(
                 f"WORLD_SIZE={self.world_size} is not a multiple of "
                 f"LOCAL_WORLD_SIZE={self.local_world_size}"
             )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llmfoundry.models.layers.attention import AttentionMask
+from llmfoundry.utils.errors import MissingPackage, UserError
 
 GPU_EXTRA = "pip install 'llmfoundry[gpu]'"
 
@@ -44,7 +45,7 @@ def flash_functions() -> tuple[Callable, Callable]:
     """(flash_attn_func, flash_attn_varlen_func), imported on first use."""
     problem = missing_package()
     if problem is not None:
-        raise ImportError(problem)
+        raise MissingPackage(problem)
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
     return flash_attn_func, flash_attn_varlen_func
@@ -53,12 +54,12 @@ def flash_functions() -> tuple[Callable, Callable]:
 def check_inputs(q: torch.Tensor) -> None:
     """flash-attn runs on CUDA in fp16/bf16 only; say so instead of failing inside it."""
     if q.device.type != "cuda":
-        raise RuntimeError(
+        raise UserError(
             f"attn_impl='flash' needs a CUDA device, but the model runs on {q.device.type}; use "
             "attn_impl=sdpa here (same weights)"
         )
     if q.dtype not in (torch.float16, torch.bfloat16):
-        raise RuntimeError(
+        raise UserError(
             f"attn_impl='flash' needs fp16 or bf16 activations, got {q.dtype}; train with "
             "precision=amp_bf16"
         )

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from llmfoundry.models.layers.attention import AttentionMask
+from llmfoundry.utils.errors import UserError
 
 # FlexAttention's default block size; on CPU, sequences are padded to a multiple of it.
 _CPU_BLOCK = 128
@@ -143,9 +144,9 @@ def flex_attention(
 ) -> torch.Tensor:
     """The `AttnFn` for attn_impl=flex (see attention.py for the contract)."""
     if dropout_p > 0:
-        raise ValueError("attn_impl='flex' has no attention dropout; set model.attn_pdrop=0")
+        raise UserError("attn_impl='flex' has no attention dropout; set model.attn_pdrop=0")
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-        raise RuntimeError(
+        raise UserError(
             "attn_impl='flex' cannot train on CPU: PyTorch has no CPU backward for "
             "FlexAttention. Train on a GPU, or use attn_impl=sdpa on CPU (same weights); flex "
             "runs CPU inference under torch.no_grad()"

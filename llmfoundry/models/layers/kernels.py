@@ -33,6 +33,7 @@ from llmfoundry.models.layers.attention import (
     sdpa_attention,
     torch_attention,
 )
+from llmfoundry.utils.errors import UserError
 
 ATTN_IMPLS: dict[str, AttnFn] = {
     "torch": torch_attention,
@@ -60,11 +61,11 @@ def check_attn_impl(name: str, owner: str, attn_pdrop: float = 0.0) -> None:
     the message names the field as `owner` (the config class, any family's) spells it."""
     if name not in ATTN_IMPLS:
         allowed = ", ".join(repr(n) for n in ATTN_IMPLS)
-        raise ValueError(f"{owner}.attn_impl={name!r} is not known; allowed: {allowed}")
+        raise UserError(f"{owner}.attn_impl={name!r} is not known; allowed: {allowed}")
     if name == "flash" and (problem := flash.missing_package()):
-        raise ValueError(f"{owner}.{problem}")
+        raise UserError(f"{owner}.{problem}")
     if name == "flex" and attn_pdrop > 0:
-        raise ValueError(
+        raise UserError(
             f"{owner}.attn_impl='flex' has no attention dropout; set attn_pdrop=0 or use sdpa"
         )
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmfoundry.utils.errors import UserError
+
 
 def alibi_slopes(n_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     """ALiBi slope of each head, float32 [n_heads], exactly as MPT computes them.
@@ -127,15 +129,15 @@ class RopeScaling:
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"rope_scaling.{name} must be > 0, got {value!r}")
+                raise UserError(f"rope_scaling.{name} must be > 0, got {value!r}")
         if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(
+            raise UserError(
                 f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
                 f"low_freq_factor ({self.low_freq_factor}): they bound the smoothed band"
             )
         value = self.original_max_seq_len
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
+            raise UserError(
                 f"rope_scaling.original_max_seq_len must be a positive integer, got {value!r}"
             )
 

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.models.layers.kernels import check_attn_impl
 from llmfoundry.models.layers.position import RopeScaling
+from llmfoundry.utils.errors import UserError
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len", "multiple_of")
@@ -30,7 +31,7 @@ def _rope_scaling(value: Any) -> RopeScaling | None:
         value = OmegaConf.to_container(value, resolve=True)
     allowed = [f.name for f in fields(RopeScaling)]
     if not isinstance(value, Mapping) or set(value) - set(allowed) or "factor" not in value:
-        raise ValueError(
+        raise UserError(
             f"LlamaConfig.rope_scaling must be null or a mapping with factor and optionally "
             f"{allowed[1:]}, got {value!r}"
         )
@@ -51,7 +52,7 @@ def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | 
 
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        raise UserError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -95,12 +96,12 @@ class LlamaConfig:
         for name in SIZE_FIELDS:
             _positive_int(name, getattr(self, name))
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig.d_model ({self.d_model}) must be divisible by LlamaConfig.n_heads "
                 f"({self.n_heads}); pick n_heads among the divisors of d_model"
             )
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig head dimension d_model / n_heads = {self.d_model // self.n_heads} "
                 "must be even: RoPE rotates pairs of dimensions"
             )
@@ -112,12 +113,12 @@ class LlamaConfig:
             or self.n_kv_heads <= 0
             or self.n_heads % self.n_kv_heads != 0
         ):
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig.n_kv_heads must be a positive divisor of n_heads ({self.n_heads}), "
                 f"got {self.n_kv_heads!r}; null means one key/value head per query head"
             )
         if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig.ffn_dim_multiplier must be null or > 0, got {self.ffn_dim_multiplier!r}"
             )
         if self.ffn_hidden_size is None:
@@ -128,16 +129,16 @@ class LlamaConfig:
         for name in ("rope_theta", "rms_norm_eps", "init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"LlamaConfig.{name} must be > 0, got {value!r}")
+                raise UserError(f"LlamaConfig.{name} must be > 0, got {value!r}")
         self.rope_scaling = _rope_scaling(self.rope_scaling)
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig.tie_word_embeddings must be true or false, "
                 f"got {self.tie_word_embeddings!r}"
             )
         check_attn_impl(self.attn_impl, "LlamaConfig")
         if self.init_device not in INIT_DEVICES:
-            raise ValueError(
+            raise UserError(
                 f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
                 f"got {self.init_device!r}; to place the model on an accelerator build it on "
                 "'meta', then call to_empty(device=...) and init_weights()"
@@ -151,7 +152,7 @@ class LlamaConfig:
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
         if name not in PRESETS:
-            raise ValueError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+            raise UserError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
         return cls(**{**PRESETS[name], **overrides})
 
 

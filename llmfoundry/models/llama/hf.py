@@ -24,11 +24,20 @@ import transformers
 from tokenizers import Tokenizer
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from llmfoundry.models.hf_folder import save_hf_folder
+from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
 from llmfoundry.models.llama.model import LlamaForCausalLM
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import UserError
 
+# The config.json sizes an import divides by or allocates from (checked positive first).
+HF_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 _TOP = {
     "transformer.wte.weight": "model.embed_tokens.weight",
     "transformer.norm_f.weight": "model.norm.weight",
@@ -236,11 +245,7 @@ def export_to_hf(
 def from_hf(hf_dir: str | Path) -> LlamaForCausalLM:
     """The transformers Llama folder `hf_dir` (config.json + weights) as our model, in float32."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise MissingInput(f"{hf_dir} is not a transformers model folder (no config.json)")
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    hf_config = read_hf_config(hf_dir, HF_SIZES, optional_sizes=("num_key_value_heads", "head_dim"))
     from_hf_config(hf_config)  # refuse what we cannot represent before reading any weight
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(
-        hf_dir, config=hf_config, dtype=torch.float32, local_files_only=True
-    )
+    hf_model = load_hf_weights(transformers.LlamaForCausalLM, hf_dir, hf_config)
     return from_hf_model(hf_model).eval()

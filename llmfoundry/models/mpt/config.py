@@ -13,6 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmfoundry.utils.errors import UserError
+
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
 INFINI_UPDATES = ("linear", "delta")
@@ -46,18 +48,18 @@ class InfiniConfig:
             counts["truncate_every"] = self.truncate_every
         for name, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
+                raise UserError(
                     f"MPTConfig.infini.{name} must be a positive integer, got {value!r}"
                 )
         if self.update not in INFINI_UPDATES:
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.infini.update must be one of {', '.join(map(repr, INFINI_UPDATES))}, "
                 f"got {self.update!r}"
             )
         if self.gate_lr is not None and not self.gate_lr > 0:
-            raise ValueError(f"MPTConfig.infini.gate_lr must be null or > 0, got {self.gate_lr!r}")
+            raise UserError(f"MPTConfig.infini.gate_lr must be null or > 0, got {self.gate_lr!r}")
         if not self.eps > 0:
-            raise ValueError(f"MPTConfig.infini.eps must be > 0, got {self.eps!r}")
+            raise UserError(f"MPTConfig.infini.eps must be > 0, got {self.eps!r}")
 
 
 def _infini_config(value: Any) -> InfiniConfig | None:
@@ -67,13 +69,13 @@ def _infini_config(value: Any) -> InfiniConfig | None:
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value, resolve=True)
     if not isinstance(value, Mapping):
-        raise ValueError(
+        raise UserError(
             f"MPTConfig.infini must be null or a mapping of infini-attention options, got {value!r}"
         )
     allowed = [f.name for f in fields(InfiniConfig)]
     unknown = sorted(set(value) - set(allowed))
     if unknown or "segment_len" not in value:
-        raise ValueError(
+        raise UserError(
             f"MPTConfig.infini: unknown key(s) {unknown} or missing segment_len; allowed: {allowed}"
         )
     return InfiniConfig(**value)
@@ -135,9 +137,9 @@ class MPTConfig:
         for name in SIZE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MPTConfig.{name} must be a positive integer, got {value!r}")
+                raise UserError(f"MPTConfig.{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.d_model ({self.d_model}) must be divisible by MPTConfig.n_heads "
                 f"({self.n_heads}); pick n_heads among the divisors of d_model"
             )
@@ -149,12 +151,12 @@ class MPTConfig:
             or self.kv_n_heads <= 0
             or self.n_heads % self.kv_n_heads != 0
         ):
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.kv_n_heads must be a positive divisor of n_heads ({self.n_heads}), "
                 f"got {self.kv_n_heads!r}; null means one key/value head per query head"
             )
         if self.softmax_scale is not None and not self.softmax_scale > 0:
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.softmax_scale must be null (1/sqrt(head_dim)) or > 0, "
                 f"got {self.softmax_scale!r}"
             )
@@ -163,7 +165,7 @@ class MPTConfig:
             or not isinstance(self.sliding_window, int)
             or self.sliding_window <= 0
         ):
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.sliding_window must be null (full causal attention) or a positive "
                 f"integer, got {self.sliding_window!r}"
             )
@@ -174,33 +176,33 @@ class MPTConfig:
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not self.alibi
         if self.alibi and self.learned_pos_emb:
-            raise ValueError(
+            raise UserError(
                 "MPTConfig.alibi and MPTConfig.learned_pos_emb are both true; "
                 "use one source of position information (alibi=true or learned_pos_emb=true)"
             )
         if not self.alibi and not self.learned_pos_emb:
-            raise ValueError(
+            raise UserError(
                 "MPTConfig.alibi and MPTConfig.learned_pos_emb are both false, so the model "
                 "would get no position information; set one of them to true"
             )
         if not self.alibi_bias_max > 0:
-            raise ValueError(f"MPTConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max!r}")
+            raise UserError(f"MPTConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
-            raise ValueError(f"MPTConfig.clip_qkv must be null or > 0, got {self.clip_qkv!r}")
+            raise UserError(f"MPTConfig.clip_qkv must be null or > 0, got {self.clip_qkv!r}")
         if self.init_std is not None and not self.init_std > 0:
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.init_std must be null (kaiming-normal init) or > 0, got {self.init_std!r}"
             )
         for name in ("attn_pdrop", "resid_pdrop", "emb_pdrop"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"MPTConfig.{name} must be in [0, 1), got {value!r}")
+                raise UserError(f"MPTConfig.{name} must be in [0, 1), got {value!r}")
         if self.init_device not in INIT_DEVICES:
-            raise ValueError(
+            raise UserError(
                 f"MPTConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
                 f"got {self.init_device!r}; to place the model on an accelerator build it on "
                 "'meta', then call to_empty(device=...) and init_weights()"
             )
         self.infini = _infini_config(self.infini)
         if not isinstance(self.compile, bool):
-            raise ValueError(f"MPTConfig.compile must be true or false, got {self.compile!r}")
+            raise UserError(f"MPTConfig.compile must be true or false, got {self.compile!r}")

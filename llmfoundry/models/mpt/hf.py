@@ -24,11 +24,14 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from llmfoundry.models.hf_folder import save_hf_folder
+from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.norms import LAYER_NORM_EPS
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import UserError
+
+# The config.json sizes an import divides by or allocates from (checked positive first).
+HF_SIZES = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len")
 
 
 def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
@@ -161,13 +164,9 @@ def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
 def from_hf(hf_dir: str | Path) -> MPTForCausalLM:
     """The transformers MPT folder `hf_dir` (config.json + weights) as our model, in float32."""
     hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise MissingInput(f"{hf_dir} is not a transformers model folder (no config.json)")
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    hf_config = read_hf_config(hf_dir, HF_SIZES)
     config = from_hf_config(hf_config)
-    hf_model = transformers.MptForCausalLM.from_pretrained(
-        hf_dir, config=hf_config, dtype=torch.float32, local_files_only=True
-    )
+    hf_model = load_hf_weights(transformers.MptForCausalLM, hf_dir, hf_config)
     state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
     model.load_state_dict(state, strict=True, assign=True)

@@ -26,6 +26,7 @@ from llmfoundry.models.layers.position import ALiBi, positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
 from llmfoundry.models.norms import LayerNorm
+from llmfoundry.utils.errors import UserError
 
 
 class Attention(nn.Module):
@@ -273,9 +274,10 @@ class MPTForCausalLM(nn.Module):
             )
         total_len = input_ids.shape[1] + (0 if cache is None else cache.length)
         if self.config.learned_pos_emb and total_len > self.config.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"sequence length {total_len} exceeds max_seq_len "
-                f"{self.config.max_seq_len}, the size of the learned position table"
+                f"{self.config.max_seq_len}, the size of the learned position table; use rows "
+                "of at most max_seq_len tokens or a model with a larger max_seq_len"
             )
         h = self.transformer(input_ids, sequence_id, cache)
         return F.linear(h, self.transformer.wte.weight)

@@ -55,6 +55,7 @@ from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
+from llmfoundry.utils.errors import UserError
 
 
 def pipeline_stage_forward(
@@ -187,7 +188,7 @@ class _PartsExchange:
         size, me = mesh.size(), mesh.get_local_rank()
         total = sum(widths)
         if total % size or any(width % size for width in widths):
-            raise ValueError(f"strategy.tp={size} does not divide the widths {widths}")
+            raise UserError(f"strategy.tp={size} does not divide the widths {widths}")
         self.group = mesh.get_group()
         held = total // size
         starts = [sum(widths[:i]) for i in range(len(widths))]
