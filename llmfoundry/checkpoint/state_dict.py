@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -190,15 +191,18 @@ def restore(
         for key in OBJECT_KEYS:
             if key not in ignore and (targets := shard_targets(saved.get(key), current[key])):
                 in_shards[key] = targets
+        # A changed optimizer config applies, as for a whole checkpoint's optimizer below.
+        keep = keep_hyperparameters(state.optimizer) if "optimizer" in keys else nullcontext()
         try:
-            load_shards(
-                strategy,
-                join_url(where, SHARDED_DIR),
-                state.model,
-                state.optimizer,
-                keys,
-                in_shards,
-            )
+            with keep:
+                load_shards(
+                    strategy,
+                    join_url(where, SHARDED_DIR),
+                    state.model,
+                    state.optimizer,
+                    keys,
+                    in_shards,
+                )
         except CheckpointError:  # a shard that is damaged or refused: already names its file
             raise
         except (RuntimeError, ValueError, KeyError) as err:

@@ -180,3 +180,21 @@ def test_reading_shards_in_one_process_warns_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(full_model_state(str(tmp_path))["w"], weights["w"])
+
+
+def test_a_resume_from_shards_keeps_this_runs_optimizer_hyperparameters(genuine, tmp_path):
+    """As a whole checkpoint's optimizer (test_restart.py): a changed lr or betas apply
+    from the resume on, with the schedule's position kept; loading the shards used to bring the
+    saved values back while the warning said the new ones applied."""
+    resumed = make_trainer(
+        tmp_path,
+        Batches(token_batches(2, 2)),
+        strategy=ShardedSingleDevice("cpu"),
+        optimizer=functools.partial(DecoupledAdamW, lr=5e-3, betas=(0.8, 0.9)),
+        config={"model": MODEL},
+        load_path=str(genuine),
+    )
+    groups = resumed.state.optimizer.param_groups
+    assert {g["initial_lr"] for g in groups} == {5e-3}
+    assert {g["betas"] for g in groups} == {(0.8, 0.9)}
+    assert resumed.state.optimizer.state  # the moments still came from the shards
