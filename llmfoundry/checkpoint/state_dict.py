@@ -99,8 +99,24 @@ def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
 def load_checkpoint(
     path: str, state: State, logger: Logger, ignore_keys: Sequence[str] = ()
 ) -> dict[str, Any] | None:
-    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`."""
-    return restore(state, logger, read_checkpoint(path, state.rank), ignore_keys)
+    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`.
+
+    The ranks agree on reading it first: each hashes its share of the other ranks' files
+    (`read_checkpoint`), so a corrupt one is found by one rank, and the others, had they gone
+    on, would wait for it in the load's collectives until the strategy's timeout_s."""
+    try:
+        checkpoint, damaged = read_checkpoint(path, state.rank), None
+    except CheckpointError as err:
+        checkpoint, damaged = None, err
+    flag = torch.tensor([float(damaged is not None)], device=state.device)
+    if state.strategy.all_reduce_sum(flag).item() and damaged is None:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: another rank found a damaged file (that rank's "
+            "error names it); load an earlier checkpoint"
+        )
+    if damaged is not None:
+        raise damaged
+    return restore(state, logger, checkpoint, ignore_keys)
 
 
 def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
