@@ -13,6 +13,12 @@ for every load in `weights_only_loads`), admitting besides tensors and plain con
 the few DeepSpeed classes its files hold (`CHECKPOINT_CLASSES`: the loss scaler, the ZeRO
 stage, fragment addresses), so a DeepSpeed checkpoint is as safe to load as ours: a file that
 needs anything else is refused with a `CheckpointError` naming it.
+
+The manifest (checked by `read_checkpoint` before this) catches files cut short, missing or
+changed after the save; what it cannot vouch for, files damaged before they were hashed or a
+folder that lacks a rank's files, `check_files` finds before the engine reads anything, on
+every rank alike: inside the engine, the rank whose file failed raised a traceback while the
+others waited in its collectives until `timeout_s`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import importlib
 import os
 import pickle
+import re
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,15 +71,65 @@ def weights_only_loads() -> Iterator[None]:
             os.environ[FORCE_WEIGHTS_ONLY] = previous
 
 
-def _refused_file(folder: Path) -> Path | None:
-    """The first file of a DeepSpeed checkpoint `folder` that weights-only loading refuses."""
+# DeepSpeed's files of each data-parallel rank: its optimizer partition ("bf16_" in DeepSpeed's
+# bf16 mode) and, ZeRO-3, its parameters; stages 1-2 keep the parameters in one shared file.
+_RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(optim|model)_states\.pt")
+_SHARED_MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+def check_files(strategy: DeepSpeed, folder: Path) -> None:
+    """Refuse, in one line naming the file and on every rank alike, a checkpoint whose files
+    the engine would fail to read: a file that does not parse or holds objects weights-only
+    loading refuses (each is unpickled with its tensors memory-mapped, not read), or a folder
+    without every rank's files."""
+    paths = sorted(folder.glob("*.pt"))
+    _check_ranks(strategy, folder, paths)
     with weights_only_loads():
-        for path in sorted(folder.glob("*.pt")):
+        for path in paths:
             try:
                 torch.load(path, map_location="cpu", mmap=True)
-            except pickle.UnpicklingError:
-                return path
-    return None
+            except pickle.UnpicklingError as err:
+                raise CheckpointError(
+                    f"refusing to load {path}: it holds objects that loading refuses to "
+                    f"unpickle ({describe(err)}); loading it could run code written into the "
+                    "checkpoint: load a checkpoint from a source you trust"
+                ) from None
+            except Exception as err:  # noqa: BLE001 - a damaged file, whatever torch raises
+                raise CheckpointError(
+                    f"cannot read {path} ({describe(err)}): the checkpoint is damaged; load an "
+                    "earlier checkpoint (or the save folder, which finds the newest complete one)"
+                ) from None
+
+
+def _check_ranks(strategy: DeepSpeed, folder: Path, paths: list[Path]) -> None:
+    """Every rank of this run has its files in `folder`, and no other rank does: DeepSpeed's
+    partitions resume on as many ranks as saved them, with the same ZeRO stage."""
+    saved: dict[str, set[int]] = {"optim": set(), "model": set()}
+    for path in paths:
+        if match := _RANK_FILE.fullmatch(path.name):
+            saved[match[2]].add(int(match[1]))
+    world = strategy.world_size
+    if saved["optim"] and (count := max(saved["optim"]) + 1) != world:
+        raise CheckpointError(
+            f"{folder} holds DeepSpeed partitions of {count} ranks, this run has {world}: "
+            f"DeepSpeed's checkpoints resume on as many ranks as saved them; run {count} "
+            "processes (or, if its files were lost, load an earlier checkpoint)"
+        )
+    ranks = range(world)
+    missing = [
+        f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks if r not in saved["optim"]
+    ]
+    if strategy.stage == 3:
+        missing += [
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks if r not in saved["model"]
+        ]
+    elif not (folder / _SHARED_MODEL_FILE).is_file():
+        missing.append(_SHARED_MODEL_FILE)
+    if missing:
+        raise CheckpointError(
+            f"{folder / missing[0]} is missing: the checkpoint is damaged, or another ZeRO stage "
+            "saved it; load an earlier checkpoint, or resume with the stage that saved it"
+        )
 
 
 def local_weights(strategy: DeepSpeed) -> dict[str, torch.Tensor]:
@@ -101,21 +158,15 @@ def load_shards(strategy: DeepSpeed, path: str, keys: Collection[str]) -> None:
             "DeepSpeed's zero_to_fp32.py)"
         )
     folder = Path(path)
-    try:
-        with weights_only_loads():
-            loaded, _ = strategy.engine.load_checkpoint(
-                str(folder.parent),
-                tag=folder.name,
-                load_optimizer_states="optimizer" in keys,
-                load_lr_scheduler_states=False,
-                load_module_only="optimizer" not in keys,
-            )
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"refusing to load {_refused_file(folder) or folder}: it holds objects that "
-            f"loading refuses to unpickle ({describe(err)}); loading it could run code "
-            "written into the checkpoint: load a checkpoint from a source you trust"
-        ) from None
+    check_files(strategy, folder)
+    with weights_only_loads():
+        loaded, _ = strategy.engine.load_checkpoint(
+            str(folder.parent),
+            tag=folder.name,
+            load_optimizer_states="optimizer" in keys,
+            load_lr_scheduler_states=False,
+            load_module_only="optimizer" not in keys,
+        )
     if loaded is None:
         raise UserError(f"{path!r} is not a DeepSpeed checkpoint of this ZeRO stage")
 

@@ -5,6 +5,16 @@ processes, so all replicas take the same optimizer step and stay identical. On t
 (llmfoundry/distributed/mesh.py) every process is a replica: dp_replicate = world size. The
 trainer already weights each microbatch by its share of the global batch's loss tokens times the
 data-parallel size, which this averaging turns into the exact large-batch gradient.
+
+Each gradient is summed on its own (`_reduce_each_gradient`), not as a slice of its bucket: a
+collective sums each element of a flat buffer in an order that depends on where the element
+sits in it (a ring starts each chunk at another rank), and DDP lays its buckets out anew after
+the first step, in the order the gradients became ready. A run resumed from a checkpoint takes
+its first step with the first layout, where the uninterrupted run had the second, so with three
+or more ranks (two sum alike in any order) its weights differed in their last bits; summed one
+by one, each gradient's order depends on its shape alone, and a resume is bitwise. The price:
+one collective per gradient instead of one per bucket (all launched as the bucket is ready, so
+they still overlap the backward).
 """
 
 from __future__ import annotations
@@ -51,7 +61,9 @@ class DDP(ProcessGroupStrategy):
         """Materialize on this rank's device and replicate over the data-parallel group."""
         apply_plan(model)
         model = materialize(model, self.device)
-        return apply_ddp(model, self.dp_group, self.device, self.find_unused_parameters)
+        model = apply_ddp(model, self.dp_group, self.device, self.find_unused_parameters)
+        model.register_comm_hook(self.dp_group, _reduce_each_gradient)
+        return model
 
     def sync_context(self, model: torch.nn.Module, sync: bool) -> AbstractContextManager:
         if sync or not isinstance(model, DistributedDataParallel):
@@ -84,6 +96,17 @@ class DDP(ProcessGroupStrategy):
         flat.div_(self.dp_size)
         for grad, piece in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             grad.copy_(piece.view_as(grad))
+
+
+# Unannotated: DDP compares a hook's annotations with the classes, and here they are strings.
+def _reduce_each_gradient(group, bucket):  # (ProcessGroup | None, GradBucket) -> Future[Tensor]
+    """DDP's communication hook: the bucket's mean over the ranks, as DDP's own (divided by the
+    ranks, then summed), but one all-reduce per gradient, all in flight at once, so how the
+    gradients are laid out in buckets does not change the sums (module docstring)."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    works = [dist.all_reduce(grad, group=group, async_op=True) for grad in bucket.gradients()]
+    return torch.futures.collect_all([work.get_future() for work in works]).then(lambda _: buffer)
 
 
 def _buckets(grads: list[torch.Tensor], limit: int) -> Iterator[list[torch.Tensor]]:

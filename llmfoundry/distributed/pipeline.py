@@ -255,10 +255,13 @@ class Pipeline:
         """The logits of `batch` (evaluation: forward only, in up to pp microbatches through
         the stages): on the last stage; None on the others. Each batch shape gets a stage and
         schedule of its own, as a stage's receive buffers are laid out for one shape (the
-        training stage's for its microbatches)."""
+        training stage's for its microbatches); so the microbatches split the rows evenly
+        (`even_microbatches`): 7 rows in 4 and 3 would receive the second into 4 rows' buffers."""
         shape = tuple(batch["input_ids"].shape)
         if shape not in self._eval_schedules:
-            self._eval_schedules[shape] = ScheduleGPipe(self._new_stage(), min(shape[0], self.pp))
+            self._eval_schedules[shape] = ScheduleGPipe(
+                self._new_stage(), even_microbatches(shape[0], self.pp)
+            )
         schedule = self._eval_schedules[shape]
         return schedule.eval(*self._stage_args(batch), **self._stage_kwargs(batch))
 
@@ -271,6 +274,12 @@ class Pipeline:
         """How many microbatches a device batch of `rows` makes (`microbatch_size` None: one);
         refused if too few for the schedule (also checked at launch: llmfoundry/build.py)."""
         n_microbatches = -(-rows // (microbatch_size or rows))
+        if microbatch_size and rows % microbatch_size:  # buffers: laid out for the first's shape
+            raise UserError(
+                f"device_train_microbatch_size={microbatch_size} does not divide the {rows} "
+                f"samples per device: with strategy.pp={self.pp} every microbatch must have "
+                "the same number of samples; use a divisor of the per-device batch"
+            )
         if n_microbatches < self.pp and self.schedule_name in _NEED_PP_MICROBATCHES:
             raise UserError(
                 f"strategy.pp_schedule={self.schedule_name} needs at least pp={self.pp} "
@@ -317,6 +326,12 @@ class Pipeline:
                 grad = param.grad = torch.zeros_like(param)
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             dist.all_reduce(local, group=self._tied_group)
+
+
+def even_microbatches(rows: int, most: int) -> int:
+    """The most microbatches, at most `most`, that split `rows` rows into equal parts (1 for a
+    prime number of rows above `most`: one microbatch, the pipeline idle but for one stage)."""
+    return max(n for n in range(1, min(rows, most) + 1) if rows % n == 0)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> nn.Module:

@@ -19,7 +19,7 @@ from .checkpoint_worker import KillAt
 from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
 from .tensor_parallel_worker import tp_llama, tp_mpt
-from .workers import global_batches, rank_slice
+from .workers import global_batches, rank_slice, uneven_eval_set
 
 WORLD = 4
 # name -> FSDP options of the parity runs: two stages, each sharded over two processes.
@@ -59,8 +59,12 @@ class StageWeights(Callback):
 
 
 def eval_sets(strategy: Strategy) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """An evaluation at the end, on this data-parallel rank's slice of the training batches."""
-    return {"train": rank_slice(global_batches(), strategy.dp_rank, strategy.dp_size)}
+    """An evaluation at the end, on this data-parallel rank's slice of the training batches
+    and of batches whose sizes pp does not divide."""
+    return {
+        "train": rank_slice(global_batches(), strategy.dp_rank, strategy.dp_size),
+        "uneven": uneven_eval_set(strategy.dp_rank, strategy.dp_size),
+    }
 
 
 def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:

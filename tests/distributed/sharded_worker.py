@@ -332,6 +332,45 @@ def forge_deepspeed_payload(saved: str, forged: str, marker: str) -> None:
     (checkpoint / MANIFEST).write_bytes(manifest_bytes(hash_tree(checkpoint)))
 
 
+def _cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# How the DeepSpeed checkpoint copies are damaged: name -> (file of its sharded/ folder, what is
+# done to it, whether before the manifest was written, so that it vouches for the damage).
+DEEPSPEED_DAMAGE: dict[str, tuple[str, Callable[[Path], None], bool]] = {
+    "cut": ("zero_pp_rank_1_mp_rank_00_optim_states.pt", _cut_in_half, True),
+    "junk": (
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        lambda p: p.write_bytes(b"junk" * 9),
+        True,
+    ),
+    "lost": ("zero_pp_rank_1_mp_rank_00_model_states.pt", Path.unlink, True),
+    "flipped": ("zero_pp_rank_1_mp_rank_00_optim_states.pt", _flip_a_byte, False),
+}
+
+
+def damage_deepspeed_copy(saved: str, damaged: str, name: str) -> None:
+    """Copy the save folder `saved` to `damaged`, one DeepSpeed file of its checkpoint damaged
+    as `DEEPSPEED_DAMAGE[name]` says."""
+    from llmfoundry.checkpoint import latest_checkpoint
+    from llmfoundry.checkpoint.manifest import MANIFEST, hash_tree, manifest_bytes
+
+    shutil.copytree(saved, damaged)
+    checkpoint = Path(latest_checkpoint(damaged))
+    file, damage, before_manifest = DEEPSPEED_DAMAGE[name]
+    damage(checkpoint / "sharded" / file)
+    if before_manifest:
+        (checkpoint / MANIFEST).unlink()
+        (checkpoint / MANIFEST).write_bytes(manifest_bytes(hash_tree(checkpoint)))
+
+
 class LinearDtypes(Callback):
     """The dtypes of the first block's fused qkv projection, as seen inside the model: its
     weight, and its output (the autocast dtype, when autocast reaches inside the engine)."""
@@ -447,6 +486,18 @@ def deepspeed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: 
         result["zero3_forged"] = {"error": ""}
     except Exception as err:  # noqa: BLE001 - what each rank ended with is the result
         result["zero3_forged"] = {"error": f"{type(err).__name__}: {err}"}
+    # Damaged copies: refused by both ranks before DeepSpeed reads a file (else the rank whose
+    # file failed raised while the other waited in a collective until timeout_s).
+    for damage in DEEPSPEED_DAMAGE:
+        damaged = f"{out}/zero3_{damage}"
+        if rank == 0:
+            damage_deepspeed_copy(f"{out}/zero3_saved", damaged, damage)
+        torch.distributed.barrier()
+        try:
+            resume_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{damaged}_run", load=damaged)
+            result[f"zero3_{damage}"] = {"error": ""}
+        except Exception as err:  # noqa: BLE001 - what each rank ended with is the result
+            result[f"zero3_{damage}"] = {"error": f"{type(err).__name__}: {err}"}
     # Only rank 1's partition of a weight turns NaN: both ranks refuse the save.
     error = diverged_run(DeepSpeed(3, "cpu", timeout_s=60), mds, f"{out}/zero3_diverged", 1)
     result["zero3_diverged"] = {"error": error}

@@ -19,7 +19,7 @@ from llmfoundry.utils.errors import UserError
 
 from .sharded_worker import STOP_AT, Recorder, resume_run
 from .spawn import join_env
-from .workers import global_batches, rank_slice
+from .workers import global_batches, rank_slice, uneven_eval_set
 
 WORLD, TP = 4, 2
 
@@ -65,7 +65,8 @@ RESUMED = {"llama": tp_llama, "mpt": tp_mpt}
 
 def parity_run(strategy: Strategy, model: str, **kwargs: Any) -> tuple[Recorder, dict[str, float]]:
     """Three AdamW steps on the shared global batches (this data-parallel rank's slice), then
-    an evaluation on them: the recorded steps and the eval metrics."""
+    an evaluation on them and on batches of 5 and 3 rows: the recorded steps and the eval
+    metrics."""
     batches = global_batches()
     recorder = Recorder()
     own = rank_slice(batches, strategy.dp_rank, strategy.dp_size)
@@ -73,7 +74,10 @@ def parity_run(strategy: Strategy, model: str, **kwargs: Any) -> tuple[Recorder,
         model=MODELS[model](),
         strategy=strategy,
         train_dataloader=own,
-        eval_dataloaders={"train": own},
+        eval_dataloaders={
+            "train": own,
+            "uneven": uneven_eval_set(strategy.dp_rank, strategy.dp_size),
+        },
         max_duration=f"{len(batches)}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
         callbacks=[recorder],

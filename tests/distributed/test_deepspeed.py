@@ -5,6 +5,8 @@ losses as one process (tolerance and why: test_fsdp.py), and close ones in amp_b
 in it is refused); a diverged ZeRO-3 run saves no NaN checkpoint."""
 
 import importlib.util
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,6 +99,43 @@ def test_a_payload_in_a_deepspeed_checkpoint_is_refused_and_never_runs(runs):
     assert not (out / "payload-ran").exists()
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("cut", r"cannot read \S+/zero_pp_rank_1_mp_rank_00_optim_states\.pt \(\w+: .*\): the "),
+        ("junk", r"cannot read \S+/zero_pp_rank_0_mp_rank_00_model_states\.pt \(\w+: .*\): the "),
+        ("lost", r"\S+/zero_pp_rank_1_mp_rank_00_model_states\.pt is missing: the checkpoint "),
+    ],
+)
+def test_a_damaged_deepspeed_checkpoint_is_one_line_naming_the_file_on_every_rank(
+    runs, damage, message
+):
+    """Damaged before its manifest was written (so the manifest vouches for it): the engine's
+    own reading raised on the rank whose file failed ("its shards do not fit this model") while
+    the other waited in a collective until timeout_s."""
+    out, _, ranks, _ = runs
+    errors = {rank[f"zero3_{damage}"]["error"] for rank in ranks}
+    assert len(errors) == 1, errors  # every rank alike
+    error = errors.pop()
+    assert error.startswith(f"CheckpointError: {out}/zero3_{damage}/") or error.startswith(
+        f"CheckpointError: cannot read {out}/zero3_{damage}/"
+    ), error
+    assert re.search(message, error) and "\n" not in error, error
+    assert "load an earlier checkpoint" in error
+
+
+def test_a_corrupt_deepspeed_file_found_by_one_rank_stops_every_rank(runs):
+    """A byte flipped after the save: the rank whose share of the files holds it names it
+    (`read_checkpoint` shares the hashing out), and every rank stops with its line instead of
+    waiting for it in the engine's collectives (`read_checkpoint_together`)."""
+    out, _, ranks, _ = runs
+    errors = {rank["zero3_flipped"]["error"] for rank in ranks}
+    assert len(errors) == 1, errors  # every rank alike
+    error = errors.pop()
+    name = f"zero3_flipped/ep0-ba{STOP_AT}/sharded/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert error.startswith("CheckpointError: file://") and f"{out}/{name} is corrupt" in error
+
+
 def test_full_checkpoint_weights_load_into_zero3(runs):
     _, _, ranks, straight = runs
     # The first step after loading runs on the loaded weights alone (the optimizer starts
@@ -131,3 +170,28 @@ def test_deepspeed_config_is_built_from_ours(monkeypatch):
         DeepSpeed(4, "cpu")
     with pytest.raises(ValueError, match="auto is not supported with strategy=deepspeed_zero2"):
         DeepSpeed(2, "cpu").guard_collectives(torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "message"),
+    [
+        (3, 4, r"holds DeepSpeed partitions of 2 ranks, this run has 4: .* run 2 processes"),
+        (3, 1, r"holds DeepSpeed partitions of 2 ranks, this run has 1: "),
+        (2, 2, r"/mp_rank_00_model_states\.pt is missing: .* or another ZeRO stage saved it"),
+    ],
+)
+def test_deepspeed_files_of_another_world_size_or_stage_are_refused_before_reading(
+    tmp_path, stage, world, message
+):
+    """What the engine would read but a ZeRO-3 checkpoint of two ranks does not hold (the
+    files are empty: they are refused by name, before any is read)."""
+    from llmfoundry.checkpoint.deepspeed import check_files
+    from llmfoundry.checkpoint.manifest import CheckpointError
+
+    for rank in range(2):
+        for kind in ("optim", "model"):
+            (tmp_path / f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt").touch()
+    strategy = SimpleNamespace(stage=stage, world_size=world)
+    with pytest.raises(CheckpointError, match=message) as err:
+        check_files(strategy, tmp_path)
+    assert "\n" not in str(err.value)

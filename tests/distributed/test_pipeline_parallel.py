@@ -28,7 +28,7 @@ from llmfoundry.callbacks.icl_eval import ICLEval
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.core.engine import Callback
 from llmfoundry.distributed import SingleDevice
-from llmfoundry.distributed.pipeline import Pipeline, stage_blocks
+from llmfoundry.distributed.pipeline import Pipeline, even_microbatches, stage_blocks
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.trainer import Trainer
@@ -54,7 +54,7 @@ from .pipeline_worker import (
 from .sharded_worker import RESUME_BATCHES, STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import free_port, run_ranks
 from .test_fsdp_checkpoints import shard_tensors
-from .workers import global_batches
+from .workers import global_batches, uneven_eval_set
 
 LIMIT_S, RTOL = 600, 1e-5
 
@@ -70,7 +70,7 @@ def runs(out):
     """One-process references, then one spawn of four ranks running every pipeline case."""
     mds = str(write_mds(out / "mds", {"train": 32}))
     weights = StageWeights()
-    everything = {"train": global_batches()}
+    everything = {"train": global_batches(), "uneven": uneven_eval_set(0, 1)}
     single = {
         "parity": parity_run(
             SingleDevice("cpu"), 0, 1, callbacks=[weights], eval_dataloaders=everything
@@ -107,10 +107,16 @@ def test_fsdp_x_pp_gives_the_one_process_losses_on_every_rank(runs, name):
 
 @pytest.mark.parametrize("name", PARITY)
 def test_evaluation_through_the_stages_gives_the_one_process_metrics(runs, name):
-    """Forward-only through the stages; the last stage's totals reach every stage."""
+    """Forward-only through the stages; the last stage's totals reach every stage. The
+    "uneven" set's batches (5 and 3 rows, halved by dp=2) are not a multiple of pp: each is
+    split into as many equal microbatches as divide it."""
     single, _, ranks = runs
     reference = single["parity"].eval_metrics
-    assert set(reference) == {f"eval/train/{k}" for k in ("loss", "perplexity", "accuracy")}
+    assert set(reference) == {
+        f"eval/{split}/{k}"
+        for split in ("train", "uneven")
+        for k in ("loss", "perplexity", "accuracy")
+    }
     for rank in ranks:
         assert rank[name]["eval"] == pytest.approx(reference, rel=RTOL), name
 
@@ -125,7 +131,8 @@ def test_llama_with_its_untied_head_gives_the_one_process_losses(runs):
 @pytest.mark.parametrize("family", TP_X_PP)
 def test_tp_x_pp_gives_the_one_process_losses(runs, family):
     """tp=2 x pp=2 (no data parallelism): each stage's blocks split over two processes, the
-    stages passing sequence-split activations, four microbatches through 1F1B."""
+    stages passing sequence-split activations, four microbatches through 1F1B; evaluated on
+    batches pp divides and on batches of 5 and 3 rows, which it does not."""
     single, _, ranks = runs
     reference = single[f"tp_{family}"]
     for rank in ranks:
@@ -306,6 +313,17 @@ def test_impossible_pipeline_settings_are_refused_in_one_line():
         Pipeline(2, "1f1b").microbatches(4, None)
     assert Pipeline(2, "1f1b").microbatches(4, 2) == 2
     assert Pipeline(2, "gpipe").microbatches(4, None) == 1
+
+
+def test_microbatches_have_equal_rows():
+    """A stage's receive buffers are laid out for its first microbatch's shape, so a batch the
+    microbatches do not split evenly is refused in training and split differently in
+    evaluation (the rows pp does not divide, e.g. a split's last batch)."""
+    with pytest.raises(UserError, match="device_train_microbatch_size=2 does not divide the 3 "):
+        Pipeline(2, "gpipe").microbatches(3, 2)
+    assert Pipeline(2, "gpipe").microbatches(6, 2) == 3
+    assert [even_microbatches(rows, 2) for rows in (1, 2, 3, 4, 5, 6)] == [1, 2, 1, 2, 1, 2]
+    assert [even_microbatches(rows, 4) for rows in (6, 8, 9, 7)] == [3, 4, 3, 1]
 
 
 class _PipelineStrategy(SingleDevice):

@@ -31,6 +31,16 @@ def rank_slice(batches: list[dict[str, torch.Tensor]], rank: int, world: int) ->
     return [{key: value[rows] for key, value in batch.items()} for batch in batches]
 
 
+def uneven_eval_set(rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """An eval set of 5 and then 3 samples, this data-parallel rank's rows of each (rank 0 gets
+    the extra one): batch sizes that pp=2 does not divide (5, 3; 3 and 2, 2 and 1 on two
+    ranks), as a split's last batch is."""
+    return [
+        {key: value.tensor_split(world)[rank] for key, value in batch.items()}
+        for batch in token_batches(1, 5, seed=4) + token_batches(1, 3, seed=5)
+    ]
+
+
 class OOMOnRank(Algorithm):
     """Injected out-of-memory error on one rank only, after its backward of any microbatch
     larger than `limit`: the other rank has nothing to run out of memory on."""
