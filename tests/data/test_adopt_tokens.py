@@ -177,6 +177,24 @@ def test_tokens_to_mds_converts_a_bare_file_without_a_tokenizer(nanogpt: Path, t
     assert tokens_to_mds(*args, *FACTS) == 0 and "up to date, reused" in capsys.readouterr().out
 
 
+def test_tokens_to_mds_takes_a_hand_written_sidecar(nanogpt: Path, tmp_path: Path):
+    """What a user wrote by hand before adopt_tokens.py existed: no fingerprint, no tokenizer."""
+    sidecar = {"format": "llmfoundry.tokens", "tokens_file": "val.bin", "dtype": "uint16",
+               "num_tokens": 800, "vocab_size": VOCAB}  # fmt: skip
+    (nanogpt / "val.json").write_text(json.dumps(sidecar))
+    args = [str(nanogpt / "val.bin"), "--out", str(tmp_path / "mds"), "--seq-len", "16"]
+    assert tokens_to_mds(*args, "--no-progress") == 0
+    meta = json.loads((tmp_path / "mds" / "meta.json").read_text())
+    assert (meta["splits"]["train"]["rows"], meta["vocab_size"], meta["eos_id"]) == (
+        50,
+        VOCAB,
+        None,
+    )
+    np.fromfile(nanogpt / "val.bin", dtype=np.uint16)[::-1].tofile(nanogpt / "val.bin")
+    os.utime(nanogpt / "val.bin", ns=(1, 1))  # another file of the same size: not reused
+    assert tokens_to_mds(*args, "--no-progress") == 2
+
+
 def test_an_adopted_file_converts_to_mds_on_s3(nanogpt: Path, s3_env: str, tmp_path: Path):
     s3fs = pytest.importorskip("s3fs")
     bucket = f"adopt-{tmp_path.name.lower().replace('_', '-')[-30:]}"
