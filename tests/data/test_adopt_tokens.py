@@ -190,6 +190,9 @@ def test_tokens_to_mds_takes_a_hand_written_sidecar(nanogpt: Path, tmp_path: Pat
         VOCAB,
         None,
     )
+    (nanogpt / "val.json").write_text(json.dumps({**sidecar, "vocab_size": 50}))
+    assert tokens_to_mds(*args, "--no-progress", "--overwrite") == 2  # ids past its vocabulary
+    (nanogpt / "val.json").write_text(json.dumps(sidecar))
     np.fromfile(nanogpt / "val.bin", dtype=np.uint16)[::-1].tofile(nanogpt / "val.bin")
     os.utime(nanogpt / "val.bin", ns=(1, 1))  # another file of the same size: not reused
     assert tokens_to_mds(*args, "--no-progress") == 2

@@ -30,6 +30,7 @@ __all__ = [
     "add_bare_token_arguments",
     "adopt_tokens",
     "bare_tokens_meta",
+    "check_token_ids",
     "open_token_file",
 ]
 
@@ -102,7 +103,7 @@ def bare_tokens_meta(
             "token file, and of this dtype?"
         )
     num_tokens = stat.st_size // itemsize
-    _check_ids(np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), vocab_size, path)
+    check_token_ids(np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), vocab_size, path)
     facts = {"dtype": dtype, "vocab_size": vocab_size, "eos_id": eos_id, "bos_id": bos_id}
     file_id = {"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     return {
@@ -169,7 +170,7 @@ def add_bare_token_arguments(parser: argparse.ArgumentParser, required: bool = F
     )
 
 
-def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
+def check_token_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
     """Refuse an id at or past ``vocab_size``: a wrong dtype or vocabulary, which the model
     would otherwise meet as an index past its embedding."""
     for start in range(0, len(tokens), _CHUNK):

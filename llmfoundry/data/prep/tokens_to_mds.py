@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
-from llmfoundry.data.prep.adopt import open_token_file
+from llmfoundry.data.prep.adopt import check_token_ids, open_token_file
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import sidecar_path
 from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
@@ -131,6 +131,8 @@ def tokens_to_mds(
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         _check_ids(stream[: rows * seq_len], vocab, tokens)
         byte_lengths = token_byte_lengths(tokenizer)
+    elif isinstance(source.get("vocab_size"), int):  # a sidecar written by hand: ids unchecked
+        check_token_ids(stream[: rows * seq_len], source["vocab_size"], Path(tokens))
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
     written = {}
