@@ -8,6 +8,9 @@ and per split its tokens and the UTF-8 bytes of text they decode to, for bits pe
 Example:
   python data_prep/tokens_to_mds.py data/stdlib/tokens.bin --out data/stdlib/mds \\
       --seq-len 256 --val-fraction 0.05 --compression zstd --hashes xxh64
+
+A token file made elsewhere (nanoGPT's train.bin) without a sidecar: add --dtype uint16
+--vocab-size 50257 [--eos-id 50256], or describe it once with data_prep/adopt_tokens.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import sys
 
 from llmfoundry.data.prep import tokens_to_mds
+from llmfoundry.data.prep.adopt import add_bare_token_arguments
 from llmfoundry.data.prep.interrupt import prep_script
 from llmfoundry.utils.cli import add_script_arguments
 from llmfoundry.utils.files import parse_size
@@ -53,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace existing output made from other inputs"
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_bare_token_arguments(parser)
     add_script_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             hashes=args.hashes,
             overwrite=args.overwrite,
             progress=not args.no_progress,
+            dtype=args.dtype,
+            vocab_size=args.vocab_size,
+            eos_id=args.eos_id,
         )
     state = "up to date, reused" if meta["reused"] else "written"
     splits = ", ".join(

@@ -3,7 +3,10 @@
 ``data_prep/text_to_tokens.py`` writes one token stream, ``<remote>/tokens.bin`` (uint16, or
 uint32 for large vocabularies), beside ``tokens.json`` (its dtype, token count, vocab_size,
 eos_id) and ``tokenizer.json``. This dataset trains on it directly, nanoGPT style, without
-cutting MDS shards: each sample is a window of ``max_seq_len`` consecutive tokens.
+cutting MDS shards: each sample is a window of ``max_seq_len`` consecutive tokens. A token file
+made elsewhere (nanoGPT's ``train.bin``) needs its sidecar written once by
+``data_prep/adopt_tokens.py``, or ``dtype`` and ``vocab_size`` here (prep/adopt.py); no
+tokenizer is needed.
 
 - ``windows="random"``: window starts drawn uniformly over the split, seeded by
   (shuffle_seed, epoch, block of positions), so the epoch's order is deterministic and does
@@ -29,7 +32,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+from llmfoundry.data.prep.adopt import TOKEN_DTYPES, open_token_file
+from llmfoundry.data.prep.text_to_tokens import sidecar_path
 from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.data.prep.tokens_to_mds import text_bytes
 from llmfoundry.data.streaming.checks import check_int
@@ -40,7 +44,6 @@ from llmfoundry.utils.storage import is_local, local_path
 
 __all__ = ["MemmapTokens"]
 
-_DTYPES = ("uint16", "uint32")
 _BLOCK = 1 << 16  # positions per seeded draw of random window starts
 
 
@@ -64,6 +67,9 @@ class MemmapTokens(EpochDataset):
             strategy.tp; windows are never padded).
         sequence_id_from_eos: batches get ``sequence_id`` (document index of each token) from
             this eos id, or ``auto`` (the sidecar's eos_id).
+        dtype, vocab_size, eos_id: what a token file without a ``.json`` sidecar holds
+            (uint16 or uint32 ids below vocab_size; eos_id for ``auto`` above); beside a
+            sidecar they must agree with it.
         batch_size, data_parallel, evaluation: :class:`EpochDataset`.
     """
 
@@ -83,6 +89,9 @@ class MemmapTokens(EpochDataset):
         max_seq_len: int | None = None,
         sequence_id_from_eos: int | Literal["auto"] | None = None,
         pad_to_multiple_of: int = 1,
+        dtype: str | None = None,
+        vocab_size: int | None = None,
+        eos_id: int | None = None,
         batch_size: int | None = None,
         data_parallel: tuple[int, int] | None = None,
         evaluation: bool = False,
@@ -114,8 +123,9 @@ class MemmapTokens(EpochDataset):
             )
         path, part = _split_file(local_path(remote), split, file, split_files, val_fraction)
         self.path, self.split, self.max_seq_len = path, split, max_seq_len
-        self.tokens, self.meta = _open(path)
-        self.meta_url = str(sidecar_path(path))
+        self.tokens, self.meta = _open(path, dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
+        sidecar = sidecar_path(path)
+        self.meta_url = str(sidecar) if sidecar.is_file() else f"the data config for {path}"
         n = len(self.tokens)
         cut = n - round(n * (val_fraction or 0))
         self.lo, hi = (0, n) if part == "all" else (0, cut) if part == "head" else (cut, n)
@@ -149,7 +159,9 @@ class MemmapTokens(EpochDataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.tokens, _ = _open(self.path)
+        # The file as checked when the dataset was made (no second pass over a bare file).
+        dtype, size = self.meta["dtype"], self.meta["num_tokens"]
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", shape=(size,))
 
     def order(self) -> Callable[[np.ndarray], np.ndarray]:
         """Positions -> token offsets of their windows' first tokens."""
@@ -222,21 +234,23 @@ def _text_bytes_of(tokens: np.ndarray, path: str) -> int | None:
     return text_bytes(tokens, token_byte_lengths(load_tokenizer(tokenizer)))
 
 
-def _open(path: str) -> tuple[np.ndarray, dict[str, Any]]:
-    """The token file as a read-only memmap and its sidecar, or a one-line error."""
-    if not os.path.isfile(path) or not sidecar_path(path).is_file():
-        missing = path if not os.path.isfile(path) else sidecar_path(path)
+def _open(path: str, **bare: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    """The token file as a read-only memmap and its sidecar (or the ``bare`` facts of a file
+    without one: dtype, vocab_size, eos_id), or a one-line error."""
+    if not os.path.isfile(path):
         raise MissingInput(
-            f"token file {missing} does not exist; write it with data_prep/text_to_tokens.py "
+            f"token file {path} does not exist; write it with data_prep/text_to_tokens.py "
             "--out <folder>/tokens.bin, or point data.remote at that folder"
         )
     try:
-        tokens, meta = open_tokens(path)
+        tokens, meta = open_token_file(path, **bare, keys="data.dtype and data.vocab_size")
+    except UserError:
+        raise
     except (KeyError, ValueError) as err:
         raise UserError(f"cannot read {path}: {err}") from None
-    if tokens.dtype.name not in _DTYPES:
+    if tokens.dtype.name not in TOKEN_DTYPES:
         raise UserError(
-            f"{path} holds {tokens.dtype} tokens; memmap data reads {' or '.join(_DTYPES)} "
+            f"{path} holds {tokens.dtype} tokens; memmap data reads {' or '.join(TOKEN_DTYPES)} "
             "token ids as data_prep/text_to_tokens.py writes them"
         )
     return tokens, meta

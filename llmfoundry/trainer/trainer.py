@@ -330,6 +330,7 @@ class Trainer:
         state, engine = self.state, self.engine
         started = time.perf_counter()
         batch = state.batch
+        _check_batch_shape(batch["labels"])
         samples, tokens, loss_tokens = self._global_counts(batch["labels"])
         engine.run_event(Event.BEFORE_TRAIN_BATCH)
         if self.auto_microbatching and state.device_train_microbatch_size is None:
@@ -642,6 +643,17 @@ def _is_auto(microbatch_size: int | str | None) -> bool:
 def _is_out_of_memory(err: RuntimeError) -> bool:
     """CUDA and other backends raise torch.OutOfMemoryError; some only say so in the message."""
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _check_batch_shape(labels: torch.Tensor) -> None:
+    """Refuse labels that are not [batch, seq]: one sample (a torch DataLoader with
+    batch_size=None over a dataset of samples) is otherwise an IndexError deep in a step."""
+    if labels.dim() != 2:
+        raise UserError(
+            f"a training batch's labels have shape {list(labels.shape)}, not [batch, seq]: the "
+            "train dataloader yields single samples; use StreamingDataLoader(dataset) (a "
+            "dataset built with batch_size) or torch's DataLoader(dataset, batch_size=B)"
+        )
 
 
 def _length(dataloader: Any) -> int | None:

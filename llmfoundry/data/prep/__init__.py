@@ -1,8 +1,10 @@
-"""Data preparation: text -> token stream (memmap) -> MDS shards, plus verify and merge.
+"""Data preparation: text -> token stream (memmap) -> MDS shards, plus verify and merge, and
+token streams made elsewhere (adopt.py).
 
 The command-line scripts in ``data_prep/`` are thin wrappers over these functions.
 """
 
+from llmfoundry.data.prep.adopt import adopt_tokens, open_token_file
 from llmfoundry.data.prep.mds_tools import IndexReport, find_indexes, merge_indexes, verify_mds
 from llmfoundry.data.prep.sources import Task, iter_documents, plan_tasks, read_task
 from llmfoundry.data.prep.text_to_tokens import (
@@ -23,6 +25,7 @@ from llmfoundry.data.prep.tokens_to_mds import bytes_per_token, split_rows, toke
 
 __all__ = [
     "EOS_TOKEN",
+    "adopt_tokens",
     "bytes_per_token",
     "IndexReport",
     "PreparedTokenizer",
@@ -32,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "merge_indexes",
     "open_doc_index",
+    "open_token_file",
     "open_tokens",
     "plan_tasks",
     "prepare_tokenizer",

@@ -422,6 +422,12 @@ def _exact_chunking(loaded: PreparedTokenizer, chunk_chars: int | None) -> int |
     return chunk_chars
 
 
+_REWRITE_SIDECAR = (
+    "write it with data_prep/adopt_tokens.py (token files made elsewhere) or "
+    "data_prep/text_to_tokens.py"
+)
+
+
 def open_tokens(path: str | os.PathLike) -> tuple[np.memmap, dict[str, Any]]:
     """Open a token stream (its ``.bin`` or ``.json``) as a read-only memmap plus its metadata.
 
@@ -431,11 +437,21 @@ def open_tokens(path: str | os.PathLike) -> tuple[np.memmap, dict[str, Any]]:
     sidecar = path if path.suffix == ".json" else sidecar_path(path)
     if not sidecar.is_file():
         raise MissingInput(
-            f"no sidecar {sidecar}: run data_prep/text_to_tokens.py to (re)make the token file"
+            f"no sidecar {sidecar}: run data_prep/text_to_tokens.py to (re)make the token file, "
+            "or data_prep/adopt_tokens.py to describe one made elsewhere"
         )
-    meta = json.loads(sidecar.read_text())
-    if meta.get("format") != TOKENS_FORMAT:
-        raise UserError(f"{sidecar} is not a {TOKENS_FORMAT} sidecar")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{sidecar} is not JSON ({err}); {_REWRITE_SIDECAR}") from None
+    needed = {"tokens_file", "dtype", "num_tokens"}
+    if not isinstance(meta, dict) or meta.get("format") != TOKENS_FORMAT or needed - meta.keys():
+        raise UserError(
+            f"{sidecar} is not a {TOKENS_FORMAT} sidecar (format, tokens_file, dtype, "
+            f"num_tokens); {_REWRITE_SIDECAR}"
+        )
+    if Path(str(meta["tokens_file"])).name != meta["tokens_file"]:
+        raise UserError(f"{sidecar}: tokens_file must be a file name beside it (no folders)")
     tokens_file = sidecar.parent / meta["tokens_file"]
     dtype = np.dtype(meta["dtype"])
     expected = meta["num_tokens"] * dtype.itemsize

@@ -33,8 +33,9 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.prep.adopt import check_token_ids, open_token_file
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
-from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
+from llmfoundry.data.prep.text_to_tokens import sidecar_path
 from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
@@ -79,16 +80,21 @@ def tokens_to_mds(
     hashes: tuple[str, ...] | list[str] = ("xxh64",),
     overwrite: bool = False,
     progress: bool = True,
+    dtype: str | None = None,
+    vocab_size: int | None = None,
+    eos_id: int | None = None,
 ) -> dict[str, Any]:
     """Write the token stream at ``tokens`` as MDS under ``out``; return meta.json's content.
 
     Tokens after the last full row are dropped (reported as ``dropped_tokens``). ``hashes``
     default to xxh64 (fast): readers check downloads with it, and a cache can tell a rewritten
-    dataset's shards from the ones it holds.
+    dataset's shards from the ones it holds. A token file without a sidecar (made elsewhere)
+    needs ``dtype`` and ``vocab_size`` (adopt.py); without a tokenizer beside it, none is
+    copied and ``text_bytes`` is null.
     """
     if seq_len < 1:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
-    stream, source = open_tokens(tokens)
+    stream, source = open_token_file(tokens, dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
     rows = len(stream) // seq_len
     if rows < 1:
         raise UserError(
@@ -97,7 +103,7 @@ def tokens_to_mds(
     n_val = split_rows(rows, val_fraction, val_rows)
     out = str(out)
     settings = {
-        "source": source["fingerprint"],
+        "source": source.get("fingerprint") or _identity(tokens, source),
         "num_tokens": source["num_tokens"],
         "seq_len": seq_len,
         "val_rows": n_val,
@@ -118,10 +124,15 @@ def tokens_to_mds(
     if overwrite and fs.exists(merged_index):
         fs.rm(merged_index)
 
-    tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
-    tokenizer = load_tokenizer(tok_src)
-    _check_ids(stream[: rows * seq_len], tokenizer.get_vocab_size(with_added_tokens=True), tokens)
-    byte_lengths = token_byte_lengths(tokenizer)
+    tok_src, byte_lengths = None, None
+    if source.get("tokenizer"):
+        tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
+        tokenizer = load_tokenizer(tok_src)
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        _check_ids(stream[: rows * seq_len], vocab, tokens)
+        byte_lengths = token_byte_lengths(tokenizer)
+    elif isinstance(source.get("vocab_size"), int):  # a sidecar written by hand: ids unchecked
+        check_token_ids(stream[: rows * seq_len], source["vocab_size"], Path(tokens))
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
     written = {}
@@ -136,7 +147,10 @@ def tokens_to_mds(
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
-    fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
+    if tok_src is not None:
+        fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
+    elif fs.exists(join_url(root, "tokenizer.json")):
+        fs.rm(join_url(root, "tokenizer.json"))  # an earlier run's, not this data's
     meta = {
         "format": MDS_META_FORMAT,
         "version": 1,
@@ -144,10 +158,10 @@ def tokens_to_mds(
         "dtype": stream.dtype.name,
         "column": "tokens",
         "encoding": _encoding(stream.dtype, seq_len),
-        "vocab_size": source["vocab_size"],
-        "eos_id": source["eos_id"],
-        "bos_id": source["bos_id"],
-        "tokenizer": "tokenizer.json",
+        "vocab_size": source.get("vocab_size"),
+        "eos_id": source.get("eos_id"),
+        "bos_id": source.get("bos_id"),
+        "tokenizer": "tokenizer.json" if tok_src is not None else None,
         "splits": {name: {**info, "folder": name} for name, info in written.items()},
         "dropped_tokens": len(stream) - rows * seq_len,
         "source_tokens": str(tokens),
@@ -156,6 +170,13 @@ def tokens_to_mds(
     meta_url = join_url(root, "meta.json")
     fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return {**meta, "reused": False}
+
+
+def _identity(tokens: str | os.PathLike, source: Mapping[str, Any]) -> str:
+    """What a sidecar without a fingerprint (written by hand) stands for: its content and the
+    token file's size and time, so a changed file is never taken for the converted one."""
+    stat = (Path(sidecar_path(tokens)).parent / source["tokens_file"]).stat()
+    return settings_fingerprint({**source, "mtime_ns": stat.st_mtime_ns, "bytes": stat.st_size})
 
 
 def _encoding(dtype: np.dtype, seq_len: int) -> str:
