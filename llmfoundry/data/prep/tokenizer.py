@@ -19,6 +19,12 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llmfoundry.data.prep.foreign_tokenizers import (
+    TIKTOKEN_PREFIX,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    is_foreign_spec,
+)
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write
@@ -190,12 +196,27 @@ def prepare_tokenizer(
     bos_token: str | None = None,
     *,
     require_eos: bool = True,
-) -> PreparedTokenizer:
-    """:func:`load_tokenizer` plus the EOS/BOS ids data prep needs (see :func:`prepare`).
+) -> PreparedTokenizer | SentencePieceTokenizer | TiktokenTokenizer:
+    """The tokenizer `path` selects, with the EOS/BOS ids data prep needs: the one loader of
+    generation, evaluation, serving and data prep.
 
-    The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
-    ``eos_token`` a transformers folder's tokenizer_config.json names.
+    `path` is a SentencePiece ``.model`` file, a tiktoken ``.tiktoken`` file or
+    ``tiktoken:NAME`` (see foreign_tokenizers.py), or else what :func:`load_tokenizer` reads
+    (a tokenizer.json or transformers folder; see :func:`prepare`). The EOS token defaults to
+    ``<|endoftext|>`` when the vocabulary has it, else to the ``eos_token`` a transformers
+    folder's tokenizer_config.json names (the model's own ``</s>`` for SentencePiece).
     """
+    spec = os.fspath(path)
+    if is_foreign_spec(spec):
+        kind = (
+            TiktokenTokenizer
+            if spec.endswith(".tiktoken") or spec.startswith(TIKTOKEN_PREFIX)
+            else SentencePieceTokenizer
+        )
+        foreign = kind(spec, eos_token, bos_token)
+        if foreign.eos_id is None and require_eos:
+            raise UserError(f"the tokenizer {spec} has no EOS token; name one with --eos-token")
+        return foreign
     default_eos = _configured_eos(Path(path))
     return prepare(load_tokenizer(path), eos_token, bos_token, default_eos, require_eos)
 

@@ -1,0 +1,70 @@
+"""SentencePiece `.model` files, tiktoken `.tiktoken` files and `tiktoken:NAME` through the one
+loader (`prepare_tokenizer`), as implementations of the tokenizer protocol; tiny files made here."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.data.prep.foreign_tokenizers import SentencePieceTokenizer, TiktokenTokenizer
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.utils.errors import MissingInput, UserError
+from tests.tokenizer_files import tiny_sentencepiece, tiny_tiktoken
+
+TEXT = "the quick brown fox said hello, héllo wörld"
+
+
+def test_a_sentencepiece_model_is_a_tokenizer(tmp_path):
+    tok = prepare_tokenizer(tiny_sentencepiece(tmp_path))
+    assert isinstance(tok, SentencePieceTokenizer) and isinstance(tok, Tokenizer)
+    assert (tok.eos_id, tok.eos_token, tok.bos_id, tok.vocab_size) == (2, "</s>", None, 320)
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT and tok.encode_batch([TEXT, "x"]) == [ids, tok.encode("x")]
+    assert tok.eos_id not in tok.encode("a </s> b")  # special-token text is plain text
+    assert tok.decode([*ids, tok.eos_id, 320, 999]) == TEXT  # EOS, padded rows left out
+    assert tok.token_byte_lengths() is None
+    bos = prepare_tokenizer(tmp_path / "tiny.model", eos_token="<unk>", bos_token="<s>")
+    assert (bos.eos_id, bos.bos_id) == (0, 1)
+
+
+def test_a_tiktoken_file_is_a_tokenizer(tmp_path):
+    tok = prepare_tokenizer(tiny_tiktoken(tmp_path))
+    assert isinstance(tok, TiktokenTokenizer) and isinstance(tok, Tokenizer)
+    assert (tok.eos_id, tok.eos_token, tok.vocab_size) == (265, "<|endoftext|>", 266)
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT and tok.encode_batch([TEXT]) == [ids]
+    assert tok.encode("hello the")[0] == 264 and len(tok.encode("hello the")) == 2
+    assert tok.eos_id not in tok.encode("a <|endoftext|> b")
+    assert tok.decode([*ids, tok.eos_id, 300]) == TEXT
+    lengths = tok.token_byte_lengths()
+    assert sum(lengths[i] for i in ids) == len(TEXT.encode()) and lengths[tok.eos_id] == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "message"),
+    [
+        ("{tmp}/no.model", MissingInput, "tokenizer {tmp}/no.model not found"),
+        ("{tmp}/bad.model", UserError, "bad.model is not a SentencePiece model"),
+        ("{tmp}/bad.tiktoken", UserError, "bad.tiktoken line 2 is not 'base64-token rank'"),
+        ("{tmp}/cl100k_base.tiktoken", UserError, "tiktoken encoding cl100k_base: Hash mismatch"),
+        ("tiktoken:nope", UserError, "tiktoken has no encoding 'nope'"),
+        ("tiktoken:cl100k_base", MissingInput, "is not in tiktoken's cache (TIKTOKEN_CACHE_DIR="),
+    ],
+)
+def test_bad_specs_are_one_line_errors(spec, error, message, tmp_path, monkeypatch):
+    """A name is never downloaded: only tiktoken's cache is read (empty here)."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "bad.model").write_bytes(b"not a protobuf at all")
+    (tmp_path / "bad.tiktoken").write_text("dGg= 0\nthis is not it\n")
+    tiny_tiktoken(tmp_path).rename(tmp_path / "cl100k_base.tiktoken")
+    with pytest.raises(error) as raised:
+        prepare_tokenizer(spec.format(tmp=tmp_path))
+    assert message.format(tmp=tmp_path) in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_eos_names_are_checked(tmp_path):
+    with pytest.raises(UserError, match="'<nope>' is not in the tokenizer's vocabulary"):
+        prepare_tokenizer(tiny_sentencepiece(tmp_path), eos_token="<nope>")
+    with pytest.raises(UserError, match="'<nope>' is not a special token of the tokenizer"):
+        prepare_tokenizer(tiny_tiktoken(tmp_path), eos_token="<nope>")
