@@ -3,10 +3,12 @@ loader (`prepare_tokenizer`), as implementations of the tokenizer protocol; tiny
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.foreign_tokenizers import SentencePieceTokenizer, TiktokenTokenizer
+from llmfoundry.data.prep.text_to_tokens import open_tokens, text_to_tokens
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
 from tests.tokenizer_files import tiny_sentencepiece, tiny_tiktoken
@@ -68,3 +70,23 @@ def test_eos_names_are_checked(tmp_path):
         prepare_tokenizer(tiny_sentencepiece(tmp_path), eos_token="<nope>")
     with pytest.raises(UserError, match="'<nope>' is not a special token of the tokenizer"):
         prepare_tokenizer(tiny_tiktoken(tmp_path), eos_token="<nope>")
+
+
+@pytest.mark.parametrize("maker", [tiny_sentencepiece, tiny_tiktoken])
+def test_text_to_tokens_with_either(maker, tmp_path):
+    """Each document's tokens then EOS, in worker processes too; the tokenizer file is saved
+    beside the tokens under a name that loads it again."""
+    docs = {"a.txt": TEXT, "b.txt": "hello the lazy dog " * 300}
+    (tmp_path / "docs").mkdir()
+    for name, text in docs.items():
+        (tmp_path / "docs" / name).write_text(text)
+    tok = prepare_tokenizer(maker(tmp_path))
+    want = [i for text in docs.values() for i in [*tok.encode(text), tok.eos_id]]
+    for workers in (1, 2):
+        out = tmp_path / f"out{workers}" / "t.bin"
+        meta = text_to_tokens([str(tmp_path / "docs")], out, tokenizer=tok.spec, workers=workers,
+                              chunk_chars=64, progress=False)  # fmt: skip
+        assert np.asarray(open_tokens(out)[0]).tolist() == want
+        assert (meta["eos_id"], meta["vocab_size"]) == (tok.eos_id, tok.vocab_size)
+        again = prepare_tokenizer(out.parent / meta["tokenizer"])
+        assert again.encode(TEXT) == tok.encode(TEXT) and again.eos_id == tok.eos_id

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
 import importlib
 import os
 import threading
@@ -32,6 +33,7 @@ import numpy as np
 
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.files import atomic_write
 
 __all__ = ["TIKTOKEN_PREFIX", "SentencePieceTokenizer", "TiktokenTokenizer", "is_foreign_spec"]
 
@@ -71,7 +73,23 @@ def _special_id(specials: dict[str, int], token: str, flag: str) -> int:
     return specials[token]
 
 
-class SentencePieceTokenizer:
+class _TokenizerFile:
+    """What data prep asks of a tokenizer besides the protocol: its file, to save next to the
+    tokens it wrote and to fingerprint them with."""
+
+    data: bytes
+    file_name: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        atomic_write(path, self.data)
+        return Path(path)
+
+
+class SentencePieceTokenizer(_TokenizerFile):
     """A SentencePiece model. EOS is the model's own (``</s>``) unless `eos_token` names another
     piece; BOS is set only when `bos_token` names one (data prep then starts documents with
     it). `encode` adds nothing around the text, as `encode_batch` does not either."""
@@ -80,8 +98,9 @@ class SentencePieceTokenizer:
         spm = _require("sentencepiece")
         self.spec = spec
         self.model = spm.SentencePieceProcessor()
+        self.data = _read(spec)
         try:
-            self.model.LoadFromSerializedProto(_read(spec))
+            self.model.LoadFromSerializedProto(self.data)
         except RuntimeError as err:
             reason = str(err).splitlines()[0]
             raise UserError(
@@ -95,6 +114,8 @@ class SentencePieceTokenizer:
             self.eos_id = own_eos
         self.bos_token = bos_token
         self.bos_id = self._piece_id(bos_token, "--bos-token") if bos_token else None
+
+    file_name = "tokenizer.model"  # what data prep saves it as, next to what it writes
 
     def _piece_id(self, piece: str, flag: str) -> int:
         piece_id = self.model.piece_to_id(piece)
@@ -111,6 +132,8 @@ class SentencePieceTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.model.encode(list(texts)) if texts else []
+
+    encode_pieces = encode_batch  # data prep's: nothing is added around a text
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; ids past the vocabulary (a model's padded embedding rows) and
@@ -169,7 +192,16 @@ def _parse_ranks(data: bytes, spec: str) -> dict[bytes, int]:
     return ranks
 
 
-class TiktokenTokenizer:
+def _dump_ranks(ranks: dict[bytes, int]) -> bytes:
+    """`ranks` as a tiktoken rank file (what `_parse_ranks` reads)."""
+    lines = (
+        f"{base64.b64encode(t).decode()} {r}\n"
+        for t, r in sorted(ranks.items(), key=lambda x: x[1])
+    )
+    return "".join(lines).encode()
+
+
+class TiktokenTokenizer(_TokenizerFile):
     """A tiktoken encoding: ``tiktoken:NAME`` from tiktoken's cache, or a local ``.tiktoken``
     file. A file named after one of tiktoken's encodings (``cl100k_base.tiktoken``) gets that
     encoding's split pattern and special tokens (and its checksum); another gets GPT-2's
@@ -180,7 +212,12 @@ class TiktokenTokenizer:
         tiktoken = _require("tiktoken")
         self.spec = spec
         if spec.startswith(TIKTOKEN_PREFIX):
-            self.encoding = self._by_name(tiktoken, spec.removeprefix(TIKTOKEN_PREFIX), {})
+            name = spec.removeprefix(TIKTOKEN_PREFIX)
+            self.encoding = self._by_name(tiktoken, name, {})
+            ranks = {
+                t: self.encoding.encode_single_token(t) for t in self.encoding.token_byte_values()
+            }
+            data = _dump_ranks(ranks)
         else:
             data = _read(spec)
             name = Path(storage.local_path(spec) if storage.is_local(spec) else spec).stem
@@ -203,6 +240,10 @@ class TiktokenTokenizer:
         self.bos_token = bos_token
         self.bos_id = _special_id(specials, bos_token, "--bos-token") if bos_token else None
         self._special_ids = frozenset(specials.values())
+        self.data = data
+        # Saved under the encoding's name, a rank file loads again as that encoding (gpt2's as
+        # GPT-2's pattern and EOS after the ranks: what it is).
+        self.file_name = f"{name}.tiktoken"
 
     @staticmethod
     def _by_name(tiktoken: Any, name: str, local: dict[str, bytes]) -> Any:
@@ -228,6 +269,8 @@ class TiktokenTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self.encoding.encode_ordinary_batch(list(texts))
+
+    encode_pieces = encode_batch  # data prep's: nothing is added around a text
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens and ids outside the vocabulary left out."""

@@ -30,6 +30,7 @@ from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
+    "DataPrepTokenizer",
     "EOS_TOKEN",
     "PreparedTokenizer",
     "load_tokenizer",
@@ -71,8 +72,16 @@ class PreparedTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def encode_pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of each text without what the tokenizer adds around every input: data prep
+        adds its own BOS and EOS around documents."""
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
     def token_byte_lengths(self) -> np.ndarray | None:
         return token_byte_lengths(self.tokenizer)
+
+    file_name = "tokenizer.json"  # what data prep saves it as, next to what it writes
 
     @property
     def json(self) -> str:
@@ -86,6 +95,11 @@ class PreparedTokenizer:
         """Write tokenizer.json atomically."""
         atomic_write(path, self.json)
         return Path(path)
+
+
+# What `prepare_tokenizer` gives: each has the protocol plus data prep's `encode_pieces`,
+# `eos_token`/`bos_token`, `sha256`, `file_name` and `save`.
+DataPrepTokenizer = PreparedTokenizer | SentencePieceTokenizer | TiktokenTokenizer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
@@ -196,7 +210,7 @@ def prepare_tokenizer(
     bos_token: str | None = None,
     *,
     require_eos: bool = True,
-) -> PreparedTokenizer | SentencePieceTokenizer | TiktokenTokenizer:
+) -> DataPrepTokenizer:
     """The tokenizer `path` selects, with the EOS/BOS ids data prep needs: the one loader of
     generation, evaluation, serving and data prep.
 
