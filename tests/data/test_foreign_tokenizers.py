@@ -3,11 +3,14 @@ loader (`prepare_tokenizer`), as implementations of the tokenizer protocol; tiny
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.foreign_tokenizers import SentencePieceTokenizer, TiktokenTokenizer
+from llmfoundry.data.prep.instructions import Formatter, instructions_to_mds
 from llmfoundry.data.prep.text_to_tokens import open_tokens, text_to_tokens
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
@@ -90,3 +93,20 @@ def test_text_to_tokens_with_either(maker, tmp_path):
         assert (meta["eos_id"], meta["vocab_size"]) == (tok.eos_id, tok.vocab_size)
         again = prepare_tokenizer(out.parent / meta["tokenizer"])
         assert again.encode(TEXT) == tok.encode(TEXT) and again.eos_id == tok.eos_id
+
+
+@pytest.mark.parametrize("maker", [tiny_sentencepiece, tiny_tiktoken])
+def test_instructions_to_mds_with_either(maker, tmp_path):
+    """The default format's pieces encoded with the tokenizer, EOS after each response; the
+    tokenizer file is written beside the shards and named in meta.json."""
+    tok = prepare_tokenizer(maker(tmp_path))
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the fox"}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    ids, labels = Formatter(tok.spec).encode(chat)
+    prompt, answer = tok.encode("### User:\nhello\n\n### Assistant:\n"), tok.encode("the fox")
+    assert ids.tolist() == [*prompt, *answer, tok.eos_id]
+    assert labels.tolist() == [-100] * len(prompt) + [*answer, tok.eos_id]
+    meta = instructions_to_mds([str(tmp_path / "chats.jsonl")], str(tmp_path / "mds"), tok.spec, 32)
+    assert meta["eos_id"] == tok.eos_id and meta["vocab_size"] == tok.vocab_size
+    again = prepare_tokenizer(tmp_path / "mds" / meta["tokenizer"])
+    assert again.encode("hello the fox") == tok.encode("hello the fox")

@@ -77,15 +77,15 @@ class _TokenizerFile:
     """What data prep asks of a tokenizer besides the protocol: its file, to save next to the
     tokens it wrote and to fingerprint them with."""
 
-    data: bytes
+    file_data: bytes
     file_name: str
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
+        return hashlib.sha256(self.file_data).hexdigest()
 
     def save(self, path: str | os.PathLike) -> Path:
-        atomic_write(path, self.data)
+        atomic_write(path, self.file_data)
         return Path(path)
 
 
@@ -98,9 +98,9 @@ class SentencePieceTokenizer(_TokenizerFile):
         spm = _require("sentencepiece")
         self.spec = spec
         self.model = spm.SentencePieceProcessor()
-        self.data = _read(spec)
+        self.file_data = _read(spec)
         try:
-            self.model.LoadFromSerializedProto(self.data)
+            self.model.LoadFromSerializedProto(self.file_data)
         except RuntimeError as err:
             reason = str(err).splitlines()[0]
             raise UserError(
@@ -240,7 +240,7 @@ class TiktokenTokenizer(_TokenizerFile):
         self.bos_token = bos_token
         self.bos_id = _special_id(specials, bos_token, "--bos-token") if bos_token else None
         self._special_ids = frozenset(specials.values())
-        self.data = data
+        self.file_data = data
         # Saved under the encoding's name, a rank file loads again as that encoding (gpt2's as
         # GPT-2's pattern and EOS after the ranks: what it is).
         self.file_name = f"{name}.tiktoken"

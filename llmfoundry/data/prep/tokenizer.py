@@ -88,8 +88,12 @@ class PreparedTokenizer:
         return self.tokenizer.to_str()
 
     @property
+    def file_data(self) -> bytes:
+        return self.json.encode("utf-8")
+
+    @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.json.encode("utf-8")).hexdigest()
+        return hashlib.sha256(self.file_data).hexdigest()
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokenizer.json atomically."""
@@ -98,7 +102,7 @@ class PreparedTokenizer:
 
 
 # What `prepare_tokenizer` gives: each has the protocol plus data prep's `encode_pieces`,
-# `eos_token`/`bos_token`, `sha256`, `file_name` and `save`.
+# `eos_token`/`bos_token`, `sha256`, `file_name`, `file_data` and `save`.
 DataPrepTokenizer = PreparedTokenizer | SentencePieceTokenizer | TiktokenTokenizer
 
 
