@@ -108,3 +108,12 @@ def test_server_completions(kind, files, model, tmp_path):
 def test_a_run_trained_with_a_tiktoken_name_finds_it(files):
     state = {"config": {"tokenizer": "tiktoken:cl100k_base"}}
     assert _checkpoint_tokenizer(str(files["ckpt"]), state) == "tiktoken:cl100k_base"
+
+
+def test_export_refuses_what_transformers_cannot_load_in_one_line(files, tmp_path, capsys):
+    argv = [str(files["ckpt"]), str(tmp_path / "hf"), "--tokenizer", str(files["model"])]
+    with pytest.raises(SystemExit) as exit_:
+        script("export_hf")(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "is a SentencePieceTokenizer; convert it to a transformers tokenizer folder" in err
