@@ -13,6 +13,7 @@ from llmfoundry.data.prep.foreign_tokenizers import SentencePieceTokenizer, Tikt
 from llmfoundry.data.prep.instructions import Formatter, instructions_to_mds
 from llmfoundry.data.prep.text_to_tokens import open_tokens, text_to_tokens
 from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.data.prep.tokens_to_mds import tokens_to_mds
 from llmfoundry.utils.errors import MissingInput, UserError
 from tests.tokenizer_files import tiny_sentencepiece, tiny_tiktoken
 
@@ -78,7 +79,7 @@ def test_eos_names_are_checked(tmp_path):
 @pytest.mark.parametrize("maker", [tiny_sentencepiece, tiny_tiktoken])
 def test_text_to_tokens_with_either(maker, tmp_path):
     """Each document's tokens then EOS, in worker processes too; the tokenizer file is saved
-    beside the tokens under a name that loads it again."""
+    beside the tokens under a name that loads it again, and tokens_to_mds.py copies it."""
     docs = {"a.txt": TEXT, "b.txt": "hello the lazy dog " * 300}
     (tmp_path / "docs").mkdir()
     for name, text in docs.items():
@@ -93,6 +94,9 @@ def test_text_to_tokens_with_either(maker, tmp_path):
         assert (meta["eos_id"], meta["vocab_size"]) == (tok.eos_id, tok.vocab_size)
         again = prepare_tokenizer(out.parent / meta["tokenizer"])
         assert again.encode(TEXT) == tok.encode(TEXT) and again.eos_id == tok.eos_id
+    mds = tokens_to_mds(out, str(tmp_path / "mds"), 16, progress=False)
+    assert mds["tokenizer"] == meta["tokenizer"] and mds["eos_id"] == tok.eos_id
+    assert prepare_tokenizer(tmp_path / "mds" / mds["tokenizer"]).encode(TEXT) == tok.encode(TEXT)
 
 
 @pytest.mark.parametrize("maker", [tiny_sentencepiece, tiny_tiktoken])

@@ -4,7 +4,8 @@ Layout of ``out`` (a local folder or fsspec URL)::
 
     out/train/index.json, out/train/shard.*.mds   rows [0, rows - val_rows)
     out/val/index.json,   out/val/shard.*.mds     the last val_rows rows (if any)
-    out/tokenizer.json                            copied from next to the token stream
+    out/tokenizer.json                            copied from next to the token stream (or its
+                                                  tokenizer.model / NAME.tiktoken)
     out/meta.json                                 seq_len, vocab_size, eos/bos ids, splits
 
 Each row is column ``tokens`` encoded ``ndarray:uint16:L`` (or uint32 for large
@@ -35,7 +36,7 @@ from tqdm import tqdm
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
-from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
@@ -119,9 +120,9 @@ def tokens_to_mds(
         fs.rm(merged_index)
 
     tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
-    tokenizer = load_tokenizer(tok_src)
-    _check_ids(stream[: rows * seq_len], tokenizer.get_vocab_size(with_added_tokens=True), tokens)
-    byte_lengths = token_byte_lengths(tokenizer)
+    tokenizer = prepare_tokenizer(tok_src, require_eos=False)  # any kind text_to_tokens takes
+    _check_ids(stream[: rows * seq_len], tokenizer.vocab_size, tokens)
+    byte_lengths = tokenizer.token_byte_lengths()
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
     written = {}
@@ -136,7 +137,7 @@ def tokens_to_mds(
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
-    fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
+    fs.put_file(str(tok_src), join_url(root, tok_src.name))
     meta = {
         "format": MDS_META_FORMAT,
         "version": 1,
@@ -147,7 +148,7 @@ def tokens_to_mds(
         "vocab_size": source["vocab_size"],
         "eos_id": source["eos_id"],
         "bos_id": source["bos_id"],
-        "tokenizer": "tokenizer.json",
+        "tokenizer": tok_src.name,
         "splits": {name: {**info, "folder": name} for name, info in written.items()},
         "dropped_tokens": len(stream) - rows * seq_len,
         "source_tokens": str(tokens),
