@@ -14,8 +14,8 @@ import json
 import sys
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write

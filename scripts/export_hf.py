@@ -26,8 +26,8 @@ import argparse
 import sys
 
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
-from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.models.families import family_of, logits_relative_error
+from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed.base import resolve_device
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 

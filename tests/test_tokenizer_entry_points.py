@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from llmfoundry.checkpoint.pretrained import _checkpoint_tokenizer, save_weights
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import UserError
 from tests.tokenizer_files import tiny_sentencepiece, tiny_tiktoken
 

@@ -40,8 +40,8 @@ from llmfoundry.checkpoint.io import (
 )
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
-from llmfoundry.data.prep.foreign_tokenizers import TIKTOKEN_PREFIX
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
+from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import url_to_fs

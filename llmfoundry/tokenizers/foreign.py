@@ -3,7 +3,7 @@
 Users of Llama-style (SentencePiece ``.model``) and OpenAI-style (tiktoken BPE rank files)
 tokenizers have no tokenizer.json; these adapters give generation, evaluation and serving the
 same protocol `PreparedTokenizer` gives them, so one spec selects a tokenizer everywhere
-(`llmfoundry.data.prep.tokenizer.prepare_tokenizer`):
+(`llmfoundry.tokenizers.tokenizer.prepare_tokenizer`):
 
 - ``PATH.model``: a SentencePiece model (a protobuf: parsing it runs no code);
 - ``PATH.tiktoken``: a tiktoken BPE rank file (lines of ``base64(token bytes) rank``);

@@ -1,10 +1,11 @@
-"""Tokenizers for data prep: train a byte-level BPE, or load an existing one.
+"""Tokenizers: load one from a spec (`prepare_tokenizer`), or train a byte-level BPE.
 
 Data prep works on a ``tokenizers.Tokenizer`` (the fast Rust library): it serialises to one
 JSON string, so worker processes rebuild it cheaply, and a byte-level BPE decodes back to
 exactly the input text, which is what makes the round trip testable. `PreparedTokenizer` is the
 implementation of the tokenizer protocol (`llmfoundry.core.tokenizer.Tokenizer`) that
-generation, evaluation and serving take.
+generation, evaluation and serving take, beside the SentencePiece and tiktoken ones of
+foreign.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llmfoundry.data.prep.foreign_tokenizers import (
+from llmfoundry.tokenizers.foreign import (
     TIKTOKEN_PREFIX,
     SentencePieceTokenizer,
     TiktokenTokenizer,
@@ -219,7 +220,7 @@ def prepare_tokenizer(
     generation, evaluation, serving and data prep.
 
     `path` is a SentencePiece ``.model`` file, a tiktoken ``.tiktoken`` file or
-    ``tiktoken:NAME`` (see foreign_tokenizers.py), or else what :func:`load_tokenizer` reads
+    ``tiktoken:NAME`` (see foreign.py), or else what :func:`load_tokenizer` reads
     (a tokenizer.json or transformers folder; see :func:`prepare`). The EOS token defaults to
     ``<|endoftext|>`` when the vocabulary has it, else to the ``eos_token`` a transformers
     folder's tokenizer_config.json names (the model's own ``</s>`` for SentencePiece).

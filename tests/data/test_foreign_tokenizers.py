@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.data.prep.foreign_tokenizers import SentencePieceTokenizer, TiktokenTokenizer
 from llmfoundry.data.prep.instructions import Formatter, instructions_to_mds
 from llmfoundry.data.prep.text_to_tokens import open_tokens, text_to_tokens
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.data.prep.tokens_to_mds import tokens_to_mds
+from llmfoundry.tokenizers.foreign import SentencePieceTokenizer, TiktokenTokenizer
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
 from tests.tokenizer_files import tiny_sentencepiece, tiny_tiktoken
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, normalizers
 
 from llmfoundry.data.prep import open_tokens, text_to_tokens, train_bpe
 from llmfoundry.data.prep.chunking import chunking_is_exact, split_document
-from llmfoundry.data.prep.tokenizer import prepare
+from llmfoundry.tokenizers.tokenizer import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -51,7 +51,7 @@ from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
-from llmfoundry.data.prep.tokenizer import DataPrepTokenizer, prepare_tokenizer
+from llmfoundry.tokenizers.tokenizer import DataPrepTokenizer, prepare_tokenizer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from llmfoundry.data.prep.chunking import chunking_is_exact, split_document
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
-from llmfoundry.data.prep.tokenizer import (
+from llmfoundry.tokenizers.tokenizer import (
     DataPrepTokenizer,
     PreparedTokenizer,
     prepare,

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import open_tokens, sidecar_path
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
