@@ -32,8 +32,8 @@ import httpx
 import torch
 
 from llmfoundry.checkpoint.pretrained import save_weights
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer, train_bpe
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 

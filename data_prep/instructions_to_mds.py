@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         "*.py files under these folders (written to OUT/examples.jsonl)",
     )
     parser.add_argument("--out", required=True, help="output folder or fsspec URL")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer.json or tokenizer folder")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer.json, tokenizer folder, .model, .tiktoken or tiktoken:NAME",
+    )
     parser.add_argument("--seq-len", type=int, required=True, help="tokens per row")
     parser.add_argument(
         "--no-pack", action="store_true", help="one example per padded row (default: pack)"

@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output token file, ending in .bin")
     tok = parser.add_argument_group("tokenizer (choose one)")
     tok.add_argument(
-        "--tokenizer", help="tokenizer.json, or a folder holding one / a transformers tokenizer"
+        "--tokenizer",
+        help="tokenizer.json, a folder holding one / a transformers tokenizer, a SentencePiece "
+        ".model, a tiktoken .tiktoken file or tiktoken:NAME (from tiktoken's cache)",
     )
     tok.add_argument(
         "--train-tokenizer",

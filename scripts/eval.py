@@ -14,8 +14,8 @@ import json
 import sys
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import atomic_write
@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")
     p.add_argument("--seed", type=int, default=17, help="seed of the shot choice (default 17)")
     p.add_argument("--limit", type=int, help="score only the first N examples of each task")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: the model's own)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     add_script_arguments(p)
     args = p.parse_args(argv)

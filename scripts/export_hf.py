@@ -26,8 +26,8 @@ import argparse
 import sys
 
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.families import family_of, logits_relative_error
+from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 
@@ -64,6 +64,12 @@ def export(args: argparse.Namespace) -> int:
             "no tokenizer recorded by its run); pass --tokenizer PATH/tokenizer.json"
         )
     tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
+    if not isinstance(tokenizer, PreparedTokenizer):
+        raise UserError(
+            f"a transformers folder needs a tokenizer.json tokenizer, and {tokenizer_path} is a "
+            f"{type(tokenizer).__name__}; convert it to a transformers tokenizer folder and pass "
+            "--tokenizer FOLDER"
+        )
     family.export_to_hf(
         model,
         args.out_dir,

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed.base import resolve_device
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 
@@ -37,7 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of every prompt")
-    p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, tokenizer folder, .model, .tiktoken or tiktoken:NAME (default: found)",
+    )
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument(

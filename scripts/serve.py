@@ -67,7 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the model's id in the API (default: the checkpoint's run name, else the folder's)",
     )
     p.add_argument("--engine", choices=["llmfoundry", "vllm"], default="llmfoundry")
-    p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, tokenizer folder, .model, .tiktoken or tiktoken:NAME (default: found)",
+    )
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for chat requests")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmfoundry"
 LAYERS: list[set[str]] = [
     {"utils", "rng"},
     {"core"},
+    {"tokenizers"},
     {"data", "models", "loggers"},
     {"distributed"},
     {"checkpoint", "optim", "eval"},

@@ -14,10 +14,10 @@ import torch
 from llmfoundry.callbacks import Generate
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
-from llmfoundry.data.prep.tokenizer import prepare
 from llmfoundry.eval.icl import evaluate_tasks, load_task
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare
 from llmfoundry.utils.errors import UserError
 
 EOS = 256

@@ -7,9 +7,9 @@ import logging
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)

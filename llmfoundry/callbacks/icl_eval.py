@@ -5,9 +5,9 @@ from __future__ import annotations
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.eval.icl import evaluate_tasks, load_task
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 
 
 class ICLEval(Callback):

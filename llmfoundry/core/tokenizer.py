@@ -1,9 +1,10 @@
 """What generation, evaluation, serving and training's data checks ask of a tokenizer.
 
-They take any object with these members, not the `tokenizers` library's class: the one
-implementation shipped is `llmfoundry.data.prep.tokenizer.PreparedTokenizer` (a tokenizer.json
-or transformers fast-tokenizer folder through `tokenizers`), and a test drives the same code with
-a byte-level one of a dozen lines. Making tokenizer files (training a BPE, data prep's worker
+They take any object with these members, not the `tokenizers` library's class: the
+implementations shipped are `llmfoundry.tokenizers.tokenizer.PreparedTokenizer` (a tokenizer.json
+or transformers fast-tokenizer folder through `tokenizers`) and the SentencePiece and tiktoken
+ones of `llmfoundry.tokenizers.foreign`, all loaded by `prepare_tokenizer` from one
+spec; a test drives the same code with a byte-level one of a dozen lines. Making tokenizer files (training a BPE, data prep's worker
 processes, writing a transformers folder on export) stays with `tokenizers` itself.
 """
 

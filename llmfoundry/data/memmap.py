@@ -34,11 +34,11 @@ import torch
 
 from llmfoundry.data.prep.adopt import TOKEN_DTYPES, open_token_file
 from llmfoundry.data.prep.text_to_tokens import sidecar_path
-from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.data.prep.tokens_to_mds import text_bytes
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.epochs import EpochDataset
 from llmfoundry.data.text import SEQUENCE_ID, resolve_eos, sequence_ids_from_eos
+from llmfoundry.tokenizers.tokenizer import load_tokenizer, token_byte_lengths
 from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.storage import is_local, local_path
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.chat_template import TEMPLATE_STEPS, ChatTemplate, ChatTemplateError
-from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
+from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.errors import UserError
 
 __all__ = ["TEMPLATE_STEPS", "ChatTemplateError", "ServedTokenizer", "load_served_tokenizer"]

@@ -14,8 +14,8 @@ import pytest
 
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import Formatter
-from llmfoundry.data.prep.tokenizer import EOS_TOKEN
 from llmfoundry.serving.tokenizer import ChatTemplateError, load_served_tokenizer
+from llmfoundry.tokenizers.tokenizer import EOS_TOKEN
 from llmfoundry.utils.errors import UserError
 
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
-from llmfoundry.data.prep.tokenizer import prepare
 from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare
 
 WORDS = ["a", "b", "c", "d", "e"]
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 import transformers
 
-from llmfoundry.data.prep.tokenizer import train_bpe
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.generation import (
     Decoder,
@@ -19,6 +18,7 @@ from llmfoundry.models.generation import (
 )
 from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.mpt.hf import export_to_hf
+from llmfoundry.tokenizers.tokenizer import train_bpe
 
 VOCAB = 50
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [3] * 11, [42], [5, 4, 3]]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from llmfoundry.checkpoint.pretrained import save_weights
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer, train_bpe
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer, train_bpe
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

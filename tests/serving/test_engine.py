@@ -9,10 +9,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 
-from llmfoundry.data.prep.tokenizer import EOS_TOKEN, train_bpe
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.serving.engine import Engine, Event
+from llmfoundry.tokenizers.tokenizer import EOS_TOKEN, train_bpe
 
 VOCAB = 50
 

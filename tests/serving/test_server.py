@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.serving.engine import stream_safe_length
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from tests.serving.conftest import API_KEY, CONTEXT, ROOT, RUN_NAME, running_server
 
 pytestmark = pytest.mark.slow  # each server start loads torch in a subprocess

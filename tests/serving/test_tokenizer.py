@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from llmfoundry.data.prep.tokenizer import EOS_TOKEN, train_bpe
 from llmfoundry.serving.tokenizer import load_served_tokenizer
+from llmfoundry.tokenizers.tokenizer import EOS_TOKEN, train_bpe
 from tests.serving.conftest import CHAT_TEMPLATE, TEXTS
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

@@ -13,7 +13,8 @@ from llmfoundry.data.prep.text_to_tokens import (
     sidecar_path,
     text_to_tokens,
 )
-from llmfoundry.data.prep.tokenizer import (
+from llmfoundry.data.prep.tokens_to_mds import bytes_per_token, split_rows, tokens_to_mds
+from llmfoundry.tokenizers.tokenizer import (
     EOS_TOKEN,
     PreparedTokenizer,
     load_tokenizer,
@@ -21,7 +22,6 @@ from llmfoundry.data.prep.tokenizer import (
     token_byte_lengths,
     train_bpe,
 )
-from llmfoundry.data.prep.tokens_to_mds import bytes_per_token, split_rows, tokens_to_mds
 
 __all__ = [
     "EOS_TOKEN",

@@ -29,7 +29,8 @@ Layout of ``out``::
 
     out/train/, out/val/   MDS: tokens ndarray:uint16|uint32:L, labels ndarray:int32:L,
                            sequence_id ndarray:int32:L
-    out/tokenizer.json     the tokenizer (for training's generate callback and for eval)
+    out/tokenizer.json     the tokenizer (for training's generate callback and for eval;
+                           tokenizer.model or NAME.tiktoken for SentencePiece or tiktoken)
     out/meta.json          seq_len, vocab/eos ids, format, counts, fingerprint (written last)
 """
 
@@ -50,7 +51,7 @@ from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
-from llmfoundry.data.prep.tokenizer import PreparedTokenizer, prepare_tokenizer
+from llmfoundry.tokenizers.tokenizer import DataPrepTokenizer, prepare_tokenizer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
@@ -134,7 +135,7 @@ class Formatter:
     """Turns a conversation into ``(input_ids, labels)`` (module docstring: Formatting)."""
 
     def __init__(self, tokenizer: str, eos_token: str | None = None) -> None:
-        self.prepared: PreparedTokenizer = prepare_tokenizer(tokenizer, eos_token)
+        self.prepared: DataPrepTokenizer = prepare_tokenizer(tokenizer, eos_token)
         self.template: ChatTemplate | None = None
         hf = _chat_template_tokenizer(tokenizer)
         if hf is not None:
@@ -400,7 +401,7 @@ def instructions_to_mds(
         }
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
-    fs.pipe_file(join_url(root, "tokenizer.json"), prepared.json.encode("utf-8"))
+    fs.pipe_file(join_url(root, prepared.file_name), prepared.file_data)
     total_rows = sum(p.rows for p in packers.values())
     efficiency = sum(p.tokens for p in packers.values()) / (total_rows * seq_len)
     meta = {
@@ -412,7 +413,7 @@ def instructions_to_mds(
         "vocab_size": prepared.vocab_size,
         "eos_id": prepared.eos_id,
         "bos_id": prepared.bos_id,
-        "tokenizer": "tokenizer.json",
+        "tokenizer": prepared.file_name,
         "chat_template": formatter.uses_chat_template,
         "packed": pack,
         "packing_efficiency": round(efficiency, 4),

@@ -35,7 +35,8 @@ from tqdm import tqdm
 from llmfoundry.data.prep.chunking import chunking_is_exact, split_document
 from llmfoundry.data.prep.reuse import is_reusable, settings_fingerprint
 from llmfoundry.data.prep.sources import Task, fingerprint, plan_tasks, read_task
-from llmfoundry.data.prep.tokenizer import (
+from llmfoundry.tokenizers.tokenizer import (
+    DataPrepTokenizer,
     PreparedTokenizer,
     prepare,
     prepare_tokenizer,
@@ -75,12 +76,18 @@ _STATE: dict[str, Any] = {}
 
 
 def _init_worker(
-    tokenizer_json: str, eos_id: int, bos_id: int | None, dtype: str, chunk_chars: int | None
+    tokenizer: str | DataPrepTokenizer,
+    eos_id: int,
+    bos_id: int | None,
+    dtype: str,
+    chunk_chars: int | None,
 ) -> None:
-    tok = Tokenizer.from_str(tokenizer_json)
-    tok.encode_special_tokens = True
+    """`tokenizer`: tokenizer.json text (a `tokenizers` one is rebuilt from it, cheaper than
+    pickling it) or a SentencePiece/tiktoken tokenizer."""
+    if isinstance(tokenizer, str):
+        tokenizer = prepare(Tokenizer.from_str(tokenizer), require_eos=False)
     _STATE.update(
-        tokenizer=tok, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype), chunk_chars=chunk_chars
+        tokenizer=tokenizer, eos=eos_id, bos=bos_id, dtype=np.dtype(dtype), chunk_chars=chunk_chars
     )
 
 
@@ -97,7 +104,7 @@ def _encode_task(task: Task) -> _Encoded:
     docs, skipped = read_task(task)
     nonempty = [d for d in docs if d]
     skipped += len(docs) - len(nonempty)
-    tok: Tokenizer = _STATE["tokenizer"]
+    tok: DataPrepTokenizer = _STATE["tokenizer"]
     dtype, chunk = _STATE["dtype"], _STATE["chunk_chars"]
     head = np.array([] if _STATE["bos"] is None else [_STATE["bos"]], dtype)
     tail = np.array([_STATE["eos"]], dtype)
@@ -112,13 +119,13 @@ def _encode_task(task: Task) -> _Encoded:
     parts: list[np.ndarray] = []
     previous = -1
     for group in _batches(pieces, chunk):
-        encodings = tok.encode_batch([piece for _, piece in group], add_special_tokens=False)
-        for (d, _), enc in zip(group, encodings, strict=True):
+        encodings = tok.encode_pieces([piece for _, piece in group])
+        for (d, _), ids in zip(group, encodings, strict=True):
             if d != previous:
                 parts += [tail, head] if previous >= 0 else [head]
                 previous = d
-            parts.append(np.asarray(enc.ids, dtype))
-            doc_tokens[d] += len(enc.ids)
+            parts.append(np.asarray(ids, dtype))
+            doc_tokens[d] += len(ids)
     if previous >= 0:
         parts.append(tail)
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype)
@@ -325,12 +332,12 @@ def text_to_tokens(
     if loaded is None:
         texts = _training_texts(tasks, min(filter(None, (train_bytes, max_bytes)), default=None))
         loaded = prepare(train_bpe(texts, vocab_size), eos_token, bos_token)
-    tok_path = _place_tokenizer(loaded, tokenizer, out.parent / "tokenizer.json", overwrite)
+    tok_path = _place_tokenizer(loaded, tokenizer, out.parent / loaded.file_name, overwrite)
     dtype = np.dtype(np.uint16 if loaded.vocab_size <= (1 << 16) else np.uint32)
 
     sidecar_path(out).unlink(missing_ok=True)  # no sidecar until the new .bin is complete
     init = (
-        loaded.json,
+        loaded.json if isinstance(loaded, PreparedTokenizer) else loaded,
         loaded.eos_id,
         loaded.bos_id,
         dtype.name,
@@ -388,20 +395,25 @@ def _check_arguments(
 
 
 def _place_tokenizer(
-    loaded: PreparedTokenizer,
+    loaded: DataPrepTokenizer,
     given: str | os.PathLike | None,
     tok_path: Path,
     overwrite: bool,
 ) -> Path:
     """Save the tokenizer as ``tok_path`` (next to the output), where the token stream names it.
 
-    The user's own tokenizer.json already there is left be; a different tokenizer there is an
+    The user's own tokenizer file already there is left be; a different tokenizer there is an
     error without ``overwrite`` (token files of different tokenizers must not share a folder).
     """
-    source_file = None if given is None else Path(given)
+    source_file = None if given is None else Path(given)  # tiktoken:NAME is no file
     if source_file is not None and source_file.is_dir():
         source_file = source_file / "tokenizer.json"
-    if source_file is not None and tok_path.exists() and tok_path.samefile(source_file):
+    if (
+        source_file is not None
+        and source_file.exists()
+        and tok_path.exists()
+        and tok_path.samefile(source_file)
+    ):
         return tok_path
     if tok_path.exists() and _sha256(tok_path) != loaded.sha256 and not overwrite:
         raise OutputExists(
@@ -411,9 +423,9 @@ def _place_tokenizer(
     return loaded.save(tok_path)
 
 
-def _exact_chunking(loaded: PreparedTokenizer, chunk_chars: int | None) -> int | None:
+def _exact_chunking(loaded: DataPrepTokenizer, chunk_chars: int | None) -> int | None:
     """``chunk_chars``, or None (documents encoded whole) where cutting would change tokens."""
-    if chunk_chars is not None and not chunking_is_exact(loaded.tokenizer):
+    if chunk_chars is not None and not chunking_is_exact(loaded.encode_pieces):
         log.warning(
             "this tokenizer does not encode a document cut at spaces to the same tokens as the "
             "whole, so documents are encoded whole: memory grows with the longest document"

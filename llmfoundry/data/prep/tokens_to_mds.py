@@ -4,7 +4,8 @@ Layout of ``out`` (a local folder or fsspec URL)::
 
     out/train/index.json, out/train/shard.*.mds   rows [0, rows - val_rows)
     out/val/index.json,   out/val/shard.*.mds     the last val_rows rows (if any)
-    out/tokenizer.json                            copied from next to the token stream
+    out/tokenizer.json                            copied from next to the token stream (or its
+                                                  tokenizer.model / NAME.tiktoken)
     out/meta.json                                 seq_len, vocab_size, eos/bos ids, splits
 
 Each row is column ``tokens`` encoded ``ndarray:uint16:L`` (or uint32 for large
@@ -36,7 +37,7 @@ from llmfoundry.data.mds import MDSWriter
 from llmfoundry.data.prep.adopt import check_token_ids, open_token_file
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import sidecar_path
-from llmfoundry.data.prep.tokenizer import load_tokenizer, token_byte_lengths
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
@@ -127,11 +128,10 @@ def tokens_to_mds(
     tok_src, byte_lengths = None, None
     if source.get("tokenizer"):
         tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
-        tokenizer = load_tokenizer(tok_src)
-        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-        _check_ids(stream[: rows * seq_len], vocab, tokens)
-        byte_lengths = token_byte_lengths(tokenizer)
-    elif isinstance(source.get("vocab_size"), int):  # a sidecar written by hand: ids unchecked
+        tokenizer = prepare_tokenizer(tok_src, require_eos=False)  # any kind text_to_tokens takes
+        _check_ids(stream[: rows * seq_len], tokenizer.vocab_size, tokens)
+        byte_lengths = tokenizer.token_byte_lengths()
+    elif isinstance(source.get("vocab_size"), int):  # a sidecar written by hand, no tokenizer
         check_token_ids(stream[: rows * seq_len], source["vocab_size"], Path(tokens))
     splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
     bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
@@ -148,7 +148,7 @@ def tokens_to_mds(
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
     if tok_src is not None:
-        fs.put_file(str(tok_src), join_url(root, "tokenizer.json"))
+        fs.put_file(str(tok_src), join_url(root, tok_src.name))
     elif fs.exists(join_url(root, "tokenizer.json")):
         fs.rm(join_url(root, "tokenizer.json"))  # an earlier run's, not this data's
     meta = {
@@ -161,7 +161,7 @@ def tokens_to_mds(
         "vocab_size": source.get("vocab_size"),
         "eos_id": source.get("eos_id"),
         "bos_id": source.get("bos_id"),
-        "tokenizer": "tokenizer.json" if tok_src is not None else None,
+        "tokenizer": tok_src.name if tok_src is not None else None,
         "splits": {name: {**info, "folder": name} for name, info in written.items()},
         "dropped_tokens": len(stream) - rows * seq_len,
         "source_tokens": str(tokens),

@@ -1,10 +1,11 @@
-"""Tokenizers for data prep: train a byte-level BPE, or load an existing one.
+"""Tokenizers: load one from a spec (`prepare_tokenizer`), or train a byte-level BPE.
 
 Data prep works on a ``tokenizers.Tokenizer`` (the fast Rust library): it serialises to one
 JSON string, so worker processes rebuild it cheaply, and a byte-level BPE decodes back to
 exactly the input text, which is what makes the round trip testable. `PreparedTokenizer` is the
 implementation of the tokenizer protocol (`llmfoundry.core.tokenizer.Tokenizer`) that
-generation, evaluation and serving take.
+generation, evaluation and serving take, beside the SentencePiece and tiktoken ones of
+foreign.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from llmfoundry.tokenizers.foreign import (
+    TIKTOKEN_PREFIX,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    is_foreign_spec,
+)
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = [
+    "DataPrepTokenizer",
     "EOS_TOKEN",
     "PreparedTokenizer",
     "load_tokenizer",
@@ -65,21 +73,38 @@ class PreparedTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def encode_pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of each text without what the tokenizer adds around every input: data prep
+        adds its own BOS and EOS around documents."""
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
     def token_byte_lengths(self) -> np.ndarray | None:
         return token_byte_lengths(self.tokenizer)
+
+    file_name = "tokenizer.json"  # what data prep saves it as, next to what it writes
 
     @property
     def json(self) -> str:
         return self.tokenizer.to_str()
 
     @property
+    def file_data(self) -> bytes:
+        return self.json.encode("utf-8")
+
+    @property
     def sha256(self) -> str:
-        return hashlib.sha256(self.json.encode("utf-8")).hexdigest()
+        return hashlib.sha256(self.file_data).hexdigest()
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write tokenizer.json atomically."""
         atomic_write(path, self.json)
         return Path(path)
+
+
+# What `prepare_tokenizer` gives: each has the protocol plus data prep's `encode_pieces`,
+# `eos_token`/`bos_token`, `sha256`, `file_name`, `file_data` and `save`.
+DataPrepTokenizer = PreparedTokenizer | SentencePieceTokenizer | TiktokenTokenizer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
@@ -190,12 +215,27 @@ def prepare_tokenizer(
     bos_token: str | None = None,
     *,
     require_eos: bool = True,
-) -> PreparedTokenizer:
-    """:func:`load_tokenizer` plus the EOS/BOS ids data prep needs (see :func:`prepare`).
+) -> DataPrepTokenizer:
+    """The tokenizer `path` selects, with the EOS/BOS ids data prep needs: the one loader of
+    generation, evaluation, serving and data prep.
 
-    The EOS token defaults to ``<|endoftext|>`` when the vocabulary has it, else to the
-    ``eos_token`` a transformers folder's tokenizer_config.json names.
+    `path` is a SentencePiece ``.model`` file, a tiktoken ``.tiktoken`` file or
+    ``tiktoken:NAME`` (see foreign.py), or else what :func:`load_tokenizer` reads
+    (a tokenizer.json or transformers folder; see :func:`prepare`). The EOS token defaults to
+    ``<|endoftext|>`` when the vocabulary has it, else to the ``eos_token`` a transformers
+    folder's tokenizer_config.json names (the model's own ``</s>`` for SentencePiece).
     """
+    spec = os.fspath(path)
+    if is_foreign_spec(spec):
+        kind = (
+            TiktokenTokenizer
+            if spec.endswith(".tiktoken") or spec.startswith(TIKTOKEN_PREFIX)
+            else SentencePieceTokenizer
+        )
+        foreign = kind(spec, eos_token, bos_token)
+        if foreign.eos_id is None and require_eos:
+            raise UserError(f"the tokenizer {spec} has no EOS token; name one with --eos-token")
+        return foreign
     default_eos = _configured_eos(Path(path))
     return prepare(load_tokenizer(path), eos_token, bos_token, default_eos, require_eos)
 
