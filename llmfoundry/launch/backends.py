@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shlex
@@ -105,6 +106,28 @@ def sbatch_path(folder: str, name: str) -> str:
     return '"' + folder.replace('"', '\\"').replace("%", "%%") + f'/{name}"'
 
 
+_QUANTITY = re.compile(r"(\d+)(?:\.(\d+))?([KMGTPEkmgtpe])?i?")
+_SLURM_UNITS = "KMGTPE"
+
+
+def slurm_memory(memory: str) -> str:
+    """`compute.memory` as sbatch's --mem reads it. One job file serves both backends, and
+    Kubernetes writes binary units as 512Gi where Slurm writes 512G (its K/M/G/T are binary
+    already) and refuses the 'i'; Slurm also takes only whole numbers and units up to T, so
+    1.5Ti is 1536G and 2Pi is 2048T. A number without a unit is Slurm's own (megabytes)."""
+    match = _QUANTITY.fullmatch(memory)
+    if match is None:  # (`Compute` checked the grammar: this is a programming error)
+        raise ValueError(f"not a memory size: {memory!r}")
+    whole, fraction, unit = match.groups()
+    if unit is None:
+        return whole
+    power = _SLURM_UNITS.index(unit.upper())
+    value = float(f"{whole}.{fraction or 0}")
+    while power > 0 and (power > _SLURM_UNITS.index("T") or value != int(value)):
+        power, value = power - 1, value * 1024
+    return f"{math.ceil(value)}{_SLURM_UNITS[power]}"
+
+
 def render_slurm(job: Job, checkout: Path) -> Rendered:
     slurm = job.slurm
     layout = plan(job.compute, slurm.gpus_per_node)
@@ -125,7 +148,7 @@ def render_slurm(job: Job, checkout: Path) -> Rendered:
     if job.compute.cpus_per_node:
         directives.append(f"--cpus-per-task={job.compute.cpus_per_node}")
     if job.compute.memory:
-        directives.append(f"--mem={job.compute.memory}")
+        directives.append(f"--mem={slurm_memory(job.compute.memory)}")
     for key in ("partition", "account", "time"):
         value = getattr(slurm, key)
         if value:
