@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmfoundry.callbacks.run_status import KUBERNETES_JOB_ENV
 from llmfoundry.config import ConfigError
 from llmfoundry.launch.command import (
     RESUME_EXIT,
@@ -214,6 +215,8 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
     # The environment is in the container spec, where Kubernetes shows it.
     script = node_script(job, layout, "python3", rendezvous, code, export_env=False)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in job.env.items()]
+    # What the run's status file records, so `scripts/runs.py stop` finds the Job.
+    env.append({"name": KUBERNETES_JOB_ENV, "value": f"{k8s.namespace}/{name}"})
     env += [
         {"name": s, "valueFrom": {"secretKeyRef": {"name": k8s.secret, "key": s}}}
         for s in job.secrets

@@ -457,3 +457,14 @@ def test_a_run_without_a_status_file_is_listed_with_the_hint(tmp_path, capsys):
     assert _runs_script()([str(tmp_path)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("quiet"))
     assert row.split()[1] == "unknown" and "add run_status to callbacks=" in row
+
+
+def test_the_status_records_the_backend_and_job_id_that_stop_acts_on(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMFOUNDRY_KUBERNETES_JOB", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    status = status_after(tmp_path / "slurm")
+    assert (status["backend"], status["job_id"]) == ("slurm", "4242")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    status = status_after(tmp_path / "local")
+    assert (status["backend"], status["pid"]) == ("local", os.getpid())
+    assert "job_id" not in status
