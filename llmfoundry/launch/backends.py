@@ -295,13 +295,17 @@ def render_kubernetes(job: Job, checkout: Path) -> Rendered:
     return Rendered(f"{job.name}.yaml", text, layout)
 
 
-def submit_local(path: Path, job: Job, checkout: Path) -> int:
+def submit_local(path: Path, job: Job, checkout: Path, detach: bool = False) -> int:
     """Run the rendered script here, its output also in <run folder>/launch.log (next to the
     script when the run folder is a URL).
 
     Ctrl-C reaches the whole process group: the trainers checkpoint after the current batch and
     stop (exit 75, `RESUME_EXIT`; run the same command to continue), so the first one only keeps
     this process relaying their output; a second one stops at once.
+
+    `detach`: start it in a session of its own, its output in launch.log only, and return at
+    once, as the Slurm and Kubernetes backends do (closing the terminal does not stop it;
+    ``scripts/runs.py logs NAME -f`` follows it, ``scripts/runs.py stop NAME`` stops it).
     """
     missing = [s for s in job.secrets if s not in os.environ]
     if missing:
@@ -310,6 +314,22 @@ def submit_local(path: Path, job: Job, checkout: Path) -> int:
     folder = Path(path).parent if is_url(job.outputs) else code_dir / run_folder(job)
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "launch.log"
+    if detach:
+        with open(log, "ab") as sink:
+            process = subprocess.Popen(
+                ["bash", str(path)],
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        root = "" if job.outputs == "outputs" else f" {shlex.quote(job.outputs)}"
+        print(
+            f"started {job.name} in the background (pid {process.pid}), its output in {log}\n"
+            f"  follow: python scripts/runs.py logs {job.name}{root} -f\n"
+            f"  stop:   python scripts/runs.py stop {job.name}{root}"
+        )
+        return 0
     with open(log, "ab") as sink:
         process = subprocess.Popen(
             ["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -12,7 +12,7 @@ import pytest
 
 from llmfoundry.callbacks.run_status import KUBERNETES_JOB_ENV, write_status
 from llmfoundry.launch import load_job
-from llmfoundry.launch.backends import kubernetes_objects
+from llmfoundry.launch.backends import kubernetes_objects, submit_local
 from tests.launch.test_status import _runs_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +125,28 @@ def test_describe_shows_status_backend_config_and_last_metrics(tmp_path, capsys)
     assert shown["config max_duration"] == "300ba" and shown["config optimizer.lr"] == "0.0002"
     assert "hunter2" not in out and "<redacted>" in shown["config data.remote"]
     assert shown["metrics (step 40)"] == "loss/train=2.5, lr=0.0001"
+
+
+def test_submit_local_detach_returns_at_once_with_the_run_in_its_own_session(tmp_path, capsys):
+    """--detach: the script runs on in a session of its own (a closed terminal or Ctrl-C in
+    it does not reach it), its output in the run folder's launch.log."""
+    job = load_job(ROOT / "conf/job/tiny.yaml", ["name=bg", f"outputs={tmp_path / 'out'}"])
+    script = tmp_path / "bg.sh"
+    gate = tmp_path / "gate"
+    script.write_text(
+        f'echo "pid $$ session $(ps -o sid= -p $$)"\nwhile [ ! -e {gate} ]; do sleep 0.05; done\necho done\n'
+    )
+    assert submit_local(script, job, ROOT, detach=True) == 0
+    out = capsys.readouterr().out
+    assert "python scripts/runs.py logs bg " in out and "python scripts/runs.py stop bg " in out
+    log = tmp_path / "out/bg/launch.log"
+    deadline = time.monotonic() + 60
+    while "session" not in log.read_text():
+        assert time.monotonic() < deadline, "the detached script wrote nothing"
+        time.sleep(0.05)
+    pid, session = (int(w) for w in log.read_text().split()[1::2])
+    assert session == pid != os.getsid(0)  # its own session: the submitter returned before it ended
+    gate.touch()
+    while "done" not in log.read_text():
+        assert time.monotonic() < deadline, "the detached script did not finish"
+        time.sleep(0.05)
