@@ -311,7 +311,8 @@ def _modified(fs: fsspec.AbstractFileSystem, path: str) -> float:
 def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[bytes]:
     """The file's bytes, then what is appended to it while the run is running (like tail -f).
 
-    Stops once the run's status is no longer ``running`` and nothing new was written.
+    Stops once the run's status is no longer ``running`` (or its process is gone from this
+    host) and nothing new was written.
     """
     fs, local = url_to_fs(path)
     offset = 0
@@ -326,6 +327,6 @@ def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[
             record = read_status(status_file) if status_file else None
         except ValueError:  # a status file broken since the listing: nothing says it runs
             record = None
-        if not record or record.get("status") != "running":
+        if not record or record.get("status") != "running" or process_gone(record):
             return
         time.sleep(poll_s)

@@ -445,6 +445,11 @@ def test_a_run_whose_process_is_gone_from_this_host_is_killed_at_once(tmp_path):
     for name in ("gone", "reused"):
         assert listed[name].status == "killed" and listed[name].eta_s is None, name
         assert "on this host ended without a word" in listed[name].note
+    # Following its log ends too, rather than waiting for a heartbeat that never comes.
+    (tmp_path / "gone/launch.log").write_text("last words\n")
+    with within(30):
+        chunks = list(follow(str(tmp_path / "gone/launch.log"), str(tmp_path / "gone/status.json")))
+    assert chunks == [b"last words\n"]
     assert (listed["alive"].status, listed["alive"].eta_s) == ("running", 600.0)
     assert listed["elsewhere"].status == "running"
 
