@@ -4,8 +4,9 @@ Where a run runs is in its status file (`llmfoundry.callbacks.run_status`): ``ba
 ``job_id`` (a Slurm job id, a Kubernetes ``namespace/name``), and for every run the host and
 pid of its rank 0. Stopping asks the run to checkpoint and stop, as a scheduler does:
 
-- local: SIGTERM to the run's process group on this host (torchrun and every worker; the
-  trainers checkpoint after the current batch, `llmfoundry.checkpoint.preemption`);
+- local: SIGTERM to rank 0's process on this host: every rank learns of it in the next step's
+  all-reduce and they all checkpoint and stop (`llmfoundry.checkpoint.preemption`), so torchrun
+  and the launcher relaying its output end as after a preemption, with the run's last lines;
 - slurm: ``scancel <job id>`` (Slurm sends SIGTERM, then SIGKILL after its KillWait);
 - kubernetes: the Job and its Service are deleted (pods get SIGTERM and their grace period).
 
@@ -164,13 +165,8 @@ def stop(backend: str, target: str) -> str:
         return f"cancelled Slurm job {target} (the run checkpoints on SIGTERM)"
     if backend == "kubernetes":
         return _delete_kubernetes_job(*target.split("/"))
-    pid = int(target)
-    group = os.getpgid(pid)
-    if group == os.getpgrp():  # (started from this process's own group: signal it alone)
-        os.kill(pid, signal.SIGTERM)
-    else:
-        os.killpg(group, signal.SIGTERM)
-    return f"sent SIGTERM to process {pid} (and its group): it checkpoints and stops"
+    os.kill(int(target), signal.SIGTERM)
+    return f"sent SIGTERM to process {target} (rank 0): the run checkpoints and stops"
 
 
 def _delete_kubernetes_job(namespace: str, name: str) -> str:

@@ -37,7 +37,7 @@ def _main(argv, capsys):
     return code, out, err
 
 
-def test_stop_a_local_run_signals_its_process_group(tmp_path, capsys):
+def test_stop_a_local_run_signals_its_rank_0(tmp_path, capsys):
     worker = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
         _run(tmp_path, "mine", pid=worker.pid, backend="local")
