@@ -24,6 +24,8 @@ import socket
 import subprocess
 from typing import Any
 
+import yaml
+
 from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.launch.monitor import Run, format_seconds, process_gone
 from llmfoundry.utils import storage
@@ -50,6 +52,8 @@ SUMMARY_KEYS = (
 )
 # Bytes read from the end of metrics.jsonl for its last line (a line is well under this).
 METRICS_TAIL_BYTES = 64 << 10
+# Characters shown of one value (status files, configs and metrics are written by others).
+MAX_VALUE = 400
 
 
 def describe(run: Run) -> str:
@@ -67,15 +71,24 @@ def describe(run: Run) -> str:
         ("folder", run.folder),
         ("checkpoint", run.checkpoint or "-"),
     ]
-    lines += [(f"config {k}", v) for k, v in config_summary(run.folder).items()]
+    try:
+        lines += [(f"config {k}", v) for k, v in config_summary(run.folder).items()]
+    except (UserError, yaml.YAMLError) as err:  # (a broken config: the rest is worth showing)
+        lines.append(("config", f"unreadable: {(str(err).splitlines() or [''])[0]}"))
     step_logged, metrics = last_metrics(run.folder)
     if metrics:
         shown = ", ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
         )
-        lines.append((f"metrics (step {step_logged})", shown))
+        step_shown = step_logged if isinstance(step_logged, int) else "?"
+        lines.append((f"metrics (step {step_shown})", shown))
     width = max(len(key) for key, _ in lines)
-    return "\n".join(f"{key.ljust(width)}  {printable(str(value))}" for key, value in lines)
+    return "\n".join(f"{key.ljust(width)}  {_shown(value)}" for key, value in lines)
+
+
+def _shown(value: object) -> str:
+    text = printable(str(value))
+    return text if len(text) <= MAX_VALUE else f"{text[: MAX_VALUE - 3]}..."
 
 
 def _where(record: dict[str, Any]) -> str:
@@ -119,7 +132,7 @@ def last_metrics(folder: str) -> tuple[int | None, dict[str, Any]]:
     for line in reversed(tail.decode("utf-8", "replace").splitlines()):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("metrics"), dict):
             return record.get("step"), record["metrics"]

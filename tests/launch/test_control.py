@@ -150,3 +150,18 @@ def test_submit_local_detach_returns_at_once_with_the_run_in_its_own_session(tmp
     while "done" not in log.read_text():
         assert time.monotonic() < deadline, "the detached script did not finish"
         time.sleep(0.05)
+
+
+def test_describe_of_hostile_files_is_bounded_printable_text(tmp_path, capsys):
+    """Status, config and metrics are written by others: escapes are shown, not acted on, long
+    values cut, a broken config or metrics line does not hide the rest."""
+    folder = _run(tmp_path, "odd", run_name="odd\x1b[2J", host="elsewhere")
+    (folder / ".hydra").mkdir()
+    (folder / ".hydra/config.yaml").write_text("max_duration: [unclosed\n")
+    big = {"\x1b]0;pwned\x07": 2.0, "x" * 5000: 1.0}
+    lines = [json.dumps({"step": "many", "metrics": big}), "[" * 20_000, "not json"]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    code, out, _ = _main(["describe", "odd", str(tmp_path)], capsys)
+    assert code == 0 and "\x1b" not in out and "\\x1b" in out
+    assert max(len(line) for line in out.splitlines()) < 500
+    assert "config" in out and "unreadable" in out and "metrics (step ?)" in out
