@@ -98,7 +98,7 @@ def _run_without_status(folder: str, name: str) -> Run:
         eta_s=None,
         checkpoint=None,
         updated=None,
-        note="no status.json: add run_status to callbacks= (the default list has it)",
+        note="no status.json: still starting, or add run_status to callbacks= (a default)",
     )
 
 
