@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast test-torch-min demo demo-quick finetune-demo lint bench plot gpu-wheels clean
+.PHONY: setup test test-fast test-torch-min demo demo-quick finetune-demo lint bench plot gpu-wheels image clean
 
 setup: $(STAMP)
 
@@ -129,6 +129,12 @@ gpu-wheels: setup
 		--python-version $(GPU_PYTHON) $(addprefix --platform ,$(GPU_PLATFORMS)) \
 		-d .whl -r bench/gpu_wheels.txt
 	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+
+# The training image Kubernetes jobs run (Dockerfile: the CUDA torch of pyproject's floor, the
+# project and a cluster's extras, a non-root user): IMAGE=registry/name:tag, then docker push it.
+IMAGE ?= llmfoundry:latest
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) outputs data/demo .pytest_cache

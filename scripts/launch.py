@@ -2,6 +2,7 @@
 
     python scripts/launch.py render slurm conf/job/tiny.yaml compute.gpus=24   # writes .launch/<name>/
     python scripts/launch.py submit local conf/job/tiny.yaml --gpus 0 compute.procs_per_node=2
+    python scripts/launch.py submit local conf/job/tiny.yaml --detach   # runs.py logs|stop NAME
     python scripts/launch.py submit kubernetes conf/job/tiny.yaml --train optimizer.lr=1e-3
 
 Any job field can be overridden as key=value; --gpus N is compute.gpus=N; --train adds training
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from llmfoundry.config.preflight import check
 from llmfoundry.launch import load_job
-from llmfoundry.launch.backends import BACKENDS
+from llmfoundry.launch.backends import BACKENDS, submit_local
 from llmfoundry.launch.command import train_overrides
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 
@@ -36,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         "--train", action="append", default=[], help="a training override (repeatable)"
     )
     parser.add_argument("--out", type=Path, help="folder for the rendered file")
+    parser.add_argument(
+        "--detach",
+        action="store_true",
+        help="local: run in the background, output in the run folder's launch.log (Slurm and "
+        "Kubernetes submissions always return at once)",
+    )
     add_script_arguments(parser, storage=False)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -64,6 +71,8 @@ def launch(args: argparse.Namespace) -> int:
     print(f"{args.backend}: {layout.nodes} node(s) x {layout.procs_per_node} {units} -> {path}")
     if args.action == "render":
         return 0
+    if args.backend == "local":
+        return submit_local(path, job, ROOT, detach=args.detach)
     return submit(path, job, ROOT)
 
 

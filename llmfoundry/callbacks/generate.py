@@ -58,7 +58,7 @@ def _load(tokenizer: str) -> Tokenizer:
             f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
             "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
             "leave out the samples with "
-            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector]"
+            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]"
         ) from None
     except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
         raise UserError(

@@ -5,7 +5,10 @@ locally; a single PUT on object stores), so a reader never sees half a file:
 
     {"run_name", "status", "step", "total_steps", "max_duration", "progress", "loss",
      "tokens_per_sec", "eta_s", "save_folder", "started", "updated", "host", "pid", "world_size",
-     "error"}
+     "backend", "job_id", "error"}
+
+``backend`` says what started the run and ``job_id`` its id there (`launcher`): what
+``scripts/runs.py stop`` cancels (local runs: the pid on the host).
 
 ``status`` is ``running`` from fit start (rewritten every `interval_s` seconds of training and at
 each evaluation, so ``updated`` is a heartbeat), then ``finished`` at FIT_END, ``preempted``
@@ -46,8 +49,20 @@ FIELD_TYPES: dict[str, type] = {
     "run_name": str, "status": str, "step": int, "total_steps": int, "max_duration": str,
     "progress": float, "loss": float, "tokens_per_sec": float, "eta_s": float,
     "save_folder": str, "started": float, "updated": float, "host": str, "pid": int,
-    "world_size": int, "error": str,
+    "world_size": int, "backend": str, "job_id": str, "error": str,
 }  # fmt: skip
+# Set in the pods of a Kubernetes job the launcher renders: "<namespace>/<job name>".
+KUBERNETES_JOB_ENV = "LLMFOUNDRY_KUBERNETES_JOB"
+
+
+def launcher() -> dict[str, str]:
+    """The scheduler running this process and its job id there: a Slurm job (any, also one
+    started without scripts/launch.py) keeps its id when requeued; else local."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return {"backend": "slurm", "job_id": os.environ["SLURM_JOB_ID"]}
+    if os.environ.get(KUBERNETES_JOB_ENV):
+        return {"backend": "kubernetes", "job_id": os.environ[KUBERNETES_JOB_ENV]}
+    return {"backend": "local"}
 
 
 def write_status(path: str, record: dict[str, Any]) -> None:
@@ -143,6 +158,7 @@ class RunStatus(Callback):
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "world_size": state.world_size,
+            **launcher(),
         }
         self._last_tokens = state.timestamp.token
         self._last_write = time.perf_counter()

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shlex
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmfoundry.callbacks.run_status import KUBERNETES_JOB_ENV
 from llmfoundry.config import ConfigError
 from llmfoundry.launch.command import (
     RESUME_EXIT,
@@ -105,6 +107,28 @@ def sbatch_path(folder: str, name: str) -> str:
     return '"' + folder.replace('"', '\\"').replace("%", "%%") + f'/{name}"'
 
 
+_QUANTITY = re.compile(r"(\d+)(?:\.(\d+))?([KMGTPEkmgtpe])?i?")
+_SLURM_UNITS = "KMGTPE"
+
+
+def slurm_memory(memory: str) -> str:
+    """`compute.memory` as sbatch's --mem reads it. One job file serves both backends, and
+    Kubernetes writes binary units as 512Gi where Slurm writes 512G (its K/M/G/T are binary
+    already) and refuses the 'i'; Slurm also takes only whole numbers and units up to T, so
+    1.5Ti is 1536G and 2Pi is 2048T. A number without a unit is Slurm's own (megabytes)."""
+    match = _QUANTITY.fullmatch(memory)
+    if match is None:  # (`Compute` checked the grammar: this is a programming error)
+        raise ValueError(f"not a memory size: {memory!r}")
+    whole, fraction, unit = match.groups()
+    if unit is None:
+        return whole
+    power = _SLURM_UNITS.index(unit.upper())
+    value = float(f"{whole}.{fraction or 0}")
+    while power > 0 and (power > _SLURM_UNITS.index("T") or value != int(value)):
+        power, value = power - 1, value * 1024
+    return f"{math.ceil(value)}{_SLURM_UNITS[power]}"
+
+
 def render_slurm(job: Job, checkout: Path) -> Rendered:
     slurm = job.slurm
     layout = plan(job.compute, slurm.gpus_per_node)
@@ -125,7 +149,7 @@ def render_slurm(job: Job, checkout: Path) -> Rendered:
     if job.compute.cpus_per_node:
         directives.append(f"--cpus-per-task={job.compute.cpus_per_node}")
     if job.compute.memory:
-        directives.append(f"--mem={job.compute.memory}")
+        directives.append(f"--mem={slurm_memory(job.compute.memory)}")
     for key in ("partition", "account", "time"):
         value = getattr(slurm, key)
         if value:
@@ -191,6 +215,8 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
     # The environment is in the container spec, where Kubernetes shows it.
     script = node_script(job, layout, "python3", rendezvous, code, export_env=False)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in job.env.items()]
+    # What the run's status file records, so `scripts/runs.py stop` finds the Job.
+    env.append({"name": KUBERNETES_JOB_ENV, "value": f"{k8s.namespace}/{name}"})
     env += [
         {"name": s, "valueFrom": {"secretKeyRef": {"name": k8s.secret, "key": s}}}
         for s in job.secrets
@@ -269,13 +295,17 @@ def render_kubernetes(job: Job, checkout: Path) -> Rendered:
     return Rendered(f"{job.name}.yaml", text, layout)
 
 
-def submit_local(path: Path, job: Job, checkout: Path) -> int:
+def submit_local(path: Path, job: Job, checkout: Path, detach: bool = False) -> int:
     """Run the rendered script here, its output also in <run folder>/launch.log (next to the
     script when the run folder is a URL).
 
     Ctrl-C reaches the whole process group: the trainers checkpoint after the current batch and
     stop (exit 75, `RESUME_EXIT`; run the same command to continue), so the first one only keeps
     this process relaying their output; a second one stops at once.
+
+    `detach`: start it in a session of its own, its output in launch.log only, and return at
+    once, as the Slurm and Kubernetes backends do (closing the terminal does not stop it;
+    ``scripts/runs.py logs NAME -f`` follows it, ``scripts/runs.py stop NAME`` stops it).
     """
     missing = [s for s in job.secrets if s not in os.environ]
     if missing:
@@ -284,6 +314,22 @@ def submit_local(path: Path, job: Job, checkout: Path) -> int:
     folder = Path(path).parent if is_url(job.outputs) else code_dir / run_folder(job)
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "launch.log"
+    if detach:
+        with open(log, "ab") as sink:
+            process = subprocess.Popen(
+                ["bash", str(path)],
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        root = "" if job.outputs == "outputs" else f" {shlex.quote(job.outputs)}"
+        print(
+            f"started {job.name} in the background (pid {process.pid}), its output in {log}\n"
+            f"  follow: python scripts/runs.py logs {job.name}{root} -f\n"
+            f"  stop:   python scripts/runs.py stop {job.name}{root}"
+        )
+        return 0
     with open(log, "ab") as sink:
         process = subprocess.Popen(
             ["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT

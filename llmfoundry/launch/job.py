@@ -101,7 +101,8 @@ class Compute:
     procs_per_node: int = 1
     nodes: int | None = None
     cpus_per_node: int | None = None
-    memory: str | None = None  # per node: "512G" (Slurm) / "512Gi" (Kubernetes)
+    # Per node, as Kubernetes writes it ("512Gi"); Slurm's --mem gets "512G" (`slurm_memory`).
+    memory: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory is not None and not _MEMORY.match(self.memory):

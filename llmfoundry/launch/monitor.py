@@ -5,8 +5,11 @@ A run is a folder holding ``status.json`` (`llmfoundry.callbacks.run_status`), f
 levels below the root given (``outputs/<run>`` and a sweep's ``outputs/<sweep>/<n>``), on a
 local disk or any fsspec URL (``s3://bucket/runs``). The status says running / finished /
 preempted / failed; a ``running`` status whose heartbeat is older than `stale_s` is reported as
-failed (the process was killed without a word: SIGKILL, lost node). The last checkpoint is
-what ``<save_folder>/latest`` names.
+failed (the process was killed without a word: SIGKILL, lost node), and one written on this host
+by a process that is gone (or whose pid another, later process has now) as ``killed`` at once.
+The last checkpoint is what ``<save_folder>/latest`` names. A run folder without a status file
+(a run without the ``run_status`` callback: its saved ``.hydra/config.yaml`` shows it) is listed
+as ``unknown``, with a hint to add the callback.
 
 A run's checkpoints may be on another store than its folder (``outputs/<run>`` on this disk,
 ``save_folder=s3://...`` on MinIO): each run is read with the storage settings it saved
@@ -17,9 +20,11 @@ an endpoint down, a broken file) is listed as ``unreadable`` with the reason, be
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -59,6 +64,7 @@ class Run:
     checkpoint: str | None
     updated: float | None
     note: str = ""
+    record: dict[str, Any] = field(default_factory=dict)  # the status file's, as read
 
 
 def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> list[Run]:
@@ -71,7 +77,29 @@ def find_runs(root: str, stale_s: float = STALE_S, now: float | None = None) -> 
     files = fs.glob(f"{base}/*/status.json") + fs.glob(f"{base}/*/*/status.json")
     folders = [f.rsplit("/", 1)[0] for f in files]
     runs = [_read_run(protocol + f, f[len(base) :].strip("/"), stale_s, now) for f in folders]
+    configs = fs.glob(f"{base}/*/{CONFIG_DIR}/config.yaml")
+    configs += fs.glob(f"{base}/*/*/{CONFIG_DIR}/config.yaml")
+    silent = sorted({c.rsplit("/", 2)[0] for c in configs} - set(folders))
+    runs += [_run_without_status(protocol + f, f[len(base) :].strip("/")) for f in silent]
     return sorted(runs, key=lambda r: -(r.updated or 0))
+
+
+def _run_without_status(folder: str, name: str) -> Run:
+    """A run folder holding a saved config but no status file: a run without the run_status
+    callback (or one that never reached the start of training). Listed, not left out."""
+    return Run(
+        name=name,
+        folder=folder,
+        status="unknown",
+        step=None,
+        total_steps=None,
+        loss=None,
+        tokens_per_sec=None,
+        eta_s=None,
+        checkpoint=None,
+        updated=None,
+        note="no status.json: still starting, or add run_status to callbacks= (a default)",
+    )
 
 
 def save_folders_without_runs(root: str) -> list[str]:
@@ -129,6 +157,11 @@ def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Ru
     if status == "running" and updated is not None and now - updated > stale_s:
         status = "failed"
         note = f"no heartbeat for {format_seconds(now - updated)} (killed?)"
+    elif status == "running" and process_gone(record):
+        status = "killed"
+        note = (
+            f"process {record['pid']} on this host ended without a word (kill -9? out of memory?)"
+        )
     checkpoint = None
     if record.get("save_folder"):
         try:
@@ -151,7 +184,44 @@ def _run(folder: str, status_file: str, stale_s: float, now: float | None) -> Ru
         checkpoint=checkpoint,
         updated=updated,
         note=note,
+        record=record,
     )
+
+
+def process_gone(record: dict[str, Any]) -> bool:
+    """Whether the process that wrote `record` ran on this host and no longer runs the run: its
+    pid is gone, a zombie, or (Linux) held by a process started after the run started."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False  # (pid 0 and negative ones name process groups: never signalled)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: it exists
+        pass
+    except (OverflowError, OSError):  # no such pid can exist
+        return True
+    stat = process_stat(pid)
+    if stat is None:
+        return False
+    state, start = stat
+    started = record.get("started")
+    # The record's start is taken after the process began: a later process reused the pid.
+    return state == "Z" or (started is not None and start > started + 2.0)
+
+
+def process_stat(pid: int) -> tuple[str, float] | None:
+    """(state letter, start time in seconds since the epoch) of `pid`, from Linux's /proc; None
+    elsewhere or when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            fields = stat_file.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as system:
+            boot = next(float(line.split()[1]) for line in system if line.startswith("btime "))
+        return fields[0], boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -241,7 +311,8 @@ def _modified(fs: fsspec.AbstractFileSystem, path: str) -> float:
 def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[bytes]:
     """The file's bytes, then what is appended to it while the run is running (like tail -f).
 
-    Stops once the run's status is no longer ``running`` and nothing new was written.
+    Stops once the run's status is no longer ``running`` (or its process is gone from this
+    host) and nothing new was written.
     """
     fs, local = url_to_fs(path)
     offset = 0
@@ -256,6 +327,6 @@ def follow(path: str, status_file: str | None, poll_s: float = 1.0) -> Iterator[
             record = read_status(status_file) if status_file else None
         except ValueError:  # a status file broken since the listing: nothing says it runs
             record = None
-        if not record or record.get("status") != "running":
+        if not record or record.get("status") != "running" or process_gone(record):
             return
         time.sleep(poll_s)

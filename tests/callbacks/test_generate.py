@@ -1,6 +1,9 @@
 import logging
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.callbacks import Generate
@@ -8,10 +11,18 @@ from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from tests.callbacks.conftest import make_trainer
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def test_missing_tokenizer_names_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"set tokenizer=.*leave out the samples"):
+    """The callbacks it suggests are the default list (conf/train.yaml) without generate: a run
+    following the advice keeps its status file (`scripts/runs.py`)."""
+    with pytest.raises(FileNotFoundError, match=r"set tokenizer=.*leave out the samples") as err:
         Generate(tokenizer=str(tmp_path / "tokenizer.json"), prompts=["def "])
+    defaults = yaml.safe_load((ROOT / "conf/train.yaml").read_text())["defaults"]
+    default = next(d["callbacks"] for d in defaults if isinstance(d, dict) and "callbacks" in d)
+    suggested = re.search(r"callbacks=\[([^]]*)\]", str(err.value))[1].split(",")
+    assert suggested == [c for c in default if c != "generate"]
 
 
 def test_logs_each_prompt_continued_by_the_generation_function(tmp_path, caplog):

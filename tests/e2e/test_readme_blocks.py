@@ -71,6 +71,7 @@ CLAIMS = {
     "python data_prep/instructions_to_mds.py chats.jsonl": VALIDATED,
     "pip install -e '.[serve]'": "tests/serving/test_readme_block.py",
     "python scripts/launch.py submit local conf/job/tiny.yaml": VALIDATED,
+    "make image": VALIDATED + ", tests/launch/test_dockerfile.py",
     "python scripts/runs.py": RUN_AND_VALIDATED,
     "python scripts/train.py -m optimizer.lr=1e-3,3e-3": VALIDATED,
     "python scripts/train.py data=memmap": VALIDATED,
@@ -214,7 +215,10 @@ def pip_extras() -> set[str]:
 def check_command(words: list[str]) -> None:
     program, *args = words
     if program == "make":
-        assert set(args) <= make_targets(), f"make {' '.join(args)}: no such target"
+        targets = {a for a in args if not re.match(r"^[A-Z_]+=", a)}  # (VAR=value: a setting)
+        assert targets <= make_targets(), f"make {' '.join(args)}: no such target"
+    elif program == "docker":
+        assert args[:1] == ["push"], f"docker {args[:1]}: build with make image"
     elif program == "pip":
         (spec,) = [a for a in args if "[" in a]
         extras = set(re.search(r"\[(.*)\]", spec).group(1).split(","))

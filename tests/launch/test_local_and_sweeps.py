@@ -205,3 +205,36 @@ def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds):
         f"loaded checkpoint {outputs}/ctrl-c/checkpoints/ep"
         in (outputs / "ctrl-c" / "launch.log").read_text()
     )
+
+
+@pytest.mark.slow
+def test_a_detached_local_run_is_stopped_by_runs_stop(tmp_path, mds):
+    """`submit local --detach` returns while the run trains; `runs.py stop NAME --yes` makes it
+    checkpoint and stop (preempted, resumable), as `mcli stop run` does."""
+    outputs = tmp_path / "outputs"
+    train = [
+        f"data.remote={mds}",
+        *TINY,
+        "max_duration=400ba",
+        "eval_interval=400ba",
+        "callbacks=[]",
+        "loggers=[console]",
+        "++callbacks.run_status.interval_s=0.2",
+    ]
+    submit = ["submit", "local", str(ROOT / "conf/job/tiny.yaml"), "name=bg", f"outputs={outputs}"]
+    submit += ["--out", str(tmp_path / "rendered"), "--detach", *(f"--train={o}" for o in train)]
+    result = run([str(ROOT / "scripts/launch.py"), *submit], cwd=tmp_path)
+    assert f"python scripts/runs.py stop bg {outputs}" in result.stdout
+    status_file = outputs / "bg" / "status.json"
+    deadline = time.monotonic() + TIMEOUT
+    while not (status_file.is_file() and json.loads(status_file.read_text())["step"] >= 10):
+        assert time.monotonic() < deadline, "no progress"
+        time.sleep(0.2)
+    result = run([str(ROOT / "scripts/runs.py"), "stop", "bg", str(outputs), "--yes"], tmp_path)
+    assert "sent SIGTERM" in result.stdout
+    while json.loads(status_file.read_text())["status"] == "running":
+        assert time.monotonic() < deadline, "the run did not stop"
+        time.sleep(0.2)
+    stopped = json.loads(status_file.read_text())
+    assert stopped["status"] == "preempted" and stopped["step"] < 400
+    assert "saved checkpoint" in (outputs / "bg" / "launch.log").read_text()

@@ -13,7 +13,12 @@ import yaml
 
 from llmfoundry.config import ConfigError
 from llmfoundry.launch import load_job
-from llmfoundry.launch.backends import kubernetes_objects, render_kubernetes, render_slurm
+from llmfoundry.launch.backends import (
+    kubernetes_objects,
+    render_kubernetes,
+    render_slurm,
+    slurm_memory,
+)
 from tests.k8s import validated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,6 +292,19 @@ def test_shipped_job_files_render(job_file, backend, tmp_path, capsys):
     code = launch.main(["render", backend, str(job_file), *extra, "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().err
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_memory_is_written_in_each_backends_units():
+    """The shipped 24-GPU job asks for 512Gi a node: Kubernetes' quantity, which sbatch refuses
+    ('i'); Slurm's G is binary already. Slurm takes whole numbers and units up to T only."""
+    job = load_job(ROOT / "conf/job/mpt-1b.yaml")
+    assert sbatch_directives(render_slurm(job, ROOT).text)["--mem"] == "512G"
+    pod = kubernetes_objects(job)[0][1]["spec"]["template"]["spec"]["containers"][0]
+    assert pod["resources"]["limits"]["memory"] == "512Gi"
+    cases = {"512G": "512G", "64gi": "64G", "1.5Ti": "1536G", "2Pi": "2048T", "0.5K": "1K"}
+    cases["4000"] = "4000"  # (no unit: Slurm's megabytes)
+    for memory, slurm in cases.items():
+        assert slurm_memory(memory) == slurm, memory
 
 
 def test_code_from_a_git_repo_is_cloned_at_its_commit(tmp_path):

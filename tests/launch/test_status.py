@@ -6,6 +6,8 @@ import math
 import os
 import runpy
 import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -415,3 +417,59 @@ def test_a_sweep_trial_with_a_broken_status_file_is_listed_as_unreadable(tmp_pat
         (tmp_path / number / ".hydra/overrides.yaml").write_text(f"- optimizer.lr={number}\n")
         (tmp_path / number / "status.json").write_bytes(status)
     assert [t.status for t in trials(tmp_path)] == ["finished", "unreadable"]
+
+
+def _running(folder: Path, **fields) -> None:
+    record = {"run_name": folder.name, "status": "running", "step": 5, "total_steps": 300}
+    record.update(updated=time.time(), eta_s=600.0, host=socket.gethostname())
+    record.update(fields)
+    write_status(str(folder / "status.json"), record)
+
+
+def test_a_run_whose_process_is_gone_from_this_host_is_killed_at_once(tmp_path):
+    """kill -9 leaves the status at running: the pid on this host tells, without waiting for
+    the heartbeat to go stale. A pid now held by a later process is not the run's either."""
+    sleeper = subprocess.Popen(["sleep", "60"])
+    sleeper.kill()
+    sleeper.wait()
+    _running(tmp_path / "gone", pid=sleeper.pid, started=time.time() - 5)
+    later = subprocess.Popen(["sleep", "60"])
+    try:
+        _running(tmp_path / "reused", pid=later.pid, started=time.time() - 100)
+        _running(tmp_path / "alive", pid=os.getpid(), started=time.time())
+        _running(tmp_path / "elsewhere", pid=sleeper.pid, started=0.0, host="another-node")
+        listed = {run.name: run for run in find_runs(str(tmp_path))}
+    finally:
+        later.kill()
+        later.wait()
+    for name in ("gone", "reused"):
+        assert listed[name].status == "killed" and listed[name].eta_s is None, name
+        assert "on this host ended without a word" in listed[name].note
+    # Following its log ends too, rather than waiting for a heartbeat that never comes.
+    (tmp_path / "gone/launch.log").write_text("last words\n")
+    with within(30):
+        chunks = list(follow(str(tmp_path / "gone/launch.log"), str(tmp_path / "gone/status.json")))
+    assert chunks == [b"last words\n"]
+    assert (listed["alive"].status, listed["alive"].eta_s) == ("running", 600.0)
+    assert listed["elsewhere"].status == "running"
+
+
+def test_a_run_without_a_status_file_is_listed_with_the_hint(tmp_path, capsys):
+    """A run folder without run_status (its saved config shows it is one) is not left out."""
+    (tmp_path / "quiet/.hydra").mkdir(parents=True)
+    (tmp_path / "quiet/.hydra/config.yaml").write_text("run_name: quiet\n")
+    _local_run(tmp_path, "loud", None)
+    assert _runs_script()([str(tmp_path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("quiet"))
+    assert row.split()[1] == "unknown" and "add run_status to callbacks=" in row
+
+
+def test_the_status_records_the_backend_and_job_id_that_stop_acts_on(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMFOUNDRY_KUBERNETES_JOB", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    status = status_after(tmp_path / "slurm")
+    assert (status["backend"], status["job_id"]) == ("slurm", "4242")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    status = status_after(tmp_path / "local")
+    assert (status["backend"], status["pid"]) == ("local", os.getpid())
+    assert "job_id" not in status
