@@ -5,7 +5,8 @@ through the trainer's internals only hides the one sentence that matters. Librar
 :class:`UserError` (or a subclass: :class:`MissingInput` for a path that is not there,
 :class:`OutputExists`, :class:`MissingPackage`) with a message that names the problem, the path
 or key, and the fix; every script (scripts/, data_prep/) runs under :func:`exit_on_user_error`,
-which prints that message on one line and exits with status 2, as config errors do. ``--debug``
+which prints that message on one line (under torchrun: on rank 0 only, every rank exits 2)
+and exits with status 2, as config errors do. ``--debug``
 on the command line, or ``LLMFOUNDRY_DEBUG=1`` in the environment, lets the exception through
 with its traceback. Bugs (any other exception) always keep their traceback. A full disk, a quota,
 a read-only or forbidden path (`OSError` with one of `_ENVIRONMENT_FIXES`' error numbers) is the
@@ -120,7 +121,14 @@ def exit_on_user_error(
         found = find_user_error(err, also)
         if debug or found is None:
             raise
-        message = printable(redact_urls(" ".join(str(found).split()))) or type(found).__name__
-        sys.stderr.write(f"{prefix}: {message}\n")
-        sys.stderr.flush()
+        if _prints_errors():
+            message = printable(redact_urls(" ".join(str(found).split()))) or type(found).__name__
+            sys.stderr.write(f"{prefix}: {message}\n")
+            sys.stderr.flush()
         raise SystemExit(EXIT_USAGE) from None
+
+
+def _prints_errors() -> bool:
+    """Whether this process prints a user error: under torchrun rank 0 only (a config or launch
+    problem fails every rank alike; one line, not one per rank), every other process always."""
+    return os.environ.get("RANK", "0") == "0"
