@@ -25,6 +25,7 @@ class Generate(Callback):
     """
 
     runs_the_model = True
+    skipped_on_mesh = True  # in the default config: samples are a look, not a result
 
     def __init__(
         self,

@@ -120,6 +120,11 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
         )
     shape = dims.shape()
     device_mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if "tp" in shape:
+        # FSDP over tp: the parameters are DTensors sharded on both axes, and a reduction over
+        # them (the gradient norm) runs as one all-reduce where DTensor finds this flattened
+        # mesh; without it, one per axis, and every rank warns that this is "suboptimal".
+        device_mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     if dims.dp_is_world:
         return Mesh(dims, device_mesh, None)
     axes = dims.dp_axes()

@@ -271,9 +271,11 @@ class Pipeline:
         dist.all_reduce(tensor, group=self._pp_group)
 
     def microbatches(self, rows: int, microbatch_size: int | None) -> int:
-        """How many microbatches a device batch of `rows` makes (`microbatch_size` None: one);
-        refused if too few for the schedule (also checked at launch: llmfoundry/build.py)."""
-        n_microbatches = -(-rows // (microbatch_size or rows))
+        """How many microbatches a device batch of `rows` makes (`microbatch_size` None: the
+        fewest that keep every stage busy, `default_microbatch_size`); refused if too few for the
+        schedule (also checked at launch: llmfoundry/build.py)."""
+        microbatch_size = microbatch_size or self.default_microbatch_size(rows)
+        n_microbatches = -(-rows // microbatch_size)
         if microbatch_size and rows % microbatch_size:  # buffers: laid out for the first's shape
             raise UserError(
                 f"device_train_microbatch_size={microbatch_size} does not divide the {rows} "
@@ -288,6 +290,13 @@ class Pipeline:
                 "device_train_microbatch_size, raise the batch, or use pp_schedule=gpipe"
             )
         return n_microbatches
+
+    def default_microbatch_size(self, rows: int) -> int:
+        """The largest divisor of `rows` that makes at least pp microbatches (every stage busy,
+        each microbatch the same shape, the fewest sends); all `rows` when there are fewer than
+        pp (then `microbatches` says what to change where the schedule needs pp)."""
+        fits = [size for size in range(1, rows + 1) if rows % size == 0 and rows // size >= self.pp]
+        return max(fits, default=rows)
 
     def _schedule(self, n_microbatches: int) -> PipelineScheduleSingle:
         if n_microbatches not in self._schedules:

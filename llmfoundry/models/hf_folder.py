@@ -17,13 +17,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 from torch import nn
 from transformers.utils import logging as hf_logging
 
 from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_json
+from llmfoundry.models.hf_lib import transformers
 from llmfoundry.utils.errors import UserError
 
 __all__ = ["load_hf_weights", "logits_relative_error", "read_hf_config", "save_hf_folder"]

@@ -5,7 +5,8 @@ through the trainer's internals only hides the one sentence that matters. Librar
 :class:`UserError` (or a subclass: :class:`MissingInput` for a path that is not there,
 :class:`OutputExists`, :class:`MissingPackage`) with a message that names the problem, the path
 or key, and the fix; every script (scripts/, data_prep/) runs under :func:`exit_on_user_error`,
-which prints that message on one line and exits with status 2, as config errors do. ``--debug``
+which prints that message on one line (under torchrun: once, by rank 0, when every rank fails
+alike) and exits with status 2, as config errors do. ``--debug``
 on the command line, or ``LLMFOUNDRY_DEBUG=1`` in the environment, lets the exception through
 with its traceback. Bugs (any other exception) always keep their traceback. A full disk, a quota,
 a read-only or forbidden path (`OSError` with one of `_ENVIRONMENT_FIXES`' error numbers) is the
@@ -17,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 
 from llmfoundry.utils.secrets import redact_urls
@@ -38,6 +42,9 @@ __all__ = [
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "LLMFOUNDRY_DEBUG"
 EXIT_USAGE = 2  # as argparse and the config check use
+# How long a torchrun rank other than 0 waits before printing its user error: torchrun stops it
+# within a second of rank 0's exit (its monitor polls every 0.1 s) if rank 0 failed too.
+PEER_GRACE_S = 5.0
 # OSErrors that say what to fix on the machine, and the fix.
 _ENVIRONMENT_FIXES = {
     errno.ENOSPC: "free space there or point the run at another folder",
@@ -121,6 +128,19 @@ def exit_on_user_error(
         if debug or found is None:
             raise
         message = printable(redact_urls(" ".join(str(found).split()))) or type(found).__name__
+        rank = os.environ.get("RANK", "0")  # torchrun's
+        if rank != "0":
+            _wait_for_rank_0()
+            prefix = f"{prefix} (rank {rank})"
         sys.stderr.write(f"{prefix}: {message}\n")
         sys.stderr.flush()
         raise SystemExit(EXIT_USAGE) from None
+
+
+def _wait_for_rank_0() -> None:
+    """Under torchrun a config or launch problem fails every rank alike: rank 0 prints it, once,
+    and torchrun then stops the other ranks (SIGTERM: exit 2 here, silently). A rank whose error
+    rank 0 did not share is still stopped after `PEER_GRACE_S` and prints its own line."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
+    time.sleep(PEER_GRACE_S)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.trainer import Callback
@@ -108,3 +109,50 @@ def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path, mesh):
     # as soon as its peer's connection is gone, and torchrun ends the job.
     took = ended - float((tmp_path / "raised").read_text())
     assert took < 20, f"the job ended {took:.1f} s after the failure\n{out}"
+
+
+@pytest.fixture(scope="module")
+def mds_with_tokenizer(mds):
+    """`mds` with a tokenizer.json beside it, as data_prep writes: the default config's
+    `generate` callback reads it."""
+    vocab = {f"w{i}": i for i in range(64)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(mds / "tokenizer.json"))
+    return mds
+
+
+def default_callbacks(command):
+    """`command` with the default config's callbacks (generate among them)."""
+    return [arg for arg in command if arg != "callbacks=[]"]
+
+
+# The default config (its callbacks, device_train_microbatch_size=null) on a mesh: generate is
+# left out with one warning, and the pipeline's microbatches default to what 1F1B needs (the
+# whole per-device batch of 4 was one microbatch, refused for pp=2).
+@pytest.mark.parametrize("mesh", ["strategy.tp=2", "strategy.pp=2"], ids=["tp2", "pp2"])
+def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh):
+    command = train_command(
+        mds_with_tokenizer, tmp_path, "--standalone", "--nproc_per_node=2", overrides=[mesh]
+    )
+    job = launch(default_callbacks(command), tmp_path)
+    out = job.communicate(timeout=LIMIT_S)[0]
+    assert job.returncode == 0, out
+    assert out.count("Generate left out: it runs the whole model") == 1, out
+    assert "loss/train" in out
+    assert "suboptimal" not in out  # DTensor's warning on every tp rank (the gradient norm)
+
+
+def test_a_user_error_under_torchrun_is_printed_once(mds, tmp_path):
+    """Every rank fails the same way on a bad config; rank 0 alone says so."""
+    command = train_command(
+        mds, tmp_path, "--standalone", "--nproc_per_node=2",
+        overrides=["global_train_batch_size=3"],
+    )  # fmt: skip
+    job = launch(command, tmp_path)
+    out = job.communicate(timeout=LIMIT_S)[0]
+    assert job.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: global_train_batch_size=3 is not divisible by the 2 data-parallel ranks; use 2 or 4"
+    ], out

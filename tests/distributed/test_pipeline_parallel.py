@@ -310,9 +310,21 @@ def test_impossible_pipeline_settings_are_refused_in_one_line():
     with pytest.raises(UserError, match="has no pipeline split"):  # a family without one
         Pipeline(2, "1f1b").split(model, ParallelPlan(list(model.transformer.blocks)), mesh=None)
     with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
-        Pipeline(2, "1f1b").microbatches(4, None)
+        Pipeline(2, "1f1b").microbatches(4, 4)
+    with pytest.raises(UserError, match="needs at least pp=2 microbatches per step, got 1"):
+        Pipeline(2, "1f1b").microbatches(1, None)  # fewer samples per device than stages
     assert Pipeline(2, "1f1b").microbatches(4, 2) == 2
-    assert Pipeline(2, "gpipe").microbatches(4, None) == 1
+
+
+def test_the_default_microbatch_keeps_every_stage_busy():
+    """device_train_microbatch_size=null (the default config's) under pp: the largest divisor
+    of the per-device batch that makes at least pp microbatches, not one whole-batch microbatch
+    (which 1F1B refuses and which leaves all stages but one idle)."""
+    sizes = {(pp, rows): Pipeline(pp, "1f1b").default_microbatch_size(rows)
+             for pp, rows in [(2, 4), (2, 8), (2, 3), (4, 6), (4, 8), (3, 8)]}  # fmt: skip
+    assert sizes == {(2, 4): 2, (2, 8): 4, (2, 3): 1, (4, 6): 1, (4, 8): 2, (3, 8): 2}
+    assert Pipeline(2, "1f1b").microbatches(4, None) == 2
+    assert Pipeline(2, "gpipe").microbatches(6, None) == 2
 
 
 def test_microbatches_have_equal_rows():

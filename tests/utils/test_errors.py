@@ -1,10 +1,12 @@
 """User errors become one line and exit status 2; bugs keep their traceback."""
 
 import errno
+import signal
 
 import pytest
 from hydra.errors import InstantiationException
 
+from llmfoundry.utils import errors
 from llmfoundry.utils.errors import MissingInput, UserError, exit_on_user_error
 
 
@@ -52,3 +54,22 @@ def test_a_builtin_error_type_is_refused_as_also(broad):
         exit_on_user_error(False, also=(broad,)),
     ):
         pass
+
+
+def test_a_torchrun_rank_but_0_prints_only_if_torchrun_has_not_stopped_it(capsys, monkeypatch):
+    """Rank 0 prints a user error every rank shares (tests/distributed/test_launch.py); another
+    rank waits for torchrun to stop it (SIGTERM: exit 2, silent) and prints only an error of its
+    own, naming its rank."""
+    waited, handlers = [], {}
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(errors.time, "sleep", waited.append)
+    monkeypatch.setattr(errors.signal, "signal", handlers.__setitem__)
+    with pytest.raises(SystemExit) as info, exit_on_user_error(debug=False):
+        raise UserError("no data at /x on this node")
+    assert info.value.code == 2 and waited == [errors.PEER_GRACE_S]
+    assert signal.SIGTERM in handlers
+    assert capsys.readouterr().err == "error (rank 3): no data at /x on this node\n"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit), exit_on_user_error(debug=False):
+        raise UserError("no data at /x")
+    assert waited == [errors.PEER_GRACE_S] and capsys.readouterr().err == "error: no data at /x\n"

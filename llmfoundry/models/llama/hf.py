@@ -20,11 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import transformers
 from tokenizers import Tokenizer
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
+from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
 from llmfoundry.models.llama.model import LlamaForCausalLM
 from llmfoundry.utils.errors import UserError
@@ -211,7 +210,9 @@ def to_hf_model(model: LlamaForCausalLM, dtype: torch.dtype | None = None):
     if model.config.tie_word_embeddings:
         hf_model.tie_weights()
     # Its rotary frequencies are a non-persistent buffer, which the load leaves on meta.
-    hf_model.model.rotary_emb = LlamaRotaryEmbedding(hf_model.config)
+    hf_model.model.rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+        hf_model.config
+    )
     return hf_model.eval()
 
 

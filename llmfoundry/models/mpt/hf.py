@@ -21,10 +21,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import transformers
 from tokenizers import Tokenizer
 
 from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
+from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.norms import LAYER_NORM_EPS
