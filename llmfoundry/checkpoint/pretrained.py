@@ -10,7 +10,8 @@
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
 `tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
 `read_pretrained(path)` also gives the name of that run (`run_name` in the checkpoint's
-recorded config), which a server uses as the model's id.
+recorded config), which a server uses as the model's id, and the chat template of the format
+its run finetuned in (`trained_chat_template`), which a server and an export use for chat.
 
 `save_weights(model, folder)` writes the other direction: a checkpoint that holds only weights
 (and the model config and tokenizer), for `load_path=` with weights-only loading
@@ -40,6 +41,7 @@ from llmfoundry.checkpoint.io import (
 )
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
+from llmfoundry.data.prep.instructions import trained_chat_template
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
@@ -57,12 +59,14 @@ def is_hf_folder(path: str | Path) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
-    """A loaded model, where its tokenizer is (None: unknown), and the run that trained it
-    (None: a transformers folder, or a checkpoint that does not record one)."""
+    """A loaded model, where its tokenizer is (None: unknown), the run that trained it
+    (None: a transformers folder, or a checkpoint that does not record one) and the chat
+    template of its finetune format (None: not known, or the tokenizer's own)."""
 
     model: torch.nn.Module
     tokenizer: str | None
     run_name: str | None
+    chat_template: str | None = None
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, str | None]:
@@ -94,8 +98,14 @@ def read_pretrained(path: str) -> Pretrained:
         ) from None
     model.config = config  # built on meta only to skip the init; the weights are real now
     tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
-    run_name = (checkpoint.state.get("config") or {}).get("run_name")
-    return Pretrained(model.eval(), tokenizer, run_name if isinstance(run_name, str) else None)
+    recorded = checkpoint.state.get("config") or {}
+    run_name = recorded.get("run_name")
+    return Pretrained(
+        model.eval(),
+        tokenizer,
+        run_name if isinstance(run_name, str) else None,
+        trained_chat_template(recorded.get("data")),
+    )
 
 
 def model_config(state: Mapping[str, Any], where: str) -> Any:
