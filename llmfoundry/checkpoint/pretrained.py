@@ -35,6 +35,7 @@ from llmfoundry.checkpoint.io import (
     STATE_FILE,
     checkpoint_name,
     read_checkpoint,
+    read_state,
     write_checkpoint,
     write_object,
     write_tensors,
@@ -121,6 +122,25 @@ def model_config(state: Mapping[str, Any], where: str) -> Any:
         return config_from_record(fields, init_device="cpu")
     except ValueError as err:
         raise UserError(f"checkpoint {where!r}: {err}") from None
+
+
+def recorded_model(path: str | None) -> dict[str, Any]:
+    """The model config the checkpoint (or save folder) at `path` recorded, as conf/model writes
+    one (``_target_`` and fields): `model=from_checkpoint` trains, finetunes or evaluates it
+    without retyping its sizes. Reads the run state only, not the weights."""
+    if not path:
+        raise UserError(
+            "model=from_checkpoint takes the model config of load_path's checkpoint, and "
+            "load_path is not set; set load_path=CKPT or choose a model=<size>"
+        )
+    state = read_state(path)
+    fields = (state.get("config") or {}).get("model")
+    if not isinstance(fields, Mapping):
+        raise UserError(
+            f"checkpoint {path!r} does not record its model config (config.model in "
+            f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
+        )
+    return dict(fields)
 
 
 def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
