@@ -82,6 +82,29 @@ def test_only_default_format_data_gives_the_template(finetuned, tmp_path, caplog
     assert "--chat-template" in caplog.text and "default_finetune.jinja" in caplog.text
 
 
+def test_the_finetuned_checkpoint_answers_chat_in_process(finetuned):
+    """serve.py's wiring in this process (no subprocess): the checkpoint's format reaches the
+    app, and a chat request is answered."""
+    from starlette.testclient import TestClient
+
+    from llmfoundry.serving.app import Limits, create_app
+    from llmfoundry.serving.engine import Engine
+    from llmfoundry.serving.tokenizer import load_served_tokenizer
+
+    tmp, _, _ = finetuned
+    loaded = read_pretrained(str(tmp / "ft" / "ckpt"))
+    assert loaded.chat_template == DEFAULT_FORMAT_TEMPLATE.read_text(encoding="utf-8")
+    tokenizer = load_served_tokenizer(loaded.tokenizer, trained_template=loaded.chat_template)
+    engine = Engine(loaded.model, tokenizer.decode, max_rows=2, max_len=2 * SEQ)
+    app = create_app(engine, tokenizer, "ft", Limits(SEQ - 4, 4, 1 << 16, 2), SEQ)
+    with TestClient(app) as client:
+        body = {"messages": CONVERSATION[1:2], "max_tokens": 4, "temperature": 0}
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    prompt = tokenizer.encode_chat(tokenizer.render_chat(CONVERSATION[1:2]))
+    assert response.json()["usage"]["prompt_tokens"] == len(prompt)
+
+
 @pytest.mark.slow  # two server starts and an export, each loading torch in a subprocess
 def test_chat_with_the_finetuned_checkpoint_and_its_export(finetuned):
     import httpx
