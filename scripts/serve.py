@@ -184,9 +184,8 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
         )
-    tokenizer = load_served_tokenizer(
-        tokenizer_path, args.eos_token, args.chat_template, loaded.chat_template
-    )
+    trained = loaded.chat_template if args.chat_template is None else None  # reads its data
+    tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template, trained)
     model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
     context = model.config.max_seq_len
     limits = Limits(

@@ -21,6 +21,7 @@ its run finetuned in (`trained_chat_template`), which a server and an export use
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,13 +62,19 @@ def is_hf_folder(path: str | Path) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
     """A loaded model, where its tokenizer is (None: unknown), the run that trained it
-    (None: a transformers folder, or a checkpoint that does not record one) and the chat
-    template of its finetune format (None: not known, or the tokenizer's own)."""
+    (None: a transformers folder, or a checkpoint that does not record one) and the config that
+    run recorded (empty for a transformers folder)."""
 
     model: torch.nn.Module
     tokenizer: str | None
     run_name: str | None
-    chat_template: str | None = None
+    recorded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        """The chat template of the format the run finetuned in (None: not known, or the
+        tokenizer's own); read when asked, since it reads the run's data's meta.json."""
+        return trained_chat_template(self.recorded.get("data"))
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, str | None]:
@@ -102,10 +109,7 @@ def read_pretrained(path: str) -> Pretrained:
     recorded = checkpoint.state.get("config") or {}
     run_name = recorded.get("run_name")
     return Pretrained(
-        model.eval(),
-        tokenizer,
-        run_name if isinstance(run_name, str) else None,
-        trained_chat_template(recorded.get("data")),
+        model.eval(), tokenizer, run_name if isinstance(run_name, str) else None, recorded
     )
 
 

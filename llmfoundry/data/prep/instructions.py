@@ -147,8 +147,8 @@ def trained_chat_template(data: Mapping[str, Any] | None) -> str | None:
             meta = json.loads(storage.read_small(url, META_LIMIT))
         except (OSError, ValueError, UserError) as err:
             log.warning(
-                "cannot tell the finetune format of the run's data (%s: %s); for a model finetuned "
-                "in the default format pass --chat-template %s",
+                "cannot tell the finetune format of the run's data (%s: %s); a model finetuned in "
+                "the default format chats with %s (scripts/serve.py --chat-template)",
                 url,
                 err,
                 DEFAULT_FORMAT_TEMPLATE,
