@@ -14,7 +14,9 @@ OUT_DIR then loads without trust_remote_code:
     transformers.AutoTokenizer.from_pretrained(OUT_DIR)
 
 The tokenizer is the checkpoint's own tokenizer.json or the one its run trained with
-(`tokenizer=`); --tokenizer overrides both. The checkpoint's model family (its recorded config)
+(`tokenizer=`); --tokenizer overrides both. A checkpoint finetuned in the default finetune format
+(data_prep/instructions_to_mds.py without a chat template) exports that format as the tokenizer's
+`chat_template`, so chat through transformers, vLLM or scripts/serve.py prompts it as it trained. The checkpoint's model family (its recorded config)
 picks the transformers class; features that class lacks (for MPT: learned positions, biases,
 grouped key/value heads, qk_ln, sliding window, infini-attention) are refused, naming the field. An fp32 export is checked: the folder's logits must equal the checkpoint's
 (relative error at most 1e-5, printed).
@@ -25,8 +27,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
+from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, read_pretrained
 from llmfoundry.models.families import family_of, logits_relative_error
+from llmfoundry.models.hf_lib import transformers
 from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    model, found = load_pretrained(args.checkpoint)
+    loaded = read_pretrained(args.checkpoint)
+    model, found = loaded.model, loaded.tokenizer
     family = family_of(model)
     family.check_hf(model.config)  # refuses what transformers cannot represent, before any work
     tokenizer_path = args.tokenizer or found
@@ -73,11 +77,15 @@ def export(args: argparse.Namespace) -> int:
     family.export_to_hf(
         model,
         args.out_dir,
-        tokenizer=tokenizer.tokenizer,
+        tokenizer=transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer.tokenizer,
+            eos_token=tokenizer.eos_token,
+            chat_template=loaded.chat_template,
+        ),
         dtype=WEIGHT_DTYPES[args.dtype],
-        eos_token=tokenizer.eos_token,
     )
-    print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path})")
+    chat = ", the default finetune format's chat template" if loaded.chat_template else ""
+    print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path}{chat})")
     if args.dtype == "fp32":
         error = logits_relative_error(model, args.out_dir)
         print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

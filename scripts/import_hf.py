@@ -1,29 +1,26 @@
 """Import a Hugging Face transformers folder (MPT or Llama) as a llmfoundry checkpoint, to finetune from.
 
     python scripts/import_hf.py HF_DIR CKPT_DIR
-    python scripts/train.py <the printed model=... model.k=v overrides> load_path=CKPT_DIR \\
-        load_ignore_keys=[optimizer,scaler,timestamp,algorithms,callbacks,loggers,data,rng]
+    python scripts/train.py +experiment=finetune model=from_checkpoint load_path=CKPT_DIR/ep0-ba0 \\
+        data.remote=data/demo/sft        # the command it prints; your data in data.remote
 
 The family comes from config.json's model_type (mpt: MptForCausalLM, llama: LlamaForCausalLM).
 CKPT_DIR becomes a save folder holding one weights-only checkpoint (ep0-ba0, named by `latest`):
 the weights in float32, the model config and the folder's tokenizer.json. The script prints the
-overrides that make scripts/train.py build this exact model: the nearest conf/model size and the
-fields that differ from it. Config fields our model cannot represent are refused, naming the
-field. The import is checked: the checkpoint's logits must equal the folder's (relative error at
-most 1e-5, printed).
+command that finetunes it (conf/experiment/finetune.yaml: weights only; `model=from_checkpoint`:
+this model's config, read from the checkpoint), and warns when config.json's eos_token_id is not
+the tokenizer's EOS. Config fields our model cannot represent are refused, naming the field. The
+import is checked: the checkpoint's logits must equal the folder's (relative error at most 1e-5,
+printed).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
-
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from llmfoundry.checkpoint import resolve
 from llmfoundry.checkpoint.pretrained import (
@@ -32,13 +29,13 @@ from llmfoundry.checkpoint.pretrained import (
     load_pretrained,
     save_weights,
 )
-from llmfoundry.config.preflight import compose_config
-from llmfoundry.models.families import family_of, family_of_hf, logits_relative_error
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
+from llmfoundry.models.families import family_of_hf, logits_relative_error
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 
 TOLERANCE = 1e-5
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+FINETUNE_DATA = "data/demo/sft"  # the recipe's: data_prep/instructions_to_mds.py's output
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,35 +46,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def hydra_value(value: Any) -> str:
-    """`value` as a Hydra command-line override writes it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
-    return str(value)
+def train_command(url: str) -> str:
+    """The command that finetunes the checkpoint at `url` as printed: the recipe loads its
+    weights only, and `model=from_checkpoint` takes its model config from it."""
+    args = ["+experiment=finetune", "model=from_checkpoint", f"load_path={url}"]
+    return shlex.join(["python", "scripts/train.py", *args, f"data.remote={FINETUNE_DATA}"])
 
 
-def train_overrides(config: Any, conf_dir: Path = CONF_DIR) -> list[str]:
-    """``model=<size>`` and the ``model.k=v`` that make conf/ compose to exactly `config`: the
-    family's conf/model size that needs the fewest overrides, and those."""
-    family = family_of(config)
-    ours = dataclasses.asdict(config)
-    best: list[str] | None = None
-    base = f"/model_base/{family.name}@_here_"
-    for path in sorted((conf_dir / "model").glob("*.yaml")):
-        if base not in (OmegaConf.load(path).get("defaults") or []):
-            continue  # another family's size
-        node = compose_config(conf_dir, [f"model={path.stem}"]).model
-        theirs = dataclasses.asdict(instantiate(node))
-        changed = [f"model.{k}={hydra_value(v)}" for k, v in ours.items() if theirs[k] != v]
-        if best is None or len(changed) < len(best) - 1:
-            best = [f"model={path.stem}", *changed]
-    if best is None:
-        raise UserError(f"conf/model has no {family.name} size to train this model from")
-    return best
+def warn_eos_mismatch(hf_dir: str, tokenizer: Path) -> None:
+    """One line when config.json's eos_token_id is not the tokenizer's EOS: training, serving
+    and export stop at the tokenizer's (`prepare_tokenizer`), transformers' generate at the
+    config's."""
+    config = json.loads(Path(hf_dir, "config.json").read_text(encoding="utf-8"))
+    ids = config.get("eos_token_id")
+    ids = ids if isinstance(ids, list) else [ids]
+    prepared = prepare_tokenizer(tokenizer, require_eos=False)
+    if prepared.eos_id is not None and ids != [None] and prepared.eos_id not in ids:
+        print(
+            f"warning: {hf_dir}/config.json's eos_token_id {config['eos_token_id']} is not the "
+            f"tokenizer's EOS id {prepared.eos_id} ({prepared.eos_token}); llmfoundry uses the "
+            "tokenizer's (--eos-token in the scripts picks another)",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)
     url = save_weights(model, args.ckpt_dir, tokenizer if tokenizer.is_file() else None, name)
-    overrides = shlex.join(train_overrides(model.config))  # quoted for the shell: {a:1,b:2}
-    load = shlex.quote(f"load_path={url}")
-    print(f"wrote {url}\ntrain it with: python scripts/train.py {overrides} {load}")
+    if tokenizer.is_file():
+        warn_eos_mismatch(args.hf_dir, tokenizer)
+    print(f"wrote {url}\nfinetune it with: {train_command(url)}")
     loaded, _ = load_pretrained(args.ckpt_dir)
     error = logits_relative_error(loaded, args.hf_dir)
     print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

@@ -9,8 +9,9 @@
 
 The model's id in the API is --served-model-name, else the run_name of the run that trained the
 checkpoint (what `runs.py` lists), else the folder's name (a transformers folder's, say).
-Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: the
-tokenizer folder's or --chat-template FILE), GET /v1/models, GET /health, GET /metrics.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (with a chat template: --chat-template
+FILE, the default finetune format's for a checkpoint finetuned in it, or the tokenizer folder's),
+GET /v1/models, GET /health, GET /metrics.
 Concurrent requests decode together (continuous batching). With LLMFOUNDRY_API_KEY set every
 route but /health needs `Authorization: Bearer <key>`; without it the server binds loopback only,
 and a key that is set but empty is refused. SIGTERM (or Ctrl-C) stops accepting, finishes the
@@ -186,7 +187,8 @@ def serve(args: argparse.Namespace) -> int:
         raise UserError(
             f"no tokenizer found with {args.model}; pass --tokenizer PATH/tokenizer.json"
         )
-    tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template)
+    trained = loaded.chat_template if args.chat_template is None else None  # reads its data
+    tokenizer = load_served_tokenizer(tokenizer_path, args.eos_token, args.chat_template, trained)
     model.to(device=device, dtype=WEIGHT_DTYPES[args.dtype or "fp32"])
     context = model.config.max_seq_len
     limits = Limits(

@@ -494,6 +494,20 @@ def read_checkpoint(path: str, rank: int) -> Checkpoint:
         )
 
 
+def read_state(path: str) -> dict[str, Any]:
+    """The run state of the checkpoint at `path` (see `resolve`) alone, checked against its
+    manifest: its recorded config without reading the weights."""
+    path = resolve(path)
+    with _reading(path):
+        fs, root = storage.url_to_fs(path)
+        files = read_manifest(fs, root)
+        if files is None or STATE_FILE not in files:
+            raise CheckpointError(
+                f"checkpoint {path} {_damage(fs, root, files)}; load an earlier checkpoint"
+            )
+        return _load_object(fs, root, STATE_FILE, files)
+
+
 def read_checkpoint_together(path: str, rank: int) -> Checkpoint:
     """`read_checkpoint` by every rank of a run at once (the trainer's load), failing on every
     rank when it fails on one. Each rank hashes only its share of the other ranks' files and

@@ -10,7 +10,8 @@
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
 `tokenizer.json`, or the `tokenizer` setting of the run that wrote the checkpoint.
 `read_pretrained(path)` also gives the name of that run (`run_name` in the checkpoint's
-recorded config), which a server uses as the model's id.
+recorded config), which a server uses as the model's id, and the chat template of the format
+its run finetuned in (`trained_chat_template`), which a server and an export use for chat.
 
 `save_weights(model, folder)` writes the other direction: a checkpoint that holds only weights
 (and the model config and tokenizer), for `load_path=` with weights-only loading
@@ -20,6 +21,7 @@ recorded config), which a server uses as the model's id.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,12 +36,14 @@ from llmfoundry.checkpoint.io import (
     STATE_FILE,
     checkpoint_name,
     read_checkpoint,
+    read_state,
     write_checkpoint,
     write_object,
     write_tensors,
 )
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
+from llmfoundry.data.prep.instructions import trained_chat_template
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
 from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX
 from llmfoundry.utils.errors import UserError
@@ -58,12 +62,20 @@ def is_hf_folder(path: str | Path) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
-    """A loaded model, where its tokenizer is (None: unknown), and the run that trained it
-    (None: a transformers folder, or a checkpoint that does not record one)."""
+    """A loaded model, where its tokenizer is (None: unknown), the run that trained it
+    (None: a transformers folder, or a checkpoint that does not record one) and the config that
+    run recorded (empty for a transformers folder)."""
 
     model: torch.nn.Module
     tokenizer: str | None
     run_name: str | None
+    recorded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def chat_template(self) -> str | None:
+        """The chat template of the format the run finetuned in (None: not known, or the
+        tokenizer's own); read when asked, since it reads the run's data's meta.json."""
+        return trained_chat_template(self.recorded.get("data"))
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, str | None]:
@@ -95,8 +107,11 @@ def read_pretrained(path: str) -> Pretrained:
         ) from None
     model.config = config  # built on meta only to skip the init; the weights are real now
     tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
-    run_name = (checkpoint.state.get("config") or {}).get("run_name")
-    return Pretrained(model.eval(), tokenizer, run_name if isinstance(run_name, str) else None)
+    recorded = checkpoint.state.get("config") or {}
+    run_name = recorded.get("run_name")
+    return Pretrained(
+        model.eval(), tokenizer, run_name if isinstance(run_name, str) else None, recorded
+    )
 
 
 def model_config(state: Mapping[str, Any], where: str) -> Any:
@@ -112,6 +127,25 @@ def model_config(state: Mapping[str, Any], where: str) -> Any:
         return config_from_record(fields, init_device="cpu")
     except ValueError as err:
         raise UserError(f"checkpoint {where!r}: {err}") from None
+
+
+def recorded_model(path: str | None) -> dict[str, Any]:
+    """The model config the checkpoint (or save folder) at `path` recorded, as conf/model writes
+    one (``_target_`` and fields): `model=from_checkpoint` trains, finetunes or evaluates it
+    without retyping its sizes. Reads the run state only, not the weights."""
+    if not path:
+        raise UserError(
+            "model=from_checkpoint takes the model config of load_path's checkpoint, and "
+            "load_path is not set; set load_path=CKPT or choose a model=<size>"
+        )
+    state = read_state(path)
+    fields = (state.get("config") or {}).get("model")
+    if not isinstance(fields, Mapping):
+        raise UserError(
+            f"checkpoint {path!r} does not record its model config (config.model in "
+            f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
+        )
+    return dict(fields)
 
 
 def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:

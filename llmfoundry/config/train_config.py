@@ -24,9 +24,20 @@ from llmfoundry.utils.errors import UserError
 
 
 def register_resolvers() -> None:
-    """`${run_id:}` in train.yaml: the run name every rank agrees on."""
+    """`${run_id:}` in train.yaml: the run name every rank agrees on; `${checkpoint_model:}`
+    in conf/model/from_checkpoint.yaml: the model config load_path's checkpoint recorded."""
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", default_run_name, use_cache=True)
+    if not OmegaConf.has_resolver("checkpoint_model"):
+        OmegaConf.register_new_resolver("checkpoint_model", _checkpoint_model, use_cache=True)
+
+
+def _checkpoint_model(load_path: str | None) -> dict[str, Any]:
+    """`recorded_model`, imported when a config uses it: a config is checked before torch
+    loads (its errors answer in a second)."""
+    from llmfoundry.checkpoint.pretrained import recorded_model
+
+    return recorded_model(load_path)
 
 
 def settings_from(cfg: DictConfig) -> TrainSettings:

@@ -188,14 +188,17 @@ class _Server:
                 headers={"Retry-After": "1"},
             ) from None
 
-    async def render(self, messages: list[dict[str, str]]) -> str:
-        """The chat prompt of `messages`, rendered off the event loop (400 when it cannot be)."""
+    async def render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat prompt of `messages`, rendered and tokenized off the event loop (400 when it
+        cannot be)."""
         chars = sum(len(value) for m in messages for value in m.values())
         self.check_chars("the messages have", chars)
         try:
-            return await self.off_loop(functools.partial(self.tokenizer.render_chat, messages))
+            text = await self.off_loop(functools.partial(self.tokenizer.render_chat, messages))
         except ChatTemplateError as err:
             raise HTTPException(400, str(err)) from None
+        self.check_chars("the chat prompt has", len(text))
+        return await self.off_loop(functools.partial(self.tokenizer.encode_chat, text))
 
     async def encode(self, prompts: Sequence[str | list[int]], max_tokens: int) -> list[list[int]]:
         """Each prompt's ids (texts tokenized off the event loop, ids as given), checked
@@ -422,8 +425,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request):
         server.check(body)
-        text = await server.render([m.model_dump(exclude_none=True) for m in body.messages])
-        [prompt] = await server.encode([text], body.max_tokens)
+        ids = await server.render([m.model_dump(exclude_none=True) for m in body.messages])
+        [prompt] = await server.encode([ids], body.max_tokens)
         lease, queue, running = server.start([prompt], body)
         id_ = protocol.new_id("chatcmpl")
         events = _events(request, queue, running)

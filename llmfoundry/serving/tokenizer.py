@@ -4,8 +4,10 @@ Encoding and decoding are the ones `scripts/generate.py` uses (`prepare_tokenize
 and the command line continue a prompt the same way; completions take any implementation of
 `llmfoundry.core.tokenizer.Tokenizer`. Chat needs a chat template (Jinja, as in
 transformers): the one of a transformers tokenizer folder (`tokenizer_config.json` or
-`chat_template.jinja`), or a file given with `--chat-template`. It renders as transformers would
-render it, so a template written for transformers works unchanged.
+`chat_template.jinja`), or a file given with `--chat-template`, or, for a checkpoint finetuned in
+llmfoundry's default format, that format's template (`trained_chat_template`), so chat prompts
+are the tokens it trained on. It renders as transformers would render it, so a template written
+for transformers works unchanged.
 
 A template is a program, and the server runs it on every chat request, so it runs in
 `llmfoundry.data.prep.chat_template`'s sandbox, which bounds what it reaches, the steps it runs
@@ -21,6 +23,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import tokenizers
 
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep.chat_template import TEMPLATE_STEPS, ChatTemplate, ChatTemplateError
@@ -79,6 +83,23 @@ class ServedTokenizer:
         special = {"eos_token": self.prepared.eos_token, "bos_token": self.prepared.bos_token}
         return {name: token for name, token in special.items() if token is not None}
 
+    @functools.cached_property
+    def _chat_encoder(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads the special tokens in a rendered chat prompt (the
+        EOS that ends each earlier answer, `<|im_start|>`) as those tokens, as training's
+        `Formatter` and transformers do; the served one reads them as text, so that a
+        completion prompt's literal `<|endoftext|>` stays text."""
+        assert isinstance(self.prepared, PreparedTokenizer)  # __post_init__: with a template
+        encoder = tokenizers.Tokenizer.from_str(self.prepared.tokenizer.to_str())
+        encoder.encode_special_tokens = False
+        return encoder
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """The ids of a prompt `render_chat` gave, special tokens read as such and none added
+        (the template writes its own)."""
+        [encoding] = self._chat_encoder.encode_batch([prompt], add_special_tokens=False)
+        return encoding.ids
+
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt for `messages` under the chat template, ending where the assistant's
         answer starts (`add_generation_prompt`); a ChatTemplateError when it cannot render them."""
@@ -102,14 +123,22 @@ class ServedTokenizer:
 
 
 def load_served_tokenizer(
-    path: str, eos_token: str | None = None, chat_template: str | Path | None = None
+    path: str,
+    eos_token: str | None = None,
+    chat_template: str | Path | None = None,
+    trained_template: str | None = None,
 ) -> ServedTokenizer:
-    """The tokenizer at `path` (tokenizer.json or a folder) with its chat template, if any;
-    `chat_template` (a Jinja file) overrides the folder's."""
+    """The tokenizer at `path` (tokenizer.json or a folder) with its chat template: the Jinja
+    file `chat_template`, else `trained_template` (the format the model was finetuned in: what
+    it knows beats what a folder offers), else the folder's, if any."""
     prepared = prepare_tokenizer(path, eos_token=eos_token)
     if chat_template is not None:
         served = ServedTokenizer(prepared, _read_template(Path(chat_template)))
         served.check_template(str(chat_template))
+        return served
+    if trained_template is not None:
+        served = ServedTokenizer(prepared, trained_template)
+        served.check_template("the model's finetune format")
         return served
     template = None
     if Path(path).is_dir() and (

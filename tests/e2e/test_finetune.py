@@ -1,7 +1,10 @@
 """Instruction finetuning: response-only loss, packing isolation, the `+experiment=finetune` recipe."""
 
+import dataclasses
 import json
 import math
+import runpy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,10 @@ from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import IGNORE, Packer, instructions_to_mds
+from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
+from llmfoundry.models.families import family_of
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -133,3 +138,40 @@ def test_finetune_recipe_starts_from_pretrained_weights(tmp_path, caplog):
 def test_finetune_recipe_without_load_path_is_a_config_error():
     with pytest.raises(ConfigError, match="load_ignore_keys: set, but load_path is null"):
         check(CONF, ["+experiment=finetune"])
+
+
+def test_import_hf_prints_a_finetune_command_that_trains_as_printed(tmp_path, monkeypatch, capsys):
+    """scripts/import_hf.py's printed command, run as printed (plus the test's sizes) from a
+    folder with the recipe's data: weights only, the model config from the checkpoint."""
+    (tmp_path / "data" / "demo").mkdir(parents=True)
+    _instruction_data(tmp_path / "data" / "demo")  # the recipe's data.remote: data/demo/sft
+    tokenizer = prepare_tokenizer(tmp_path / "data" / "demo" / "tokenizer.json")
+    imported = tiny(seed=5)
+    family_of(imported).export_to_hf(
+        imported, tmp_path / "hf", tokenizer=tokenizer.tokenizer, eos_token=tokenizer.eos_token
+    )
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    main = runpy.run_path(str(CONF.parent / "scripts" / "import_hf.py"), run_name="x")["main"]
+    assert main([str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    out, err = capsys.readouterr()
+    assert f"eos_token_id 2 is not the tokenizer's EOS id {tokenizer.eos_id}" in err
+    assert sum("eos_token_id" in line for line in err.splitlines()) == 1  # one line
+    command = shlex.split(out.split("finetune it with: ")[1].splitlines()[0])
+    assert command[:2] == ["python", "scripts/train.py"]
+    sizes = ["global_train_batch_size=4", "device_eval_batch_size=4", "max_duration=2ba"]
+    sizes += ["eval_subset_num_batches=1", "callbacks=[]", "loggers=[]", "save_folder=null"]
+    monkeypatch.chdir(tmp_path)
+    trainer = build_trainer(compose_config(CONF, command[2:] + sizes), tmp_path / "run")
+    built = trainer.state.model.config  # built on meta, whatever the recorded init_device
+    assert dataclasses.replace(built, init_device="cpu") == imported.config
+    loaded = trainer.state.model.state_dict().values()
+    for a, b in zip(loaded, imported.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the imported weights, loaded alone
+    trainer.fit()
+    assert trainer.state.timestamp.batch == 2
+
+
+def test_model_from_checkpoint_without_load_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="model=from_checkpoint .* load_path is not set"):
+        check(CONF, ["model=from_checkpoint"])

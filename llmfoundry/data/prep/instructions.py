@@ -14,6 +14,10 @@ such as ``<|im_start|>``, are encoded as such). Any other tokenizer gets the def
     ### Assistant:\\n                    (untrained)
     {content}<eos>                       (trained: the model learns the answer and to stop)
 
+The same format ships as a chat template, ``templates/default_finetune.jinja``: rendered with
+``add_generation_prompt`` it ends in ``### Assistant:\\n``, so a server prompts a model
+finetuned in it with the tokens it trained on (`trained_chat_template` says when a run did).
+
 Labels. ``labels`` equals ``input_ids`` on the tokens of assistant turns and is -100 on
 everything else (system and user turns, role headers, padding), so only responses contribute
 to the loss. The trainer's loss shifts labels by one itself (model.py ``loss``).
@@ -40,7 +44,7 @@ import hashlib
 import json
 import logging
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,17 +62,21 @@ from llmfoundry.utils.files import join_url
 from llmfoundry.utils.jsonl import MAX_LINE_BYTES, read_jsonl
 
 __all__ = [
+    "DEFAULT_FORMAT_TEMPLATE",
     "INSTRUCTIONS_META_FORMAT",
     "Formatter",
     "Packer",
     "instructions_to_mds",
     "read_conversations",
+    "trained_chat_template",
 ]
 
 log = logging.getLogger(__name__)
 
 INSTRUCTIONS_META_FORMAT = "llmfoundry.mds-instructions"
 IGNORE = IGNORE_INDEX  # the label the loss skips
+DEFAULT_FORMAT_TEMPLATE = Path(__file__).with_name("templates") / "default_finetune.jinja"
+META_LIMIT = 1 << 20  # bytes of a dataset's meta.json read to tell its format
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "drop")
 
@@ -113,6 +121,43 @@ def read_conversations(
     for url in urls:
         for where, obj in read_jsonl(url, max_example_bytes):
             yield _conversation(obj, where)
+
+
+def trained_chat_template(data: Mapping[str, Any] | None) -> str | None:
+    """The default format's chat template when a run trained on instruction data in it, else
+    None; `data` is the run's recorded data config (a checkpoint's ``config.data``).
+
+    A checkpoint records where its data was, not how it was formatted, so the rule reads each
+    training dataset's meta.json (``remote``, or every stream's): all of them instruction data
+    written without a chat template means the default format. Data that cannot be read any more
+    (moved, another machine) tells nothing: None, with a warning naming the template file.
+    """
+    if not isinstance(data, Mapping):
+        return None
+    streams = data.get("streams")
+    remotes = (
+        [s.get("remote") for s in streams.values() if isinstance(s, Mapping)]
+        if isinstance(streams, Mapping)
+        else [data.get("remote")]
+    )
+    if not remotes or not all(isinstance(r, str) for r in remotes):
+        return None
+    for remote in remotes:
+        url = join_url(remote, "meta.json")
+        try:
+            meta = json.loads(storage.read_small(url, META_LIMIT))
+        except (OSError, ValueError, UserError) as err:
+            log.warning(
+                "cannot tell the finetune format of the run's data (%s: %s); a model finetuned in "
+                "the default format chats with %s (scripts/serve.py --chat-template)",
+                url,
+                err,
+                DEFAULT_FORMAT_TEMPLATE,
+            )
+            return None
+        if meta.get("format") != INSTRUCTIONS_META_FORMAT or meta.get("chat_template"):
+            return None  # not instruction data, or formatted by the tokenizer's own template
+    return DEFAULT_FORMAT_TEMPLATE.read_text(encoding="utf-8")
 
 
 def _chat_template_tokenizer(path: str) -> Any | None:
