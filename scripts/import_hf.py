@@ -29,8 +29,8 @@ from llmfoundry.checkpoint.pretrained import (
     load_pretrained,
     save_weights,
 )
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.models.families import family_of_hf, logits_relative_error
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 

@@ -16,11 +16,11 @@ from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import IGNORE, Packer, instructions_to_mds
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.families import family_of
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB, SEQ = 300, 64

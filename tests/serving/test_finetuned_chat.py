@@ -18,8 +18,8 @@ from llmfoundry.data.prep.instructions import (
     Formatter,
     trained_chat_template,
 )
-from llmfoundry.data.prep.tokenizer import prepare_tokenizer
 from llmfoundry.serving.tokenizer import ServedTokenizer
+from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from tests.e2e.test_finetune import CONF, SEQ, VOCAB, _instruction_data, tiny
 from tests.models.test_hf_scripts import script
 from tests.serving.conftest import running_server
