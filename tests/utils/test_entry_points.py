@@ -77,7 +77,11 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "data_prep/tokens_to_mds.py": (
             [f"{nowhere}.bin", "--out", str(tmp / "m"), "--seq-len", "4"],
-            "text_to_tokens.py",
+            "does not exist; write it with data_prep/text_to_tokens.py",
+        ),
+        "data_prep/adopt_tokens.py": (
+            [f"{nowhere}.bin", "--dtype", "uint16", "--vocab-size", "10"],
+            "does not exist",
         ),
     }
 

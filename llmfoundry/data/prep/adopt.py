@@ -143,6 +143,11 @@ def open_token_file(
                     "with data_prep/adopt_tokens.py --overwrite"
                 )
         return tokens, meta
+    if not path.is_file():
+        raise MissingInput(
+            f"token file {path} does not exist; write it with data_prep/text_to_tokens.py, or "
+            "give the path of your own token file (nanoGPT's train.bin)"
+        )
     if dtype is None and vocab_size is None:
         raise MissingInput(
             f"token file {path} has no sidecar {sidecar_path(path).name}: describe it once with "
