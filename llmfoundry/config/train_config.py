@@ -109,9 +109,15 @@ USER_MODEL_HINTS: dict[str, Any] = {"fsdp_blocks": list[str] | None}
 def _user_model_hints(cfg: DictConfig, group: str) -> dict[str, Any] | None:
     """The model node's own keys when it is conf/model/custom.yaml's (your own module)."""
     node = cfg.get(group)
-    if group == "model" and isinstance(node, DictConfig) and "fsdp_blocks" in node:
-        return USER_MODEL_HINTS
-    return None
+    if group != "model" or not isinstance(node, DictConfig) or "fsdp_blocks" not in node:
+        return None
+    if OmegaConf.is_missing(node, "_target_"):
+        raise ConfigError(
+            "model._target_",
+            "missing: model=custom trains the module your function or class returns; name it: "
+            "model._target_=my_pkg.build_model (README, Your own model)",
+        )
+    return USER_MODEL_HINTS
 
 
 def _validate_group(cfg: DictConfig, group: str, hints: dict | None, static: bool) -> None:

@@ -68,7 +68,11 @@ def test_group_configs_list_every_argument(path):
 
 @pytest.mark.parametrize("model", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
 def test_every_model_config_is_valid(model):
-    check(CONF, [f"model={model}"])
+    if model == "custom":  # your own module: its builder is the one key to give
+        assert error_for("model=custom").startswith("model._target_: missing: model=custom")
+        check(CONF, ["model=custom", "model._target_=torch.nn.Identity"])
+    else:
+        check(CONF, [f"model={model}"])
 
 
 def test_misspelt_override_names_key_and_suggests():
@@ -127,7 +131,10 @@ def test_bad_time_string():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model=mpt-2b", "model: no option 'mpt-2b'; did you mean 'mpt-7b'? allowed: llama-tiny"),
+        (
+            "model=mpt-2b",
+            "model: no option 'mpt-2b'; did you mean 'mpt-7b'? allowed: custom, llama-tiny",
+        ),
         ("algorithms=[ema,emma]", "algorithms: no option 'emma'; did you mean 'ema'?"),
         ("converters=[low_precision]", "converters: no option 'low_precision'; did you mean"),
     ],
