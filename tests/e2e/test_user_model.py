@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from llmfoundry.callbacks.generate import Generate
+from llmfoundry.checkpoint.pretrained import read_pretrained
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check
 from llmfoundry.models.generation import GenerationConfig, generate_by_recompute
+from llmfoundry.utils.errors import UserError
 from tests.distributed.spawn import free_port, run_ranks
 
 from .test_build import write_dataset
@@ -76,6 +79,12 @@ def test_save_and_resume_are_bitwise(tiny_gpt, tmp_path):
     expected = whole.model.state_dict()
     for name, value in resumed.model.state_dict().items():
         assert torch.equal(value, expected[name]), name
+    # Scripts build no module named in a checkpoint; its weights load as the message says.
+    with pytest.raises(UserError, match=r"holds your own module \(tiny_gpt.build\); scripts"):
+        read_pretrained(str(tmp_path / "a" / "ep0-ba4"))
+    model = tiny_gpt.build()
+    model.load_state_dict(load_file(tmp_path / "a" / "ep0-ba4" / "model.safetensors"))
+    assert torch.equal(model.head.weight, expected["head.weight"])
 
 
 @pytest.mark.slow
