@@ -2,6 +2,7 @@
 saved and resumed bitwise, sharded by FSDP on its named blocks, sampled without a KV cache."""
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def test_train_script_trains_a_module_from_pythonpath(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": f"{ROOT}:{package}"},
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{package}"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "ckpt" / "ep0-ba2").is_dir()
