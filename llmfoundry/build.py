@@ -10,8 +10,10 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from hydra.utils import instantiate
+import torch
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_damage, resolve
@@ -24,6 +26,7 @@ from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
 from llmfoundry.models.converters import ConversionContext, convert_model, resolve_precision
+from llmfoundry.models.custom import set_fsdp_blocks
 from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
 from llmfoundry.utils import storage
@@ -63,11 +66,22 @@ def build_trainer(
         strategy.pipeline.microbatches(device_batch, settings.device_train_microbatch_size)
     # Each data-parallel rank reads its own partition; the strategy (its device mesh) says which.
     data_parallel = (strategy.dp_rank, strategy.dp_size)
-    model_config = instantiate(cfg.model)
-    seq_len = settings.max_seq_len or model_config.max_seq_len
-    # Built without memory; the strategy materializes it and initializes it from `seed`.
-    # The config's class (its _target_) names the family: conf/model/mpt-* or llama*.
-    model = build_model(model_config, init_device="meta")
+    if "fsdp_blocks" in cfg.model:  # conf/model/custom.yaml: your own module
+        model = build_user_model(cfg.model, settings.seed)
+        vocab_size = getattr(model, "vocab_size", None)
+        seq_len = settings.max_seq_len or getattr(model, "max_seq_len", None)
+        if not seq_len:
+            raise UserError(
+                f"{type(model).__name__} has no max_seq_len attribute; set max_seq_len=<tokens "
+                "per training row>"
+            )
+    else:
+        model_config = instantiate(cfg.model)
+        vocab_size = model_config.vocab_size
+        seq_len = settings.max_seq_len or model_config.max_seq_len
+        # Built without memory; the strategy materializes it and initializes it from `seed`.
+        # The config's class (its _target_) names the family: conf/model/mpt-* or llama*.
+        model = build_model(model_config, init_device="meta")
     # The converters group (low-precision LayerNorm, float8, ...) swaps modules before the
     # strategy materializes and wraps the model, so sharding and the optimizer see the converted
     # ones. precision=amp_fp8 is bf16 autocast and the float8 converter (`resolve_precision`);
@@ -89,7 +103,8 @@ def build_trainer(
     # Every dataset's ids must fit the embedding, eval sets' too; each meta.json checked once.
     datasets = [data.train_dataset, *(loader.streaming_dataset for loader in data.evals.values())]
     for dataset in {d.meta_url: d for d in datasets}.values():
-        check_vocab(dataset.meta, model_config.vocab_size, dataset.meta_url)
+        if vocab_size is not None:  # a module of your own may not say
+            check_vocab(dataset.meta, vocab_size, dataset.meta_url)
 
     def instantiate_all(group: str) -> list:
         nodes = cfg.get(group) or {}
@@ -132,6 +147,33 @@ def build_trainer(
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
     )
+
+
+def build_user_model(node: DictConfig, seed: int) -> nn.Module:
+    """Your own module (conf/model/custom.yaml): its builder (``_target_``) called with the
+    node's other keys, under `seed` so that every rank builds the same weights (FSDP shards
+    them as they are), and its ``fsdp_blocks`` classes recorded (llmfoundry/models/custom.py)."""
+    fields = OmegaConf.to_container(node, resolve=True)
+    blocks = tuple(_block_class(name) for name in fields.pop("fsdp_blocks") or [])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = instantiate(fields)
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"model._target_ {fields['_target_']} returned a {type(model).__name__}, not an "
+            "nn.Module with forward(batch) and loss(outputs, batch) (llmfoundry/core/model.py)"
+        )
+    set_fsdp_blocks(model, blocks)
+    return model
+
+
+def _block_class(name: str) -> type:
+    try:
+        return get_class(name)
+    except Exception:  # Hydra's lookup raises ImportError, ValueError or its own errors
+        raise UserError(
+            f"model.fsdp_blocks: cannot import the class {name!r}; name it as module.Class"
+        ) from None
 
 
 def eval_microbatch_size(settings: TrainSettings, device_batch: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -77,4 +78,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    # As scripts/train.py: `model._target_=my_pkg.build_model` is found in the folder the job is
+    # launched from (the code folder the run starts in), for the config check.
+    sys.path.append(os.getcwd())
     sys.exit(main())

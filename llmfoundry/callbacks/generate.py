@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import logging
 
+from torch import nn
+
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.models.generation import GenerationConfig, generate, left_pad
+from llmfoundry.models.families import find_family
+from llmfoundry.models.generation import (
+    GenerationConfig,
+    generate,
+    generate_by_recompute,
+    left_pad,
+)
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
 
@@ -43,11 +51,29 @@ class Generate(Callback):
         )
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        ids, mask = left_pad([self.tokenizer.encode(p) for p in self.prompts])
         model = unwrap_model(state.model)
+        if find_family(model) is None:
+            self._recompute(model)
+            return
+        ids, mask = left_pad([self.tokenizer.encode(p) for p in self.prompts])
         out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
         for prompt, text in zip(self.prompts, out.texts, strict=True):
             log.info("--- sample (prompt %r) ---\n%s", prompt, prompt + text)
+
+    def _recompute(self, model: nn.Module) -> None:
+        """A module of your own: each prompt alone, without a KV cache."""
+        for prompt in self.prompts:
+            tokens = generate_by_recompute(model, self.tokenizer.encode(prompt), self.config)
+            if tokens is None:
+                log.info(
+                    "generate: no samples, %s's forward(batch) returns no logits "
+                    "[batch, seq, vocab]",
+                    type(model).__name__,
+                )
+                return
+            log.info(
+                "--- sample (prompt %r) ---\n%s", prompt, prompt + self.tokenizer.decode(tokens)
+            )
 
 
 def _load(tokenizer: str) -> Tokenizer:

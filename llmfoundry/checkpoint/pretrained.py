@@ -123,6 +123,13 @@ def model_config(state: Mapping[str, Any], where: str) -> Any:
             f"checkpoint {where!r} does not record its model config (config.model in "
             f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
         )
+    if "fsdp_blocks" in fields:  # conf/model/custom.yaml's: a module of the user's own
+        raise UserError(
+            f"checkpoint {where!r} holds your own module ({fields.get('_target_')}); scripts "
+            "build only the model families from a checkpoint (its file names no code to run): "
+            f"build your module and load its {MODEL_FILE} (safetensors.torch.load_file) into it "
+            "in Python (sharded: scripts/convert_checkpoint.py writes one)"
+        )
     try:
         return config_from_record(fields, init_device="cpu")
     except ValueError as err:

@@ -71,12 +71,13 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
     data_hints = _static_data_hints()
     for group in GROUPS:
         if group in cfg and cfg[group] is not None and (group != "data" or data_hints):
-            validate_targets(group, cfg[group], data_hints if group == "data" else None, True)
+            hints = data_hints if group == "data" else _user_model_hints(cfg, group)
+            _validate_group(cfg, group, hints, static=True)
     for group in GROUPS:
         if group in cfg and cfg[group] is not None:
             # The data group's node also holds the keys its builder reads (splits, loader).
             hints = _data_builder().group_hints() if group == "data" else None
-            validate_targets(group, cfg[group], hints)
+            _validate_group(cfg, group, hints or _user_model_hints(cfg, group), static=False)
     if isinstance(cfg.get("data"), DictConfig):
         try:
             splits = _data_builder().splits_of(cfg.data)
@@ -110,6 +111,43 @@ def _float8_setting(cfg: DictConfig, settings: TrainSettings) -> str | None:
         if target == "llmfoundry.models.converters.Float8Training":
             return None if node.get("emulate") else f"converters.{name}"
     return "precision" if settings.precision == "amp_fp8" else None
+
+
+# conf/model/custom.yaml's key besides its builder's arguments (llmfoundry/models/custom.py).
+USER_MODEL_HINTS: dict[str, Any] = {"fsdp_blocks": list[str] | None}
+
+
+def _user_model_hints(cfg: DictConfig, group: str) -> dict[str, Any] | None:
+    """The model node's own keys when it is conf/model/custom.yaml's (your own module)."""
+    node = cfg.get(group)
+    if group != "model" or not isinstance(node, DictConfig) or "fsdp_blocks" not in node:
+        return None
+    if OmegaConf.is_missing(node, "_target_"):
+        raise ConfigError(
+            "model._target_",
+            "missing: model=custom trains the module your function or class returns; name it: "
+            "model._target_=my_pkg.build_model (README, Your own model)",
+        )
+    return USER_MODEL_HINTS
+
+
+def _validate_group(cfg: DictConfig, group: str, hints: dict | None, static: bool) -> None:
+    """`validate_targets` on one group; a builder of your own under a family's model group
+    (MPT's defaults merged in) is told to use the custom group instead of its first MPT key."""
+    try:
+        validate_targets(group, cfg[group], hints, static)
+    except ConfigError as err:
+        target = OmegaConf.select(cfg, "model._target_", default=None)
+        if group != "model" or "unknown key" not in str(err) or hints is not None:
+            raise
+        if not isinstance(target, str) or target.startswith("llmfoundry."):
+            raise
+        raise ConfigError(
+            "model._target_",
+            f"{target} is not a model family's config, so the model group's defaults "
+            f"({str(err).partition(':')[0]}, ...) do not apply to it; for your own module use "
+            f"model=custom model._target_={target} (README, Your own model)",
+        ) from None
 
 
 def _data_builder() -> types.ModuleType:

@@ -13,7 +13,8 @@ A trainable model is an ``nn.Module`` with
   `LanguageMetrics`, which reads the outputs as logits [batch, seq, vocab].
 
 Every model family's model (`llmfoundry.models.families`: MPT, Llama) is one (its forward also takes ``input_ids`` directly, as
-generation calls it). Any other module can be adapted in a few lines: README "Your own model".
+generation calls it). Any other module can be adapted in a few lines, and trained from the
+config with ``model=custom`` (llmfoundry/models/custom.py): README "Your own model".
 
 An eval set is a plain loader (the model's metrics), or an `EvalSet` naming its own metrics.
 """

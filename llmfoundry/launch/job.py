@@ -28,6 +28,8 @@ from llmfoundry.config import ConfigError, check_keys, check_type
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.secrets import SECRET_WORDS, redact_urls
 
+# The one script a job runs (`Job.script`).
+TRAIN_SCRIPT = "scripts/train.py"
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -205,7 +207,10 @@ class Job:
     # Training overrides for scripts/train.py, as on its command line; they are rendered in
     # clear, so credentials in them are refused (`check_train_override`).
     train: list[str] = field(default_factory=list)
-    script: str = "scripts/train.py"
+    # Only scripts/train.py: the launcher passes it `train` and the run's own overrides (run
+    # name, outputs) and waits for the status file it writes. Your own model goes through it:
+    # train: [model=custom, model._target_=my_pkg.build_model] (README, Your own model).
+    script: str = TRAIN_SCRIPT
     # Where runs write (a folder, relative to the code, or an fsspec URL): the run's checkpoints
     # and status file go to <outputs>/<name>/. Kubernetes pods share no disk: use a URL there.
     outputs: str = "outputs"
@@ -217,6 +222,12 @@ class Job:
             for item in getattr(self, key):
                 if not isinstance(item, str):
                     raise UserError(f"{key}: expected strings, got {item!r}; quote it")
+        if self.script != TRAIN_SCRIPT:
+            raise UserError(
+                f"script: {self.script!r}: a job runs {TRAIN_SCRIPT} (Hydra overrides, a run "
+                "status file); for your own model set train: [model=custom, "
+                "model._target_=my_pkg.build_model] (README, Your own model)"
+            )
         if not _NAME.match(self.name):
             raise UserError(
                 f"name: {self.name!r} must be lowercase letters, digits and '-', at most 40 "

@@ -24,11 +24,18 @@ def _known() -> str:
     return ", ".join(f.config_target for f in FAMILIES.values())
 
 
-def family_of(config_or_model: Any) -> ModelFamily:
-    """The family of a config object or a model (by class)."""
+def find_family(config_or_model: Any) -> ModelFamily | None:
+    """The family of a config object or a model (by class); None for your own module."""
     for family in FAMILIES.values():
         if isinstance(config_or_model, family.config_class | family.model_class):
             return family
+    return None
+
+
+def family_of(config_or_model: Any) -> ModelFamily:
+    """The family of a config object or a model (by class)."""
+    if (family := find_family(config_or_model)) is not None:
+        return family
     raise UserError(
         f"{type(config_or_model).__name__} belongs to no model family (known configs: "
         f"{_known()}); add the family's spec.py to llmfoundry/models/families.py"

@@ -594,3 +594,33 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
+
+
+def generate_by_recompute(
+    model: torch.nn.Module, prompt: Sequence[int], config: GenerationConfig
+) -> list[int] | None:
+    """The new tokens a module of your own (llmfoundry/models/custom.py: no family, no KV
+    cache) continues `prompt` with, recomputing the whole sequence per token through its
+    training forward, ``forward({"input_ids": ids})``; None when that gives no logits
+    [1, seq, vocab] to sample from. Sampling is `config`'s temperature, top-k and top-p (with
+    its seed); stops at its eos token or `max_new_tokens`."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    generator = None if config.seed is None else torch.Generator(device).manual_seed(config.seed)
+    new: list[int] = []
+    with torch.no_grad(), _eval_mode(model):
+        for _ in range(config.max_new_tokens):
+            logits = model({"input_ids": ids})
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or len(logits) != 1:
+                return None
+            last = logits[:, -1].float()
+            if config.temperature < GREEDY_BELOW:
+                token = int(last.argmax(dim=-1))
+            else:
+                probs = sampling_probs(last, [config])
+                token = int(torch.multinomial(probs[0], 1, generator=generator))
+            new.append(token)
+            if token == config.eos_token_id:
+                break
+            ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+    return new

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from torch import nn
 
+from llmfoundry.models.custom import user_plan
 from llmfoundry.models.families import FAMILIES
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
 
 def find_plan(model: nn.Module) -> ParallelPlan | None:
-    """The plan of `model`'s family, or None for a model of no family (nothing to apply)."""
+    """The plan of `model`'s family, or a user module's from its ``fsdp_blocks``
+    (llmfoundry/models/custom.py), or None (nothing to apply)."""
     for family in FAMILIES.values():
         if isinstance(model, family.model_class):
             return family.parallelize(model)
-    return None
+    return user_plan(model)
 
 
 def parallel_plan(model: nn.Module) -> ParallelPlan:
@@ -24,6 +26,6 @@ def parallel_plan(model: nn.Module) -> ParallelPlan:
         return plan
     known = ", ".join(f.model_class.__name__ for f in FAMILIES.values())
     raise UserError(
-        f"no parallelization plan for {type(model).__name__} (plans exist for {known}); add "
-        "the family's spec.py (see llmfoundry/models/family.py) to use a sharding strategy"
+        f"no parallelization plan for {type(model).__name__} (plans exist for {known}); for "
+        "your own module name its block class: model.fsdp_blocks=[my_pkg.Block]"
     )

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import io
+import itertools
 import os
 import re
 import runpy
@@ -81,6 +82,7 @@ CLAIMS = {
     "# my_callbacks.py": "tests/e2e/test_readme_custom_code.py",
     "python scripts/train.py +callbacks.tokens._target_=": "tests/e2e/test_readme_custom_code.py",
     "# my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
+    "python scripts/train.py model=custom": "test_own_model_commands_are_valid",
     "# train_my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
 }
 
@@ -387,3 +389,19 @@ def test_zero_to_s3_steps_run_with_tiny_training(s3_endpoint, monkeypatch, tmp_p
     assert (tmp_path / "outputs" / "mine" / "status.json").is_file()
     (row,) = [line for line in result.stdout.splitlines() if line.startswith("mine ")]
     assert row.split()[:3] == ["mine", "finished", "2/2"] and "ep0-ba2" in row, result.stdout
+
+
+def test_own_model_commands_are_valid(tmp_path, monkeypatch):
+    """ "Your own model"'s train.py and job file commands, checked as the others, with the
+    README's my_model.py importable (as from the folder they are launched from); the real runs
+    of a module of one's own: tests/e2e/test_user_model.py, tests/launch/test_render.py."""
+    from .own_model import readme_module
+
+    monkeypatch.setitem(sys.modules, "my_model", readme_module(tmp_path))
+    (block,) = [b for b in readme_blocks() if b.head.startswith("python scripts/train.py model=c")]
+    found = commands(block)
+    for words in found:
+        check_command(words)
+    launch = next(w for w in found if w[1] == "scripts/launch.py")
+    check_training([value for flag, value in itertools.pairwise(launch) if flag == "--train"])
+    assert len(found) == 2

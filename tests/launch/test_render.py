@@ -6,6 +6,7 @@ import re
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,27 @@ def test_local_refuses_more_gpus_than_this_machine_has():
     job = load_job(EXAMPLE, [f"compute.gpus={local_gpus() + 1}"])
     with pytest.raises(ConfigError, match="GPUs asked, this machine has .*; use --gpus 0"):
         render_local(job, ROOT)
+
+
+def test_a_job_trains_your_own_module_through_train_py(tmp_path, capsys, monkeypatch):
+    """The README's job file path for your own module: train overrides with model=custom,
+    checked against the package's builder and rendered for scripts/train.py; any other
+    `script:` is refused in one line (the launcher passes Hydra overrides and waits for a
+    status file only scripts/train.py writes)."""
+    from tests.e2e.user_model import write_package
+
+    monkeypatch.syspath_prepend(str(write_package(tmp_path / "pkg")))
+    monkeypatch.delitem(sys.modules, "tiny_gpt", raising=False)
+    launch = load_script("launch")
+    train = ["model=custom", "model._target_=tiny_gpt.build", "+model.width=32"]
+    options = [*(f"--train={o}" for o in train), "--out", str(tmp_path)]
+    assert launch.main(["render", "local", str(EXAMPLE), *options]) == 0
+    command = (tmp_path / "mpt-tiny-demo.sh").read_text()
+    torchrun = next(line for line in command.splitlines() if "scripts/train.py" in line)
+    assert "model=custom model._target_=tiny_gpt.build +model.width=32 ||" in torchrun
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["render", "local", str(EXAMPLE), "script=my_train.py", *options])
+    assert exited.value.code == 2
+    assert (
+        "Job error: script: 'my_train.py': a job runs scripts/train.py" in capsys.readouterr().err
+    )
