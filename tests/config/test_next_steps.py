@@ -1,0 +1,36 @@
+"""The block a finished run prints last (config/next_steps.py): real paths, commands that parse."""
+
+import shlex
+from pathlib import Path
+
+from llmfoundry.config.next_steps import next_steps
+
+
+def test_demo_run_names_its_folder_and_the_commands_to_try(tmp_path):
+    block = next_steps(
+        tmp_path / "outputs" / "demo-1",
+        "demo-1",
+        "outputs/demo-1/checkpoints",
+        ["run_name=demo-1", "max_duration=600ba", "callbacks.runtime_estimator.hint=a b"],
+        cwd=tmp_path,
+    )
+    lines = block.splitlines()
+    assert lines[0].startswith("run folder: outputs/demo-1 ")
+    commands = [shlex.split(line, comments=True) for line in lines[2:]]
+    assert commands == [
+        ["python", "scripts/generate.py", "outputs/demo-1/checkpoints", "--prompt", "def "],
+        ["python", "scripts/serve.py", "outputs/demo-1/checkpoints"],
+        ["python", "scripts/train.py", "max_duration=600ba", "callbacks.runtime_estimator.hint=a b",
+         "run_name=demo-1", "autoresume=true"],
+        ["make", "finetune-demo"],
+        ["python", "scripts/runs.py"],
+    ]  # fmt: skip
+
+
+def test_elsewhere_and_without_checkpoints(tmp_path):
+    block = next_steps(Path("/elsewhere/runs/r"), "r", None, [], cwd=tmp_path)
+    assert block.splitlines()[0].startswith("run folder: /elsewhere/runs/r ")
+    assert "save_folder=null" in block and "generate.py" not in block and "autoresume" not in block
+    assert "python scripts/runs.py /elsewhere/runs  #" in block
+    block = next_steps(tmp_path / "outputs" / "r", "r", "s3://b/ck", [], cwd=tmp_path)
+    assert "python scripts/serve.py s3://b/ck  #" in block
