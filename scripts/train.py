@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float:
     """Train; return the final validation loss, which sweepers (-m, hydra/sweeper=optuna) minimise."""
     from llmfoundry.build import build_trainer
     from llmfoundry.checkpoint.lock import LOCK_FILE
-    from llmfoundry.config.next_steps import next_steps
+    from llmfoundry.config.next_steps import launcher_of, next_steps
     from llmfoundry.launch.sweeps import objective
 
     hydra_cfg = HydraConfig.get()
@@ -79,7 +79,9 @@ def main(cfg: DictConfig) -> float:
     with exit_on_user_error(DEBUG):
         state = trainer.fit()
     if state.rank == 0:
-        print(next_steps(run_dir, cfg.run_name, cfg.save_folder, hydra_cfg.overrides.task))
+        overrides = hydra_cfg.overrides.task
+        launcher = launcher_of(dict(os.environ))
+        print(next_steps(run_dir, cfg.run_name, cfg.save_folder, overrides, launcher=launcher))
     return objective(state)
 
 

@@ -13,6 +13,16 @@ from pathlib import Path
 _RESUME_KEYS = ("run_name", "autoresume")
 
 
+def launcher_of(env: dict[str, str]) -> list[str]:
+    """The command that started this process's training script, as far as torchrun's variables
+    say (per node: a multi-node run repeats it on each node, as it was launched)."""
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return ["python"]
+    launcher = ["torchrun", f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}"]
+    nodes = int(env["WORLD_SIZE"]) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    return launcher + ([f"--nnodes={nodes}", "..."] if nodes > 1 else [])
+
+
 def shown_path(path: str | Path, cwd: Path) -> str:
     """`path` as a user types it from `cwd`: relative when under it, else as given (URLs too)."""
     text = str(path)
@@ -31,11 +41,14 @@ def next_steps(
     save_folder: str | None,
     overrides: Sequence[str],
     cwd: Path | None = None,
+    launcher: Sequence[str] = ("python",),
 ) -> str:
     """The run folder and the commands that generate from, serve, resume and list this run.
 
     `overrides` are the command line's (Hydra's task overrides): the resume command repeats
     them with this run's name and autoresume=true, so it continues this run, not a new one.
+    `launcher` starts the resume command (`torchrun --nproc_per_node=8` for a torchrun run:
+    its strategy refuses to start without one).
     """
     cwd = cwd or Path(os.getcwd())
     folder = shown_path(run_dir, cwd)
@@ -50,7 +63,7 @@ def next_steps(
         ]
         kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _RESUME_KEYS]
         resume = shlex.join(
-            ["python", "scripts/train.py", *kept, f"run_name={run_name}", "autoresume=true"]
+            [*launcher, "scripts/train.py", *kept, f"run_name={run_name}", "autoresume=true"]
         )
         commands.append((resume, "continue it (raise max_duration to train longer)"))
     else:

@@ -546,7 +546,7 @@ class Trainer:
     def _note_subset(self, name: str, dataloader: Any) -> None:
         """Say once per eval set that its metrics are of a subset (eval_subset_num_batches cut
         it short), so they are never mistaken for the whole set's."""
-        if name in self._subset_noted:
+        if name in self._subset_noted or self.state.rank != 0:  # every rank's subset is alike
             return
         self._subset_noted.add(name)
         try:

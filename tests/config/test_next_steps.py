@@ -3,7 +3,7 @@
 import shlex
 from pathlib import Path
 
-from llmfoundry.config.next_steps import next_steps
+from llmfoundry.config.next_steps import launcher_of, next_steps
 
 
 def test_demo_run_names_its_folder_and_the_commands_to_try(tmp_path):
@@ -34,3 +34,16 @@ def test_elsewhere_and_without_checkpoints(tmp_path):
     assert "python scripts/runs.py /elsewhere/runs  #" in block
     block = next_steps(tmp_path / "outputs" / "r", "r", "s3://b/ck", [], cwd=tmp_path)
     assert "python scripts/serve.py s3://b/ck  #" in block
+
+
+def test_a_torchrun_run_resumes_under_torchrun(tmp_path):
+    """strategy=ddp refuses to start without torchrun: the resume command keeps the launcher."""
+    assert launcher_of({}) == ["python"]
+    launcher = launcher_of({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert launcher == ["torchrun", "--nproc_per_node=2"]
+    assert launcher_of({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})[2] == "--nnodes=2"
+    block = next_steps(tmp_path / "r", "r", "ck", ["strategy=ddp"], cwd=tmp_path, launcher=launcher)
+    assert (
+        "  torchrun --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r autoresume=true"
+        in block
+    )
