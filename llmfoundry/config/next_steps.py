@@ -9,6 +9,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from llmfoundry.utils.secrets import redact_argv
+
 # Overrides the resume command sets itself.
 _RESUME_KEYS = ("run_name", "autoresume")
 
@@ -46,7 +48,8 @@ def next_steps(
     """The run folder and the commands that generate from, serve, resume and list this run.
 
     `overrides` are the command line's (Hydra's task overrides): the resume command repeats
-    them with this run's name and autoresume=true, so it continues this run, not a new one.
+    them with this run's name and autoresume=true, so it continues this run, not a new one;
+    credentials in them are printed `<redacted>` (put them back, or better, in the environment).
     `launcher` starts the resume command (`torchrun --nproc_per_node=8` for a torchrun run:
     its strategy refuses to start without one).
     """
@@ -56,12 +59,13 @@ def next_steps(
     lines.append("next:")
     commands: list[tuple[str, str]] = []
     if save_folder:
-        checkpoints = shlex.quote(shown_path(save_folder, cwd))
+        checkpoints = shlex.quote(redact_argv([shown_path(save_folder, cwd)])[0])
         commands += [
             (f"python scripts/generate.py {checkpoints} --prompt 'def '", "sample from it"),
             (f"python scripts/serve.py {checkpoints}", "chat with it (OpenAI API, port 8000)"),
         ]
         kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _RESUME_KEYS]
+        kept = redact_argv(kept)
         resume = shlex.join(
             [*launcher, "scripts/train.py", *kept, f"run_name={run_name}", "autoresume=true"]
         )

@@ -47,3 +47,9 @@ def test_a_torchrun_run_resumes_under_torchrun(tmp_path):
         "  torchrun --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r autoresume=true"
         in block
     )
+
+
+def test_credentials_in_the_command_line_are_not_printed(tmp_path):
+    overrides = ["+data.storage_options.secret=hunter3", "data.remote=s3://bob:hunter2@h/x"]
+    block = next_steps(tmp_path / "r", "r", "s3://bob:hunter2@h/ck", overrides, cwd=tmp_path)
+    assert "hunter" not in block and "'+data.storage_options.secret=<redacted>'" in block
