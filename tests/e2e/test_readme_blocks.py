@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import importlib.metadata
 import io
 import os
@@ -207,29 +208,34 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([a-z][\w-]*):", text, re.M))
 
 
-def made_by_makefile() -> set[str]:
+@functools.cache
+def made_by_makefile() -> frozenset[str]:
     """The files Makefile rules write, as expanded paths (`data/demo/mds/meta.json`, ...)."""
     database = subprocess.run(
         ["make", "-pq", "-f", str(ROOT / "Makefile")], cwd=ROOT, capture_output=True, text=True
     ).stdout  # -q: nothing runs; the exit status says whether targets are up to date
-    return set(re.findall(r"^([\w./-]+/[\w.-]+):", database, re.M))
+    return frozenset(re.findall(r"^([\w./-]+/[\w.-]+):", database, re.M))
+
+
+@functools.cache
+def shipped_files() -> tuple[str, ...]:
+    """The repository's files (git ls-files), relative to its root."""
+    listing = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    return tuple(listing.stdout.split())
 
 
 def check_demo_paths(args: list[str]) -> None:
     """A README command's path under data/demo/ is one a make rule writes, a folder of one, or
     the tokenizer.json data_prep writes beside a meta.json: no file a newcomer cannot find after
     `make demo` / `make finetune-demo`."""
-    made = made_by_makefile()
+    made = set(made_by_makefile())
     made |= {str(Path(f).with_name("tokenizer.json")) for f in made if f.endswith("/meta.json")}
     folders = {str(Path(f).parent) for f in made}
     for arg in args:
         if arg.startswith("data/demo/"):
             assert arg in made or arg.rstrip("/") in folders, f"{arg}: no make rule writes it"
         if "*" in arg and "/" in arg:  # a glob over files (not a --glob value like '*.txt')
-            shipped = subprocess.run(
-                ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.split()
-            assert fnmatch.filter([*made, *shipped], arg), (
+            assert fnmatch.filter([*made, *shipped_files()], arg), (
                 f"{arg}: matches no file the repo ships or a make rule writes"
             )
 
