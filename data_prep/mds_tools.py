@@ -6,10 +6,15 @@
                DIR may hold index.json, or sub-folders (train/, val/) that do.
   merge DIR    write DIR/index.json listing the shards of every sub-folder's index.json,
                basenames prefixed with the sub-folder (as mosaicml-streaming's merge_index).
+  merge A B --out C
+               write C/index.json listing the shards of folders A, B, ... in that order;
+               a folder outside C is first copied to C/<its name> (an index names its
+               shards relative to its own folder).
 
 Examples:
   python data_prep/mds_tools.py verify data/stdlib/mds
   python data_prep/mds_tools.py merge s3://bucket/dataset
+  python data_prep/mds_tools.py merge data/code/mds/train data/docs/mds/train --out data/mix
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmfoundry.data.prep import merge_indexes, verify_mds
+from llmfoundry.data.prep import merge_folders, merge_indexes, verify_mds
 from llmfoundry.utils.cli import add_script_arguments, script_errors
+from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.logs import configure_logging
 
 
@@ -44,11 +50,24 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    shards = merge_indexes(args.dir, args.subfolders or None)
-    folders = sorted({s.raw_basename.split("/")[0] for s in shards})
-    print(
-        f"{args.dir}/index.json: {len(shards)} shards, {sum(s.samples for s in shards):,} samples from {folders}"
-    )
+    if args.out is None and len(args.dirs) > 1:
+        raise UserError(
+            f"merge got {len(args.dirs)} folders but no --out: "
+            "give the folder for the merged index.json with --out"
+        )
+    if args.out is not None and args.subfolders:
+        raise UserError("--subfolders goes with one DIR; with --out, list the folders instead")
+    if args.out is None:
+        out = args.dirs[0]
+        shards = merge_indexes(out, args.subfolders or None)
+    else:
+        out = args.out
+        shards, copied = merge_folders(args.dirs, out)
+        for folder in copied:
+            print(f"copied {folder} into {out}")
+    folders = list(dict.fromkeys(s.raw_basename.rsplit("/", 1)[0] for s in shards))
+    samples = sum(s.samples for s in shards)
+    print(f"{out}/index.json: {len(shards)} shards, {samples:,} samples from {folders}")
     return 0
 
 
@@ -64,8 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         "--allow-unsafe", action="store_true", help="also decode pickle (pkl) columns"
     )
     verify.set_defaults(func=_verify)
-    merge = sub.add_parser("merge", help="merge sub-folder indexes into DIR/index.json")
-    merge.add_argument("dir", help="folder or fsspec URL whose sub-folders hold index.json")
+    merge = sub.add_parser(
+        "merge", help="merge sub-folder indexes into DIR/index.json, or folders into --out"
+    )
+    merge.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="one folder or fsspec URL whose sub-folders hold index.json; with --out, "
+        "the folders to merge",
+    )
+    merge.add_argument("--out", help="folder or fsspec URL for the merged index.json")
     merge.add_argument(
         "--subfolders", nargs="*", help="sub-folders to merge, in order (default: all, sorted)"
     )

@@ -325,16 +325,6 @@ class Setup:
             raise UserError(
                 "world_size, gpus_per_node, tp, pp and stages_per_rank must be positive"
             )
-        model_ways = self.tp * self.pp
-        if self.strategy == "single" and self.world_size != model_ways:
-            if model_ways == 1:
-                raise UserError(
-                    "strategy single runs on one device: use --world-size 1 or ddp/fsdp"
-                )
-            raise UserError(
-                f"strategy single has no data parallelism: use --world-size {model_ways} "
-                f"(tp x pp) or ddp/fsdp"
-            )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
         if (self.schedule == "interleaved") != (self.stages_per_rank > 1) and self.pp > 1:
@@ -344,8 +334,29 @@ class Setup:
             )
         if self.counts is None:
             self.counts = count_model(self.model, self.seq_len, self.precision)
+        # The model and the device count first: they are what a wrong tp or pp breaks, whatever
+        # the strategy (single's "use --world-size tp x pp" would hide them).
         self._check_model_fits_mesh()
+        self._check_world()
         self.dims = self._mesh()
+
+    def _check_world(self) -> None:
+        world, model_ways = self.world_size, self.tp * self.pp
+        if world % model_ways:
+            raise UserError(
+                f"tp={self.tp} x pp={self.pp} = {model_ways} does not divide the {world} devices: "
+                f"use a --world-size that is a multiple of {model_ways}, or a tp and pp whose "
+                f"product divides {world}"
+            )
+        if self.strategy == "single" and world != model_ways:
+            if model_ways == 1:
+                raise UserError(
+                    "strategy single runs on one device: use --world-size 1 or ddp/fsdp"
+                )
+            raise UserError(
+                f"strategy single has no data parallelism: use --world-size {model_ways} "
+                f"(tp x pp) or ddp/fsdp"
+            )
 
     def _check_model_fits_mesh(self) -> None:
         counts = self.counts
@@ -370,12 +381,6 @@ class Setup:
 
     def _mesh(self) -> ParallelDims:
         world, model_ways = self.world_size, self.tp * self.pp
-        if world % model_ways:
-            raise UserError(
-                f"tp={self.tp} x pp={self.pp} = {model_ways} does not divide the {world} devices: "
-                f"use a --world-size that is a multiple of {model_ways}, or a tp and pp whose "
-                f"product divides {world}"
-            )
         dp = world // model_ways
         if self.strategy != "fsdp" and (self.dp_replicate != 1 or self.dp_shard != -1):
             raise UserError(

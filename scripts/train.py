@@ -53,6 +53,7 @@ def main(cfg: DictConfig) -> float:
     """Train; return the final validation loss, which sweepers (-m, hydra/sweeper=optuna) minimise."""
     from llmfoundry.build import build_trainer
     from llmfoundry.checkpoint.lock import LOCK_FILE
+    from llmfoundry.config.next_steps import launcher_of, next_steps
     from llmfoundry.launch.sweeps import objective
 
     hydra_cfg = HydraConfig.get()
@@ -76,7 +77,12 @@ def main(cfg: DictConfig) -> float:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     with exit_on_user_error(DEBUG):
-        return objective(trainer.fit())
+        state = trainer.fit()
+    if state.rank == 0:
+        overrides = hydra_cfg.overrides.task
+        launcher = launcher_of(dict(os.environ))
+        print(next_steps(run_dir, cfg.run_name, cfg.save_folder, overrides, launcher=launcher))
+    return objective(state)
 
 
 if __name__ == "__main__":

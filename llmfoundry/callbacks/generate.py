@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.loss import IGNORE_INDEX
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
@@ -23,8 +26,18 @@ from llmfoundry.utils.errors import MissingInput, UserError
 log = logging.getLogger(__name__)
 
 
+FALLBACK_PROMPTS = ["def "]  # when no validation batch was seen (the demo's data is code)
+
+
 class Generate(Callback):
     """At fit end, continue each prompt (one left-padded batch, `generation.generate`).
+
+    `prompts` None (the default) prompts with the data the model was trained for, so the sample
+    says something on Vim docs as on code: the first validation row's untrained prefix when it
+    has one (instruction data: the system and user turns and the assistant header, in the
+    format it was finetuned in), else the row's first `prompt_tokens` tokens. Rank 0's row is
+    used on every rank (a sharded model generates on all ranks in lockstep). Without a
+    validation set the prompt is `FALLBACK_PROMPTS`.
 
     Each prompt's samples come from a generator seeded with `seed`, so they are reproducible and
     leave the training RNG untouched. Every rank generates (a sharded model needs all of them);
@@ -38,31 +51,46 @@ class Generate(Callback):
     def __init__(
         self,
         tokenizer: str | Tokenizer,
-        prompts: list[str],
+        prompts: list[str] | None = None,
         max_new_tokens: int = 64,
         temperature: float = 0.8,
         top_k: int | None = 40,
         seed: int = 0,
+        prompt_tokens: int = 16,
     ) -> None:
+        if prompts is not None and not prompts:
+            raise UserError(
+                "callbacks.generate.prompts is empty: list prompts, or set it to null to prompt "
+                "with the start of a validation row"
+            )
+        if prompt_tokens < 1:
+            raise UserError(f"callbacks.generate.prompt_tokens={prompt_tokens} must be >= 1")
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else _load(tokenizer)
-        self.prompts = list(prompts)
+        self.prompts = None if prompts is None else list(prompts)
+        self.prompt_tokens = prompt_tokens
+        self._data_prompt: list[int] | None = None  # token ids, from the first validation row
         self.config = GenerationConfig(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
         )
 
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        if self.prompts is None and self._data_prompt is None:
+            self._data_prompt = row_prompt(state.batch, self.prompt_tokens)
+
     def fit_end(self, state: State, logger: Logger) -> None:
+        prompts = self._prompts()  # on every rank: rank 0's is broadcast
         model = unwrap_model(state.model)
         if find_family(model) is None:
-            self._recompute(model)
+            self._recompute(model, prompts)
             return
-        ids, mask = left_pad([self.tokenizer.encode(p) for p in self.prompts])
+        ids, mask = left_pad([self.tokenizer.encode(p) for p in prompts])
         out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
-        for prompt, text in zip(self.prompts, out.texts, strict=True):
+        for prompt, text in zip(prompts, out.texts, strict=True):
             log.info("--- sample (prompt %r) ---\n%s", prompt, prompt + text)
 
-    def _recompute(self, model: nn.Module) -> None:
+    def _recompute(self, model: nn.Module, prompts: list[str]) -> None:
         """A module of your own: each prompt alone, without a KV cache."""
-        for prompt in self.prompts:
+        for prompt in prompts:
             tokens = generate_by_recompute(model, self.tokenizer.encode(prompt), self.config)
             if tokens is None:
                 log.info(
@@ -74,6 +102,35 @@ class Generate(Callback):
             log.info(
                 "--- sample (prompt %r) ---\n%s", prompt, prompt + self.tokenizer.decode(tokens)
             )
+
+    def _prompts(self) -> list[str]:
+        """The configured prompts, else rank 0's validation-row prompt, else the fallback."""
+        if self.prompts is not None:
+            return self.prompts
+        ids = self._data_prompt
+        if dist.is_available() and dist.is_initialized():
+            shared = [ids]
+            dist.broadcast_object_list(shared, src=0)
+            ids = shared[0]
+        if ids is None:
+            log.info("generate: no validation batch was seen; prompting %r", FALLBACK_PROMPTS)
+            return FALLBACK_PROMPTS
+        return [self.tokenizer.decode(ids)]
+
+
+def row_prompt(batch: dict[str, torch.Tensor] | None, prompt_tokens: int) -> list[int] | None:
+    """Token ids prompting like the batch's first row: its untrained prefix when the labels
+    have one (instruction rows: everything before the first response token), else its first
+    `prompt_tokens` tokens. None for a batch without rows of token ids."""
+    if not batch or "input_ids" not in batch or batch["input_ids"].numel() == 0:
+        return None
+    row = batch["input_ids"][0]
+    labels = batch.get("labels")
+    if labels is not None and labels.shape == batch["input_ids"].shape:
+        trained = (labels[0] != IGNORE_INDEX).nonzero()
+        if len(trained) and int(trained[0]) > 0:
+            return row[: int(trained[0])].tolist()
+    return row[:prompt_tokens].tolist()
 
 
 def _load(tokenizer: str) -> Tokenizer:

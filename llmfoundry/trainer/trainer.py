@@ -125,6 +125,7 @@ class Trainer:
         self.eval_interval = Time.parse(eval_interval) if eval_interval else None
         self.eval_first = eval_first
         self.eval_subset_num_batches = eval_subset_num_batches
+        self._subset_noted: set[str] = set()  # eval sets whose subset was said in the log
         self._last_eval_batch = -1
         self.state = State(
             model=prepared,
@@ -518,6 +519,7 @@ class Trainer:
                     self.eval_subset_num_batches is not None
                     and index >= self.eval_subset_num_batches
                 ):
+                    self._note_subset(name, evalset.dataloader)
                     break
                 batch, sample_mask = _split_sample_mask(batch, state.device)
                 state.batch = batch
@@ -542,6 +544,23 @@ class Trainer:
         load_rng_state(rng, state.device)
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
+
+    def _note_subset(self, name: str, dataloader: Any) -> None:
+        """Say once per eval set that its metrics are of a subset (eval_subset_num_batches cut
+        it short), so they are never mistaken for the whole set's."""
+        if name in self._subset_noted or self.state.rank != 0:  # every rank's subset is alike
+            return
+        self._subset_noted.add(name)
+        try:
+            total = f"{len(dataloader)}"
+        except TypeError:  # an iterable without a length
+            total = f"more than {self.eval_subset_num_batches}"
+        n = self.eval_subset_num_batches
+        log.warning(
+            "eval/%s: evaluated %d of %s batches (eval_subset_num_batches=%d): its metrics are "
+            "of that subset; eval_subset_num_batches=null evaluates the whole set",
+            name, n, total, n,
+        )  # fmt: skip
 
     def _eval_forward(
         self, metrics: Metrics, microbatch: dict[str, torch.Tensor], sample_mask: torch.Tensor

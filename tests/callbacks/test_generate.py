@@ -1,15 +1,22 @@
+import ast
+import functools
 import logging
 import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.callbacks import Generate
+from llmfoundry.data.prep import train_bpe
+from llmfoundry.data.prep.instructions import Formatter
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
+from llmfoundry.trainer import Trainer
 from tests.callbacks.conftest import make_trainer
+from tests.trainer.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +48,71 @@ def test_logs_each_prompt_continued_by_the_generation_function(tmp_path, caplog)
     out = generate(model, ids, mask, GenerationConfig(max_new_tokens=4, temperature=0))
     for prompt, tokens in zip(prompts, out.tokens, strict=True):
         assert f"--- sample (prompt {prompt!r}) ---\n{prompt}{tokenizer.decode(tokens)}\n" in logged
+
+
+VIM_DOC = (
+    "*usr_01.txt* For Vim version 9.1 . Last change : 2024 May 05 VIM USER MANUAL by Bram "
+    "Moolenaar About the manuals : This chapter introduces the manuals available with Vim ."
+)
+
+
+def _word_tokenizer(text: str) -> Tokenizer:
+    words = list(dict.fromkeys(text.split()))
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
+def _sample_prompts(caplog) -> list[str]:
+    """The prompts of the logged samples (logged as their repr)."""
+    return [
+        ast.literal_eval(p) for p in re.findall(r"--- sample \(prompt (.*?)\) ---", caplog.text)
+    ]
+
+
+def test_prompts_with_the_start_of_a_validation_row_not_code(tmp_path, caplog):
+    """Vim docs: the sample continues the start of a validation row; 'def ' only without one."""
+    tokenizer = _word_tokenizer(VIM_DOC)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    ids = torch.tensor([tokenizer.encode(VIM_DOC).ids[:16]] * 2)
+    val = [{"input_ids": ids, "labels": ids.clone()}]
+    callback = Generate(str(tmp_path / "tokenizer.json"), max_new_tokens=2, prompt_tokens=6)
+    trainer = make_trainer(
+        tmp_path, n_batches=1, callbacks=[callback], eval_dataloaders={"val": val}
+    )
+    with caplog.at_level(logging.INFO, logger="llmfoundry.callbacks.generate"):
+        trainer.fit()
+    assert _sample_prompts(caplog) == [" ".join(VIM_DOC.split()[:6])]
+    caplog.clear()
+    callback = Generate(str(tmp_path / "tokenizer.json"), max_new_tokens=2)
+    trainer = make_trainer(tmp_path / "no-val", n_batches=1, callbacks=[callback])
+    with caplog.at_level(logging.INFO, logger="llmfoundry.callbacks.generate"):
+        trainer.fit()
+    assert _sample_prompts(caplog) == ["def "] and "no validation batch was seen" in caplog.text
+
+
+def test_prompts_instruction_data_in_its_finetune_format(tmp_path, caplog):
+    """Instruction rows: the prompt is the untrained text before the first response token."""
+    texts = ["### User:\nWhat does :wq do?\n\n### Assistant:\nWrite and quit.\n"] * 20
+    (tmp_path / "tokenizer.json").write_text(train_bpe(texts, vocab_size=300).to_str())
+    formatter = Formatter(str(tmp_path / "tokenizer.json"))
+    messages = [
+        {"role": "user", "content": "What does :wq do?"},
+        {"role": "assistant", "content": "Write and quit."},
+    ]
+    ids, labels = (torch.from_numpy(a.astype("int64"))[None] for a in formatter.encode(messages))
+    batches = [{"input_ids": ids, "labels": labels}]
+    callback = Generate(str(tmp_path / "tokenizer.json"), max_new_tokens=2)
+    trainer = Trainer(
+        model=tiny_model(vocab_size=300, seq_len=ids.shape[1] + 4),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        run_dir=tmp_path,
+        train_dataloader=batches,
+        eval_dataloaders={"val": batches},
+        max_duration="1ba",
+        callbacks=[callback],
+    )
+    with caplog.at_level(logging.INFO, logger="llmfoundry.callbacks.generate"):
+        trainer.fit()
+    assert _sample_prompts(caplog) == ["### User:\nWhat does :wq do?\n\n### Assistant:\n"]
+    assert formatter.prompt(messages) == "### User:\nWhat does :wq do?\n\n### Assistant:\n"

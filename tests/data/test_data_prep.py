@@ -386,6 +386,40 @@ def test_merge_matches_reference_merged_index(tmp_path):
     assert len(reports) == 1 and reports[0].samples == 37 and not reports[0].errors
 
 
+def test_merge_explicit_folders_into_out(prepared, tmp_path, capsys):
+    """``merge A B --out C``: a folder inside C is referenced in place, one elsewhere is copied."""
+    tools = _load_cli("mds_tools")
+    tokens_to_mds(prepared, str(tmp_path / "code"), 16, val_rows=2, compression="zstd",
+                  progress=False)  # fmt: skip
+    mix = tmp_path / "mix"
+    tokens_to_mds(prepared, str(mix / "docs"), 16, val_rows=2, progress=False)
+    code_train, docs_train = tmp_path / "code" / "train", mix / "docs" / "train"
+    assert tools(["merge", str(code_train), str(docs_train), "--out", str(mix)]) == 0
+    assert f"copied {code_train} into {mix}" in capsys.readouterr().out
+    merged = load_index(mix)
+    assert {s.raw_basename.rsplit("/", 1)[0] for s in merged} == {"train", "docs/train"}
+    assert merged[0].raw_basename.startswith("train/")  # the order given on the command line
+    assert (mix / "train" / "index.json").read_bytes() == (code_train / "index.json").read_bytes()
+    expected = sum(s.samples for s in load_index(code_train) + load_index(docs_train))
+    reports = verify_mds(str(mix))
+    assert not reports[0].errors and reports[0].samples == expected
+    assert tools(["merge", str(tmp_path / "code")]) == 0  # DIR alone still merges sub-folders
+    assert "['train', 'val']" in capsys.readouterr().out
+    for argv, message in [
+        ([str(code_train), str(docs_train)], "no --out: give the folder for the merged"),
+        ([str(tmp_path / "nowhere"), "--out", str(mix)], "has no index.json: give folders"),
+        ([str(code_train), "--out", str(mix)], "already holds a dataset"),
+        ([str(mix), "--out", str(mix)], "is --out itself"),
+        ([str(docs_train), str(mix / "docs" / "val"), str(docs_train), "--out", str(mix)],
+         "land in"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            tools(["merge", *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_clis_end_to_end(corpus, tmp_path, capsys):
     to_tokens, to_mds, tools = (
         _load_cli(n) for n in ("text_to_tokens", "tokens_to_mds", "mds_tools")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
+import functools
 import importlib.metadata
 import io
 import itertools
@@ -210,6 +212,38 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([a-z][\w-]*):", text, re.M))
 
 
+@functools.cache
+def made_by_makefile() -> frozenset[str]:
+    """The files Makefile rules write, as expanded paths (`data/demo/mds/meta.json`, ...)."""
+    database = subprocess.run(
+        ["make", "-pq", "-f", str(ROOT / "Makefile")], cwd=ROOT, capture_output=True, text=True
+    ).stdout  # -q: nothing runs; the exit status says whether targets are up to date
+    return frozenset(re.findall(r"^([\w./-]+/[\w.-]+):", database, re.M))
+
+
+@functools.cache
+def shipped_files() -> tuple[str, ...]:
+    """The repository's files (git ls-files), relative to its root."""
+    listing = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    return tuple(listing.stdout.split())
+
+
+def check_demo_paths(args: list[str]) -> None:
+    """A README command's path under data/demo/ is one a make rule writes, a folder of one, or
+    the tokenizer.json data_prep writes beside a meta.json: no file a newcomer cannot find after
+    `make demo` / `make finetune-demo`."""
+    made = set(made_by_makefile())
+    made |= {str(Path(f).with_name("tokenizer.json")) for f in made if f.endswith("/meta.json")}
+    folders = {str(Path(f).parent) for f in made}
+    for arg in args:
+        if arg.startswith("data/demo/"):
+            assert arg in made or arg.rstrip("/") in folders, f"{arg}: no make rule writes it"
+        if "*" in arg and "/" in arg:  # a glob over files (not a --glob value like '*.txt')
+            assert fnmatch.filter([*made, *shipped_files()], arg), (
+                f"{arg}: matches no file the repo ships or a make rule writes"
+            )
+
+
 def pip_extras() -> set[str]:
     return set(importlib.metadata.metadata("llmfoundry").get_all("Provides-Extra") or ())
 
@@ -235,6 +269,7 @@ def check_command(words: list[str]) -> None:
         check_training(args[1:])
     elif program == "python":
         assert (ROOT / args[0]).is_file(), f"{args[0]} does not exist"
+        check_demo_paths(args[1:])
         parse_script(args[0], expand(args[1:]))
     else:
         raise AssertionError(f"no check for {program!r} (add one to check_command)")
@@ -266,6 +301,10 @@ def test_a_stale_command_fails_the_check():
         check_command(["python", "scripts/train.py", "model.n_layer=2"])
     with pytest.raises(AssertionError, match="no such target"):
         check_command(["make", "demo-slow"])
+    with pytest.raises(AssertionError, match="no make rule writes it"):
+        check_command(["python", "scripts/eval.py", "ckpt", "data/demo/tasks/other.jsonl"])
+    with pytest.raises(AssertionError, match="matches no file the repo ships"):
+        check_command(["python", "scripts/eval.py", "ckpt", "tasks/*.jsonl"])
 
 
 def test_config_error_examples_are_what_the_check_says():

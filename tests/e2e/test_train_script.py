@@ -82,6 +82,12 @@ def test_train_script_with_overrides(mds_dir, tmp_path):
     assert last < first
     assert "--- sample" in out
     assert "algorithms/replaced_fraction" in out
+    # The run ends saying where it is and what to try next, with this run's paths.
+    assert out.splitlines()[-6].startswith("run folder: run (train.log")
+    assert "python scripts/generate.py ckpt --prompt 'def '  #" in out
+    assert "python scripts/serve.py ckpt  #" in out
+    assert "'algorithms=[gradient_clipping,random_token_replacement]' " in out  # resume repeats
+    assert f"save_folder={tmp_path / 'ckpt'} " in out and " autoresume=true  #" in out
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     # the run folder keeps the console's lines (not the progress bar, which is on stderr)
     log = (run_dir / "train.log").read_text()

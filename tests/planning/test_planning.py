@@ -197,3 +197,24 @@ def test_plan_script_input_errors_are_one_line(capsys):
     assert capsys.readouterr().err == (
         "error: strategy single runs on one device: use --world-size 1 or ddp/fsdp\n"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3", "--world-size", "8"],
+         "error: tp=3 does not divide the model's 4 attention heads and 4 key/value heads: use "
+         "--tp 1 or 2 or 4\n"),
+        (["--tp", "2", "--world-size", "3"],
+         "error: tp=2 x pp=1 = 2 does not divide the 3 devices: use a --world-size that is a "
+         "multiple of 2, or a tp and pp whose product divides 3\n"),
+    ],
+)  # fmt: skip
+def test_plan_script_names_the_mesh_problem_not_the_strategy(flags, message, capsys):
+    """The default strategy (single) used to answer any tp with 'use --world-size tp x pp',
+    though the heads or the device count were what tp broke."""
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"](flags)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == message

@@ -1,4 +1,5 @@
 import functools
+import logging
 import math
 
 import pytest
@@ -74,7 +75,7 @@ def test_multiple_epochs_and_stop_mid_epoch(tmp_path):
     )
 
 
-def test_eval_metrics_interval_and_subset(tmp_path):
+def test_eval_metrics_interval_and_subset(tmp_path, caplog):
     class CountEvals(Callback):
         calls = []
 
@@ -90,8 +91,15 @@ def test_eval_metrics_interval_and_subset(tmp_path):
         eval_subset_num_batches=2,
         callbacks=[CountEvals()],
     )
-    state = trainer.fit()
+    with caplog.at_level(logging.WARNING, logger="llmfoundry.trainer.trainer"):
+        state = trainer.fit()
     assert CountEvals.calls == [(0, "a"), (0, "b"), (2, "a"), (2, "b"), (4, "a"), (4, "b")]
+    # Said once, for the set the subset cut short ("b" has 1 batch: all of it was evaluated).
+    subset = [r.getMessage() for r in caplog.records if "eval_subset_num_batches" in r.getMessage()]
+    assert subset == [
+        "eval/a: evaluated 2 of 3 batches (eval_subset_num_batches=2): its metrics are of that "
+        "subset; eval_subset_num_batches=null evaluates the whole set"
+    ]
     metrics = state.eval_metrics
     assert set(metrics) == {
         f"eval/{n}/{m}" for n in "ab" for m in ("loss", "perplexity", "accuracy")

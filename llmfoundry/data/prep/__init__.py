@@ -5,7 +5,13 @@ The command-line scripts in ``data_prep/`` are thin wrappers over these function
 """
 
 from llmfoundry.data.prep.adopt import adopt_tokens, open_token_file
-from llmfoundry.data.prep.mds_tools import IndexReport, find_indexes, merge_indexes, verify_mds
+from llmfoundry.data.prep.mds_tools import (
+    IndexReport,
+    find_indexes,
+    merge_folders,
+    merge_indexes,
+    verify_mds,
+)
 from llmfoundry.data.prep.sources import Task, iter_documents, plan_tasks, read_task
 from llmfoundry.data.prep.text_to_tokens import (
     open_doc_index,
@@ -33,6 +39,7 @@ __all__ = [
     "find_indexes",
     "iter_documents",
     "load_tokenizer",
+    "merge_folders",
     "merge_indexes",
     "open_doc_index",
     "open_token_file",

@@ -10,6 +10,8 @@ format mosaicml-streaming's ``merge_index`` writes.
 from __future__ import annotations
 
 import json
+import posixpath
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +32,12 @@ from llmfoundry.data.mds import (
     unpack_shard,
 )
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.errors import MissingInput, OutputExists, UserError
 from llmfoundry.utils.files import join_url
 
-__all__ = ["IndexReport", "find_indexes", "merge_indexes", "verify_mds"]
+__all__ = ["IndexReport", "find_indexes", "merge_folders", "merge_indexes", "verify_mds"]
+
+COPY_CHUNK = 8 << 20  # bytes per read while copying a shard
 
 
 @dataclass
@@ -189,3 +193,69 @@ def merge_indexes(url: str, subfolders: list[str] | None = None) -> list[ShardIn
     text = json.dumps({"version": 2, "shards": [s.to_json() for s in merged]})
     fs.pipe_file(join_url(root, INDEX_NAME), text.encode("utf-8"))
     return merged
+
+
+def merge_folders(folders: list[str], out: str) -> tuple[list[ShardInfo], list[str]]:
+    """Write ``<out>/index.json`` listing the shards of each of ``folders``, in the given order.
+
+    A merged index names its shards relative to its own folder (that is how every reader
+    resolves them, and no basename may climb out with ``..``), so a folder inside ``out`` is
+    referenced where it is, and a folder elsewhere is first copied to ``out/<its name>``
+    (shard by shard, streamed). Returns the merged shards and the folders that were copied.
+    """
+    out_fs, out_root = storage.url_to_fs(out)
+    out_root = posixpath.normpath(out_root)
+    subfolders: list[str] = []
+    copied: list[str] = []
+    for folder in folders:
+        fs, root = storage.url_to_fs(folder)
+        root = posixpath.normpath(root)
+        index_url = join_url(root, INDEX_NAME)
+        if not fs.exists(index_url):
+            raise MissingInput(
+                f"{folder} has no {INDEX_NAME}: give folders written by tokens_to_mds.py "
+                "(or one DIR whose sub-folders hold one)"
+            )
+        same_fs = fs.protocol == out_fs.protocol
+        if same_fs and root == out_root:
+            raise UserError(f"{folder} is --out itself: give the folders to merge into it")
+        if same_fs and root.startswith(out_root.rstrip("/") + "/"):
+            sub = root[len(out_root.rstrip("/")) + 1 :]
+        else:
+            sub = posixpath.basename(root)
+            _copy_dataset(fs, root, out_fs, join_url(out_root, sub), folder)
+            copied.append(folder)
+        if sub in subfolders:
+            raise UserError(
+                f"two folders to merge land in {join_url(out, sub)}: rename one of them"
+            )
+        subfolders.append(sub)
+    return merge_indexes(out, subfolders), copied
+
+
+def _copy_dataset(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    out_fs: fsspec.AbstractFileSystem,
+    dest: str,
+    folder: str,
+) -> None:
+    """Copy ``root``'s index.json and stored shards to ``dest``, refusing to overwrite."""
+    dest_index = join_url(dest, INDEX_NAME)
+    if out_fs.exists(dest_index):
+        raise OutputExists(
+            f"{dest} already holds a dataset, so {folder} cannot be copied there: "
+            "remove it, or merge that folder instead"
+        )
+    index_url = join_url(root, INDEX_NAME)
+    index_bytes = fs.cat_file(index_url)
+    if isinstance(out_fs, LocalFileSystem):
+        out_fs.makedirs(dest, exist_ok=True)
+    for info in parse_index(index_bytes, index_url):
+        name = info.stored.basename
+        with (
+            fs.open(join_url(root, name), "rb") as src,
+            out_fs.open(join_url(dest, name), "wb") as dst,
+        ):
+            shutil.copyfileobj(src, dst, COPY_CHUNK)
+    out_fs.pipe_file(dest_index, index_bytes)  # last: a dataset is complete once it has one
