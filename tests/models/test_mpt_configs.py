@@ -19,9 +19,12 @@ from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.llama import PRESETS, LlamaConfig
 
 REPO = Path(__file__).resolve().parents[2]
-# Every size; model=from_checkpoint takes a checkpoint's (tests/e2e/test_finetune.py).
+# Every size; model=from_checkpoint takes a checkpoint's (tests/e2e/test_finetune.py), and
+# model=custom your own module's (tests/e2e/test_user_model.py).
 MODEL_CONFS = sorted(
-    p for p in (REPO / "conf" / "model").glob("*.yaml") if p.stem != "from_checkpoint"
+    p
+    for p in (REPO / "conf" / "model").glob("*.yaml")
+    if p.stem not in ("from_checkpoint", "custom")
 )
 SIZES = [
     "mpt-tiny",
