@@ -56,13 +56,13 @@ class Run:
     name: str
     folder: str  # URL or path of the run folder
     status: str
-    step: int | None
-    total_steps: int | None
-    loss: float | None
-    tokens_per_sec: float | None
-    eta_s: float | None
-    checkpoint: str | None
-    updated: float | None
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_sec: float | None = None
+    eta_s: float | None = None
+    checkpoint: str | None = None
+    updated: float | None = None
     note: str = ""
     record: dict[str, Any] = field(default_factory=dict)  # the status file's, as read
 
@@ -91,13 +91,6 @@ def _run_without_status(folder: str, name: str) -> Run:
         name=name,
         folder=folder,
         status="unknown",
-        step=None,
-        total_steps=None,
-        loss=None,
-        tokens_per_sec=None,
-        eta_s=None,
-        checkpoint=None,
-        updated=None,
         note="no status.json: still starting, or add run_status to callbacks= (a default)",
     )
 
@@ -138,13 +131,6 @@ def _read_run(folder: str, name: str, stale_s: float, now: float | None) -> Run:
             name=name,
             folder=folder,
             status="unreadable",
-            step=None,
-            total_steps=None,
-            loss=None,
-            tokens_per_sec=None,
-            eta_s=None,
-            checkpoint=None,
-            updated=None,
             note=redact_urls(f"{kind}{reason}"),
         )
 

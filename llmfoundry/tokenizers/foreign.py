@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.errors import MissingInput, MissingPackage, UserError
 from llmfoundry.utils.files import atomic_write
 
 __all__ = ["TIKTOKEN_PREFIX", "SentencePieceTokenizer", "TiktokenTokenizer", "is_foreign_spec"]
@@ -52,7 +52,7 @@ def _require(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(
+        raise MissingPackage(
             f"this tokenizer needs the {module} package; install it: pip install {module}"
         ) from None
 
