@@ -43,6 +43,7 @@ from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 from llmfoundry.utils.storage import open_url
 
 __all__ = ["StreamingTextDataset", "check_vocab", "resolve_eos", "sequence_ids_from_eos"]
@@ -253,6 +254,7 @@ def _warn_cut(width: int, max_seq_len: int, where: str) -> None:
         width - max_seq_len,
         width,
         max_seq_len,
+        extra=SAME_ON_EVERY_RANK,
     )
 
 
@@ -283,6 +285,7 @@ def check_vocab(meta: Mapping[str, Any] | None, model_vocab_size: int, where: st
             where,
             model_vocab_size - data_vocab,
             data_vocab,
+            extra=SAME_ON_EVERY_RANK,
         )
 
 

@@ -53,3 +53,13 @@ def test_credentials_in_the_command_line_are_not_printed(tmp_path):
     overrides = ["+data.storage_options.secret=hunter3", "data.remote=s3://bob:hunter2@h/x"]
     block = next_steps(tmp_path / "r", "r", "s3://bob:hunter2@h/ck", overrides, cwd=tmp_path)
     assert "hunter" not in block and "'+data.storage_options.secret=<redacted>'" in block
+
+
+def test_a_run_without_a_tokenizer_is_told_to_name_one(tmp_path):
+    """Token files made elsewhere (nanoGPT's train.bin) train without a tokenizer; generate.py
+    and serve.py as printed would stop at "no tokenizer found", so they name one."""
+    block = next_steps(tmp_path / "r", "r", "ck", [], cwd=tmp_path, tokenizer_found=False)
+    generate, serve = (shlex.split(line, comments=True) for line in block.splitlines()[2:4])
+    assert generate[:5] == ["python", "scripts/generate.py", "ck", "--tokenizer", "TOKENIZER"]
+    assert serve == ["python", "scripts/serve.py", "ck", "--tokenizer", "TOKENIZER"]
+    assert "TOKENIZER: the one your tokens came from (tiktoken:gpt2" in block
