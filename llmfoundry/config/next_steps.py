@@ -17,10 +17,12 @@ _RESUME_KEYS = ("run_name", "autoresume")
 
 def launcher_of(env: dict[str, str]) -> list[str]:
     """The command that started this process's training script, as far as torchrun's variables
-    say (per node: a multi-node run repeats it on each node, as it was launched)."""
+    say (per node: a multi-node run repeats it on each node, as it was launched), through the
+    README's torchrun launcher."""
     if int(env.get("WORLD_SIZE", "1")) <= 1:
         return ["python"]
-    launcher = ["torchrun", f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}"]
+    nproc = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}"
+    launcher = ["python", "scripts/torchrun.py", nproc]
     nodes = int(env["WORLD_SIZE"]) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
     return launcher + ([f"--nnodes={nodes}", "..."] if nodes > 1 else [])
 

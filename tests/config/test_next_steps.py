@@ -40,12 +40,12 @@ def test_a_torchrun_run_resumes_under_torchrun(tmp_path):
     """strategy=ddp refuses to start without torchrun: the resume command keeps the launcher."""
     assert launcher_of({}) == ["python"]
     launcher = launcher_of({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert launcher == ["torchrun", "--nproc_per_node=2"]
-    assert launcher_of({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})[2] == "--nnodes=2"
+    assert launcher == ["python", "scripts/torchrun.py", "--nproc_per_node=2"]
+    assert launcher_of({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})[3] == "--nnodes=2"
     block = next_steps(tmp_path / "r", "r", "ck", ["strategy=ddp"], cwd=tmp_path, launcher=launcher)
     assert (
-        "  torchrun --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r autoresume=true"
-        in block
+        "  python scripts/torchrun.py --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r "
+        "autoresume=true" in block
     )
 
 

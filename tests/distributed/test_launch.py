@@ -38,9 +38,13 @@ def mds(tmp_path_factory):
     return write_mds(tmp_path_factory.mktemp("mds"), {"train": 32, "val": 8})
 
 
-def train_command(mds, tmp_path, *torchrun_args, overrides=()):
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+OUR_TORCHRUN = (sys.executable, str(ROOT / "scripts" / "torchrun.py"))  # the README's
+
+
+def train_command(mds, tmp_path, *torchrun_args, overrides=(), launcher=TORCHRUN):
     return [
-        sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--max-restarts=0",
+        *launcher, *torchrun_args, "--max-restarts=0",
         str(ROOT / "scripts" / "train.py"),
         f"data.remote={mds}", "data.shuffle_block_size=8",
         "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.max_seq_len=16",
@@ -144,15 +148,28 @@ def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh)
 
 
 def test_a_user_error_under_torchrun_is_printed_once(mds, tmp_path):
-    """Every rank fails the same way on a bad config; rank 0 alone says so."""
+    """Every rank fails the same way on a bad config; rank 0 alone says so, and scripts/
+    torchrun.py adds nothing to that line (plain torchrun adds its ~25-line report)."""
     command = train_command(
         mds, tmp_path, "--standalone", "--nproc_per_node=2",
-        overrides=["global_train_batch_size=3"],
+        overrides=["global_train_batch_size=3"], launcher=OUR_TORCHRUN,
     )  # fmt: skip
     job = launch(command, tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
-    assert job.returncode != 0
-    errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert errors == [
+    assert job.returncode == 2, out
+    lines = [line for line in out.splitlines() if not line.startswith("precision=auto")]
+    assert lines == [
         "error: global_train_batch_size=3 is not divisible by the 2 data-parallel ranks; use 2 or 4"
     ], out
+
+
+def test_any_other_failure_keeps_torchruns_report(tmp_path):
+    """A worker that fails otherwise (exit 1 here; a crash, a signal) is torchrun's to report:
+    its agent's line, the ChildFailedError box, its exit status."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, sys\nsys.exit(1 if os.environ['RANK'] == '1' else 2)\n")
+    job = launch([*OUR_TORCHRUN, "--standalone", "--nproc_per_node=2", str(worker)], tmp_path)
+    out = job.communicate(timeout=LIMIT_S)[0]
+    assert job.returncode == 1, out
+    assert "ChildFailedError" in out and "worker.py FAILED" in out
+    assert "failed (exitcode: " in out  # the agent's line, held back until the outcome was known
