@@ -132,13 +132,17 @@ def default_callbacks(command):
 
 
 # The default config (its callbacks, device_train_microbatch_size=null) on a mesh: generate is
-# left out with one warning, and the pipeline's microbatches default to what 1F1B needs (the
-# whole per-device batch of 4 was one microbatch, refused for pp=2).
-@pytest.mark.parametrize("mesh", ["strategy.tp=2", "strategy.pp=2"], ids=["tp2", "pp2"])
-def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh):
+# left out with one warning, and the pipeline's microbatches default to what 1F1B needs. pp=2 on
+# 4 processes, as the issue ran it: two data-parallel pipelines, whose per-device batch of 2
+# was one microbatch, refused for pp=2.
+@pytest.mark.parametrize(
+    ("mesh", "processes"), [("strategy.tp=2", 2), ("strategy.pp=2", 4)], ids=["tp2", "pp2"]
+)
+def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh, processes):
     command = train_command(
-        mds_with_tokenizer, tmp_path, "--standalone", "--nproc_per_node=2", overrides=[mesh]
-    )
+        mds_with_tokenizer, tmp_path, "--standalone", f"--nproc_per_node={processes}",
+        overrides=[mesh],
+    )  # fmt: skip
     job = launch(default_callbacks(command), tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
     assert job.returncode == 0, out
