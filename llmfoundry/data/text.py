@@ -29,7 +29,6 @@ same number of samples, a few repeated when the epoch does not divide by the wor
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -38,13 +37,12 @@ import numpy as np
 import torch
 
 from llmfoundry.data.mds import NDArray, get_encoding
+from llmfoundry.data.meta import read_meta
 from llmfoundry.data.streaming import StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
-from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
-from llmfoundry.utils.storage import open_url
 
 __all__ = ["StreamingTextDataset", "check_vocab", "resolve_eos", "sequence_ids_from_eos"]
 
@@ -93,7 +91,7 @@ class StreamingTextDataset(StreamingDataset):
         self.max_seq_len = max_seq_len
         self.pad_to_multiple_of = pad_to_multiple_of
         self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
-        self.meta = _read_meta(self.meta_url, self.storage_options, self.caches[0].node)
+        self.meta = read_meta(self.meta_url, self.storage_options, self.caches[0].node)
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
@@ -297,24 +295,6 @@ def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """
     is_eos = (input_ids == eos_id).long()
     return is_eos.cumsum(dim=1) - is_eos
-
-
-def _read_meta(
-    url: str | None, storage_options: Mapping[str, Any] | None, node: NodeShare | None
-) -> dict | None:
-    """The JSON at ``url``, or None when there is none (data not from data_prep); fetched by
-    the machine's local rank 0 when ``node`` is given (streaming/node.py)."""
-    if url is None:
-        return None
-
-    def fetch() -> bytes:
-        with open_url(url, "rb", **(storage_options or {})) as f:
-            return f.read()
-
-    try:
-        return json.loads(node.get("meta.json", fetch, url) if node is not None else fetch())
-    except FileNotFoundError:
-        return None
 
 
 def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) -> int | None:

@@ -53,6 +53,7 @@ import numpy as np
 
 from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.meta import META_LIMIT
 from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.tokenizers.tokenizer import DataPrepTokenizer, prepare_tokenizer
@@ -76,7 +77,6 @@ log = logging.getLogger(__name__)
 INSTRUCTIONS_META_FORMAT = "llmfoundry.mds-instructions"
 IGNORE = IGNORE_INDEX  # the label the loss skips
 DEFAULT_FORMAT_TEMPLATE = Path(__file__).with_name("templates") / "default_finetune.jinja"
-META_LIMIT = 1 << 20  # bytes of a dataset's meta.json read to tell its format
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "drop")
 

@@ -17,7 +17,7 @@ tokenizer next to the stream does not have is refused before anything is written
 
 Each split in meta.json also records its ``tokens`` and the UTF-8 ``text_bytes`` they decode to
 (special tokens such as EOS count nothing), so a loss per token converts to bits per byte, a
-number that compares models with different tokenizers (:func:`bytes_per_token`). The bytes are
+number that compares models with different tokenizers (:func:`llmfoundry.data.meta.bytes_per_token`). The bytes are
 exact for a byte-level BPE (see ``tokenizer.token_byte_lengths``); for other tokenizers
 ``text_bytes`` is null.
 """
@@ -42,7 +42,7 @@ from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
-__all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "text_bytes", "tokens_to_mds"]
+__all__ = ["MDS_META_FORMAT", "split_rows", "text_bytes", "tokens_to_mds"]
 
 MDS_META_FORMAT = "llmfoundry.mds-tokens"
 _CHUNK = 1 << 24  # tokens per pass over the stream: bounded memory for any stream length
@@ -230,17 +230,3 @@ def text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None) -> int | None:
         int(byte_lengths[flat[start : start + _CHUNK]].sum())
         for start in range(0, flat.size, _CHUNK)
     )
-
-
-def bytes_per_token(meta: Mapping[str, Any], split: str) -> float | None:
-    """Text bytes per token of ``split`` in a meta.json, or None where it is not recorded.
-
-    Bits per byte = loss / ln 2 / bytes_per_token (a loss in nats per token). None for a split
-    the dataset lacks, a tokenizer that is not byte-level, or meta.json written before this was
-    recorded (rerun tokens_to_mds.py with --overwrite to add it).
-    """
-    info = (meta.get("splits") or {}).get(split) or {}
-    tokens, text_bytes = info.get("tokens"), info.get("text_bytes")
-    if not tokens or not text_bytes:
-        return None
-    return text_bytes / tokens
