@@ -23,7 +23,11 @@ from llmfoundry.utils.errors import UserError
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_DIRS = ("scripts", "data_prep")
 # Entry points whose errors are checked elsewhere (a Hydra command line: no in-process main).
-ELSEWHERE = {"scripts/train.py": "tests/config/test_cli_errors.py"}
+ELSEWHERE = {
+    "scripts/train.py": "tests/config/test_cli_errors.py",
+    # torchrun's arguments (its parser); its workers' one-line errors are train.py's
+    "scripts/torchrun.py": "tests/distributed/test_launch.py",
+}
 
 
 def main_of(script: str):
