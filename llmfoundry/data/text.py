@@ -37,11 +37,10 @@ import numpy as np
 import torch
 
 from llmfoundry.data.mds import NDArray, get_encoding
-from llmfoundry.data.meta import read_meta
+from llmfoundry.data.meta import META_FILE, meta_url, read_meta
 from llmfoundry.data.streaming import StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
 from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 
 __all__ = ["StreamingTextDataset", "check_vocab", "resolve_eos", "sequence_ids_from_eos"]
@@ -90,8 +89,8 @@ class StreamingTextDataset(StreamingDataset):
         check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
         self.max_seq_len = max_seq_len
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
-        self.meta = read_meta(self.meta_url, self.storage_options, self.caches[0].node)
+        self.meta_url = None if self.remote is None else meta_url(self.remote)
+        self.meta = read_meta(self.remote, self.storage_options, self.caches[0].node)
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
@@ -304,7 +303,7 @@ def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) 
         return None
     if option != "auto" and (isinstance(option, bool) or not isinstance(option, int) or option < 0):
         raise UserError(
-            f"sequence_id_from_eos must be null, a token id or 'auto' (meta.json's eos_id), got "
+            f"sequence_id_from_eos must be null, a token id or 'auto' ({META_FILE}'s eos_id), got "
             f"{option!r}"
         )
     if option != "auto":
@@ -312,7 +311,7 @@ def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) 
     if meta is None:
         raise UserError(
             f"sequence_id_from_eos=auto reads the eos_id data_prep records, but "
-            f"{where or 'the data (streams have no single meta.json)'} was not found; give the "
+            f"{where or f'the data (streams have no single {META_FILE})'} was not found; give the "
             "eos token id instead"
         )
     eos_id = meta.get("eos_id")

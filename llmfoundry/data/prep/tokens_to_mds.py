@@ -24,7 +24,6 @@ exact for a byte-level BPE (see ``tokenizer.token_byte_lengths``); for other tok
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.meta import write_meta
 from llmfoundry.data.prep.adopt import check_token_ids, open_token_file
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import sidecar_path
@@ -167,8 +167,7 @@ def tokens_to_mds(
         "source_tokens": str(tokens),
         "fingerprint": key,
     }
-    meta_url = join_url(root, "meta.json")
-    fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    write_meta(out, meta)
     return {**meta, "reused": False}
 
 
