@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint import read_latest
+from llmfoundry.data.meta import write_meta
 from llmfoundry.trainer import Callback
 from tests.checkpoint.helpers import write_mds
 
@@ -126,6 +127,17 @@ def mds_with_tokenizer(mds):
     return mds
 
 
+@pytest.fixture(scope="module")
+def mds_without_tokenizer(tmp_path_factory):
+    """MDS converted from token files made elsewhere (nanoGPT's .bin): its meta.json records no
+    tokenizer, and there is no tokenizer.json for the default `tokenizer=` to find."""
+    folder = write_mds(tmp_path_factory.mktemp("bare-mds"), {"train": 32, "val": 8})
+    write_meta(
+        str(folder), {"format": "llmfoundry.mds-tokens", "vocab_size": 64, "tokenizer": None}
+    )
+    return folder
+
+
 def default_callbacks(command):
     """`command` with the default config's callbacks (generate among them)."""
     return [arg for arg in command if arg != "callbacks=[]"]
@@ -134,13 +146,16 @@ def default_callbacks(command):
 # The default config (its callbacks, device_train_microbatch_size=null) on a mesh: generate is
 # left out with one warning, and the pipeline's microbatches default to what 1F1B needs. pp=2 on
 # 4 processes, as the issue ran it: two data-parallel pipelines, whose per-device batch of 2
-# was one microbatch, refused for pp=2.
+# was one microbatch, refused for pp=2. tp=2 on data without a tokenizer: the callback left out
+# never looks for one (it stopped the run with "tokenizer file ... not found").
 @pytest.mark.parametrize(
-    ("mesh", "processes"), [("strategy.tp=2", 2), ("strategy.pp=2", 4)], ids=["tp2", "pp2"]
+    ("mesh", "processes", "data"),
+    [("strategy.tp=2", 2, "mds_without_tokenizer"), ("strategy.pp=2", 4, "mds_with_tokenizer")],
+    ids=["tp2", "pp2"],
 )
-def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh, processes):
+def test_the_default_config_trains_on_a_mesh(request, tmp_path, mesh, processes, data):
     command = train_command(
-        mds_with_tokenizer, tmp_path, "--standalone", f"--nproc_per_node={processes}",
+        request.getfixturevalue(data), tmp_path, "--standalone", f"--nproc_per_node={processes}",
         overrides=[mesh],
     )  # fmt: skip
     job = launch(default_callbacks(command), tmp_path)
