@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint.pretrained import load_pretrained, read_pretrained
@@ -32,6 +33,8 @@ CASES = {
     ),
 }
 EOS = 63
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "foundry"  # the real llm-foundry's
+DATA = Path(__file__).resolve().parent / "data"  # foundry-gqa: data/make_foundry_gqa.py
 
 
 def _tokenizer() -> Tokenizer:
@@ -50,6 +53,42 @@ def no_transformers_config(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    "folder, reference",
+    [
+        (FIXTURES / "alibi" / "hf-ba4", FIXTURES / "alibi" / "reference-logits-ba4.safetensors"),
+        (
+            FIXTURES / "learned-pos" / "hf-ba4",
+            FIXTURES / "learned-pos" / "reference-logits-ba4.safetensors",
+        ),
+        (DATA / "foundry-gqa", DATA / "foundry-gqa" / "reference-logits.safetensors"),
+    ],
+    ids=["alibi", "learned-pos", "gqa"],
+)
+def test_logits_equal_llm_foundrys_own(folder, reference, no_transformers_config):
+    """The folders the real llm-foundry wrote, and its own model's fp32 logits on them."""
+    model, tokenizer = load_pretrained(str(folder))
+    expected = load_file(reference)
+    with torch.no_grad():
+        ours = model(expected["input_ids"])
+    theirs = expected["logits"]
+    assert float((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    assert tokenizer == (str(folder) if (folder / "tokenizer.json").is_file() else None)
+
+
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("gqa-rope", "config.json.attn_config.rope=True is not supported: our MPT has no rotary"),
+        ("variants", "config.json.tie_word_embeddings=False is not supported"),
+    ],
+)
+def test_what_we_lack_is_refused_in_one_line(case, refusal, tmp_path, capsys):
+    folder = FIXTURES / case / "hf-ba4"
+    err = one_line_error(capsys, main_of("scripts/import_hf.py"), [str(folder), str(tmp_path)])
+    assert refusal in err
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -85,32 +124,23 @@ def test_sharded_weights_and_bf16(tmp_path):
 
 
 def test_import_then_generate(tmp_path, capsys):
-    """import_hf.py writes a checkpoint (round trip printed), generate.py samples from it."""
-    model = random_model(alibi=False, no_bias=False)
-    folder = write_foundry_folder(
-        model, tmp_path / "hf", tokenizer=_tokenizer(), eos_token="<|endoftext|>"
-    )
+    """import_hf.py writes a checkpoint of llm-foundry's folder (round trip printed), and
+    generate.py continues a prompt with it and the folder's tokenizer, as the folder's model
+    does."""
+    folder = FIXTURES / "learned-pos" / "hf-ba4"
     assert main_of("scripts/import_hf.py")([str(folder), str(tmp_path / "ckpt")]) == 0
-    out = capsys.readouterr().out
-    assert "round trip: logits relative error 0.00e+00" in out
-    argv = [
-        str(tmp_path / "ckpt"),
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "4",
-        "--prompt",
-        "w1 w2",
-    ]
-    assert main_of("scripts/generate.py")(argv) == 0
-    config = GenerationConfig(max_new_tokens=4, temperature=0, eos_token_id=EOS)
-    expected = generate(model, *left_pad([[1, 2]]), config)
-    text = _tokenizer().decode([t for t in expected.tokens[0] if t != EOS])
-    assert (
-        f"--- prompt 'w1 w2' ({expected.finish_reasons[0]}) ---\nw1 w2{text}\n"
-        in capsys.readouterr().out
-    )
-    assert not remote_code_ran(folder)
+    assert "round trip: logits relative error 0.00e+00" in capsys.readouterr().out
+    prompt = "the cat"
+    argv = [str(tmp_path / "ckpt"), "--temperature", "0", "--max-new-tokens", "6"]
+    assert main_of("scripts/generate.py")([*argv, "--prompt", prompt]) == 0
+    model, tokenizer_dir = load_pretrained(str(folder))
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    config = GenerationConfig(max_new_tokens=6, temperature=0, eos_token_id=eos)
+    expected = generate(model, *left_pad([tokenizer.encode(prompt).ids]), config)
+    text = tokenizer.decode([t for t in expected.tokens[0] if t != eos])
+    printed = capsys.readouterr().out
+    assert f"--- prompt {prompt!r} ({expected.finish_reasons[0]}) ---\n{prompt}{text}\n" in printed
 
 
 class _Payload:
