@@ -69,6 +69,16 @@ def family_of_hf(hf_dir: str | Path) -> ModelFamily:
     raise UserError(f"{path}: model_type {model_type!r} is not supported; supported: {known}")
 
 
+def config_from_foundry(
+    config: Mapping[str, Any], *, where: str = "model", weights_loaded: bool = False
+) -> dict[str, Any]:
+    """Our model config node (`model=`'s: fields and ``_target_``) for llm-foundry's MPT config
+    dict (a train YAML's `mpt_causal_lm` block, an llm-foundry or Hub config.json, a Composer
+    checkpoint's HF config): `llmfoundry.models.mpt.foundry.mpt_config_from_foundry`, which
+    refuses in one line, naming `where`.key, what our MPT does not compute as llm-foundry's."""
+    return MPT.foundry_config(config, where=where, weights_loaded=weights_loaded)
+
+
 def build_model(config: Any, **overrides: Any) -> nn.Module:
     """The model of `config`'s family (fields replaced by `overrides`, e.g. init_device)."""
     return family_of(config).build(config, **overrides)

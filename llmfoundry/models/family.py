@@ -62,6 +62,8 @@ class ModelFamily:
       compressed memory instead of a key/value cache (rows cannot be padded or batched);
       `attention_window(config)`: how far back one token's attention reaches in a forward
       (infini-attention's segment, a sliding window), None for the whole row.
+    - `foundry_config(config, where=, weights_loaded=)`: our model config node for the model
+      config dict of llm-foundry's model of this family (None: it has none we read).
     """
 
     name: str
@@ -77,6 +79,7 @@ class ModelFamily:
     position_limit: Callable[[Any], int | None] = lambda config: None
     recurrent_memory: Callable[[Any], bool] = lambda config: False
     attention_window: Callable[[Any], int | None] = lambda config: None
+    foundry_config: Callable[..., dict[str, Any]] | None = None
 
     def from_hf(self, hf_dir: str | Path) -> nn.Module:
         return importlib.import_module(self.hf_adapter).from_hf(hf_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from llmfoundry.models.families import config_from_record
+from llmfoundry.models.families import config_from_foundry, config_from_record
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 from llmfoundry.utils.errors import UserError
@@ -225,3 +225,8 @@ def test_no_position_information_is_refused():
     cfg = with_key(FULL, "learned_pos_emb", False)
     with pytest.raises(UserError, match="no position information"):
         mpt_config_from_foundry(cfg)
+
+
+def test_the_registry_gives_it_to_code_outside_the_family():
+    """Code outside models/mpt reaches it through the registry (test_families checks imports)."""
+    assert config_from_foundry(HUB_MPT_7B, where="x") == mpt_config_from_foundry(HUB_MPT_7B)
