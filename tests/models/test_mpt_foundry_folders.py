@@ -17,6 +17,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from llmfoundry.checkpoint.pretrained import load_pretrained, read_pretrained
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.hf_lib import transformers
+from llmfoundry.tokenizers.tokenizer import load_tokenizer
+from llmfoundry.utils.errors import UserError
 from tests.models.foundry_folder import random_model, remote_code_ran, write_foundry_folder
 from tests.utils.test_entry_points import main_of, one_line_error
 
@@ -198,3 +200,15 @@ def test_refusals_are_one_line(damage, expected, tmp_path, capsys):
     )
     assert expected in err
     assert not (folder / "pwned").exists() and not remote_code_ran(folder)
+
+
+def test_a_tokenizer_that_is_the_folders_own_code_is_refused(tmp_path):
+    """llm-foundry's tiktoken wrapper saves a tokenizer_config.json whose auto_map names code
+    in the folder: refused in one line (transformers would ask on a terminal whether to run
+    it), and the code does not run."""
+    config = {"auto_map": {"AutoTokenizer": ["tiktoken.TiktokenTokenizerWrapper", None]}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tiktoken.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    with pytest.raises(UserError, match="llmfoundry never runs; give a tokenizer.json"):
+        load_tokenizer(tmp_path)
+    assert not (tmp_path / "ran").exists()
