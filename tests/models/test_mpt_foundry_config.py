@@ -230,3 +230,18 @@ def test_no_position_information_is_refused():
 def test_the_registry_gives_it_to_code_outside_the_family():
     """Code outside models/mpt reaches it through the registry (test_families checks imports)."""
     assert config_from_foundry(HUB_MPT_7B, where="x") == mpt_config_from_foundry(HUB_MPT_7B)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        ({"d_model": "64"}, "run.yaml:model.d_model='64' is not supported: give a positive"),
+        ({"expansion_ratio": None}, "run.yaml:model.expansion_ratio=None"),
+        ({**TINY, "n_heads": 3}, "run.yaml:model: MPTConfig.d_model (64) must be divisible"),
+        ({**TINY, "vocab_size": 0}, "run.yaml:model: MPTConfig.vocab_size must be a positive"),
+    ],
+)
+def test_bad_sizes_are_one_line(cfg, expected):
+    with pytest.raises(UserError) as err:
+        mpt_config_from_foundry(cfg, where="run.yaml:model")
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)

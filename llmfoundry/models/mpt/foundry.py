@@ -19,6 +19,8 @@ field of ours, and why:
 - `attn_uses_sequence_id`: our model masks documents whenever a batch carries `sequence_id`,
   which our data config decides (`data.sequence_id_from_eos`); a caller mapping a train YAML
   maps this key there. Without `sequence_id` (inference, an HF import) it changes nothing.
+  With it and learned positions, ours number each document's tokens from 0, where llm-foundry's
+  count on across the packed row.
 - `use_pad_tok_in_ffn`: the MLP acts on each token alone, so skipping pad tokens changes no real
   token's output.
 - `use_cache`, `verbose`, `tokenizer_name`, `loss_fn` (both of llm-foundry's compute the same
@@ -245,7 +247,8 @@ def _check_fc_type(keys: _Keys, key: str) -> None:
 
 
 def _mlp_width(ffn: _Keys, top: _Keys) -> int:
-    """Our `expansion_ratio` for llm-foundry's `ffn_config` (mptmlp only) and its ratio."""
+    """Our `expansion_ratio` for llm-foundry's MLP: `ffn_config` (mptmlp only) and the
+    top-level `expansion_ratio` it falls back on."""
     ffn_type = ffn.get("ffn_type")
     if ffn_type != "mptmlp":
         raise ffn.refuse("ffn_type", FFN_TYPES.get(ffn_type, "use ffn_type=mptmlp"))
@@ -303,6 +306,12 @@ def _top_level(top: _Keys) -> dict[str, Any]:
     top.accept(NO_EFFECT | TRANSFORMERS_KEYS)
     top.check(TOP_FIXED)
     _check_fc_type(top, "fc_type")
+    for key in ("d_model", "n_heads"):  # divided by below, before MPTConfig checks the rest
+        value = top.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise top.refuse(key, "give a positive integer")
+    if not isinstance(top.get("expansion_ratio"), int | float):
+        raise top.refuse("expansion_ratio", "give a number")
     d_model, n_heads, no_bias = top.get("d_model"), top.get("n_heads"), top.get("no_bias")
     head_dim = top.get("head_dim")
     if head_dim is not None and (not isinstance(n_heads, int) or head_dim * n_heads != d_model):
@@ -359,5 +368,8 @@ def mpt_config_from_foundry(
     fields["learned_pos_emb"] = bool(top.get("learned_pos_emb")) and not fields["alibi"]
     top.accept(frozenset({"attn_config", "ffn_config", "init_config"}))
     top.refuse_unknown()
-    MPTConfig(**fields)  # its own checks (sizes, head counts), before anything is built
+    try:
+        MPTConfig(**fields)  # its own checks (sizes, head counts), before anything is built
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
     return {"_target_": MPT_TARGET, **fields}
