@@ -11,15 +11,16 @@ silently misread is worse than none, so `to_hf_config` refuses every feature it 
 - no qk_ln, no grouped key/value heads (kv_n_heads), no sliding window, no infini-attention.
 `from_hf_config` likewise refuses a transformers config whose fields its model ignores or we lack.
 
+Dropout rates are not exported (the folder gets transformers' defaults, 0): transformers' MPT
+applies attn_pdrop to its MLP and residual too and ignores resid_pdrop and emb_pdrop, so copying
+them would change what they mean, and its config types attn_pdrop as an int.
+
 llm-foundry's own folders (its `convert_composer_to_hf.py` output, the mosaicml/mpt-* downloads:
 ``MPTForCausalLM`` with `auto_map` remote code) are `model_type: mpt` too, but their model is
 llm-foundry's, which transformers runs only as that remote code, and their config's values make
 transformers' MptConfig fail. `from_foundry_folder` reads them without either: config.json as
 JSON through `mpt_config_from_foundry` (llm-foundry's keys, learned positions as well as ALiBi),
 the weights from safetensors or weights-only pickles.
-Dropout rates are not exported (the folder gets transformers' defaults, 0): transformers' MPT
-applies attn_pdrop to its MLP and residual too and ignores resid_pdrop and emb_pdrop, so copying
-them would change what they mean, and its config types attn_pdrop as an int.
 """
 
 from __future__ import annotations
