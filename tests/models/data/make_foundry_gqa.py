@@ -15,8 +15,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from safetensors.torch import save_file
+
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 
 OUT = Path(__file__).resolve().parent / "foundry-gqa"
 
