@@ -194,6 +194,7 @@ def test_grouped_query_attention():
         ("init_config.name", "xavier_normal_", "kaiming_normal_"),
         ("init_config.emb_init_std", 0.01, "embedding"),
         ("init_config.init_div_is_residual", False, "sqrt(2 * n_layers)"),
+        ("init_config.init_div_is_residual", 1, "sqrt(2 * n_layers)"),  # divides by 1
         ("name", "hf_causal_lm", "MPT configs"),
         ("model_type", "llama", "MPT configs"),
         ("learnd_pos_emb", True, "not a key of llm-foundry's MPT config"),

@@ -222,12 +222,12 @@ def _attention(attn: _Keys, n_heads: int) -> dict[str, Any]:
         "attn_impl": "sdpa",
         "kv_n_heads": kv_n_heads,
         "attn_pdrop": attn.get("attn_pdrop"),
-        "qk_ln": attn.get("qk_ln"),
+        "qk_ln": bool(attn.get("qk_ln")),
         "clip_qkv": attn.get("clip_qkv"),
         "softmax_scale": attn.get("softmax_scale"),
         # llm-foundry's query sees itself and `window` keys before it; ours counts itself too.
         "sliding_window": None if window == -1 else window + 1,
-        "alibi": attn.get("alibi"),
+        "alibi": bool(attn.get("alibi")),
         "alibi_bias_max": attn.get("alibi_bias_max"),
     }
     attn.refuse_unknown()
@@ -275,9 +275,10 @@ def _init_std(init: _Keys) -> float | None:
     a number N(0, init_std) (its baseline_); both divide the residual projections by
     sqrt(2 * n_layers) as its init_div_is_residual=true does. UserError for an init we lack."""
     init.accept(frozenset({"verbose", "init_gain"}))  # kaiming with relu reads no gain
+    if init.get("init_div_is_residual") is not True:  # a number (even 1) is its divisor
+        raise init.refuse("init_div_is_residual", "ours divides by sqrt(2 * n_layers); set true")
     init.check(
         (
-            ("init_div_is_residual", (True,), "ours divides by sqrt(2 * n_layers); set true"),
             ("emb_init_std", (None,), "ours draws the embedding like the other weights"),
             ("emb_init_uniform_lim", (None,), "ours draws the embedding like the other weights"),
         )
@@ -327,7 +328,7 @@ def _top_level(top: _Keys) -> dict[str, Any]:
         "n_layers": top.get("n_layers"),
         "max_seq_len": top.get("max_seq_len"),
         "vocab_size": top.get("vocab_size"),
-        "no_bias": no_bias,
+        "no_bias": bool(no_bias),
         "low_precision_layernorm": NORM_TYPES[norm_type.lower()],
         "resid_pdrop": top.get("resid_pdrop"),
         "emb_pdrop": top.get("emb_pdrop"),
