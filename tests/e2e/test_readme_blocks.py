@@ -86,6 +86,7 @@ CLAIMS = {
     "# my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
     "python scripts/train.py model=custom": "test_own_model_commands_are_valid",
     "# train_my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
+    "python scripts/import_hf.py mpt-hf": VALIDATED + ", tests/models/test_mpt_foundry_folders.py",
 }
 
 
