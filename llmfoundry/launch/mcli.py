@@ -30,7 +30,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError, check_keys
-from llmfoundry.launch.job import check_foundry_config, secret_named
+from llmfoundry.launch.job import check_foundry_config, check_setup_line, secret_named
+from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +322,10 @@ def _scheduling(scheduling: Mapping[str, Any], backend: str | None) -> dict[str,
     return {"kubernetes": {"max_restarts": 0}} if retry is False else {}
 
 
+# A shell variable in a training override (run_name=$RUN_NAME), which bash expanded when MCLI ran
+# the command: here the override is merged into the config file, and train.py reads the
+# variable from the environment instead (${oc.env:RUN_NAME}). ${a.b} is OmegaConf's own.
+_SHELL_VARIABLE = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 # The command's training line: a launcher, then a train.py.
 _LAUNCHERS = {"composer", "torchrun", "python", "python3"}
 _MODULE_LAUNCHERS = {"composer", "torch.distributed.run", "torch.distributed.launch"}
@@ -342,6 +347,10 @@ def _command(command: Any, code_folders: set[str]) -> tuple[list[str], str | Non
         parsed = _training(segments[-1])
         if parsed is None:
             if not _cd_into_code(line, code_folders):
+                try:
+                    check_setup_line(line)
+                except UserError as err:  # (named as the run file's field)
+                    raise ConfigError("command", str(err).removeprefix("setup: ")) from None
                 setup.append(line)
             continue
         for segment in segments[:-1]:
@@ -366,11 +375,14 @@ def _command(command: Any, code_folders: set[str]) -> tuple[list[str], str | Non
 def _cd_into_code(line: str, code_folders: set[str]) -> bool:
     """Whether `line` is ``cd`` into the code (``cd llm-foundry/scripts``), which the job does
     itself; another ``cd`` is refused: setup lines run in the code folder, where train.py is."""
-    words = shlex.split(line, comments=True)
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:  # (unbalanced quotes: not a cd; bash reports it where it runs)
+        return False
     if words[:1] != ["cd"]:
         return False
     target = PurePosixPath(words[1]) if len(words) > 1 else PurePosixPath("~")
-    if target.parts and target.parts[0] in code_folders:
+    if any(PurePosixPath(f) in (target, *target.parents) for f in code_folders):
         return True
     raise ConfigError(
         "command",
@@ -413,4 +425,4 @@ def _training(segment: str) -> tuple[str | None, list[str]] | None:
     for override in overrides:
         if "=" not in override:
             raise ConfigError("command", f"train.py argument {override!r} is not a key=value")
-    return config, overrides
+    return config, [_SHELL_VARIABLE.sub(r"${oc.env:\1\2}", o) for o in overrides]

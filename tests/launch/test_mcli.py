@@ -10,6 +10,7 @@ import yaml
 from llmfoundry.config import ConfigError
 from llmfoundry.launch import load_job
 from llmfoundry.launch.backends import kubernetes_objects, render_slurm
+from llmfoundry.launch.mcli import LLM_FOUNDRY
 from tests.launch.test_render import load_script, sbatch_directives, srun_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,25 +221,39 @@ def test_what_cannot_be_honoured_is_refused_by_name_in_one_line(tmp_path, change
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
 
 
+PARAMETERS_LINE = "composer train/train.py /mnt/config/parameters.yaml"
+
+
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "message"),
     [
-        {"env_variables": {"HF_TOKEN": SECRET_VALUE}},
-        {"env_variables": [{"key": "WANDB_API_KEY", "value": SECRET_VALUE}]},
-        {
-            "command": f"export HF_TOKEN={SECRET_VALUE}\ncomposer train/train.py "
-            "/mnt/config/parameters.yaml"
-        },
-        {
-            "command": f"huggingface-cli login --token {SECRET_VALUE}\ncomposer train/train.py "
-            "/mnt/config/parameters.yaml"
-        },
-        {"parameters": {"model": {"name": "hf_causal_lm", "hf_token": SECRET_VALUE}}},
-        {"parameters": {"load_path": f"s3://AKIA:{SECRET_VALUE}@bucket/ckpt"}},
+        ({"env_variables": {"HF_TOKEN": SECRET_VALUE}}, "env_variables.HF_TOKEN: named like a"),
+        (
+            {"env_variables": [{"key": "WANDB_API_KEY", "value": SECRET_VALUE}]},
+            "env_variables.WANDB_API_KEY: named like a secret",
+        ),
+        (
+            {"command": f"export HF_TOKEN={SECRET_VALUE}\n{PARAMETERS_LINE}"},
+            "command: a line gives HF_TOKEN a value",
+        ),
+        (
+            {"command": f"huggingface-cli login --token {SECRET_VALUE}\n{PARAMETERS_LINE}"},
+            "command: a line gives token a value",
+        ),
+        (
+            {"parameters": {"model": {"name": "hf_causal_lm", "hf_token": SECRET_VALUE}}},
+            "parameters.model.hf_token: named like a secret",
+        ),
+        (
+            {"parameters": {"load_path": f"s3://AKIA:{SECRET_VALUE}@bucket/ckpt"}},
+            "parameters.load_path: 's3://<redacted>@bucket/ckpt' holds credentials",
+        ),
     ],
     ids=["env", "old-env", "export", "flag", "parameters-key", "parameters-url"],
 )
-def test_a_secret_in_a_run_file_is_refused_and_never_shown_or_rendered(tmp_path, capsys, changes):
+def test_a_secret_in_a_run_file_is_refused_and_never_shown_or_rendered(
+    tmp_path, capsys, changes, message
+):
     launch = load_script("launch")
     path = run_file(tmp_path, **changes)
     out = tmp_path / "rendered"
@@ -246,7 +261,7 @@ def test_a_secret_in_a_run_file_is_refused_and_never_shown_or_rendered(tmp_path,
         launch.main(["render", "slurm", str(path), "--out", str(out)])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("Job error: ") and err.count("\n") == 1 and "secrets" in err
+    assert err.startswith(f"Job error: {message}") and err.count("\n") == 1 and "secrets" in err
     assert SECRET_VALUE not in err and not out.exists()
 
 
@@ -303,4 +318,38 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     assert (status["status"], status["step"]) == ("finished", 4)
     assert re.search(
         r"export RUN_NAME=mcli-tiny\n", (tmp_path / "rendered/mcli-tiny.sh").read_text()
+    )
+
+
+def test_the_training_lines_overrides_are_merged_into_the_parameters(tmp_path):
+    """As llm-foundry's train.py merges its command line into the file; a shell variable, which
+    bash expanded under MCLI, is read from the environment by train.py instead."""
+    repo = {"integration_type": "git_repo", "git_repo": LLM_FOUNDRY, "path": "/workspace/lf"}
+    command = (
+        "cd /workspace/lf/scripts && composer train/train.py /mnt/config/parameters.yaml \\\n"
+        "  max_duration=10ba model.n_layers=2 save_folder=s3://b/$RUN_NAME/ckpt"
+    )
+    path = run_file(tmp_path, integrations=[repo], command=command)
+    config = load_job(path, backend="slurm").foundry_config
+    assert (config["max_duration"], config["model"]["n_layers"]) == ("10ba", 2)
+    assert config["save_folder"] == "s3://b/${oc.env:RUN_NAME}/ckpt"
+    assert config["max_seq_len"] == "${variables.max_seq_len}"  # train.py resolves it
+
+
+def test_a_job_file_carries_an_llm_foundry_config_unresolved(tmp_path):
+    """foundry_config in a job file: its ${...} are llm-foundry's, not the job file's."""
+    job_file = tmp_path / "job.yaml"
+    config = {
+        "variables": {"n": 2},
+        "model": {"name": "mpt_causal_lm", "n_layers": "${variables.n}"},
+    }
+    job_file.write_text(yaml.safe_dump({"name": "lf", "foundry_config": config}))
+    job = load_job(job_file, train=["max_duration=10ba"], backend="slurm")
+    node = srun_script(render_slurm(job, ROOT).text)
+    assert written_config(node) == config
+    assert ' scripts/train.py "$config_dir/parameters.yaml" run_name=lf ' in node
+    assert (
+        node.split("torch.distributed.run", 1)[1]
+        .splitlines()[0]
+        .endswith("hydra.run.dir=outputs/lf max_duration=10ba || torchrun_exit=$?")
     )
