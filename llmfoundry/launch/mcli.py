@@ -90,7 +90,6 @@ REFUSED = {
     "scheduling.max_duration": "a run here is stopped by its training length, not a clock "
     "(Slurm's slurm.time checkpoints and requeues it); remove it and bound the training with "
     "the parameters' max_duration",
-    "scheduling.resumable": "every run here resumes from its last checkpoint; remove it",
 }
 
 
@@ -101,16 +100,6 @@ def job_values(run: Mapping[str, Any], backend: str | None) -> dict[str, Any]:
     for key in ("metadata", "parent_name", "dependent_deployment"):
         if run.get(key):
             _refuse(key)
-    compute = dict(_mapping(run, "compute"))
-    for old, new in (("gpu_num", "gpus"), ("gpu_type", "gpu_type"), ("cluster", "cluster")):
-        if run.get(old) is not None:
-            if compute.get(new) is not None:
-                raise ConfigError(
-                    old, f"given twice, here and as compute.{new}; keep compute.{new}"
-                )
-            compute[new] = run[old]
-    if run.get("cpus"):
-        _refuse("compute.cpus")
     name = run.get("name") or run.get("run_name")
     if run.get("name") and run.get("run_name"):
         raise ConfigError("run_name", "given with name; keep name (run_name is its old spelling)")
@@ -118,7 +107,7 @@ def job_values(run: Mapping[str, Any], backend: str | None) -> dict[str, Any]:
         raise ConfigError("name", "an MCLI run file needs a name (it names the run here too)")
     values: dict[str, Any] = {
         "name": name,
-        "compute": _compute(compute),
+        "compute": _compute(run),
         "env": {"RUN_NAME": str(name)},  # as MCLI sets it
         "setup": [],
         "secrets": [],
@@ -128,11 +117,18 @@ def job_values(run: Mapping[str, Any], backend: str | None) -> dict[str, Any]:
     code_folders = _integrations(run.get("integrations") or [], values)
     values["env"].update(_env(run.get("env_variables")))
     values.update(_scheduling(_mapping(run, "scheduling"), backend))
-    parameters = run.get("parameters") or {}
-    if not isinstance(parameters, Mapping):
-        raise ConfigError("parameters", "expected a mapping: the llm-foundry train config")
     setup, config, overrides = _command(run.get("command"), code_folders)
     values["setup"] += setup
+    values.update(_training_config(run.get("parameters") or {}, config, overrides))
+    return values
+
+
+def _training_config(parameters: Any, config: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The parameters, with the training line's overrides merged in as llm-foundry's train.py
+    merged them (om.from_cli), as the job's foundry_config; without a config file on the
+    training line, its overrides are this project's own (scripts/train.py k=v)."""
+    if not isinstance(parameters, Mapping):
+        raise ConfigError("parameters", "expected a mapping: the llm-foundry train config")
     if config is None:
         if parameters:
             raise ConfigError(
@@ -140,19 +136,15 @@ def job_values(run: Mapping[str, Any], backend: str | None) -> dict[str, Any]:
                 f"given, but the command's train.py is not passed {MCLI_PARAMETERS}; pass it "
                 "(composer train/train.py /mnt/config/parameters.yaml) or remove parameters",
             )
-        values["train"] = overrides  # this project's own overrides (scripts/train.py k=v)
-    else:
-        if not parameters:
-            raise ConfigError(
-                "parameters", f"empty, but the command passes {MCLI_PARAMETERS} to train.py"
-            )
-        # As llm-foundry's train.py merges its command line into the file (om.from_cli).
-        merged = OmegaConf.merge(
-            OmegaConf.create(dict(parameters)), OmegaConf.from_dotlist(overrides)
+        return {"train": overrides}
+    if not parameters:
+        raise ConfigError(
+            "parameters", f"empty, but the command passes {MCLI_PARAMETERS} to train.py"
         )
-        values["foundry_config"] = OmegaConf.to_container(merged, resolve=False)
-        check_foundry_config(values["foundry_config"], "parameters")
-    return values
+    merged = OmegaConf.merge(OmegaConf.create(dict(parameters)), OmegaConf.from_dotlist(overrides))
+    foundry_config = OmegaConf.to_container(merged, resolve=False)
+    check_foundry_config(foundry_config, "parameters")
+    return {"foundry_config": foundry_config}
 
 
 def _refuse(key: str) -> None:
@@ -166,12 +158,21 @@ def _mapping(run: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value
 
 
-def _compute(compute: Mapping[str, Any]) -> dict[str, Any]:
+def _compute(run: Mapping[str, Any]) -> dict[str, Any]:
+    """compute (and its old top-level spellings) as the job's: GPUs in total, as MCLI counted
+    them, and nodes (`plan` checks that they agree)."""
+    compute = dict(_mapping(run, "compute"))
+    for old, new in (("gpu_num", "gpus"), ("gpu_type", "gpu_type"), ("cluster", "cluster")):
+        if run.get(old) is not None:
+            if compute.get(new) is not None:
+                raise ConfigError(old, f"given twice, here and as compute.{new}; keep one")
+            compute[new] = run[old]
+    if run.get("cpus"):
+        _refuse("compute.cpus")
     check_keys("compute", [str(k) for k in compute], COMPUTE_KEYS)
     for key in ("cluster", "gpu_type", "instance", "node_names", "cpus"):
         if compute.get(key) is not None:
             _refuse(f"compute.{key}")
-    # MCLI's gpus are the run's, in total, as a job's are; nodes must agree (`plan` checks).
     return {k: compute[k] for k in ("gpus", "nodes") if compute.get(k) is not None}
 
 
@@ -288,16 +289,18 @@ def _scheduling(scheduling: Mapping[str, Any], backend: str | None) -> dict[str,
     """Retries are the backend's: Kubernetes restarts failed pods (kubernetes.max_restarts),
     Slurm requeues only preempted runs, and every run resumes from its last checkpoint."""
     check_keys("scheduling", [str(k) for k in scheduling], SCHEDULING_KEYS)
-    for key in ("priority", "max_duration", "resumable"):
+    for key in ("priority", "max_duration"):
         if scheduling.get(key) is not None:
             _refuse(f"scheduling.{key}")
-    if scheduling.get("preemptible") is False:
-        raise ConfigError(
-            "scheduling.preemptible",
-            "false cannot be honoured: the launcher cannot keep a run from being preempted; "
-            "remove it (a preempted run checkpoints and resumes) or use a Slurm QoS that does "
-            "not preempt (slurm.directives=[--qos=NAME])",
-        )
+    # true is what every run does: checkpoint on SIGTERM, resume when started again.
+    for key in ("preemptible", "resumable"):
+        if scheduling.get(key) is False:
+            raise ConfigError(
+                f"scheduling.{key}",
+                "false cannot be honoured: the launcher cannot keep a run from being "
+                "preempted; remove it (a preempted run checkpoints and resumes) or use a Slurm "
+                "QoS that does not preempt (slurm.directives=[--qos=NAME])",
+            )
     retry = next(
         (
             scheduling[k]

@@ -163,6 +163,8 @@ def test_scheduling_retries_are_kubernetes_restarts_and_refused_where_none_happe
         ({"dependent_deployment": {"x": 1}}, "dependent_deployment: cannot be honoured"),
         ({"parent_name": "other"}, "parent_name: cannot be honoured here"),
         ({"run_name": "x"}, "run_name: given with name; keep name"),
+        ({"gpu_num": 8}, "gpu_num: given twice, here and as compute.gpus; keep one"),
+        ({"scheduling": {"resumable": False}}, "scheduling.resumable: false cannot be"),
         ({"comand": "x"}, "comand: unknown key; did you mean 'command'?"),
         (
             {"integrations": [{"integration_type": "apt_packages", "packages": ["htop"]}]},
