@@ -361,8 +361,11 @@ def load_job(
             cfg = OmegaConf.create(job_values(run, backend))  # type: ignore[arg-type]
         # Its ${...} belong to the llm-foundry config (train.py resolves them), not to the job.
         foundry = cfg.pop("foundry_config", None) if isinstance(cfg, DictConfig) else None
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        ours, foundry_overrides = _split_foundry_overrides(overrides)
+        if foundry_overrides:
+            foundry = OmegaConf.merge(foundry or {}, OmegaConf.from_dotlist(foundry_overrides))
+        if ours:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(ours))
         values = OmegaConf.to_container(cfg, resolve=not mcli)
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
@@ -384,6 +387,20 @@ def load_job(
         own = values.get("train") or []
         values["train"] = [*own, *train] if isinstance(own, list) else own
     return build_dataclass("", values, Job)
+
+
+def _split_foundry_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the job's overrides, those of its llm-foundry config: foundry_config.KEY=VALUE without
+    the prefix, merged unresolved as the config is)."""
+    ours, theirs = [], []
+    for override in overrides:
+        if override.startswith("foundry_config="):
+            raise ConfigError("foundry_config", "set its keys one by one: foundry_config.KEY=VALUE")
+        if override.startswith("foundry_config."):
+            theirs.append(override.removeprefix("foundry_config."))
+        else:
+            ours.append(override)
+    return ours, theirs
 
 
 def build_dataclass(path: str, values: Mapping[str, Any], cls: type) -> Any:

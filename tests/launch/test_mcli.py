@@ -332,8 +332,9 @@ def test_the_training_lines_overrides_are_merged_into_the_parameters(tmp_path):
         "  max_duration=10ba model.n_layers=2 save_folder=s3://b/$RUN_NAME/ckpt"
     )
     path = run_file(tmp_path, integrations=[repo], command=command)
-    config = load_job(path, backend="slurm").foundry_config
+    config = load_job(path, ["foundry_config.precision=fp32"], backend="slurm").foundry_config
     assert (config["max_duration"], config["model"]["n_layers"]) == ("10ba", 2)
+    assert config["precision"] == "fp32"  # and launch.py's foundry_config.KEY=VALUE after them
     assert config["save_folder"] == "s3://b/${oc.env:RUN_NAME}/ckpt"
     assert config["max_seq_len"] == "${variables.max_seq_len}"  # train.py resolves it
 
@@ -346,12 +347,12 @@ def test_a_job_file_carries_an_llm_foundry_config_unresolved(tmp_path):
         "model": {"name": "mpt_causal_lm", "n_layers": "${variables.n}"},
     }
     job_file.write_text(yaml.safe_dump({"name": "lf", "foundry_config": config}))
-    job = load_job(job_file, train=["max_duration=10ba"], backend="slurm")
-    node = srun_script(render_slurm(job, ROOT).text)
+    # Its training overrides are llm-foundry's (variables.*), not checked against conf/.
+    launch = load_script("launch")
+    argv = ["render", "slurm", str(job_file), "--train", "variables.n=4", "--out", str(tmp_path)]
+    assert launch.main(argv) == 0
+    node = srun_script((tmp_path / "lf.sbatch").read_text())
     assert written_config(node) == config
     assert ' scripts/train.py "$config_dir/parameters.yaml" run_name=lf ' in node
-    assert (
-        node.split("torch.distributed.run", 1)[1]
-        .splitlines()[0]
-        .endswith("hydra.run.dir=outputs/lf max_duration=10ba || torchrun_exit=$?")
-    )
+    train_line = node.split("torch.distributed.run", 1)[1].splitlines()[0]
+    assert train_line.endswith("hydra.run.dir=outputs/lf variables.n=4 || torchrun_exit=$?")
