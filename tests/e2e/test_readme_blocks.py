@@ -74,6 +74,7 @@ CLAIMS = {
     "python data_prep/instructions_to_mds.py chats.jsonl": VALIDATED,
     "pip install -e '.[serve]'": "tests/serving/test_readme_block.py",
     "python scripts/launch.py submit local conf/job/tiny.yaml": VALIDATED,
+    "python scripts/launch.py render slurm run.yaml": VALIDATED + ", tests/launch/test_mcli.py",
     "make image": VALIDATED + ", tests/launch/test_dockerfile.py",
     "python scripts/runs.py": RUN_AND_VALIDATED,
     "python scripts/train.py -m optimizer.lr=1e-3,3e-3": VALIDATED,
