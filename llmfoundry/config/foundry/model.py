@@ -1,0 +1,128 @@
+"""llm-foundry's model and tokenizer sections as our model group and tokenizer.
+
+`mpt_causal_lm`: every MPT key llm-foundry reads, its defaults included (theirs are not ours:
+learned positions and biases, no ALiBi), as our MPT config's fields (`mpt_fields`).
+`hf_causal_lm` with a local transformers folder (Llama or MPT): imported before the run as a
+weights-only checkpoint (scripts/import_hf.py's import, `Prep`) that the run starts from, its
+model config read from that checkpoint (`model=from_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from llmfoundry.config.foundry.common import check_known, only, refuse, section
+from llmfoundry.config.foundry.mpt import mpt_fields
+from llmfoundry.config.foundry.native import Native, Prep
+
+WEIGHTS_ONLY = [
+    "optimizer",
+    "scaler",
+    "timestamp",
+    "algorithms",
+    "callbacks",
+    "loggers",
+    "data",
+    "rng",
+]
+_HF_KEYS = {
+    "name",
+    "pretrained_model_name_or_path",
+    "pretrained",
+    "init_device",
+    "use_auth_token",
+    "trust_remote_code",
+    "use_flash_attention_2",
+    "config_overrides",
+    "loss_fn",
+}
+_REFUSED_MODELS = {
+    "hf_t5": "encoder-decoder (T5) models are not supported here; decoder-only MPT and Llama are",
+}
+
+
+def model(cfg: Mapping[str, Any], out: Native, prep_root: str) -> None:
+    node = section(cfg, "model")
+    name = node.pop("name", None)
+    if name in _REFUSED_MODELS:
+        raise refuse("model.name", _REFUSED_MODELS[name])
+    if node.get("peft_config") is not None:
+        raise refuse(
+            "model.peft_config", "LoRA/PEFT adapters are not supported; finetune all weights"
+        )
+    if name == "mpt_causal_lm":
+        out.groups["model"] = "mpt-tiny"  # every field is set below
+        for key, value in mpt_fields(node, where="model").items():
+            out.set(f"model.{key}", value)
+    elif name == "hf_causal_lm":
+        _hf_causal_lm(node, cfg, out, prep_root)
+    else:
+        raise refuse("model.name", f"{name!r}: mpt_causal_lm and hf_causal_lm are supported")
+
+
+def _hf_causal_lm(
+    node: dict[str, Any], cfg: Mapping[str, Any], out: Native, prep_root: str
+) -> None:
+    check_known("model", node, _HF_KEYS)
+    folder = node.get("pretrained_model_name_or_path")
+    if not isinstance(folder, str) or not os.path.isfile(os.path.join(folder, "config.json")):
+        raise refuse(
+            "model.pretrained_model_name_or_path",
+            f"{folder!r} is not a local transformers folder (config.json), and nothing is "
+            "downloaded from the Hub here; download it (huggingface-cli download NAME "
+            "--local-dir DIR) and give DIR",
+        )
+    only(
+        "model.pretrained",
+        node.get("pretrained", True),
+        True,
+        "to train from scratch use model: {name: mpt_causal_lm, ...} or our model=llama-*",
+    )
+    only(
+        "model.config_overrides",
+        node.get("config_overrides") or {},
+        {},
+        "the folder's config.json is taken as it is; edit it or use mpt_causal_lm",
+    )
+    if node.get("trust_remote_code"):
+        out.note("model.trust_remote_code", "the folder is read without running its code")
+    for key in ("use_auth_token", "use_flash_attention_2", "loss_fn", "init_device"):
+        if key in node:
+            out.note(f"model.{key}", "not needed: local weights, torch attention, one loss")
+    if cfg.get("load_path"):
+        raise refuse(
+            "load_path",
+            "with hf_causal_lm the run starts from the folder's weights; give one of them",
+        )
+    folder = os.path.abspath(folder)
+    digest = hashlib.sha256(folder.encode()).hexdigest()[:16]
+    target = str(Path(prep_root, f"hf-import-{digest}"))
+    out.prep.append(Prep("import_hf", folder, target))
+    out.groups["model"] = "from_checkpoint"
+    out.set("load_path", target)
+    out.set("load_ignore_keys", list(WEIGHTS_ONLY))
+
+
+def tokenizer(cfg: Mapping[str, Any], out: Native) -> None:
+    """Their {name, kwargs} as our tokenizer path: a local tokenizer.json or folder."""
+    node = section(cfg, "tokenizer")
+    check_known("tokenizer", node, {"name", "kwargs"})
+    name = node.get("name")
+    if not isinstance(name, str) or not os.path.exists(name):
+        raise refuse(
+            "tokenizer.name",
+            f"{name!r} is not a local tokenizer.json or tokenizer folder, and nothing is "
+            "downloaded from the Hub here; save it (AutoTokenizer.from_pretrained(NAME)"
+            ".save_pretrained(DIR)) and give tokenizer.name=DIR",
+        )
+    kwargs = dict(node.get("kwargs") or {})
+    check_known("tokenizer.kwargs", kwargs, {"model_max_length", "trust_remote_code"})
+    if "model_max_length" in kwargs:
+        out.note("tokenizer.kwargs.model_max_length", "rows are max_seq_len long here")
+    if kwargs.get("trust_remote_code"):
+        out.note("tokenizer.kwargs.trust_remote_code", "tokenizers are read without running code")
+    out.set("tokenizer", name)
