@@ -76,7 +76,8 @@ def build_model(config: Any, **overrides: Any) -> nn.Module:
 
 def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
     """max |ours - theirs| / max |theirs| of `model` against the transformers folder `hf_dir`
-    (any family: transformers' AutoModelForCausalLM reads the folder)."""
+    (any family: transformers' AutoModelForCausalLM reads the folder, or the family's own
+    reading of it where transformers would have to run the folder's code: `hf_reference`)."""
     from llmfoundry.models.hf_folder import logits_relative_error as relative_error
 
-    return relative_error(model, hf_dir)
+    return relative_error(model, hf_dir, family_of_hf(hf_dir).hf_reference(hf_dir))
