@@ -172,7 +172,7 @@ def test_their_yaml_with_their_overrides_composes_as_our_config(foundry_dir):
     # Interpolations follow the overridden variable; their MPT defaults, not ours.
     assert (out.max_seq_len, out.model.max_seq_len, out.model.n_layers) == (64, 64, 3)
     assert (out.model.alibi, out.model.learned_pos_emb, out.model.no_bias) == (False, True, False)
-    assert out.model.low_precision_layernorm and out.model.attn_impl == "torch"
+    assert out.model.low_precision_layernorm and out.model.attn_impl == "sdpa"
     assert (out.data.remote, out.data.local, out.data.train_split) == ("./my-mds", None, "train")
     assert (out.data.eval_split, out.data.shuffle_seed, out.data.drop_last) == ("val", 5, True)
     assert out.tokenizer == "./my-mds/tokenizer.json"
@@ -246,7 +246,7 @@ def _with(path: str, value):
         ("model.name", "hf_t5", "model.name", "encoder-decoder"),
         ("model.ffn_config", {"ffn_type": "mb_dmoe"}, "model.ffn_config.ffn_type", "DBRX"),
         ("model.peft_config", {"r": 8}, "model.peft_config", "LoRA"),
-        ("model.attn_config.rope", True, "model.attn_config.rope", "Llama"),
+        ("model.attn_config.rope", True, "model.attn_config.rope", "learned_pos_emb"),
         ("tokenizer.name", "EleutherAI/gpt-neox-20b", "tokenizer.name", "save_pretrained"),
         (
             "callbacks.hf_checkpointer",

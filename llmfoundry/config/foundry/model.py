@@ -1,7 +1,8 @@
 """llm-foundry's model and tokenizer sections as our model group and tokenizer.
 
 `mpt_causal_lm`: every MPT key llm-foundry reads, its defaults included (theirs are not ours:
-learned positions and biases, no ALiBi), as our MPT config's fields (`mpt_fields`).
+learned positions and biases, no ALiBi), as our MPT config's fields (`mpt_config_from_foundry`,
+which refuses what our MPT does not compute).
 `hf_causal_lm` with a local transformers folder (Llama or MPT): imported before the run as a
 weights-only checkpoint (scripts/import_hf.py's import, `Prep`) that the run starts from, its
 model config read from that checkpoint (`model=from_checkpoint`).
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from llmfoundry.config.foundry.common import check_known, only, refuse, section
-from llmfoundry.config.foundry.mpt import mpt_fields
 from llmfoundry.config.foundry.native import Native, Prep
+from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
+from llmfoundry.utils.errors import UserError
 
 WEIGHTS_ONLY = [
     "optimizer",
@@ -56,12 +58,28 @@ def model(cfg: Mapping[str, Any], out: Native, prep_root: str) -> None:
         )
     if name == "mpt_causal_lm":
         out.groups["model"] = "mpt-tiny"  # every field is set below
-        for key, value in mpt_fields(node, where="model").items():
-            out.set(f"model.{key}", value)
+        try:
+            fields = mpt_config_from_foundry(node, where="model", weights_loaded=_loads(cfg))
+        except UserError as err:
+            raise UserError(f"llm-foundry key {err}") from None
+        for key, value in fields.items():
+            if key != "_target_":
+                out.set(f"model.{key}", value)
+        if "attn_uses_sequence_id" in (node.get("attn_config") or {}):
+            out.note(
+                "model.attn_config.attn_uses_sequence_id",
+                "attention is masked per document whenever rows carry sequence_id (packed "
+                "instruction rows do; data.sequence_id_from_eos for text)",
+            )
     elif name == "hf_causal_lm":
         _hf_causal_lm(node, cfg, out, prep_root)
     else:
         raise refuse("model.name", f"{name!r}: mpt_causal_lm and hf_causal_lm are supported")
+
+
+def _loads(cfg: Mapping[str, Any]) -> bool:
+    """Whether the run starts from a checkpoint's weights (no init runs)."""
+    return bool(cfg.get("load_path")) or bool(cfg.get("autoresume"))
 
 
 def _hf_causal_lm(
