@@ -420,3 +420,43 @@ def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foun
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+FIXTURES = ROOT / "tests" / "fixtures" / "foundry"
+
+
+def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
+    """tests/fixtures/foundry/alibi/train.yaml, trained by llm-foundry 0.22 itself: its
+    hf_checkpointer and inmemory logger are refused by name; without them it composes."""
+    paths = [
+        f"variables.data_local={FIXTURES / 'mds'}",
+        f"tokenizer.name={FIXTURES / 'tokenizer'}",
+    ]
+    cfg = load(FIXTURES / "alibi" / "train.yaml", paths)
+    with pytest.raises(UserError, match="llm-foundry key callbacks.hf_checkpointer: no Hugging"):
+        translate(cfg, {})
+    del cfg["callbacks"]["hf_checkpointer"]
+    with pytest.raises(UserError, match="llm-foundry key loggers.inmemory"):
+        translate(cfg, {})
+    del cfg["loggers"]
+    out = composed(translate(cfg, {}))
+    assert (out.model.alibi, out.model.learned_pos_emb, out.model.vocab_size) == (True, False, 320)
+    assert (out.data.remote, out.data.shuffle, out.data.eval_split) == (
+        str(FIXTURES / "mds"),
+        False,
+        None,
+    )
+    assert (out.eval_interval, out.max_duration, out.optimizer.weight_decay) == ("1ep", "8ba", 1e-5)
+
+
+def test_train_script_prints_the_config_their_yaml_became(foundry_dir):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/train.py"), "foundry.yaml",
+         "model.n_layers=3", "--cfg", "job"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert (printed["model"]["n_layers"], printed["run_name"]) == (3, "tiny-foundry")
+    assert printed["data"]["remote"] == "./my-mds" and printed["max_duration"] == "4ba"
+    assert "llm-foundry fsdp_config: one process trains without FSDP" in result.stderr

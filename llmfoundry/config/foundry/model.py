@@ -18,7 +18,6 @@ from typing import Any
 
 from llmfoundry.config.foundry.common import check_known, only, refuse, section
 from llmfoundry.config.foundry.native import Native, Prep
-from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 from llmfoundry.utils.errors import UserError
 
 WEIGHTS_ONLY = [
@@ -57,6 +56,9 @@ def model(cfg: Mapping[str, Any], out: Native, prep_root: str) -> None:
             "model.peft_config", "LoRA/PEFT adapters are not supported; finetune all weights"
         )
     if name == "mpt_causal_lm":
+        # Imported here: it loads torch (models/norms.py), which the other checks do without.
+        from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
+
         out.groups["model"] = "mpt-tiny"  # every field is set below
         try:
             fields = mpt_config_from_foundry(node, where="model", weights_loaded=_loads(cfg))
@@ -94,6 +96,7 @@ def _hf_causal_lm(
             "downloaded from the Hub here; download it (huggingface-cli download NAME "
             "--local-dir DIR) and give DIR",
         )
+    _check_family(folder)
     only(
         "model.pretrained",
         node.get("pretrained", True),
@@ -123,6 +126,17 @@ def _hf_causal_lm(
     out.groups["model"] = "from_checkpoint"
     out.set("load_path", target)
     out.set("load_ignore_keys", list(WEIGHTS_ONLY))
+
+
+def _check_family(folder: str) -> None:
+    """Refuse a folder of a family we do not have (gpt2, opt, dbrx, ...) before anything runs;
+    the registry (models/families.py, which imports torch) is asked only for such a YAML."""
+    from llmfoundry.models.families import family_of_hf
+
+    try:
+        family_of_hf(folder)
+    except UserError as err:
+        raise refuse("model.pretrained_model_name_or_path", str(err)) from None
 
 
 def tokenizer(cfg: Mapping[str, Any], out: Native) -> None:

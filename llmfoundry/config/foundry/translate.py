@@ -49,6 +49,8 @@ def load(path: str | Path, args: Sequence[str] = ()) -> dict[str, Any]:
 def translate(cfg: Mapping[str, Any], env: Mapping[str, str], prep_root: str = PREP_ROOT) -> Native:
     """Our config for llm-foundry train config `cfg` (as `load` returns it); `env` gives
     $RUN_NAME and, under torchrun, WORLD_SIZE / LOCAL_WORLD_SIZE."""
+    out = Native()
+    model.model(cfg, out, prep_root)  # first: what the model is decides most refusals
     unknown = sorted(set(cfg) - set(HANDLED) - set(NOTED) - set(REFUSED_UNLESS))
     if unknown:
         raise refuse(
@@ -59,8 +61,6 @@ def translate(cfg: Mapping[str, Any], env: Mapping[str, str], prep_root: str = P
     for key, (accepted, instead) in REFUSED_UNLESS.items():
         if key in cfg:
             only(key, cfg[key], accepted, instead)
-    out = Native()
-    model.model(cfg, out, prep_root)
     model.tokenizer(cfg, out)
     data.loaders(cfg, out, prep_root)
     training.optimizer(cfg, out)
