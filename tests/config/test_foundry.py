@@ -4,6 +4,8 @@ mapped, noted or refused in one line; the translation composes with conf/ and va
 from __future__ import annotations
 
 import copy
+import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from omegaconf import OmegaConf
 
 from llmfoundry.config.foundry import describe, load, translate
 from llmfoundry.config.foundry.common import composer_time
+from llmfoundry.config.foundry.prep import make
 from llmfoundry.config.foundry.translate import HANDLED, NOTED, REFUSED_UNLESS
 from llmfoundry.config.preflight import compose_config
 from llmfoundry.config.train_config import validate_config
@@ -23,6 +26,7 @@ from llmfoundry.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
+FIXTURES = ROOT / "tests" / "fixtures" / "foundry"
 
 # The fields of llm-foundry 0.22.0's TrainConfig (llmfoundry/utils/config_utils.py,
 # TRAIN_CONFIG_KEYS), as that release lists them.
@@ -347,8 +351,10 @@ def test_streams_and_labelled_eval_loaders(foundry_dir):
 
 
 def test_their_finetuning_jsonl_becomes_instruction_rows_made_before_the_run(foundry_dir):
-    (foundry_dir / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    lines = [f'{{"prompt": "say {i}", "response": "the number {i}"}}' for i in range(20)]
+    (foundry_dir / "sft.jsonl").write_text("\n".join(lines) + "\n")
     cfg = base()
+    cfg["tokenizer"]["name"] = str(FIXTURES / "tokenizer")
     cfg["train_loader"] = {
         "name": "finetuning",
         "dataset": {
@@ -371,6 +377,9 @@ def test_their_finetuning_jsonl_becomes_instruction_rows_made_before_the_run(fou
     assert out.data._target_ == "llmfoundry.data.StreamingTextDataset"
     assert (out.data.remote, out.data.eval_split) == (step.target, None)
     assert step.target.startswith("prepared/instructions-")
+    make(step)
+    meta = json.loads((foundry_dir / step.target / "meta.json").read_text())
+    assert meta["seq_len"] == 32 and not meta["packed"] and meta["examples"] == 20
     hub = copy.deepcopy(cfg)
     hub["train_loader"]["dataset"].update(hf_name="mosaicml/dolly_hhrlhf", hf_kwargs={})
     with pytest.raises(UserError, match="train_loader.dataset.hf_name: 'mosaicml/dolly_hhrlhf'"):
@@ -378,51 +387,52 @@ def test_their_finetuning_jsonl_becomes_instruction_rows_made_before_the_run(fou
 
 
 def test_hf_causal_lm_folder_is_imported_and_trained_from(foundry_dir):
-    folder = foundry_dir / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text('{"model_type": "llama"}')
+    """llm-foundry's own HF export (fixtures: MPTForCausalLM with auto_map) as hf_causal_lm:
+    imported before the run, which then starts from its weights with its model config."""
+    folder = FIXTURES / "learned-pos" / "hf-ba4"
     cfg = base()
-    cfg["model"] = {
-        "name": "hf_causal_lm",
-        "pretrained_model_name_or_path": "llama",
-        "pretrained": True,
-    }
+    cfg["model"] = {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(folder)}
     native = translate(cfg, {}, prep_root="prepared")
     (step,) = native.prep
-    assert (step.kind, step.source) == ("import_hf", str(folder))
-    assert native.groups["model"] == "from_checkpoint"
-    assert native.get("load_path") == step.target
-    assert "optimizer" in native.get("load_ignore_keys")
-    cfg["model"]["pretrained_model_name_or_path"] = "meta-llama/Llama-3.1-8B"
-    with pytest.raises(UserError, match="model.pretrained_model_name_or_path: 'meta-llama"):
-        translate(cfg, {})
+    assert (step.kind, step.source, native.groups["model"]) == (
+        "import_hf",
+        str(folder),
+        "from_checkpoint",
+    )
+    assert describe(step) == f"python scripts/import_hf.py {folder} {step.target}"
+    make(step)
+    out = composed(native)  # model=from_checkpoint reads the imported checkpoint's config
+    model = OmegaConf.to_container(out, resolve=True)["model"]
+    assert (model["d_model"], model["alibi"], model["learned_pos_emb"]) == (32, False, True)
+    assert out.load_path == step.target and "optimizer" in out.load_ignore_keys
+    make(step)  # a second launch reuses the import
+    (foundry_dir / "gpt2").mkdir()
+    (foundry_dir / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    for name, message in [
+        ("meta-llama/Llama-3.1-8B", "model.pretrained_model_name_or_path: 'meta-llama"),
+        ("gpt2", "model.pretrained_model_name_or_path: .*model_type 'gpt2' is not supported"),
+    ]:
+        cfg["model"]["pretrained_model_name_or_path"] = name
+        with pytest.raises(UserError, match=message):
+            translate(cfg, {})
 
 
-def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foundry_dir):
+def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foundry_dir, capsys):
+    from_foundry = runpy.run_path(str(ROOT / "scripts" / "from_foundry.py"))["main"]
     conf = foundry_dir / "conf"
     shutil.copytree(CONF, conf)
     out = conf / "experiment" / "from_theirs.yaml"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/from_foundry.py"), "foundry.yaml",
-         "model.n_layers=3", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "+experiment=from_theirs" in result.stdout
+    assert from_foundry(["foundry.yaml", "model.n_layers=3", "--out", str(out)]) == 0
+    assert "+experiment=from_theirs" in capsys.readouterr().out
     assert yaml.safe_load(out.read_text())["model"]["n_layers"] == 3
     native = translate(load("foundry.yaml", ["model.n_layers=3"]), {})
     direct = OmegaConf.to_container(compose_config(conf, native.overrides()))
     via_file = OmegaConf.to_container(compose_config(conf, ["+experiment=from_theirs"]))
     direct.pop("hydra", None), via_file.pop("hydra", None)
     assert via_file == direct
-    again = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/from_foundry.py"), "foundry.yaml", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert again.returncode == 2 and "--overwrite" in again.stderr
-
-
-FIXTURES = ROOT / "tests" / "fixtures" / "foundry"
+    with pytest.raises(SystemExit) as exit_:
+        from_foundry(["foundry.yaml", "--out", str(out)])
+    assert exit_.value.code == 2 and "--overwrite" in capsys.readouterr().err
 
 
 def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
