@@ -19,7 +19,7 @@ from llmfoundry.config.foundry import describe, load, translate
 from llmfoundry.config.foundry.common import composer_time
 from llmfoundry.config.foundry.prep import make
 from llmfoundry.config.foundry.translate import HANDLED, NOTED, REFUSED_UNLESS
-from llmfoundry.config.preflight import compose_config
+from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.config.train_config import validate_config
 from llmfoundry.core.time import Time
 from llmfoundry.utils.errors import UserError
@@ -470,3 +470,28 @@ def test_train_script_prints_the_config_their_yaml_became(foundry_dir):
     assert (printed["model"]["n_layers"], printed["run_name"]) == (3, "tiny-foundry")
     assert printed["data"]["remote"] == "./my-mds" and printed["max_duration"] == "4ba"
     assert "llm-foundry fsdp_config: one process trains without FSDP" in result.stderr
+
+
+def test_readme_block_runs_as_written(foundry_dir, capsys):
+    """README "llm-foundry train YAMLs": each command, with our YAML as mpt-small-cpu.yaml and
+    conf/ copied (the experiment file goes there): train.py's translation passes the config
+    check train.py runs first, from_foundry.py writes the file, +experiment= composes it."""
+    from tests.e2e.test_readme_blocks import commands, readme_blocks
+
+    (block,) = [b for b in readme_blocks() if b.head.startswith("python scripts/train.py mpt-")]
+    shutil.copy(foundry_dir / "foundry.yaml", foundry_dir / "mpt-small-cpu.yaml")
+    shutil.copytree(CONF, foundry_dir / "conf")
+    from_foundry = runpy.run_path(str(ROOT / "scripts" / "from_foundry.py"))["main"]
+    ran = []
+    for program, script, *args in commands(block):
+        assert program == "python"
+        if script == "scripts/from_foundry.py":
+            assert from_foundry(args) == 0
+        elif args[0].endswith(".yaml"):
+            overrides = [a for a in args[1:] if "=" in a]
+            check(foundry_dir / "conf", translate(load(args[0], overrides), {}).overrides())
+        else:
+            check(foundry_dir / "conf", args)
+        ran.append(script)
+    assert ran == ["scripts/train.py"] * 2 + ["scripts/from_foundry.py", "scripts/train.py"]
+    assert (foundry_dir / "conf" / "experiment" / "mine.yaml").is_file()
