@@ -315,9 +315,8 @@ def test_streams_and_labelled_eval_loaders(foundry_dir):
     cfg["train_loader"]["dataset"] = {
         "streams": {
             "web": {"remote": "s3://b/web", "local": "/tmp/web", "proportion": 0.75},
-            "code": {"local": "./code", "proportion": 0.25},
+            "code": {"local": "./code", "split": "train", "proportion": 0.25},
         },
-        "split": "train",
         "shuffle": True,
         "num_canonical_nodes": 4,
         "shuffle_block_size": 1000,
@@ -325,12 +324,14 @@ def test_streams_and_labelled_eval_loaders(foundry_dir):
         "shuffle_algo": "py1e",
     }
     own = {"local": "./my-mds", "split": "val"}
+    val_streams = copy.deepcopy(cfg["train_loader"]["dataset"]["streams"])
+    del val_streams["code"]["split"]  # the streams' split: the loader's (train, val)
     cfg["eval_loader"] = None
     cfg["eval_loaders"] = [
         {
             "label": "c4",
             "name": "text",
-            "dataset": {**cfg["train_loader"]["dataset"], "split": "val"},
+            "dataset": {**cfg["train_loader"]["dataset"], "streams": val_streams, "split": "val"},
         },
         {"label": "mine", "name": "text", "dataset": own},
     ]
@@ -406,6 +407,17 @@ def test_hf_causal_lm_folder_is_imported_and_trained_from(foundry_dir):
     assert (model["d_model"], model["alibi"], model["learned_pos_emb"]) == (32, False, True)
     assert out.load_path == step.target and "optimizer" in out.load_ignore_keys
     make(step)  # a second launch reuses the import
+    # The published finetuning recipes' config_overrides: kernel switches, a shorter context.
+    cfg["model"]["config_overrides"] = {
+        "max_seq_len": 16,
+        "attn_config": {"attn_impl": "flash", "attn_uses_sequence_id": False},
+    }
+    cfg["load_weights_only"] = True  # without load_path: nothing more is loaded
+    notes = translate(cfg, {}, prep_root="prepared").notes
+    assert any("config_overrides.max_seq_len: rows are max_seq_len long" in n for n in notes)
+    cfg["model"]["config_overrides"]["max_seq_len"] = 64
+    with pytest.raises(UserError, match="model.config_overrides.max_seq_len: 64: the folder's"):
+        translate(cfg, {})
     (foundry_dir / "gpt2").mkdir()
     (foundry_dir / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
     for name, message in [

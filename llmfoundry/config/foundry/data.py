@@ -102,10 +102,11 @@ def _dataset(
         out.note(f"{where[: -len('.dataset')]}.persistent_workers", _NOTED["persistent_workers"])
     if kind == "finetuning":
         _finetuning(where, node, cfg, out, prep_root)
+    node["split"] = _split(where, node)
     source = _source(where, node)
     for key, value in source.items():
         out.set(f"data.{key}", Whole(value) if isinstance(value, dict) else value)
-    out.set("data.train_split", node.get("split") or "train")
+    out.set("data.train_split", node["split"] or "train")
     out.set("data.shuffle", bool(node.get("shuffle", False)))
     for theirs, ours in _SAME.items():
         if theirs in node:
@@ -120,6 +121,14 @@ def _check_seq_len(where: str, node: Mapping[str, Any], cfg: Mapping[str, Any]) 
             f"{node['max_seq_len']} differs from max_seq_len={cfg.get('max_seq_len')}; here one "
             "max_seq_len sets the rows' length: make them equal",
         )
+
+
+def _split(where: str, node: Mapping[str, Any]) -> str | None:
+    """The loader's split: dataset.split, else the one split its streams name."""
+    splits = {dict(s).get("split") for s in dict(node.get("streams") or {}).values()} - {None}
+    if node.get("split") is None and len(splits) == 1:
+        return splits.pop()
+    return node.get("split")
 
 
 def _source(where: str, node: Mapping[str, Any]) -> dict[str, Any]:
@@ -245,8 +254,9 @@ def _evals(cfg: Mapping[str, Any], train_source: Mapping[str, Any], out: Native)
                 "--tokenizer TOK --seq-len N --out DIR) and give the loaders dataset.remote: DIR",
             )
         _check_seq_len(f"{where}.dataset", node, cfg)
+        node["split"] = _split(f"{where}.dataset", node)
         source = _source(f"{where}.dataset", node)
-        this = node.get("split") or "val"
+        this = node["split"] or "val"
         if split is not None and this != split:
             raise refuse(f"{where}.dataset.split", f"{this!r}: every eval set reads {split!r} here")
         split = this

@@ -41,6 +41,8 @@ _HF_KEYS = {
     "config_overrides",
     "loss_fn",
 }
+# A transformers config's context-length keys (MPT, Llama and GPT-2 style).
+_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions")
 _REFUSED_MODELS = {
     "hf_t5": "encoder-decoder (T5) models are not supported here; decoder-only MPT and Llama are",
 }
@@ -103,12 +105,7 @@ def _hf_causal_lm(
         True,
         "to train from scratch use model: {name: mpt_causal_lm, ...} or our model=llama-*",
     )
-    only(
-        "model.config_overrides",
-        node.get("config_overrides") or {},
-        {},
-        "the folder's config.json is taken as it is; edit it or use mpt_causal_lm",
-    )
+    _config_overrides(folder, dict(node.get("config_overrides") or {}), out)
     if node.get("trust_remote_code"):
         out.note("model.trust_remote_code", "the folder is read without running its code")
     for key in ("use_auth_token", "use_flash_attention_2", "loss_fn", "init_device"):
@@ -126,6 +123,31 @@ def _hf_causal_lm(
     out.groups["model"] = "from_checkpoint"
     out.set("load_path", target)
     out.set("load_ignore_keys", list(WEIGHTS_ONLY))
+
+
+def _config_overrides(folder: str, overrides: dict[str, Any], out: Native) -> None:
+    """The published recipes' overrides of the folder's config.json: the attention kernel and
+    sequence-id switch (notes: ours picks its kernel and masks by the data), and a context
+    length up to the folder's (rows are max_seq_len long; the model keeps its own limit).
+    Anything else would change the model the weights were trained as: refused."""
+    from llmfoundry.models.hf_config import read_config_json
+
+    where = "model.config_overrides"
+    attn = dict(overrides.pop("attn_config", None) or {})
+    check_known(f"{where}.attn_config", attn, {"attn_impl", "attn_uses_sequence_id"})
+    for key in attn:
+        out.note(f"{where}.attn_config.{key}", "the kernel is sdpa; documents are masked by data")
+    folder_cfg = read_config_json(folder)
+    for key, value in overrides.items():
+        lengths = [folder_cfg[k] for k in _LENGTH_KEYS if k in folder_cfg]
+        limit = lengths[0] if key in _LENGTH_KEYS and lengths else None
+        if limit is None or not isinstance(value, int) or value > limit:
+            raise refuse(
+                f"{where}.{key}",
+                f"{value!r}: the folder's config.json is taken as it is (a context length "
+                "up to its own is accepted); edit config.json, or set max_seq_len",
+            )
+        out.note(f"{where}.{key}", f"rows are max_seq_len long; the model's limit stays {limit}")
 
 
 def _check_family(folder: str) -> None:

@@ -128,10 +128,10 @@ def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     out.set("autoresume", bool(cfg.get("autoresume", False)))
     if cfg.get("load_path"):
         out.set("load_path", _run_name_field("load_path", cfg["load_path"]))
-    if cfg.get("load_weights_only"):
-        if not cfg.get("load_path"):
-            raise refuse("load_weights_only", "set, but load_path is not")
+    if cfg.get("load_weights_only") and cfg.get("load_path"):
         out.set("load_ignore_keys", list(model.WEIGHTS_ONLY))
+    elif cfg.get("load_weights_only"):
+        out.note("load_weights_only", "no load_path: nothing is loaded (as in llm-foundry)")
 
 
 def _run_name_field(key: str, value: str | None) -> str | None:
