@@ -291,6 +291,27 @@ def test_keys_we_cannot_honour_are_refused_in_one_line_naming_them(
         assert instead in message
 
 
+def test_loggers_and_callbacks_take_composers_defaults(foundry_dir):
+    cfg = base()
+    cfg["loggers"] = {"wandb": {"project": "p", "tags": ["a"]}, "tensorboard": {}}
+    cfg["callbacks"] = {"speed_monitor": {"gpu_flops_available": 1e12}}
+    cfg["progress_bar"], cfg["console_log_interval"] = True, 5
+    with pytest.raises(UserError, match="console_log_interval: 5ep: give it in batches"):
+        translate(cfg, {})  # Composer counts a bare integer in epochs
+    cfg["console_log_interval"] = "5ba"
+    out = composed(translate(cfg, {}))
+    assert list(out.loggers) == ["console", "progress", "jsonl", "wandb", "tensorboard"]
+    assert (out.loggers.wandb.project, list(out.loggers.wandb.tags)) == ("p", ["a"])
+    assert out.loggers.tensorboard.flush_interval == "100ba"  # Composer's default
+    assert (out.callbacks.speed_monitor.window_size, out.callbacks.speed_monitor.peak_flops) == (
+        100,
+        1e12,
+    )
+    cfg["loggers"]["wandb"]["log_artifacts"] = True
+    with pytest.raises(UserError, match="loggers.wandb.log_artifacts: True is not supported"):
+        translate(cfg, {})
+
+
 def test_fsdp_config_under_torchrun_is_our_fsdp_strategy(foundry_dir):
     env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
     cfg = _with("precision", "amp_bf16")

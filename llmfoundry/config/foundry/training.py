@@ -34,6 +34,9 @@ _SCHEDULER_KEYS = {
 }
 
 
+_NO_ARTIFACTS = "checkpoints are not uploaded to W&B here; save_folder takes an s3:// URL"
+
+
 def optimizer(cfg: dict[str, Any], out: Native) -> None:
     node = section(cfg, "optimizer")
     name = node.pop("name", None)
@@ -123,17 +126,14 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
         node = dict(node or {})
         key = f"callbacks.{name}"
         if name == "speed_monitor":
-            check_known(key, node, {"window_size", "gpu_flops_available"})
-            if "window_size" in node:
-                out.set(f"{key}.window_size", node["window_size"])
+            check_known(key, node, {"window_size", "gpu_flops_available", "time_unit"})
+            out.set(f"{key}.window_size", node.get("window_size", 100))  # Composer's default
             if node.get("gpu_flops_available") is not None:
                 out.set(f"{key}.peak_flops", float(node["gpu_flops_available"]))
         elif name == "runtime_estimator":
             check_known(key, node, {"skip_batches", "time_unit"})
             if "skip_batches" in node:
                 out.set(f"{key}.skip_batches", node["skip_batches"])
-            if "time_unit" in node:
-                out.note(f"{key}.time_unit", "the estimate is printed in minutes and hours here")
         elif name in ("lr_monitor", "memory_monitor"):
             check_known(key, node, set())
         elif name == "hf_checkpointer":
@@ -148,6 +148,8 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
                 "not supported here (speed_monitor, lr_monitor, memory_monitor and "
                 "runtime_estimator are; ours: conf/callbacks/)",
             )
+        if "time_unit" in node:
+            out.note(f"{key}.time_unit", "times are reported in seconds and minutes here")
         chosen.append(name)
     out.groups["callbacks"] = chosen
 
@@ -168,7 +170,9 @@ def loggers(cfg: dict[str, Any], out: Native) -> None:
     for name, node in section(cfg, "loggers").items():
         node = dict(node or {})
         key = f"loggers.{name}"
+        only(f"{key}.rank_zero_only", node.pop("rank_zero_only", True), True, "rank 0 logs here")
         if name == "wandb":
+            only(f"{key}.log_artifacts", node.pop("log_artifacts", False), False, _NO_ARTIFACTS)
             check_known(key, node, {"project", "entity", "name", "group", "tags", "init_kwargs"})
             for field, value in node.items():
                 out.set(f"{key}.{field}", value)
@@ -176,8 +180,8 @@ def loggers(cfg: dict[str, Any], out: Native) -> None:
             check_known(key, node, {"log_dir", "flush_interval"})
             if "log_dir" in node:
                 out.set(f"{key}.log_dir", node["log_dir"])
-            if "flush_interval" in node:
-                out.set(f"{key}.flush_interval", composer_time(key, node["flush_interval"], "ba"))
+            interval = node.get("flush_interval", 100)  # Composer's default, in batches
+            out.set(f"{key}.flush_interval", composer_time(f"{key}.flush_interval", interval, "ba"))
         else:
             raise refuse(key, "not supported here (wandb and tensorboard are; conf/loggers/)")
         chosen.append(name)
