@@ -102,7 +102,7 @@ def _dataset(
         out.note(f"{where[: -len('.dataset')]}.persistent_workers", _NOTED["persistent_workers"])
     if kind == "finetuning":
         _finetuning(where, node, cfg, out, prep_root)
-    node["split"] = _split(where, node)
+    node["split"] = _split(node)
     source = _source(where, node)
     for key, value in source.items():
         out.set(f"data.{key}", Whole(value) if isinstance(value, dict) else value)
@@ -123,7 +123,7 @@ def _check_seq_len(where: str, node: Mapping[str, Any], cfg: Mapping[str, Any]) 
         )
 
 
-def _split(where: str, node: Mapping[str, Any]) -> str | None:
+def _split(node: Mapping[str, Any]) -> str | None:
     """The loader's split: dataset.split, else the one split its streams name."""
     splits = {dict(s).get("split") for s in dict(node.get("streams") or {}).values()} - {None}
     if node.get("split") is None and len(splits) == 1:
@@ -178,8 +178,9 @@ def _finetuning(
     hf_name = node.pop("hf_name", None)
     kwargs = dict(node.pop("hf_kwargs", None) or {})
     if hf_name is None:
-        if node.get("remote") or node.get("local"):
-            out.note(where, "reads instruction MDS rows from data_prep/instructions_to_mds.py")
+        out.note(where, "reads instruction MDS rows from data_prep/instructions_to_mds.py")
+        if packing is not None:
+            out.note(f"{where}.packing_ratio", "rows were packed (or not) when they were made")
         return
     split = node.get("split") or "train"
     jsonl = _jsonl_file(where, hf_name, kwargs, split)
@@ -226,6 +227,23 @@ def _digest(path: str, options: Mapping[str, Any]) -> str:
     return "instructions-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_EVAL_SOURCE = {"remote", "local", "streams", "split", "max_seq_len"}
+
+
+def _note_eval_settings(
+    where: str, loader: Mapping[str, Any], node: Mapping[str, Any], out: Native
+) -> None:
+    """An eval loader's own settings, which evaluation here does not take (one note)."""
+    keys = sorted(set(loader) - {"name", "dataset"}) + sorted(
+        f"dataset.{k}" for k in set(node) - _EVAL_SOURCE
+    )
+    if keys:
+        out.note(
+            f"{where}.{{{','.join(keys)}}}",
+            "evaluation reads every sample once, in order, with train_loader's loader settings",
+        )
+
+
 def _evals(cfg: Mapping[str, Any], train_source: Mapping[str, Any], out: Native) -> None:
     """eval_loader / eval_loaders: the one reading the train data is our eval_split; others
     (by label) are data.eval_datasets, read at that split."""
@@ -254,7 +272,8 @@ def _evals(cfg: Mapping[str, Any], train_source: Mapping[str, Any], out: Native)
                 "--tokenizer TOK --seq-len N --out DIR) and give the loaders dataset.remote: DIR",
             )
         _check_seq_len(f"{where}.dataset", node, cfg)
-        node["split"] = _split(f"{where}.dataset", node)
+        _note_eval_settings(where, loader, node, out)
+        node["split"] = _split(node)
         source = _source(f"{where}.dataset", node)
         this = node["split"] or "val"
         if split is not None and this != split:
