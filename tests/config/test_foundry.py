@@ -450,6 +450,28 @@ def test_hf_causal_lm_folder_is_imported_and_trained_from(foundry_dir):
             translate(cfg, {})
 
 
+def test_hf_causal_lm_not_pretrained_trains_the_folders_architecture_from_our_init(foundry_dir):
+    """pretrain/hf-llama-3.1-8B.yaml's way (pretrained: false): config.json alone."""
+    folder = foundry_dir / "llama"
+    folder.mkdir()
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320}
+    config = {"model_type": "llama", **sizes, **heads, "max_position_embeddings": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = base()
+    cfg["model"] = {"name": "hf_causal_lm", "pretrained_model_name_or_path": "llama"}
+    cfg["model"]["pretrained"] = False
+    native = translate(cfg, {})
+    assert not native.prep and native.groups["model"] == "llama-tiny"
+    out = composed(native)
+    assert out.model._target_ == "llmfoundry.models.llama.LlamaConfig"
+    assert (out.model.d_model, out.model.n_kv_heads, out.model.ffn_hidden_size) == (32, 2, 64)
+    assert (out.model.max_seq_len, out.model.vocab_size, out.model.n_layers) == (64, 320, 2)
+    cfg["model"]["pretrained_model_name_or_path"] = str(FIXTURES / "alibi" / "hf-ba4")
+    out = composed(translate(cfg, {}))  # llm-foundry's own MPT export, weights not read
+    assert out.model._target_ == "llmfoundry.models.mpt.MPTConfig" and out.model.alibi
+
+
 def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foundry_dir, capsys):
     from_foundry = runpy.run_path(str(ROOT / "scripts" / "from_foundry.py"))["main"]
     conf = foundry_dir / "conf"

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.config.foundry.common import check_known, only, refuse, section
-from llmfoundry.config.foundry.native import Native, Prep
+from llmfoundry.config.foundry.common import check_known, refuse, section
+from llmfoundry.config.foundry.native import Native, Prep, Whole
 from llmfoundry.utils.errors import UserError
 
 WEIGHTS_ONLY = [
@@ -41,6 +41,8 @@ _HF_KEYS = {
     "config_overrides",
     "loss_fn",
 }
+# A conf/model option of each family (its fields are all set over it).
+_SIZE_OPTION = {"mpt": "mpt-tiny", "llama": "llama-tiny"}
 # A transformers config's context-length keys (MPT, Llama and GPT-2 style).
 _LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions")
 _REFUSED_MODELS = {
@@ -99,18 +101,15 @@ def _hf_causal_lm(
             "--local-dir DIR) and give DIR",
         )
     _check_family(folder)
-    only(
-        "model.pretrained",
-        node.get("pretrained", True),
-        True,
-        "to train from scratch use model: {name: mpt_causal_lm, ...} or our model=llama-*",
-    )
     _config_overrides(folder, dict(node.get("config_overrides") or {}), out)
     if node.get("trust_remote_code"):
         out.note("model.trust_remote_code", "the folder is read without running its code")
     for key in ("use_auth_token", "use_flash_attention_2", "loss_fn", "init_device"):
         if key in node:
             out.note(f"model.{key}", "not needed: local weights, torch attention, one loss")
+    if not node.get("pretrained", True):
+        _architecture_of(folder, out)
+        return
     if cfg.get("load_path"):
         raise refuse(
             "load_path",
@@ -123,6 +122,28 @@ def _hf_causal_lm(
     out.groups["model"] = "from_checkpoint"
     out.set("load_path", target)
     out.set("load_ignore_keys", list(WEIGHTS_ONLY))
+
+
+def _architecture_of(folder: str, out: Native) -> None:
+    """`pretrained: false`: the folder's architecture (config.json alone, no weights read) as
+    our model group's fields, trained from our init."""
+    import importlib
+
+    from llmfoundry.models.families import family_of_hf
+    from llmfoundry.models.hf_config import read_config_json
+    from llmfoundry.models.hf_folder import read_hf_config
+    from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
+
+    family = family_of_hf(folder)
+    if family.name == "mpt":  # llm-foundry's and the Hub's MPT config.json (auto_map) too
+        fields = mpt_config_from_foundry(read_config_json(folder), where="config.json")
+    else:
+        adapter = importlib.import_module(family.hf_adapter)
+        fields = family.recorded_config(adapter.from_hf_config(read_hf_config(folder, ())))
+    out.groups["model"] = _SIZE_OPTION[family.name]  # every field is set below
+    for key, value in fields.items():
+        if key != "_target_":
+            out.set(f"model.{key}", Whole(value) if isinstance(value, dict) else value)
 
 
 def _config_overrides(folder: str, overrides: dict[str, Any], out: Native) -> None:
