@@ -114,9 +114,8 @@ def _batches(cfg: Mapping[str, Any], out: Native) -> None:
 def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     folder = cfg.get("save_folder")
     out.set("save_folder", _run_name_field("save_folder", folder))
-    out.set("save_interval", composer_time("save_interval", cfg.get("save_interval", "1000ba")))
-    if folder is None:
-        out.set("save_interval", None)
+    interval = composer_time("save_interval", cfg.get("save_interval", "1000ba"))
+    out.set("save_interval", interval if folder is not None else None)  # no folder: no saves
     keep = cfg.get("save_num_checkpoints_to_keep", -1)
     if keep == 0:
         raise refuse(
@@ -131,7 +130,7 @@ def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     if cfg.get("load_weights_only") and cfg.get("load_path"):
         out.set("load_ignore_keys", list(model.WEIGHTS_ONLY))
     elif cfg.get("load_weights_only"):
-        out.note("load_weights_only", "no load_path: nothing is loaded (as in llm-foundry)")
+        out.note("load_weights_only", "no load_path: no checkpoint is loaded (as in llm-foundry)")
 
 
 def _run_name_field(key: str, value: str | None) -> str | None:
