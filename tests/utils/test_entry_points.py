@@ -56,6 +56,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "scripts/eval.py": ([nowhere, str(tmp / "task.jsonl")], nowhere),
         "scripts/eval_passkey.py": ([nowhere, "--data", nowhere], "data_prep/passkey.py"),
         "scripts/export_hf.py": ([nowhere, str(tmp / "out")], nowhere),
+        "scripts/from_foundry.py": ([f"{nowhere}.yaml"], "give an llm-foundry train YAML"),
         "scripts/generate.py": ([nowhere, "--prompt", "x"], nowhere),
         "scripts/import_hf.py": ([nowhere, str(tmp / "out")], "not a transformers model folder"),
         "scripts/launch.py": (["render", "local", f"{nowhere}.yaml"], "no job file"),
