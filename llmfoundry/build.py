@@ -22,7 +22,7 @@ from llmfoundry.config import TrainSettings, validate_config
 from llmfoundry.core.metrics import LanguageMetrics
 from llmfoundry.core.precision import resolve_auto
 from llmfoundry.data import build_loaders
-from llmfoundry.data.prep.tokens_to_mds import bytes_per_token
+from llmfoundry.data.meta import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
 from llmfoundry.models.converters import ConversionContext, convert_model, resolve_precision

@@ -89,6 +89,7 @@ def main(cfg: DictConfig) -> float:
     from llmfoundry.checkpoint.lock import LOCK_FILE
     from llmfoundry.config.next_steps import launcher_of, next_steps
     from llmfoundry.launch.sweeps import objective
+    from llmfoundry.tokenizers.tokenizer import tokenizer_exists
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -115,7 +116,18 @@ def main(cfg: DictConfig) -> float:
     if state.rank == 0:
         overrides = hydra_cfg.overrides.task
         launcher = launcher_of(dict(os.environ))
-        print(next_steps(run_dir, cfg.run_name, cfg.save_folder, overrides, launcher=launcher))
+        # Token files made elsewhere come without a tokenizer: the commands then name one.
+        found = isinstance(cfg.tokenizer, str) and tokenizer_exists(cfg.tokenizer)
+        print(
+            next_steps(
+                run_dir,
+                cfg.run_name,
+                cfg.save_folder,
+                overrides,
+                launcher=launcher,
+                tokenizer_found=found,
+            )
+        )
     return objective(state)
 
 

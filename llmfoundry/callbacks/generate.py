@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.loss import IGNORE_INDEX
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.data.meta import made_without_tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.families import find_family
 from llmfoundry.models.generation import (
@@ -22,6 +25,7 @@ from llmfoundry.models.generation import (
 )
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingInput, UserError
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,11 @@ class Generate(Callback):
     leave the training RNG untouched. Every rank generates (a sharded model needs all of them);
     the samples are logged once, by rank 0. `tokenizer`: a tokenizer.json path or URL (the
     config's), or any `Tokenizer`.
+
+    A tokenizer file that does not exist is an error when the run starts (`init`), unless the
+    training data records that it has none (token files made elsewhere, such as nanoGPT's
+    ``train.bin``, whose default ``${data.remote}/tokenizer.json`` is absent): then the samples
+    are skipped with one warning saying how to get them, and training goes on.
     """
 
     runs_the_model = True
@@ -65,7 +74,9 @@ class Generate(Callback):
             )
         if prompt_tokens < 1:
             raise UserError(f"callbacks.generate.prompt_tokens={prompt_tokens} must be >= 1")
+        # None: the file is missing, which `init` refuses or skips once it knows the data.
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else _load(tokenizer)
+        self.tokenizer_spec = tokenizer
         self.prompts = None if prompts is None else list(prompts)
         self.prompt_tokens = prompt_tokens
         self._data_prompt: list[int] | None = None  # token ids, from the first validation row
@@ -73,11 +84,35 @@ class Generate(Callback):
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
         )
 
+    def init(self, state: State, logger: Logger) -> None:
+        """A missing tokenizer: skipped with one warning for data made without one, else
+        refused (a wrong path), before any training step."""
+        if self.tokenizer is not None:
+            return
+        if not made_without_tokenizer(_training_meta(state)):
+            raise MissingInput(
+                f"tokenizer file {self.tokenizer_spec!r} not found: data_prep/tokens_to_mds.py "
+                "writes tokenizer.json next to the shards; set tokenizer=<path to "
+                "tokenizer.json>, or leave out the samples with "
+                "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]"
+            )
+        log.warning(
+            "generate: no samples at the end: the training data was made without a tokenizer "
+            "and %r does not exist; to get samples, name the tokenizer the tokens came from, "
+            "e.g. tokenizer=tiktoken:gpt2 (nanoGPT's), tokenizer=<tokenizer.json or .model>",
+            self.tokenizer_spec,
+            extra=SAME_ON_EVERY_RANK,
+        )
+
     def eval_batch_start(self, state: State, logger: Logger) -> None:
+        if self.tokenizer is None:
+            return
         if self.prompts is None and self._data_prompt is None:
             self._data_prompt = row_prompt(state.batch, self.prompt_tokens)
 
     def fit_end(self, state: State, logger: Logger) -> None:
+        if self.tokenizer is None:
+            return
         prompts = self._prompts()  # on every rank: rank 0's is broadcast
         model = unwrap_model(state.model)
         if find_family(model) is None:
@@ -133,17 +168,20 @@ def row_prompt(batch: dict[str, torch.Tensor] | None, prompt_tokens: int) -> lis
     return row[:prompt_tokens].tolist()
 
 
-def _load(tokenizer: str) -> Tokenizer:
-    """The tokenizer at `tokenizer`; a missing or unreadable file is a one-line error."""
+def _training_meta(state: State) -> Mapping[str, Any] | None:
+    """What data prep recorded about the training data: the builder's loaders hold a dataset
+    with its sidecar or meta.json (`meta`); None for any other loader."""
+    dataset = getattr(state.train_dataloader, "streaming_dataset", None)
+    return getattr(dataset, "meta", None)
+
+
+def _load(tokenizer: str) -> Tokenizer | None:
+    """The tokenizer at `tokenizer`, None where there is no such file; an unreadable one is a
+    one-line error."""
     try:
         return prepare_tokenizer(tokenizer, require_eos=False)  # sampling stops at the length
     except FileNotFoundError:
-        raise MissingInput(
-            f"tokenizer file {tokenizer!r} not found: data_prep/tokens_to_mds.py writes "
-            "tokenizer.json next to the shards; set tokenizer=<path to tokenizer.json>, or "
-            "leave out the samples with "
-            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]"
-        ) from None
+        return None
     except Exception as err:  # the tokenizers library raises plain Exceptions on bad files
         raise UserError(
             f"tokenizer={tokenizer!r} is not a readable tokenizer ({err}); point tokenizer= "

@@ -45,7 +45,7 @@ from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
 from llmfoundry.data.prep.instructions import trained_chat_template
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
-from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX
+from llmfoundry.tokenizers.tokenizer import tokenizer_exists
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 from llmfoundry.utils.storage import url_to_fs
@@ -160,11 +160,7 @@ def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
     if url_to_fs(own)[0].exists(own):
         return own
     recorded = (state.get("config") or {}).get("tokenizer")
-    if isinstance(recorded, str) and recorded.startswith(TIKTOKEN_PREFIX):
-        return recorded  # a name, not a file: tiktoken's cache holds it
-    if isinstance(recorded, str) and url_to_fs(recorded)[0].exists(recorded):
-        return recorded
-    return None
+    return recorded if isinstance(recorded, str) and tokenizer_exists(recorded) else None
 
 
 def save_weights(

@@ -17,10 +17,12 @@ _RESUME_KEYS = ("run_name", "autoresume")
 
 def launcher_of(env: dict[str, str]) -> list[str]:
     """The command that started this process's training script, as far as torchrun's variables
-    say (per node: a multi-node run repeats it on each node, as it was launched)."""
+    say (per node: a multi-node run repeats it on each node, as it was launched), through the
+    README's torchrun launcher."""
     if int(env.get("WORLD_SIZE", "1")) <= 1:
         return ["python"]
-    launcher = ["torchrun", f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}"]
+    nproc = f"--nproc_per_node={env.get('LOCAL_WORLD_SIZE', '1')}"
+    launcher = ["python", "scripts/torchrun.py", nproc]
     nodes = int(env["WORLD_SIZE"]) // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
     return launcher + ([f"--nnodes={nodes}", "..."] if nodes > 1 else [])
 
@@ -44,6 +46,7 @@ def next_steps(
     overrides: Sequence[str],
     cwd: Path | None = None,
     launcher: Sequence[str] = ("python",),
+    tokenizer_found: bool = True,
 ) -> str:
     """The run folder and the commands that generate from, serve, resume and list this run.
 
@@ -51,7 +54,8 @@ def next_steps(
     them with this run's name and autoresume=true, so it continues this run, not a new one;
     credentials in them are printed `<redacted>` (put them back, or better, in the environment).
     `launcher` starts the resume command (`torchrun --nproc_per_node=8` for a torchrun run:
-    its strategy refuses to start without one).
+    its strategy refuses to start without one). Without `tokenizer_found` (token files made
+    elsewhere, trained without their tokenizer) generating and serving need one named.
     """
     cwd = cwd or Path(os.getcwd())
     folder = shown_path(run_dir, cwd)
@@ -60,9 +64,22 @@ def next_steps(
     commands: list[tuple[str, str]] = []
     if save_folder:
         checkpoints = shlex.quote(redact_argv([shown_path(save_folder, cwd)])[0])
+        named, whose = "", ""
+        if not tokenizer_found:
+            named = " --tokenizer TOKENIZER"
+            whose = (
+                "; TOKENIZER: the one your tokens came from (tiktoken:gpt2 for nanoGPT's, "
+                "a tokenizer.json or .model)"
+            )
         commands += [
-            (f"python scripts/generate.py {checkpoints} --prompt 'def '", "sample from it"),
-            (f"python scripts/serve.py {checkpoints}", "chat with it (OpenAI API, port 8000)"),
+            (
+                f"python scripts/generate.py {checkpoints}{named} --prompt 'def '",
+                f"sample from it{whose}",
+            ),
+            (
+                f"python scripts/serve.py {checkpoints}{named}",
+                "chat with it (OpenAI API, port 8000)",
+            ),
         ]
         kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _RESUME_KEYS]
         kept = redact_argv(kept)

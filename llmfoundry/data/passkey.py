@@ -21,7 +21,6 @@ data.remote=<out>` trains on it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.meta import meta_url, read_meta, write_meta
 from llmfoundry.utils.errors import MissingInput, UserError
 
 __all__ = ["PasskeyTask", "score_passkey", "write_passkey_dataset"]
@@ -124,19 +124,24 @@ def write_passkey_dataset(
         "splits": {"train": {"rows": train_rows}, "val": {"rows": val_rows}},
         "seed": seed,
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_meta(str(out), meta)
     return meta
 
 
 def read_task(folder: str | Path) -> PasskeyTask:
     """The task a passkey dataset folder was written with (from its meta.json)."""
-    path = Path(folder) / "meta.json"
-    if not path.exists():
-        raise MissingInput(f"{path} not found: point at a folder written by data_prep/passkey.py")
-    meta = json.loads(path.read_text())
+    meta = read_meta(str(folder))
+    where = meta_url(str(folder))
+    if meta is None:
+        raise MissingInput(f"{where} not found: point at a folder written by data_prep/passkey.py")
     if meta.get("format") != META_FORMAT:
-        raise UserError(f"{path} is not a passkey dataset (format {meta.get('format')!r})")
-    return PasskeyTask(meta["seq_len"], meta["n_digits"], meta["n_filler"])
+        raise UserError(f"{where} is not a passkey dataset (format {meta.get('format')!r})")
+    fields = ("seq_len", "n_digits", "n_filler")
+    if not all(isinstance(meta.get(name), int) for name in fields):
+        raise UserError(
+            f"{where} lacks the task's {', '.join(fields)}; rewrite it with data_prep/passkey.py"
+        )
+    return PasskeyTask(*(meta[name] for name in fields))
 
 
 @torch.no_grad()

@@ -29,7 +29,6 @@ same number of samples, a few repeated when the epoch does not divide by the wor
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -38,12 +37,11 @@ import numpy as np
 import torch
 
 from llmfoundry.data.mds import NDArray, get_encoding
+from llmfoundry.data.meta import META_FILE, meta_url, read_meta
 from llmfoundry.data.streaming import StreamingDataset
 from llmfoundry.data.streaming.checks import check_int
-from llmfoundry.data.streaming.node import NodeShare
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
-from llmfoundry.utils.storage import open_url
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 
 __all__ = ["StreamingTextDataset", "check_vocab", "resolve_eos", "sequence_ids_from_eos"]
 
@@ -91,8 +89,8 @@ class StreamingTextDataset(StreamingDataset):
         check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
         self.max_seq_len = max_seq_len
         self.pad_to_multiple_of = pad_to_multiple_of
-        self.meta_url = None if self.remote is None else join_url(self.remote, "meta.json")
-        self.meta = _read_meta(self.meta_url, self.storage_options, self.caches[0].node)
+        self.meta_url = None if self.remote is None else meta_url(self.remote)
+        self.meta = read_meta(self.remote, self.storage_options, self.caches[0].node)
         self.eos_id = resolve_eos(sequence_id_from_eos, self.meta, self.meta_url)
         shards = [(c, s) for c in self.caches for s in c.shards]
         self.has_sequence_id = all(SEQUENCE_ID in s.column_names for _, s in shards)
@@ -253,6 +251,7 @@ def _warn_cut(width: int, max_seq_len: int, where: str) -> None:
         width - max_seq_len,
         width,
         max_seq_len,
+        extra=SAME_ON_EVERY_RANK,
     )
 
 
@@ -283,6 +282,7 @@ def check_vocab(meta: Mapping[str, Any] | None, model_vocab_size: int, where: st
             where,
             model_vocab_size - data_vocab,
             data_vocab,
+            extra=SAME_ON_EVERY_RANK,
         )
 
 
@@ -296,24 +296,6 @@ def sequence_ids_from_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return is_eos.cumsum(dim=1) - is_eos
 
 
-def _read_meta(
-    url: str | None, storage_options: Mapping[str, Any] | None, node: NodeShare | None
-) -> dict | None:
-    """The JSON at ``url``, or None when there is none (data not from data_prep); fetched by
-    the machine's local rank 0 when ``node`` is given (streaming/node.py)."""
-    if url is None:
-        return None
-
-    def fetch() -> bytes:
-        with open_url(url, "rb", **(storage_options or {})) as f:
-            return f.read()
-
-    try:
-        return json.loads(node.get("meta.json", fetch, url) if node is not None else fetch())
-    except FileNotFoundError:
-        return None
-
-
 def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) -> int | None:
     """The token id ``sequence_id_from_eos`` names: an id, ``"auto"`` (``meta``'s eos_id, as
     data_prep recorded it in ``where``), or None (no document ids)."""
@@ -321,7 +303,7 @@ def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) 
         return None
     if option != "auto" and (isinstance(option, bool) or not isinstance(option, int) or option < 0):
         raise UserError(
-            f"sequence_id_from_eos must be null, a token id or 'auto' (meta.json's eos_id), got "
+            f"sequence_id_from_eos must be null, a token id or 'auto' ({META_FILE}'s eos_id), got "
             f"{option!r}"
         )
     if option != "auto":
@@ -329,7 +311,7 @@ def resolve_eos(option: Any, meta: Mapping[str, Any] | None, where: str | None) 
     if meta is None:
         raise UserError(
             f"sequence_id_from_eos=auto reads the eos_id data_prep records, but "
-            f"{where or 'the data (streams have no single meta.json)'} was not found; give the "
+            f"{where or f'the data (streams have no single {META_FILE})'} was not found; give the "
             "eos token id instead"
         )
     eos_id = meta.get("eos_id")

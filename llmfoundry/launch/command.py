@@ -64,13 +64,15 @@ def train_overrides(job: Job, layout: Layout) -> list[str]:
 
 
 def torchrun(python: str, layout: Layout, rendezvous: Sequence[str], script: str) -> str:
-    """The torchrun command line, without the training overrides."""
+    """The torchrun command line, without the training overrides: our launcher
+    (`llmfoundry.launch.torchrun`: torchrun itself, except that a config problem ends in its
+    one line in the job's log, not under torchrun's failure report)."""
     args = [
         f"--nnodes={layout.nodes}",
         f"--nproc_per_node={layout.procs_per_node}",
         *rendezvous,
     ]
-    return " ".join([python, "-m", "torch.distributed.run", *args, shlex.quote(script)])
+    return " ".join([python, "-m", "llmfoundry.launch.torchrun", *args, shlex.quote(script)])
 
 
 def code_lines(job: Job, checkout: str | None, clone_dir: str) -> list[str]:

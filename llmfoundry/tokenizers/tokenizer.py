@@ -38,6 +38,7 @@ __all__ = [
     "prepare",
     "prepare_tokenizer",
     "token_byte_lengths",
+    "tokenizer_exists",
     "train_bpe",
 ]
 
@@ -232,6 +233,15 @@ def _parse(text: str, source: str) -> Tokenizer:
             f"{source} is not a valid tokenizer.json ({reason}); give a file saved by "
             "tokenizers' Tokenizer.save or a transformers fast tokenizer folder"
         ) from None
+
+
+def tokenizer_exists(spec: str) -> bool:
+    """Whether `spec` names a tokenizer there is: ``tiktoken:NAME`` (a name, which tiktoken's
+    cache holds or `prepare_tokenizer` refuses in one line), else a file, folder or URL that
+    exists. Checks existence only; reading it is `prepare_tokenizer`'s."""
+    if spec.startswith(TIKTOKEN_PREFIX):
+        return True
+    return storage.url_to_fs(spec)[0].exists(spec)
 
 
 def prepare_tokenizer(

@@ -4,8 +4,10 @@ Library modules log through ``logging.getLogger(__name__)`` and never check rank
 :func:`configure_logging` (called by ``scripts/train.py`` and the ``data_prep`` scripts) sends
 INFO lines to stdout (the console logger's metric lines among them), warnings and errors to
 stderr, and everything to an optional file (the run folder's ``train.log``). Rank 0 logs everything as plain lines; other ranks log
-only warnings and errors, prefixed ``[rank N]`` so lines of different processes tell apart.
-The progress bar writes to stderr itself and stays out of the file.
+only warnings and errors, prefixed ``[rank N]`` so lines of different processes tell apart;
+a warning every rank would give alike (about the data or the config, which all ranks share) is
+logged with ``extra=SAME_ON_EVERY_RANK`` and shown by rank 0 only. The progress bar writes to
+stderr itself and stays out of the file.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from pathlib import Path
 
 from llmfoundry.utils.secrets import redact_urls
 
-__all__ = ["RankFilter", "configure_logging"]
+__all__ = ["SAME_ON_EVERY_RANK", "RankFilter", "configure_logging"]
 
 _HANDLER_NAME = "llmfoundry"
 _OURS = ("llmfoundry", "__main__")  # loggers shown at ``level``; the scripts log as __main__
+# `log.warning(..., extra=SAME_ON_EVERY_RANK)`: a warning that 8 ranks would repeat 8 times.
+SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
 
 
 class RankFilter(logging.Filter):
-    """Passes every record on rank 0; on other ranks only warnings and errors, rank-prefixed."""
+    """Passes every record on rank 0; on other ranks only warnings and errors, rank-prefixed,
+    except those marked `SAME_ON_EVERY_RANK`."""
 
     def __init__(self, rank: int) -> None:
         super().__init__()
@@ -33,7 +38,11 @@ class RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
         record.prefix = (f"[rank {self.rank}] " if self.rank else "") + level
-        return self.rank == 0 or record.levelno >= logging.WARNING
+        if self.rank == 0:
+            return True
+        return record.levelno >= logging.WARNING and not getattr(
+            record, "same_on_every_rank", False
+        )
 
 
 class _RedactingFormatter(logging.Formatter):

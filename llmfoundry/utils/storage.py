@@ -232,9 +232,10 @@ def open_url(url: str, mode: str = "rb", **kwargs: Any) -> Any:
     return fsspec.open(url, mode, **options_for(url, kwargs))
 
 
-def read_small(url: str, limit: int) -> bytes:
+def read_small(url: str, limit: int, **options: Any) -> bytes:
     """The bytes of the small file `url` (a status file, a ``latest`` pointer, a saved config),
-    read from folders other processes or users write.
+    read from folders other processes or users write; `options`: filesystem options for a URL
+    beside the configured ones (a dataset's own ``storage_options``).
 
     Raises `UserError` for a file larger than `limit` (read no further than that) and, on this
     machine, for what is not a regular file: a FIFO would block the reader forever, a link to
@@ -248,7 +249,7 @@ def read_small(url: str, limit: int) -> bytes:
                 raise UserError(f"{url} is not a regular file; remove it or replace it by one")
             data = f.read(limit + 1)
     else:
-        with open_url(url, "rb") as f:
+        with open_url(url, "rb", **options) as f:
             data = f.read(limit + 1)
     if len(data) > limit:
         raise UserError(f"{url} is larger than {limit:,} bytes, more than such a file holds")

@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_missing_tokenizer_names_the_fix(tmp_path):
-    """The callbacks it suggests are the default list (conf/train.yaml) without generate: a run
-    following the advice keeps its status file (`scripts/runs.py`)."""
+    """Data that does not say it has no tokenizer: a missing one is a wrong path, refused when
+    the run starts. The callbacks it suggests are the default list (conf/train.yaml) without
+    generate: a run following the advice keeps its status file (`scripts/runs.py`)."""
+    callback = Generate(tokenizer=str(tmp_path / "tokenizer.json"), prompts=["def "])
     with pytest.raises(FileNotFoundError, match=r"set tokenizer=.*leave out the samples") as err:
-        Generate(tokenizer=str(tmp_path / "tokenizer.json"), prompts=["def "])
+        make_trainer(tmp_path, n_batches=1, callbacks=[callback])
     defaults = yaml.safe_load((ROOT / "conf/train.yaml").read_text())["defaults"]
     default = next(d["callbacks"] for d in defaults if isinstance(d, dict) and "callbacks" in d)
     suggested = re.search(r"callbacks=\[([^]]*)\]", str(err.value))[1].split(",")

@@ -40,12 +40,12 @@ def test_a_torchrun_run_resumes_under_torchrun(tmp_path):
     """strategy=ddp refuses to start without torchrun: the resume command keeps the launcher."""
     assert launcher_of({}) == ["python"]
     launcher = launcher_of({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
-    assert launcher == ["torchrun", "--nproc_per_node=2"]
-    assert launcher_of({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})[2] == "--nnodes=2"
+    assert launcher == ["python", "scripts/torchrun.py", "--nproc_per_node=2"]
+    assert launcher_of({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})[3] == "--nnodes=2"
     block = next_steps(tmp_path / "r", "r", "ck", ["strategy=ddp"], cwd=tmp_path, launcher=launcher)
     assert (
-        "  torchrun --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r autoresume=true"
-        in block
+        "  python scripts/torchrun.py --nproc_per_node=2 scripts/train.py strategy=ddp run_name=r "
+        "autoresume=true" in block
     )
 
 
@@ -53,3 +53,13 @@ def test_credentials_in_the_command_line_are_not_printed(tmp_path):
     overrides = ["+data.storage_options.secret=hunter3", "data.remote=s3://bob:hunter2@h/x"]
     block = next_steps(tmp_path / "r", "r", "s3://bob:hunter2@h/ck", overrides, cwd=tmp_path)
     assert "hunter" not in block and "'+data.storage_options.secret=<redacted>'" in block
+
+
+def test_a_run_without_a_tokenizer_is_told_to_name_one(tmp_path):
+    """Token files made elsewhere (nanoGPT's train.bin) train without a tokenizer; generate.py
+    and serve.py as printed would stop at "no tokenizer found", so they name one."""
+    block = next_steps(tmp_path / "r", "r", "ck", [], cwd=tmp_path, tokenizer_found=False)
+    generate, serve = (shlex.split(line, comments=True) for line in block.splitlines()[2:4])
+    assert generate[:5] == ["python", "scripts/generate.py", "ck", "--tokenizer", "TOKENIZER"]
+    assert serve == ["python", "scripts/serve.py", "ck", "--tokenizer", "TOKENIZER"]
+    assert "TOKENIZER: the one your tokens came from (tiktoken:gpt2" in block

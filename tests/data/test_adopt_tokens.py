@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import runpy
 import subprocess
@@ -52,7 +53,11 @@ def windows(folder: Path, split: str = "train", **kwargs) -> MemmapTokens:
     )  # fmt: skip
 
 
-def test_memmap_trains_on_a_bare_pair_given_its_dtype_and_vocab_size(nanogpt: Path, tmp_path):
+def test_memmap_trains_on_a_bare_pair_given_its_dtype_and_vocab_size(
+    nanogpt: Path, tmp_path, caplog
+):
+    """With the default callbacks: `generate` has no tokenizer to sample with (the data has
+    none), so it says so once, how to get samples, and training goes on."""
     cfg = compose_config(
         CONF,
         [
@@ -62,10 +67,14 @@ def test_memmap_trains_on_a_bare_pair_given_its_dtype_and_vocab_size(nanogpt: Pa
             "model.d_model=16", "model.n_heads=2", "model.n_layers=1", f"model.max_seq_len={L}",
             "model.vocab_size=128", "global_train_batch_size=4", "max_duration=2ba",
             "scheduler.t_warmup=1ba", "eval_interval=2ba", "eval_first=false",
-            "eval_subset_num_batches=2", "loggers=[]", "callbacks=[]", "save_folder=null",
+            "eval_subset_num_batches=2", "loggers=[]", "save_folder=null",
         ],
     )  # fmt: skip
-    trainer = build_trainer(cfg, tmp_path / "run")
+    assert "generate" in cfg.callbacks
+    with caplog.at_level(logging.WARNING, logger="llmfoundry"):
+        trainer = build_trainer(cfg, tmp_path / "run")
+    skipped = [r.getMessage() for r in caplog.records if "generate: no samples" in r.getMessage()]
+    assert len(skipped) == 1 and "tokenizer=tiktoken:gpt2" in skipped[0]
     batch = next(iter(trainer.state.train_dataloader))
     train = np.lib.stride_tricks.sliding_window_view(np.fromfile(nanogpt / "train.bin", "<u2"), L)
     assert batch["input_ids"].shape == (4, L) and "sequence_id" in batch
@@ -143,13 +152,14 @@ def test_adopted_pair_trains_with_train_py_and_no_data_flags(nanogpt: Path, tmp_
         str(ROOT / "scripts/train.py"), "data=memmap", "data.remote=owt",
         "data.split_files={train: train.bin, val: val.bin}", "data.val_fraction=null",
         "data.sequence_id_from_eos=auto", "model.vocab_size=128", f"model.max_seq_len={L}",
-        "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]",
         "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "global_train_batch_size=4",
         "max_duration=2ba", "scheduler.t_warmup=1ba", "eval_interval=2ba",
-        "eval_subset_num_batches=1", "save_folder=null", "run_name=owt",
+        "eval_subset_num_batches=1", "run_name=owt",
     )  # fmt: skip
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
     assert "eval/val/loss" in trained.stdout + trained.stderr
+    assert trained.stderr.count("generate: no samples") == 1  # the default callbacks, no tokenizer
+    assert "scripts/generate.py outputs/owt/checkpoints --tokenizer TOKENIZER" in trained.stdout
 
 
 def tokens_to_mds(*args: str) -> int:

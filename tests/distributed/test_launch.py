@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint import read_latest
+from llmfoundry.data.meta import write_meta
 from llmfoundry.trainer import Callback
 from tests.checkpoint.helpers import write_mds
 
@@ -38,9 +39,13 @@ def mds(tmp_path_factory):
     return write_mds(tmp_path_factory.mktemp("mds"), {"train": 32, "val": 8})
 
 
-def train_command(mds, tmp_path, *torchrun_args, overrides=()):
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+OUR_TORCHRUN = (sys.executable, str(ROOT / "scripts" / "torchrun.py"))  # the README's
+
+
+def train_command(mds, tmp_path, *torchrun_args, overrides=(), launcher=TORCHRUN):
     return [
-        sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--max-restarts=0",
+        *launcher, *torchrun_args, "--max-restarts=0",
         str(ROOT / "scripts" / "train.py"),
         f"data.remote={mds}", "data.shuffle_block_size=8",
         "model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.max_seq_len=16",
@@ -122,19 +127,37 @@ def mds_with_tokenizer(mds):
     return mds
 
 
+@pytest.fixture(scope="module")
+def mds_without_tokenizer(tmp_path_factory):
+    """MDS converted from token files made elsewhere (nanoGPT's .bin): its meta.json records no
+    tokenizer, and there is no tokenizer.json for the default `tokenizer=` to find."""
+    folder = write_mds(tmp_path_factory.mktemp("bare-mds"), {"train": 32, "val": 8})
+    write_meta(
+        str(folder), {"format": "llmfoundry.mds-tokens", "vocab_size": 64, "tokenizer": None}
+    )
+    return folder
+
+
 def default_callbacks(command):
     """`command` with the default config's callbacks (generate among them)."""
     return [arg for arg in command if arg != "callbacks=[]"]
 
 
 # The default config (its callbacks, device_train_microbatch_size=null) on a mesh: generate is
-# left out with one warning, and the pipeline's microbatches default to what 1F1B needs (the
-# whole per-device batch of 4 was one microbatch, refused for pp=2).
-@pytest.mark.parametrize("mesh", ["strategy.tp=2", "strategy.pp=2"], ids=["tp2", "pp2"])
-def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh):
+# left out with one warning, and the pipeline's microbatches default to what 1F1B needs. pp=2 on
+# 4 processes, as the issue ran it: two data-parallel pipelines, whose per-device batch of 2
+# was one microbatch, refused for pp=2. tp=2 on data without a tokenizer: the callback left out
+# never looks for one (it stopped the run with "tokenizer file ... not found").
+@pytest.mark.parametrize(
+    ("mesh", "processes", "data"),
+    [("strategy.tp=2", 2, "mds_without_tokenizer"), ("strategy.pp=2", 4, "mds_with_tokenizer")],
+    ids=["tp2", "pp2"],
+)
+def test_the_default_config_trains_on_a_mesh(request, tmp_path, mesh, processes, data):
     command = train_command(
-        mds_with_tokenizer, tmp_path, "--standalone", "--nproc_per_node=2", overrides=[mesh]
-    )
+        request.getfixturevalue(data), tmp_path, "--standalone", f"--nproc_per_node={processes}",
+        overrides=[mesh],
+    )  # fmt: skip
     job = launch(default_callbacks(command), tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
     assert job.returncode == 0, out
@@ -144,15 +167,28 @@ def test_the_default_config_trains_on_a_mesh(mds_with_tokenizer, tmp_path, mesh)
 
 
 def test_a_user_error_under_torchrun_is_printed_once(mds, tmp_path):
-    """Every rank fails the same way on a bad config; rank 0 alone says so."""
+    """Every rank fails the same way on a bad config; rank 0 alone says so, and scripts/
+    torchrun.py adds nothing to that line (plain torchrun adds its ~25-line report)."""
     command = train_command(
         mds, tmp_path, "--standalone", "--nproc_per_node=2",
-        overrides=["global_train_batch_size=3"],
+        overrides=["global_train_batch_size=3"], launcher=OUR_TORCHRUN,
     )  # fmt: skip
     job = launch(command, tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
-    assert job.returncode != 0
-    errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert errors == [
+    assert job.returncode == 2, out
+    lines = [line for line in out.splitlines() if not line.startswith("precision=auto")]
+    assert lines == [
         "error: global_train_batch_size=3 is not divisible by the 2 data-parallel ranks; use 2 or 4"
     ], out
+
+
+def test_any_other_failure_keeps_torchruns_report(tmp_path):
+    """A worker that fails otherwise (exit 1 here; a crash, a signal) is torchrun's to report:
+    its agent's line, the ChildFailedError box, its exit status."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, sys\nsys.exit(1 if os.environ['RANK'] == '1' else 2)\n")
+    job = launch([*OUR_TORCHRUN, "--standalone", "--nproc_per_node=2", str(worker)], tmp_path)
+    out = job.communicate(timeout=LIMIT_S)[0]
+    assert job.returncode == 1, out
+    assert "ChildFailedError" in out and "worker.py FAILED" in out
+    assert "failed (exitcode: " in out  # the agent's line, held back until the outcome was known

@@ -66,7 +66,7 @@ CLAIMS = {
     "make demo": VALIDATED,
     "python data_prep/text_to_tokens.py my_corpus/": RUN_AND_VALIDATED,
     "export AWS_ACCESS_KEY_ID=": RUN_AND_VALIDATED,
-    "torchrun --nproc_per_node=2 scripts/train.py": VALIDATED,
+    "python scripts/torchrun.py --nproc_per_node=2 scripts/train.py": VALIDATED,
     "# one node, 8 GPUs": VALIDATED,
     "python scripts/train.py run_name=my-run autoresume=true": VALIDATED,
     "python scripts/generate.py outputs/my-run/checkpoints": VALIDATED,
@@ -268,6 +268,8 @@ def check_command(words: list[str]) -> None:
         check_torchrun(args)
     elif program == "python" and args[:1] == ["-c"]:
         compile(args[1], "<README python -c>", "exec")
+    elif program == "python" and args[0] == "scripts/torchrun.py":  # torchrun's own parser
+        check_torchrun(args[1:])
     elif program == "python" and args[0] == "scripts/train.py":
         check_training(args[1:])
     elif program == "python":

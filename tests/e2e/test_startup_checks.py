@@ -85,6 +85,8 @@ def test_model_vocabulary_larger_than_the_data_warns(tmp_path, caplog):
         build_trainer(compose_config(CONF, [*TINY, f"data.remote={root}"]), tmp_path / "run")
     assert "model.vocab_size=64 is larger than the data's vocabulary (50" in caplog.text
     assert "14 embedding rows are never trained" in caplog.text
+    # The same on every rank: said by rank 0 only (llmfoundry/utils/logs.py).
+    assert all(getattr(r, "same_on_every_rank", False) for r in caplog.records if "vocab" in r.msg)
 
 
 def test_rows_longer_than_max_seq_len_warn_with_the_numbers(tmp_path, caplog):
@@ -95,6 +97,8 @@ def test_rows_longer_than_max_seq_len_warn_with_the_numbers(tmp_path, caplog):
     assert len(lines) == 2  # once for each dataset (train, val), not per shard or batch
     assert "hold 64 tokens but max_seq_len=16: the last 48 tokens of every row are cut" in lines[0]
     assert "--seq-len 16" in lines[0]
+    cut = [r for r in caplog.records if "max_seq_len=16" in r.getMessage()]
+    assert all(getattr(r, "same_on_every_rank", False) for r in cut)  # said by rank 0 only
 
 
 def test_rows_that_fit_do_not_warn(tmp_path, caplog):

@@ -71,7 +71,7 @@ def test_an_mcli_run_file_renders_for_slurm(tmp_path, capsys):
         "pip install sentencepiece==0.2.0",
     ]:
         assert line in node.splitlines(), line
-    train = next(line for line in node.splitlines() if "torch.distributed.run" in line)
+    train = next(line for line in node.splitlines() if "-m llmfoundry.launch.torchrun" in line)
     assert "--nnodes=2 --nproc_per_node=8" in train
     assert ' scripts/train.py "$config_dir/parameters.yaml" run_name=mpt-125m-pretrain ' in train
     # The parameters' own save_folder is kept; no strategy= (the config has fsdp_config).
@@ -354,5 +354,5 @@ def test_a_job_file_carries_an_llm_foundry_config_unresolved(tmp_path):
     node = srun_script((tmp_path / "lf.sbatch").read_text())
     assert written_config(node) == config
     assert ' scripts/train.py "$config_dir/parameters.yaml" run_name=lf ' in node
-    train_line = node.split("torch.distributed.run", 1)[1].splitlines()[0]
+    train_line = node.split("-m llmfoundry.launch.torchrun", 1)[1].splitlines()[0]
     assert train_line.endswith("hydra.run.dir=outputs/lf variables.n=4 || torchrun_exit=$?")

@@ -72,7 +72,8 @@ def test_slurm_script_three_nodes_of_eight(tmp_path, monkeypatch):
     assert directives["--signal"] == "TERM@180"
     assert directives["--output"].endswith("outputs/mpt-tiny-demo/slurm-%j.log")
     node = srun_script(text)
-    assert "--nnodes=3 --nproc_per_node=8 --rdzv_backend=c10d" in node
+    # torchrun through our launcher: a config problem is one line in the job's log
+    assert "-m llmfoundry.launch.torchrun --nnodes=3 --nproc_per_node=8 --rdzv_backend=c10d" in node
     assert '--rdzv_endpoint="$LAUNCH_HEAD_NODE:29500" --rdzv_id="$SLURM_JOB_ID"' in node
     assert "run_name=mpt-tiny-demo autoresume=true" in node and "strategy=ddp" in node
     assert ': "${WANDB_API_KEY:?secret WANDB_API_KEY is not set' in node

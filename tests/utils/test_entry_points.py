@@ -23,7 +23,11 @@ from llmfoundry.utils.errors import UserError
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_DIRS = ("scripts", "data_prep")
 # Entry points whose errors are checked elsewhere (a Hydra command line: no in-process main).
-ELSEWHERE = {"scripts/train.py": "tests/config/test_cli_errors.py"}
+ELSEWHERE = {
+    "scripts/train.py": "tests/config/test_cli_errors.py",
+    # torchrun's arguments (its parser); its workers' one-line errors are train.py's
+    "scripts/torchrun.py": "tests/distributed/test_launch.py",
+}
 
 
 def main_of(script: str):
@@ -52,6 +56,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "scripts/eval.py": ([nowhere, str(tmp / "task.jsonl")], nowhere),
         "scripts/eval_passkey.py": ([nowhere, "--data", nowhere], "data_prep/passkey.py"),
         "scripts/export_hf.py": ([nowhere, str(tmp / "out")], nowhere),
+        "scripts/from_foundry.py": ([f"{nowhere}.yaml"], "give an llm-foundry train YAML"),
         "scripts/generate.py": ([nowhere, "--prompt", "x"], nowhere),
         "scripts/import_hf.py": ([nowhere, str(tmp / "out")], "not a transformers model folder"),
         "scripts/launch.py": (["render", "local", f"{nowhere}.yaml"], "no job file"),

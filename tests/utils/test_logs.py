@@ -4,7 +4,7 @@ tests/conftest.py removes the handlers these tests add."""
 
 import logging
 
-from llmfoundry.utils.logs import configure_logging
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK, configure_logging
 
 log = logging.getLogger("llmfoundry.tests")
 
@@ -37,3 +37,16 @@ def test_configuring_again_replaces_the_handlers(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out == "once\n"
     assert (tmp_path / "a.log").read_text() == ""
     assert (tmp_path / "b.log").read_text() == "once\n"
+
+
+def test_a_warning_alike_on_every_rank_is_shown_once(tmp_path, capsys):
+    """Data and config warnings (the data's vocabulary, a skipped callback) are the same on
+    every rank: rank 0 says them, the others do not repeat them."""
+    for rank in (0, 1):
+        configure_logging(tmp_path / f"{rank}.log", rank=rank)
+        log.warning("model.vocab_size=128 is larger", extra=SAME_ON_EVERY_RANK)
+        log.warning("rank's own problem")
+    assert capsys.readouterr().err == (
+        "warning: model.vocab_size=128 is larger\nwarning: rank's own problem\n"
+        "[rank 1] warning: rank's own problem\n"
+    )

@@ -4,6 +4,7 @@ token streams made elsewhere (adopt.py).
 The command-line scripts in ``data_prep/`` are thin wrappers over these functions.
 """
 
+from llmfoundry.data.meta import bytes_per_token
 from llmfoundry.data.prep.adopt import adopt_tokens, open_token_file
 from llmfoundry.data.prep.mds_tools import (
     IndexReport,
@@ -19,7 +20,7 @@ from llmfoundry.data.prep.text_to_tokens import (
     sidecar_path,
     text_to_tokens,
 )
-from llmfoundry.data.prep.tokens_to_mds import bytes_per_token, split_rows, tokens_to_mds
+from llmfoundry.data.prep.tokens_to_mds import split_rows, tokens_to_mds
 from llmfoundry.tokenizers.tokenizer import (
     EOS_TOKEN,
     PreparedTokenizer,

@@ -53,6 +53,7 @@ import numpy as np
 
 from llmfoundry.core.metrics import IGNORE_INDEX
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.meta import meta_url, read_meta, write_meta
 from llmfoundry.data.prep.chat_template import ChatTemplate
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.tokenizers.tokenizer import DataPrepTokenizer, prepare_tokenizer
@@ -76,7 +77,6 @@ log = logging.getLogger(__name__)
 INSTRUCTIONS_META_FORMAT = "llmfoundry.mds-instructions"
 IGNORE = IGNORE_INDEX  # the label the loss skips
 DEFAULT_FORMAT_TEMPLATE = Path(__file__).with_name("templates") / "default_finetune.jinja"
-META_LIMIT = 1 << 20  # bytes of a dataset's meta.json read to tell its format
 ROLES = ("system", "user", "assistant")
 TOO_LONG = ("truncate", "drop")
 
@@ -143,15 +143,17 @@ def trained_chat_template(data: Mapping[str, Any] | None) -> str | None:
     if not remotes or not all(isinstance(r, str) for r in remotes):
         return None
     for remote in remotes:
-        url = join_url(remote, "meta.json")
         try:
-            meta = json.loads(storage.read_small(url, META_LIMIT))
-        except (OSError, ValueError, UserError) as err:
+            meta = read_meta(remote)
+            problem = "not found" if meta is None else None
+        except (OSError, UserError) as err:
+            meta, problem = None, err
+        if meta is None:
             log.warning(
                 "cannot tell the finetune format of the run's data (%s: %s); a model finetuned in "
                 "the default format chats with %s (scripts/serve.py --chat-template)",
-                url,
-                err,
+                meta_url(remote),
+                problem,
                 DEFAULT_FORMAT_TEMPLATE,
             )
             return None
@@ -371,7 +373,6 @@ def instructions_to_mds(
         log.info("%s: up to date (same inputs and settings), reused", out)
         return {**previous, "reused": True}
     fs, root = storage.url_to_fs(out)
-    meta_url = join_url(root, "meta.json")
 
     dtype = "uint16" if prepared.vocab_size <= (1 << 16) else "uint32"
     columns = {
@@ -480,5 +481,5 @@ def instructions_to_mds(
         counts["dropped_no_response"],
         counts["response_tokens"],
     )
-    fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    write_meta(out, meta)
     return {**meta, "reused": False}

@@ -31,6 +31,7 @@ from llmfoundry.data.mds import (
     parse_index,
     unpack_shard,
 )
+from llmfoundry.data.meta import read_meta
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, OutputExists, UserError
 from llmfoundry.utils.files import join_url
@@ -130,9 +131,8 @@ def verify_mds(
     """
     fs, root = storage.url_to_fs(url)
     local = isinstance(fs, LocalFileSystem)
-    meta_url = join_url(root, "meta.json")
-    if vocab_size is None and fs.exists(meta_url):
-        vocab_size = json.loads(fs.cat_file(meta_url)).get("vocab_size")
+    if vocab_size is None:
+        vocab_size = (read_meta(url) or {}).get("vocab_size")
     reports = []
     for sub in find_indexes(url):
         folder = join_url(root, sub)

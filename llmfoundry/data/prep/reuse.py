@@ -13,9 +13,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from llmfoundry.utils import storage
-from llmfoundry.utils.errors import OutputExists
-from llmfoundry.utils.files import join_url
+from llmfoundry.data.meta import read_meta, remove_meta
+from llmfoundry.utils.errors import OutputExists, UserError
 
 __all__ = ["is_reusable", "previous_output", "settings_fingerprint"]
 
@@ -45,13 +44,18 @@ def previous_output(out: str, key: str, overwrite: bool) -> dict[str, Any] | Non
     """``out``'s meta.json if it was made with fingerprint ``key`` (reuse the output), else None.
 
     Before a rewrite the old meta.json goes first: it must not describe half-rewritten splits.
-    Raises as `is_reusable` does.
+    Raises as `is_reusable` does, and `UserError` for a malformed meta.json unless
+    ``overwrite`` (which replaces it).
     """
-    fs, root = storage.url_to_fs(out)
-    meta_url = join_url(root, "meta.json")
-    previous = json.loads(fs.cat_file(meta_url)) if fs.exists(meta_url) else None
+    try:
+        previous = read_meta(out)
+    except UserError:
+        if not overwrite:
+            raise
+        remove_meta(out)
+        return None
     if is_reusable(previous, key, overwrite, out):
         return previous
     if previous is not None:
-        fs.rm(meta_url)
+        remove_meta(out)
     return None

@@ -17,14 +17,13 @@ tokenizer next to the stream does not have is refused before anything is written
 
 Each split in meta.json also records its ``tokens`` and the UTF-8 ``text_bytes`` they decode to
 (special tokens such as EOS count nothing), so a loss per token converts to bits per byte, a
-number that compares models with different tokenizers (:func:`bytes_per_token`). The bytes are
+number that compares models with different tokenizers (:func:`llmfoundry.data.meta.bytes_per_token`). The bytes are
 exact for a byte-level BPE (see ``tokenizer.token_byte_lengths``); for other tokenizers
 ``text_bytes`` is null.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmfoundry.data.mds import MDSWriter
+from llmfoundry.data.meta import write_meta
 from llmfoundry.data.prep.adopt import check_token_ids, open_token_file
 from llmfoundry.data.prep.reuse import previous_output, settings_fingerprint
 from llmfoundry.data.prep.text_to_tokens import sidecar_path
@@ -42,7 +42,7 @@ from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
-__all__ = ["MDS_META_FORMAT", "bytes_per_token", "split_rows", "text_bytes", "tokens_to_mds"]
+__all__ = ["MDS_META_FORMAT", "split_rows", "text_bytes", "tokens_to_mds"]
 
 MDS_META_FORMAT = "llmfoundry.mds-tokens"
 _CHUNK = 1 << 24  # tokens per pass over the stream: bounded memory for any stream length
@@ -167,8 +167,7 @@ def tokens_to_mds(
         "source_tokens": str(tokens),
         "fingerprint": key,
     }
-    meta_url = join_url(root, "meta.json")
-    fs.pipe_file(meta_url, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    write_meta(out, meta)
     return {**meta, "reused": False}
 
 
@@ -230,17 +229,3 @@ def text_bytes(rows: np.ndarray, byte_lengths: np.ndarray | None) -> int | None:
         int(byte_lengths[flat[start : start + _CHUNK]].sum())
         for start in range(0, flat.size, _CHUNK)
     )
-
-
-def bytes_per_token(meta: Mapping[str, Any], split: str) -> float | None:
-    """Text bytes per token of ``split`` in a meta.json, or None where it is not recorded.
-
-    Bits per byte = loss / ln 2 / bytes_per_token (a loss in nats per token). None for a split
-    the dataset lacks, a tokenizer that is not byte-level, or meta.json written before this was
-    recorded (rerun tokens_to_mds.py with --overwrite to add it).
-    """
-    info = (meta.get("splits") or {}).get(split) or {}
-    tokens, text_bytes = info.get("tokens"), info.get("text_bytes")
-    if not tokens or not text_bytes:
-        return None
-    return text_bytes / tokens

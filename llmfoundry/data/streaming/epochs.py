@@ -33,6 +33,7 @@ from llmfoundry.data.streaming.checks import check_int
 from llmfoundry.data.streaming.sampling import RankPlan
 from llmfoundry.data.streaming.world import World
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 
 __all__ = ["EpochDataset"]
 
@@ -172,6 +173,7 @@ class EpochDataset(IterableDataset):
                     "the checkpoint's data order has canonical_nodes=1 (a one-node run): each "
                     "of the %d nodes reads every shard until a fresh run",
                     world.num_nodes,
+                    extra=SAME_ON_EVERY_RANK,
                 )
         self._epoch = int(state["epoch"])
         self._resume = (self._epoch, int(state["sample_in_epoch"]), layout)
