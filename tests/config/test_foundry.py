@@ -250,7 +250,12 @@ def _with(path: str, value):
         ("model.name", "hf_t5", "model.name", "encoder-decoder"),
         ("model.ffn_config", {"ffn_type": "mb_dmoe"}, "model.ffn_config.ffn_type", "DBRX"),
         ("model.peft_config", {"r": 8}, "model.peft_config", "LoRA"),
-        ("model.attn_config.rope", True, "model.attn_config.rope", "learned_pos_emb"),
+        (
+            "model.attn_config",
+            {"rope": True, "rope_dail_config": {"type": "xpos"}},
+            "model.attn_config.rope_dail_config",
+            "no xpos",
+        ),
         ("tokenizer.name", "EleutherAI/gpt-neox-20b", "tokenizer.name", "save_pretrained"),
         (
             "callbacks.hf_checkpointer",
@@ -512,6 +517,29 @@ def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
         None,
     )
     assert (out.eval_interval, out.max_duration, out.optimizer.weight_decay) == ("1ep", "8ba", 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("gqa-rope", dict(rope=True, kv_n_heads=2, alibi=False, learned_pos_emb=False)),
+        (
+            "variants",
+            dict(norm_type="rmsnorm", ffn_type="glu", tie_word_embeddings=False, qk_ln=True),
+        ),
+    ],
+)
+def test_the_fixtures_rope_rmsnorm_glu_untied_yamls_compose(case, expected):
+    """The YAMLs llm-foundry trained gqa-rope and variants with (its RoPE, RMSNorm, mptglu,
+    untied head) compose to our MPT with those options (their logits: test_mpt_foundry_folders)."""
+    paths = [
+        f"variables.data_local={FIXTURES / 'mds'}",
+        f"tokenizer.name={FIXTURES / 'tokenizer'}",
+    ]
+    cfg = load(FIXTURES / case / "train.yaml", paths)
+    del cfg["callbacks"]["hf_checkpointer"], cfg["loggers"], cfg["save_weights_only"]
+    model = composed(translate(cfg, {})).model
+    assert {key: model[key] for key in expected} == expected
 
 
 def test_train_script_prints_the_config_their_yaml_became(foundry_dir):

@@ -44,10 +44,22 @@ def tp_mpt() -> MPTForCausalLM:
     return MPTForCausalLM(config)
 
 
+def tp_mpt_llama_like() -> MPTForCausalLM:
+    """Tiny MPT with what llm-foundry's Llama-like configs use: RoPE, RMSNorm, a GLU (its
+    gate_proj split as up_proj) and an untied lm_head (split by vocabulary column)."""
+    config = MPTConfig(
+        d_model=32, n_heads=4, kv_n_heads=2, n_layers=2, vocab_size=64, max_seq_len=16,
+        alibi=False, rope=True, norm_type="rmsnorm", ffn_type="glu", ffn_act="silu",
+        tie_word_embeddings=False, init_device="meta",
+    )  # fmt: skip
+    return MPTForCausalLM(config)
+
+
 MODELS = {
     "llama": tp_llama,
     "llama_tied": functools.partial(tp_llama, tied=True),
     "mpt": tp_mpt,
+    "mpt_llama_like": tp_mpt_llama_like,
 }
 # The parity runs: name -> (FSDP options, model).
 PARITY = {
@@ -58,6 +70,7 @@ PARITY = {
     ),
     # The Wqkv exchange runs again in the recomputed forward.
     "mpt_tp2_dp2_activation_checkpointing": ({"tp": TP, "activation_checkpointing": "full"}, "mpt"),
+    "mpt_rope_rmsnorm_glu_untied_tp2_dp2": ({"tp": TP}, "mpt_llama_like"),
 }
 # The models whose tp=2 x dp=2 checkpoint is resumed on other meshes.
 RESUMED = {"llama": tp_llama, "mpt": tp_mpt}

@@ -31,6 +31,10 @@ VARIANTS = {
     "window": dict(sliding_window=5),
     "infini": dict(infini=dict(segment_len=4)),
     "infini_delta_mqa": dict(infini=dict(segment_len=5, update="delta"), kv_n_heads=1),
+    # llm-foundry's Llama-like options: RoPE at cached offsets and under left padding.
+    "rope_rmsnorm_glu_untied": dict(
+        alibi=False, rope=True, norm_type="rmsnorm", ffn_type="glu", tie_word_embeddings=False
+    ),
 }
 
 
@@ -339,7 +343,9 @@ def test_compiled_model_decodes_eagerly_with_the_same_tokens():
     assert not counters["frames"]["total"], "decoding went through torch.compile"
 
 
-@pytest.mark.parametrize("variant", ["alibi", "learned_pos", "gqa", "window"])
+@pytest.mark.parametrize(
+    "variant", ["alibi", "learned_pos", "gqa", "window", "rope_rmsnorm_glu_untied"]
+)
 def test_prompts_joining_a_running_batch_decode_as_if_alone(variant):
     model = tiny(attn_impl="torch", **VARIANTS[variant])
     sampled = GenerationConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=5)

@@ -99,6 +99,11 @@ def test_every_key_of_llm_foundrys_config_maps_to_what_it_computes():
         "learned_pos_emb": True,
         "no_bias": False,
         "low_precision_layernorm": True,
+        "norm_type": "layernorm",
+        "ffn_type": "mlp",
+        "ffn_act": "gelu",
+        "tie_word_embeddings": True,
+        "rope": False,
         "qk_ln": False,
         "clip_qkv": None,
         "softmax_scale": None,
@@ -137,6 +142,22 @@ def test_hub_mpt_7b_layout():
         ("attn_config.attn_impl", "flash", {"attn_impl": "sdpa"}),
         ("attn_config.attn_pdrop", 0.1, {"attn_pdrop": 0.1}),
         ("norm_type", "layernorm", {"low_precision_layernorm": False}),
+        ("norm_type", "rmsnorm", {"norm_type": "rmsnorm", "low_precision_layernorm": False}),
+        ("norm_type", "low_precision_rmsnorm", {"norm_type": "rmsnorm"}),
+        ("norm_type", "triton_rmsnorm", {"norm_type": "rmsnorm", "low_precision_layernorm": False}),
+        ("ffn_config.ffn_type", "mptglu", {"ffn_type": "glu", "ffn_act": "gelu"}),
+        ("ffn_config.ffn_act_fn", {"name": "silu"}, {"ffn_act": "silu"}),
+        (
+            "ffn_config.ffn_act_fn",
+            {"name": "gelu", "approximate": "tanh"},
+            {"ffn_act": "gelu_tanh"},
+        ),
+        ("tie_word_embeddings", False, {"tie_word_embeddings": False}),
+        (
+            "attn_config.rope",
+            True,
+            {"rope": True, "rope_theta": 10000.0, "rope_linear_scaling": None},
+        ),
         ("no_bias", True, {"no_bias": True}),
         ("ffn_config.ffn_hidden_size", 128, {"expansion_ratio": 2}),
         ("expansion_ratio", 3, {"expansion_ratio": 3}),
@@ -169,12 +190,11 @@ def test_grouped_query_attention():
         ("ffn_config.ffn_type", "te_ln_mlp", "ffn_type=mptmlp"),
         ("ffn_config.ffn_type", "mb_moe", "DBRX's MoE is not supported"),
         ("ffn_config.ffn_type", "mb_dmoe", "DBRX's MoE is not supported"),
-        ("ffn_config.ffn_type", "mptglu", "not gated"),
-        ("ffn_config.ffn_act_fn", {"name": "silu"}, "exact GELU"),
+        ("ffn_config.ffn_act_fn", {"name": "quick_gelu"}, "gelu (approximate none or tanh)"),
+        ("ffn_config.ffn_act_fn", {"name": "silu", "inplace": True}, "silu or relu"),
         ("ffn_config.ffn_hidden_size", 100, "whole multiple of d_model"),
         ("expansion_ratio", 1.5, "whole multiple of d_model"),
         ("fc_type", "te", "fc_type=torch"),
-        ("attn_config.rope", True, "no rotary positions"),
         ("attn_config.qk_gn", True, "qk_ln"),
         ("attn_config.fused_qkv", False, "fused Wqkv"),
         ("attn_config.attn_type", "cross_attention", "grouped_query_attention"),
@@ -182,11 +202,11 @@ def test_grouped_query_attention():
         ("attn_config.attn_logit_softcapping", 30.0, "soft-cap"),
         ("attn_config.prefix_lm", True, "causally"),
         ("attn_config.attn_temperature_tuning", {"attn_scale": 0.1}, "attn_scale: 0"),
-        ("norm_type", "rmsnorm", "layernorm"),
+        ("norm_type", "groupnorm", "use one of layernorm, low_precision_layernorm, rmsnorm"),
         ("norm_eps", 1e-6, "eps=1e-05"),
         ("embedding_fraction", 0.1, "full gradient"),
         ("logit_scale", "inv_sqrt_d_model", "does not scale"),
-        ("tie_word_embeddings", False, "is the token embedding"),
+        ("tie_word_embeddings", "no", "set true (the head is the embedding) or false"),
         ("attention_bias", False, "no_bias=false"),
         ("head_dim", 8, "d_model // n_heads"),
         ("block_overrides", {"order": []}, "all alike"),
@@ -246,3 +266,43 @@ def test_bad_sizes_are_one_line(cfg, expected):
     with pytest.raises(UserError) as err:
         mpt_config_from_foundry(cfg, where="run.yaml:model")
     assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+
+
+def _rope(**attn) -> dict:
+    cfg = with_key(FULL, "attn_config.rope", True)
+    cfg["attn_config"].update(attn)
+    return cfg
+
+
+def test_rope_dail_original_is_hf_no_scaling():
+    """llm-foundry's default RoPE (dail: flash-attn's, which this machine cannot run) maps to
+    the model its hf one does: both rotate halves (dail is built with interleaved=False) at
+    theta^(-2i/head_dim) with float32 positions; the gqa-rope fixture checks hf's logits."""
+    dail = mpt_config_from_foundry(_rope(rope_impl="dail", rope_theta=500000))
+    hf = mpt_config_from_foundry(_rope(rope_impl="hf", rope_theta=500000))
+    assert dail == hf and dail["rope"] and dail["rope_theta"] == 500000.0
+    assert not dail["learned_pos_emb"]  # llm-foundry turns its learned table off with rope
+    linear = _rope(rope_impl="hf", rope_hf_config={"type": "linear", "factor": 4})
+    assert mpt_config_from_foundry(linear)["rope_linear_scaling"] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("attn", "instead"),
+    [
+        (dict(rope_dail_config={"type": "xpos"}), "no xpos"),
+        (dict(rope_dail_config={"pos_idx_in_fp32": False}), "pos_idx_in_fp32 true"),
+        (
+            dict(rope_impl="hf", rope_hf_config={"type": "dynamic", "factor": 2.0}),
+            "dynamic: use no_scaling, the same up to max_seq_len",
+        ),
+        (dict(rope_impl="hf", rope_hf_config={"type": "linear", "factor": 0}), "factor > 0"),
+        (dict(rope_impl="xformers"), "use dail or hf"),
+        (dict(rope_theta=-1), "give a number > 0"),
+    ],
+)
+def test_rope_we_lack_is_refused_in_one_line(attn, instead):
+    with pytest.raises(UserError) as err:
+        mpt_config_from_foundry(_rope(**attn))
+    message = str(err.value)
+    assert "\n" not in message and f"model.attn_config.{list(attn)[-1]}=" in message
+    assert instead in message

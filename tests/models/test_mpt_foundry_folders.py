@@ -37,6 +37,8 @@ CASES = {
 EOS = 63
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "foundry"  # the real llm-foundry's
 DATA = Path(__file__).resolve().parent / "data"  # foundry-gqa: data/make_foundry_gqa.py
+NEWER = ("gqa-rope", "variants")  # RoPE, RMSNorm, GLU, an untied head
+REFERENCE = "reference-logits-ba4.safetensors"
 
 
 def _tokenizer() -> Tokenizer:
@@ -66,8 +68,10 @@ def no_transformers_config(monkeypatch):
             FIXTURES / "learned-pos" / "reference-logits-ba4.safetensors",
         ),
         (DATA / "foundry-gqa", DATA / "foundry-gqa" / "reference-logits.safetensors"),
+        # GQA + RoPE (rope_impl hf); qk_ln, clip_qkv, no_bias, rmsnorm, mptglu, untied lm_head.
+        *[(FIXTURES / case / "hf-ba4", FIXTURES / case / REFERENCE) for case in NEWER],
     ],
-    ids=["alibi", "learned-pos", "gqa"],
+    ids=["alibi", "learned-pos", "gqa", *NEWER],
 )
 def test_logits_equal_llm_foundrys_own(folder, reference, no_transformers_config):
     """The folders the real llm-foundry wrote, and its own model's fp32 logits on them."""
@@ -80,16 +84,47 @@ def test_logits_equal_llm_foundrys_own(folder, reference, no_transformers_config
     assert tokenizer == (str(folder) if (folder / "tokenizer.json").is_file() else None)
 
 
+def _copy_with_rope(tmp_path: Path, **attn) -> Path:
+    """The gqa-rope fixture folder (config and weights) with `attn` in its attn_config."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((FIXTURES / "gqa-rope" / "hf-ba4" / name).read_bytes())
+    _edit_config(folder, **attn)
+    return folder
+
+
+def test_rope_dail_reads_as_hf(tmp_path, no_transformers_config):
+    """llm-foundry's default rope_impl, dail (flash-attn's kernel, which needs a GPU), computes
+    what hf does (foundry.py `_rope` says why): the gqa-rope folder relabelled dail gives the
+    same logits."""
+    folder = _copy_with_rope(tmp_path, rope_impl="dail")
+    model, _ = load_pretrained(str(folder))
+    expected = load_file(FIXTURES / "gqa-rope" / REFERENCE)
+    with torch.no_grad():
+        ours = model(expected["input_ids"])
+    assert float((ours - expected["logits"]).abs().max() / expected["logits"].abs().max()) <= 1e-5
+
+
 @pytest.mark.parametrize(
-    ("case", "refusal"),
+    ("attn", "refusal"),
     [
-        ("gqa-rope", "config.json.attn_config.rope=True is not supported: our MPT has no rotary"),
-        ("variants", "config.json.tie_word_embeddings=False is not supported"),
+        (
+            dict(rope_impl="dail", rope_dail_config={"type": "xpos"}),
+            "config.json.attn_config.rope_dail_config={'type': 'xpos'} is not supported",
+        ),
+        (
+            dict(rope_hf_config={"type": "dynamic", "factor": 2.0}),
+            "(dynamic: use no_scaling, the same up to max_seq_len)",
+        ),
     ],
+    ids=["xpos", "dynamic"],
 )
-def test_what_we_lack_is_refused_in_one_line(case, refusal, tmp_path, capsys):
-    folder = FIXTURES / case / "hf-ba4"
-    err = one_line_error(capsys, main_of("scripts/import_hf.py"), [str(folder), str(tmp_path)])
+def test_what_we_lack_is_refused_in_one_line(attn, refusal, tmp_path, capsys):
+    folder = _copy_with_rope(tmp_path, **attn)
+    err = one_line_error(
+        capsys, main_of("scripts/import_hf.py"), [str(folder), str(tmp_path / "o")]
+    )
     assert refusal in err
 
 
@@ -171,8 +206,8 @@ def _escaping_index(folder: Path) -> None:
     ("damage", "expected"),
     [
         (
-            lambda f: _edit_config(f, rope=True),
-            "config.json.attn_config.rope=True is not supported",
+            lambda f: _edit_config(f, rope=True, rope_impl="hf", rope_hf_config={"type": "yarn"}),
+            "config.json.attn_config.rope_hf_config={'type': 'yarn'} is not supported",
         ),
         (lambda f: _edit_config(f, wat=1), "config.json.attn_config.wat=1: not a key"),
         (

@@ -3,12 +3,12 @@
 - ALiBi (`ALiBi`, `alibi_slopes`, `causal_alibi_bias`): a per-head bias on the attention scores,
   so it is an option of the mask description (`AttentionMasks(alibi=ALiBi(...))` in
   attention.py; None there for every other scheme). MPT's default.
-- RoPE (`RotaryEmbedding`, `apply_rope`; `rope_inv_freq` with Llama 3.1's `RopeScaling`): a
-  rotation of queries and keys by their positions, which the family's attention applies before
-  the kernel. Llama's.
+- RoPE (`RotaryEmbedding`, `apply_rope`; `rope_inv_freq` with Llama 3.1's `RopeScaling` or
+  `LinearRopeScaling`): a rotation of queries and keys by their positions, which the family's
+  attention applies before the kernel. Llama's, and MPT's with `rope=true`.
 - A learned position table is a family's own `nn.Embedding` (MPT's `learned_pos_emb`).
 
-A family picks by its config (MPT's `alibi`, `alibi_bias_max`, `learned_pos_emb`; Llama's
+A family picks by its config (MPT's `alibi`, `alibi_bias_max`, `learned_pos_emb`, `rope`; Llama's
 `rope_theta`, `rope_scaling`); nothing here names a family. `positions_in_document` numbers the
 tokens of each packed document from 0, for a position table and RoPE alike.
 """
@@ -142,19 +142,38 @@ class RopeScaling:
             )
 
 
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE scaling (position interpolation; transformers' rope_type "linear"): every
+    frequency divided by `factor`, as if positions were factor times closer together."""
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        value = self.factor
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise UserError(f"linear rope scaling factor must be > 0, got {value!r}")
+
+
 def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device | None = None
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | LinearRopeScaling | None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """The rotation frequency of each pair of dimensions, float32 [head_dim / 2].
 
     theta^(-2i / head_dim); with Llama 3.1's `scaling`, low frequencies (wavelength above
     original / low_freq_factor) are divided by `factor`, high ones (below original /
-    high_freq_factor) kept, and the band between interpolated (transformers' "llama3").
+    high_freq_factor) kept, and the band between interpolated (transformers' "llama3"); with
+    `LinearRopeScaling`, all divided by its factor (transformers' "linear").
     """
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     original = scaling.original_max_seq_len
     low_freq_wavelen = original / scaling.low_freq_factor
     high_freq_wavelen = original / scaling.high_freq_factor
@@ -177,7 +196,9 @@ class RotaryEmbedding(nn.Module):
     on the meta device gets real ones on its first forward.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.reset()

@@ -26,6 +26,7 @@ from torch import nn
 
 from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
+from llmfoundry.models.layers.ffn import GLU
 from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
 from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
 from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
@@ -99,17 +100,11 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+class MLP(GLU):
+    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)), no biases."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(cfg.d_model, cfg.ffn_hidden_size, bias=False, act="silu")
 
 
 class Block(nn.Module):

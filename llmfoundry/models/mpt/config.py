@@ -18,6 +18,9 @@ from llmfoundry.utils.errors import UserError
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
 INFINI_UPDATES = ("linear", "delta")
+NORM_TYPES = ("layernorm", "rmsnorm")
+FFN_TYPES = ("mlp", "glu")
+FFN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")  # models/layers/ffn.py's ACTIVATIONS
 
 
 @dataclass
@@ -85,10 +88,16 @@ def _infini_config(value: Any) -> InfiniConfig | None:
 class MPTConfig:
     """Hyperparameters of an MPT causal language model.
 
-    Position information comes from ALiBi (`alibi=True`, as the released MPT-7B and MPT-30B) or
-    from a learned table (`learned_pos_emb=True`, the pretraining recipes' default). Leaving
-    `learned_pos_emb` unset picks the one ALiBi does not provide, so `alibi=false` alone switches
-    a model to learned positions.
+    Position information comes from ALiBi (`alibi=True`, as the released MPT-7B and MPT-30B),
+    from a learned table (`learned_pos_emb=True`, the pretraining recipes' default) or from
+    rotary embeddings (`rope=True`: Llama's rotate-half RoPE at `rope_theta`, frequencies divided
+    by `rope_linear_scaling` if set). Leaving `learned_pos_emb` unset picks it exactly when
+    neither of the others is on, so `alibi=false` alone switches a model to learned positions.
+
+    Layers: `norm_type` layernorm or rmsnorm (`low_precision_layernorm` runs either in the
+    autocast dtype); `ffn_type` mlp (down(act(up(x)))) or glu (down(act(gate(x)) * up(x))), with
+    `ffn_act` gelu (exact), gelu_tanh, silu or relu; `tie_word_embeddings=false` gives the output
+    head its own weight (`lm_head`) instead of the token embedding's.
 
     Attention: `kv_n_heads` < `n_heads` shares each key/value head among n_heads // kv_n_heads
     query heads (grouped-query attention; 1 is multi-query; unset: one per query head).
@@ -121,6 +130,13 @@ class MPTConfig:
     learned_pos_emb: bool | None = None
     no_bias: bool = True
     low_precision_layernorm: bool = False
+    norm_type: str = "layernorm"
+    ffn_type: str = "mlp"
+    ffn_act: str = "gelu"
+    tie_word_embeddings: bool = True
+    rope: bool = False
+    rope_theta: float = 10000.0
+    rope_linear_scaling: float | None = None
     qk_ln: bool = False
     clip_qkv: float | None = None
     softmax_scale: float | None = None
@@ -173,18 +189,8 @@ class MPTConfig:
         from llmfoundry.models.layers.kernels import check_attn_impl
 
         check_attn_impl(self.attn_impl, "MPTConfig", self.attn_pdrop)
-        if self.learned_pos_emb is None:
-            self.learned_pos_emb = not self.alibi
-        if self.alibi and self.learned_pos_emb:
-            raise UserError(
-                "MPTConfig.alibi and MPTConfig.learned_pos_emb are both true; "
-                "use one source of position information (alibi=true or learned_pos_emb=true)"
-            )
-        if not self.alibi and not self.learned_pos_emb:
-            raise UserError(
-                "MPTConfig.alibi and MPTConfig.learned_pos_emb are both false, so the model "
-                "would get no position information; set one of them to true"
-            )
+        self._check_positions()
+        self._check_layers()
         if not self.alibi_bias_max > 0:
             raise UserError(f"MPTConfig.alibi_bias_max must be > 0, got {self.alibi_bias_max!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -204,5 +210,52 @@ class MPTConfig:
                 "'meta', then call to_empty(device=...) and init_weights()"
             )
         self.infini = _infini_config(self.infini)
+        if self.infini is not None and self.rope:
+            raise UserError(
+                "MPTConfig.infini with rope=true is not supported (its memory keeps unrotated "
+                "keys); use alibi=true with infini"
+            )
         if not isinstance(self.compile, bool):
             raise UserError(f"MPTConfig.compile must be true or false, got {self.compile!r}")
+
+    def _check_positions(self) -> None:
+        """Exactly one source of positions: alibi, learned_pos_emb or rope."""
+        if self.learned_pos_emb is None:
+            self.learned_pos_emb = not self.alibi and not self.rope
+        sources = {"alibi": self.alibi, "learned_pos_emb": self.learned_pos_emb, "rope": self.rope}
+        on = [name for name, value in sources.items() if value]
+        if not on:
+            raise UserError(
+                "MPTConfig.alibi, learned_pos_emb and rope are all false, so the model would get "
+                "no position information; set one of them to true"
+            )
+        if len(on) > 1:
+            raise UserError(
+                f"MPTConfig.{' and MPTConfig.'.join(on)} are all true; use one source of position "
+                "information (alibi, learned_pos_emb or rope)"
+            )
+        if not self.rope_theta > 0:
+            raise UserError(f"MPTConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rope_linear_scaling is not None and not self.rope_linear_scaling > 0:
+            raise UserError(
+                f"MPTConfig.rope_linear_scaling must be null (none) or > 0, "
+                f"got {self.rope_linear_scaling!r}"
+            )
+
+    def _check_layers(self) -> None:
+        """norm_type, ffn_type, ffn_act and tie_word_embeddings among what the model builds."""
+        for name, allowed in (
+            ("norm_type", NORM_TYPES),
+            ("ffn_type", FFN_TYPES),
+            ("ffn_act", FFN_ACTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise UserError(
+                    f"MPTConfig.{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise UserError(
+                f"MPTConfig.tie_word_embeddings must be true or false, "
+                f"got {self.tie_word_embeddings!r}"
+            )

@@ -63,6 +63,7 @@ TOP_DEFAULTS: dict[str, Any] = {
     "attention_bias": None,
     "norm_type": "low_precision_layernorm",
     "norm_eps": 1e-05,
+    "tie_word_embeddings": True,
 }
 ATTN_DEFAULTS: dict[str, Any] = {
     "attn_type": "multihead_attention",
@@ -74,6 +75,10 @@ ATTN_DEFAULTS: dict[str, Any] = {
     "alibi": False,
     "alibi_bias_max": 8,
     "rope": False,
+    "rope_theta": 10000,
+    "rope_impl": "dail",
+    "rope_dail_config": {"type": "original", "pos_idx_in_fp32": True, "xpos_scale_base": 512},
+    "rope_hf_config": {"type": "no_scaling", "factor": 1.0},
     "kv_n_heads": None,
 }
 INIT_DEFAULTS: dict[str, Any] = {
@@ -107,12 +112,18 @@ TRANSFORMERS_KEYS = frozenset(
 NO_EFFECT = frozenset(
     {"init_device", "use_cache", "use_pad_tok_in_ffn", "verbose", "tokenizer_name"}
 )
-ATTN_NO_EFFECT = frozenset(
-    {"attn_impl", "attn_uses_sequence_id", "rope_theta", "rope_impl", "rope_dail_config"}
-    | {"rope_hf_config"}
-)
+ATTN_NO_EFFECT = frozenset({"attn_impl", "attn_uses_sequence_id"})
+ROPE_KEYS = frozenset({"rope_theta", "rope_impl", "rope_dail_config", "rope_hf_config"})
 LOSS_FNS = ("fused_crossentropy", "torch_crossentropy")
-NORM_TYPES = {"layernorm": False, "low_precision_layernorm": True}
+# llm-foundry's norm_type -> ours (norm_type, low_precision_layernorm). triton_rmsnorm is
+# flash-attn's fused kernel of the same function, fed the float32 residual stream as torch's.
+NORM_TYPES = {
+    "layernorm": ("layernorm", False),
+    "low_precision_layernorm": ("layernorm", True),
+    "rmsnorm": ("rmsnorm", False),
+    "low_precision_rmsnorm": ("rmsnorm", True),
+    "triton_rmsnorm": ("rmsnorm", False),
+}
 KV_HEADS = {"multihead_attention": None, "multiquery_attention": 1}
 MOE_FFNS = ("mb_moe", "mb_dmoe", "torch_dmoe")
 
@@ -143,13 +154,13 @@ TOP_FIXED: tuple[Fixed, ...] = (
     ("logit_scale", (None, 1, 1.0), "our output head does not scale its logits"),
     ("embedding_fraction", (1.0,), "our token embedding gets its full gradient; set 1.0"),
     ("norm_eps", (LAYER_NORM_EPS,), f"our LayerNorms use eps={LAYER_NORM_EPS}"),
-    ("tie_word_embeddings", (True,), "our output head is the token embedding; set true"),
+    ("tie_word_embeddings", (True, False), "set true (the head is the embedding) or false"),
     ("block_overrides", (None,), "our blocks are all alike; remove the per-layer overrides"),
     ("final_logit_softcapping", (None,), "our output head does not soft-cap its logits"),
     ("fuse_norm_attn_norm", (False,), "our blocks keep norm_1, attn and norm_2 apart; set false"),
 )
 ATTN_FIXED: tuple[Fixed, ...] = (
-    ("rope", (False,), "our MPT has no rotary positions; use alibi or learned_pos_emb"),
+    ("rope", (False, True), "set true or false"),
     ("nope", (False,), "use alibi or learned_pos_emb"),
     ("qk_gn", (False,), "our MPT has no per-head q/k norm; use qk_ln (over the full width)"),
     ("fused_qkv", (True,), "our attention has one fused Wqkv projection; set true"),
@@ -160,13 +171,19 @@ ATTN_FIXED: tuple[Fixed, ...] = (
     ("reuse_kv_x_layer_idx", (None,), "each of our blocks computes its own keys and values"),
     ("seq_parallel_world_size", (None, 1), "use strategy.tp (it splits sequences too)"),
 )
-FFN_TYPES = {
-    "mptglu": "our MPT's MLP is not gated; use ffn_type=mptmlp (or a Llama model for SwiGLU)",
+FFN_TYPES = {"mptmlp": "mlp", "mptglu": "glu"}
+FFN_REFUSED = {
     "te_ln_mlp": "TransformerEngine's fused LayerNorm-MLP is not in our MPT; use ffn_type=mptmlp "
     "(fp8 training: converters=[float8])",
-    **{moe: "DBRX's MoE is not supported; use ffn_type=mptmlp" for moe in MOE_FFNS},
+    **{moe: "DBRX's MoE is not supported; use ffn_type=mptmlp or mptglu" for moe in MOE_FFNS},
 }
-GELU = {"name": "gelu", "approximate": "none"}
+# llm-foundry's ffn_act_fn (torch.nn.functional's name and keyword arguments) -> our ffn_act.
+ACTS = {
+    (("approximate", "none"), ("name", "gelu")): "gelu",
+    (("approximate", "tanh"), ("name", "gelu")): "gelu_tanh",
+    (("name", "silu"),): "silu",
+    (("name", "relu"),): "relu",
+}
 
 
 class _Keys:
@@ -219,6 +236,7 @@ def _attention(attn: _Keys, n_heads: int) -> dict[str, Any]:
     if window != -1 and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise attn.refuse("sliding_window_size", "use -1 (none) or a number of earlier tokens")
     fields = {
+        **_rope(attn),
         "attn_impl": "sdpa",
         "kv_n_heads": kv_n_heads,
         "attn_pdrop": attn.get("attn_pdrop"),
@@ -234,6 +252,51 @@ def _attention(attn: _Keys, n_heads: int) -> dict[str, Any]:
     return fields
 
 
+def _rope(attn: _Keys) -> dict[str, Any]:
+    """Our RoPE fields for `attn_config`'s (its rope_* keys are read only with rope: true).
+
+    Both of llm-foundry's RoPEs are ours: `hf` is transformers' Llama rotary embedding
+    (rotate-half pairing, no_scaling or linear), and `dail` (flash-attn's RotaryEmbedding, built
+    with interleaved=False, so the same rotate-half pairing, and the same frequencies
+    theta^(-2i/head_dim)) at `type: original` with positions in float32. Refused: xpos (a decay
+    we lack), dail's positions in the model's dtype, and transformers' dynamic NTK scaling (it
+    equals no_scaling up to max_seq_len, then changes the frequencies with the length)."""
+    attn.accept(ROPE_KEYS)
+    if not attn.get("rope"):
+        return {"rope": False}
+    impl, theta = attn.get("rope_impl"), attn.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise attn.refuse("rope_theta", "give a number > 0")
+    scaling = None
+    if impl == "dail":
+        dail = {**ATTN_DEFAULTS["rope_dail_config"], **(attn.get("rope_dail_config") or {})}
+        if dail["type"] != "original" or dail["pos_idx_in_fp32"] is not True or len(dail) != 3:
+            raise attn.refuse(
+                "rope_dail_config",
+                "ours is type original with pos_idx_in_fp32 true (no xpos); set those",
+            )
+    elif impl == "hf":
+        hf = {**ATTN_DEFAULTS["rope_hf_config"], **(attn.get("rope_hf_config") or {})}
+        factor = hf["factor"]
+        if (
+            len(hf) != 2
+            or hf["type"] not in ("no_scaling", "linear")
+            or (
+                hf["type"] == "linear"
+                and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0)
+            )
+        ):
+            raise attn.refuse(
+                "rope_hf_config",
+                "ours is type no_scaling, or linear with a factor > 0 (dynamic: use no_scaling, "
+                "the same up to max_seq_len)",
+            )
+        scaling = float(factor) if hf["type"] == "linear" else None
+    else:
+        raise attn.refuse("rope_impl", "use dail or hf")
+    return {"rope": True, "rope_theta": float(theta), "rope_linear_scaling": scaling}
+
+
 def _check_fc_type(keys: _Keys, key: str) -> None:
     """`fc_type` is torch's Linear: "torch" or {name: torch} (llm-foundry adds bias and device)."""
     fc_type = keys.get(key)
@@ -246,15 +309,28 @@ def _check_fc_type(keys: _Keys, key: str) -> None:
         )
 
 
-def _mlp_width(ffn: _Keys, top: _Keys) -> int:
-    """Our `expansion_ratio` for llm-foundry's MLP: `ffn_config` (mptmlp only) and the
-    top-level `expansion_ratio` it falls back on."""
+def _ffn(ffn: _Keys, top: _Keys) -> dict[str, Any]:
+    """Our ffn fields for llm-foundry's `ffn_config` (mptmlp or mptglu, its activation) and the
+    top-level `expansion_ratio` it falls back on for the width."""
     ffn_type = ffn.get("ffn_type")
-    if ffn_type != "mptmlp":
-        raise ffn.refuse("ffn_type", FFN_TYPES.get(ffn_type, "use ffn_type=mptmlp"))
+    if ffn_type not in FFN_TYPES:
+        raise ffn.refuse("ffn_type", FFN_REFUSED.get(ffn_type, "use mptmlp or mptglu"))
     act = ffn.get("ffn_act_fn")
-    if act is not None and {**GELU, **act} != GELU:
-        raise ffn.refuse("ffn_act_fn", "our MLP uses exact GELU; remove ffn_act_fn")
+    act = {"name": "gelu"} if act is None else act  # llm-foundry's default: exact GELU
+    if isinstance(act, Mapping) and act.get("name") == "gelu":
+        act = {"approximate": "none", **act}
+    ffn_act = ACTS.get(tuple(sorted(act.items()))) if isinstance(act, Mapping) else None
+    if ffn_act is None:
+        raise ffn.refuse("ffn_act_fn", "ours is gelu (approximate none or tanh), silu or relu")
+    return {
+        "ffn_type": FFN_TYPES[ffn_type],
+        "ffn_act": ffn_act,
+        "expansion_ratio": _mlp_width(ffn, top),
+    }
+
+
+def _mlp_width(ffn: _Keys, top: _Keys) -> int:
+    """Our `expansion_ratio` for llm-foundry's `ffn_hidden_size` or `expansion_ratio`."""
     _check_fc_type(ffn, "fc_type")
     ffn.accept(frozenset({"bias"}))  # llm-foundry sets it from no_bias for te_ln_mlp only
     d_model, hidden = top.get("d_model"), ffn.get("ffn_hidden_size")
@@ -321,7 +397,8 @@ def _top_level(top: _Keys) -> dict[str, Any]:
         raise top.refuse("attention_bias", "our attention has biases exactly when no_bias=false")
     norm_type = top.get("norm_type")
     if str(norm_type).lower() not in NORM_TYPES:
-        raise top.refuse("norm_type", "ours is LayerNorm: layernorm or low_precision_layernorm")
+        raise top.refuse("norm_type", "use one of " + ", ".join(NORM_TYPES))
+    norm_type, low_precision = NORM_TYPES[norm_type.lower()]
     return {
         "d_model": d_model,
         "n_heads": n_heads,
@@ -329,7 +406,9 @@ def _top_level(top: _Keys) -> dict[str, Any]:
         "max_seq_len": top.get("max_seq_len"),
         "vocab_size": top.get("vocab_size"),
         "no_bias": bool(no_bias),
-        "low_precision_layernorm": NORM_TYPES[norm_type.lower()],
+        "norm_type": norm_type,
+        "low_precision_layernorm": low_precision,
+        "tie_word_embeddings": top.get("tie_word_embeddings"),
         "resid_pdrop": top.get("resid_pdrop"),
         "emb_pdrop": top.get("emb_pdrop"),
     }
@@ -357,7 +436,7 @@ def mpt_config_from_foundry(
     ffn = _Keys(
         _section(config, "ffn_config", {"ffn_type": "mptmlp"}, where), f"{where}.ffn_config"
     )
-    fields["expansion_ratio"] = _mlp_width(ffn, top)
+    fields.update(_ffn(ffn, top))
     init = _Keys(_section(config, "init_config", INIT_DEFAULTS, where), f"{where}.init_config")
     try:
         fields["init_std"] = _init_std(init)
@@ -365,8 +444,9 @@ def mpt_config_from_foundry(
         if not weights_loaded:
             raise
         fields["init_std"] = None  # the checkpoint's weights replace any init
-    # llm-foundry turns learned positions off whenever ALiBi is on.
-    fields["learned_pos_emb"] = bool(top.get("learned_pos_emb")) and not fields["alibi"]
+    # llm-foundry turns learned positions off whenever ALiBi or RoPE is on.
+    learned = bool(top.get("learned_pos_emb"))
+    fields["learned_pos_emb"] = learned and not fields["alibi"] and not fields["rope"]
     top.accept(frozenset({"attn_config", "ffn_config", "init_config"}))
     top.refuse_unknown()
     try:

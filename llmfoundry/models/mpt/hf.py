@@ -8,7 +8,8 @@ silently misread is worse than none, so `to_hf_config` refuses every feature it 
   config says;
 - no biases anywhere (its Linear and LayerNorm layers have none);
 - MLP width fixed at 4 * d_model;
-- no qk_ln, no grouped key/value heads (kv_n_heads), no sliding window, no infini-attention.
+- no qk_ln, no grouped key/value heads (kv_n_heads), no sliding window, no infini-attention;
+- no RoPE, no RMSNorm, no gated MLP or other activation than GELU, no untied output head.
 `from_hf_config` likewise refuses a transformers config whose fields its model ignores or we lack.
 
 Dropout rates are not exported (the folder gets transformers' defaults, 0): transformers' MPT
@@ -75,6 +76,18 @@ def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
         )
     if cfg.infini is not None:
         unsupported.append("infini (transformers' MPT has no infini-attention memory)")
+    if cfg.rope:
+        unsupported.append("rope=true (transformers' MPT has no rotary positions)")
+    if cfg.norm_type != "layernorm":
+        unsupported.append(f"norm_type={cfg.norm_type} (transformers' MPT uses LayerNorm)")
+    if cfg.ffn_type != "mlp" or cfg.ffn_act != "gelu":
+        unsupported.append(
+            f"ffn_type={cfg.ffn_type}, ffn_act={cfg.ffn_act} (transformers' MPT has a GELU MLP)"
+        )
+    if not cfg.tie_word_embeddings:
+        unsupported.append(
+            "tie_word_embeddings=false (transformers' MPT ties its head to the embedding)"
+        )
     if unsupported:
         raise UserError(
             "cannot export to transformers' MptForCausalLM, which does not support: "
@@ -191,7 +204,9 @@ def from_foundry_folder(hf_dir: str | Path) -> MPTForCausalLM:
     fields = mpt_config_from_foundry(raw, where=where, weights_loaded=True)
     config = MPTConfig(**{k: v for k, v in fields.items() if k != "_target_"})
     state = read_hf_weights(hf_dir)
-    head = state.pop("lm_head.weight", None)  # tied: if written at all, the embedding again
+    head = None
+    if config.tie_word_embeddings:  # if written at all, the embedding again
+        head = state.pop("lm_head.weight", None)
     embedding = state.get("transformer.wte.weight")
     if head is not None and (embedding is None or not torch.equal(head, embedding)):
         raise UserError(

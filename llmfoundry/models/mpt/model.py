@@ -1,8 +1,10 @@
 """MPT: a decoder-only transformer with ALiBi, tied embeddings and pre-LayerNorm blocks.
 
-Read top to bottom: Attention, MLP, Block, MPTModel (embeddings, blocks, final norm),
-MPTForCausalLM (tied output head, loss, flops, init). LayerNorm, with its low-precision option,
-is shared with other families: `llmfoundry/models/norms.py`.
+Read top to bottom: Attention, Block, MPTModel (embeddings, blocks, final norm),
+MPTForCausalLM (output head, tied by default; loss, flops, init). What llm-foundry's MPT offers
+beside that is shared with other families: LayerNorm and RMSNorm, with their low-precision
+option (`llmfoundry/models/norms.py`), the MLP and its gated form (`models/layers/ffn.py`),
+RoPE (`models/layers/position.py`).
 Decoding with a KV cache (`models/layers/kv_cache.py`) and sampling live in
 `models/generation.py`.
 Parameter names follow transformers' MptForCausalLM (`transformer.blocks.0.attn.Wqkv.weight`, ...)
@@ -20,13 +22,23 @@ from torch import nn
 
 from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
+from llmfoundry.models.layers.ffn import GLU, MLP
 from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
 from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
-from llmfoundry.models.layers.position import ALiBi, positions_in_document
+from llmfoundry.models.layers.position import (
+    ALiBi,
+    LinearRopeScaling,
+    RotaryEmbedding,
+    apply_rope,
+    positions_in_document,
+)
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
-from llmfoundry.models.norms import LayerNorm
+from llmfoundry.models.norms import LayerNorm, build_norm
 from llmfoundry.utils.errors import UserError
+
+# RoPE's (cos, sin) of each position, [batch or 1, seq, head_dim] (`RotaryEmbedding`).
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -34,7 +46,9 @@ class Attention(nn.Module):
 
     `Wqkv` projects to n_heads query heads and kv_n_heads key and value heads (MPT's fused
     layout: [q | k | v]). `clip_qkv` clamps that projection (a guard against loss spikes);
-    `qk_ln` normalises queries and keys over their full width before they are split into heads.
+    `qk_ln` normalises queries and keys over their full width before they are split into heads
+    (with a LayerNorm, also when the blocks' `norm_type` is rmsnorm: llm-foundry's does);
+    with RoPE, `project` then rotates each head's queries and keys (llm-foundry's order).
     `forward` is `project` then `attend`: a caller with a cache of past keys and values can run
     `project` on the new tokens, extend k and v, and `attend` with the mask of all positions.
     The head counts are read from the projection's width, not the config, so the same code runs
@@ -53,12 +67,16 @@ class Attention(nn.Module):
         kv_dim = self.kv_n_heads * self.head_dim
         self.Wqkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=not cfg.no_bias)
         if cfg.qk_ln:
+            # LayerNorm whatever norm_type says: llm-foundry's blocks never pass theirs down.
             self.q_ln = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
             self.k_ln = LayerNorm(kv_dim, not cfg.no_bias, cfg.low_precision_layernorm)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=not cfg.no_bias)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, n_heads, L, head_dim] and k, v [B, kv_n_heads, L, head_dim] for `x` [B, L, d]."""
+    def project(
+        self, x: torch.Tensor, rope: Rope | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, n_heads, L, head_dim] and k, v [B, kv_n_heads, L, head_dim] for `x` [B, L, d];
+        q and k rotated by `rope` if given."""
         batch, seq_len, _ = x.shape
         qkv = self.Wqkv(x)
         if self.clip_qkv is not None:
@@ -70,6 +88,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
 
     def attend(
@@ -88,9 +108,13 @@ class Attention(nn.Module):
         return self.attn_fn(q, k, v, mask, dropout_p, self.softmax_scale)
 
     def forward(
-        self, x: torch.Tensor, mask: AttentionMask, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        cache: LayerKV | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, rope)
         if cache is not None:  # attend over the cached positions and the new ones
             k, v = cache.append(k, v)
         return self.attend(q, k, v, mask)
@@ -131,7 +155,11 @@ class InfiniAttention(Attention):
         )
 
     def forward(
-        self, x: torch.Tensor, mask: AttentionMask, cache: InfiniState | None = None
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        cache: InfiniState | None = None,
+        rope: None = None,  # MPTConfig refuses rope with infini
     ) -> torch.Tensor:
         if cache is None:
             return super().forward(x, mask)
@@ -153,41 +181,41 @@ class InfiniAttention(Attention):
         return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))
 
 
-class MLP(nn.Module):
-    """GELU feed-forward: d_model -> expansion_ratio * d_model -> d_model."""
-
-    def __init__(self, cfg: MPTConfig) -> None:
-        super().__init__()
-        hidden = cfg.expansion_ratio * cfg.d_model
-        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=not cfg.no_bias)
-        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=not cfg.no_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x)))
-
-
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(norm_1(x)), then x + ffn(norm_2(x))."""
+    """Pre-norm transformer block: x + attn(norm_1(x)), then x + ffn(norm_2(x)).
+
+    The ffn is `expansion_ratio * d_model` wide: an MLP, or a GLU (`ffn_type=glu`)."""
 
     def __init__(self, cfg: MPTConfig) -> None:
         super().__init__()
-        bias, low_precision = not cfg.no_bias, cfg.low_precision_layernorm
-        self.norm_1 = LayerNorm(cfg.d_model, bias, low_precision)
+        norm = (cfg.norm_type, cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
+        self.norm_1 = build_norm(*norm)
         self.attn = Attention(cfg) if cfg.infini is None else InfiniAttention(cfg)
-        self.norm_2 = LayerNorm(cfg.d_model, bias, low_precision)
-        self.ffn = MLP(cfg)
+        self.norm_2 = build_norm(*norm)
+        ffn = GLU if cfg.ffn_type == "glu" else MLP
+        hidden = cfg.expansion_ratio * cfg.d_model
+        self.ffn = ffn(cfg.d_model, hidden, not cfg.no_bias, cfg.ffn_act)
         self.resid_attn_dropout = nn.Dropout(cfg.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(cfg.resid_pdrop)
 
     def forward(
-        self, x: torch.Tensor, mask: AttentionMask, cache: LayerKV | InfiniState | None = None
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        cache: LayerKV | InfiniState | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
-        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask, cache))
+        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), mask, cache, rope))
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
 class MPTModel(nn.Module):
-    """Token (and optional position) embeddings, the blocks, and the final LayerNorm."""
+    """Token (and optional position) embeddings, the blocks, and the final norm.
+
+    A learned table and RoPE number each packed document's tokens from 0 (`sequence_id`). For
+    RoPE that is what llm-foundry computes, which counts on across the packed row: a rotation's
+    score depends only on the distance between query and key, and documents never attend to
+    each other."""
 
     def __init__(self, cfg: MPTConfig) -> None:
         super().__init__()
@@ -195,6 +223,11 @@ class MPTModel(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if cfg.learned_pos_emb:
             self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.rope = None
+        if cfg.rope:
+            scaling = cfg.rope_linear_scaling
+            scaling = None if scaling is None else LinearRopeScaling(scaling)
+            self.rope = RotaryEmbedding(cfg.d_model // cfg.n_heads, cfg.rope_theta, scaling)
         self.emb_drop = nn.Dropout(cfg.emb_pdrop)
         alibi = ALiBi(cfg.alibi_bias_max) if cfg.alibi else None
         # Infini-attention's kernel runs on segments, not the forward's lengths: no preparing.
@@ -203,7 +236,25 @@ class MPTModel(nn.Module):
             cfg.n_heads, cfg.max_seq_len, alibi, cfg.sliding_window, prepare
         )
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm_f = LayerNorm(cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm)
+        self.norm_f = build_norm(
+            cfg.norm_type, cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm
+        )
+
+    def positions(
+        self, sequence_id: torch.Tensor | None, past: int, seq_len: int, device: torch.device
+    ) -> torch.Tensor:
+        """Positions [batch or 1, seq_len] of the tokens after `past` cached ones (each
+        document's from 0 when `sequence_id` covers the cached and new tokens)."""
+        if sequence_id is None:
+            return torch.arange(past, past + seq_len, device=device)[None]
+        return positions_in_document(sequence_id)[:, -seq_len:]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The token embedding, plus the learned positions' if the model has them."""
+        x = self.wte(input_ids)
+        if self.learned_pos_emb:
+            x = x + self.wpe(positions)
+        return self.emb_drop(x)
 
     def forward(
         self,
@@ -216,23 +267,19 @@ class MPTModel(nn.Module):
         if cache is not None:  # from here on, sequence_id covers the cached positions too
             past = cache.length
             sequence_id = cache.extend(sequence_id, seq_len)
-        x = self.wte(input_ids)
-        if self.learned_pos_emb:
-            if sequence_id is None:
-                pos = torch.arange(past, past + seq_len, device=input_ids.device)
-            else:
-                pos = positions_in_document(sequence_id)[:, -seq_len:]
-            x = x + self.wpe(pos)
-        x = self.emb_drop(x)
+        positions = self.positions(sequence_id, past, seq_len, input_ids.device)
+        x = self.embed(input_ids, positions)
+        rope = None if self.rope is None else self.rope(positions)
         mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, past + seq_len))
         layers = [None] * len(self.blocks) if cache is None else cache.layers
         for block, layer_cache in zip(self.blocks, layers, strict=True):
-            x = block(x, mask, layer_cache)
+            x = block(x, mask, layer_cache, rope)
         return self.norm_f(x)
 
 
 class MPTForCausalLM(nn.Module):
-    """MPT with its output head tied to the token embedding (logits = h @ wte.weight^T)."""
+    """MPT with its output head: the token embedding (logits = h @ wte.weight^T), or its own
+    `lm_head` with `tie_word_embeddings=false`."""
 
     def __init__(self, config: MPTConfig) -> None:
         super().__init__()
@@ -241,6 +288,8 @@ class MPTForCausalLM(nn.Module):
         # and the meta path every large model takes is the one every small model takes too.
         with torch.device("meta"):
             self.transformer = MPTModel(config)
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.init_device != "meta":
             self.to_empty(device=config.init_device)
             self.init_weights()
@@ -280,14 +329,23 @@ class MPTForCausalLM(nn.Module):
                 "of at most max_seq_len tokens or a model with a larger max_seq_len"
             )
         h = self.transformer(input_ids, sequence_id, cache)
-        return F.linear(h, self.transformer.wte.weight)
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.transformer.wte.weight)
+        return self.lm_head(h)  # a module call, so a plan applied from outside sees its input
+
+    def output_embedding(self) -> torch.Tensor:
+        """The output head's weight [vocab, d_model]: lm_head's, or the tied token embedding."""
+        if self.config.tie_word_embeddings:
+            return self.transformer.wte.weight
+        return self.lm_head.weight
 
     loss = staticmethod(next_token_loss)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (the tied output head counted once).
+        """Number of parameters (a tied output head counted once).
 
-        `exclude_embeddings` leaves out the token and position tables.
+        `exclude_embeddings` leaves out the token and position tables (an untied output head
+        stays: it is a matmul, as Llama's count has it).
         """
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
@@ -299,9 +357,9 @@ class MPTForCausalLM(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training flops per token (forward + backward): 6 * N + 12 * n_layers * d_model * seq_len.
 
-        N counts the weights of every matrix multiply a token goes through: the four projections
-        of each block (Wqkv, out_proj, up_proj, down_proj) and the tied output head (vocab x
-        d_model). Embedding lookups, norms and biases are left out: they cost no matmul flops.
+        N counts the weights of every matrix multiply a token goes through: the projections of
+        each block (Wqkv, out_proj, up_proj, down_proj, and a GLU's gate_proj) and the output
+        head (vocab x d_model, tied or not). Embedding lookups, norms and biases are left out: they cost no matmul flops.
         The second term is attention's q k^T and weights @ v, counted over the full (not causal)
         square as is the convention for MFU (over one segment with infini-attention, whose
         memory costs O(head_dim^2) per token, not O(seq_len)).
@@ -309,7 +367,8 @@ class MPTForCausalLM(nn.Module):
         cfg = self.config
         d = cfg.d_model
         kv_dim = cfg.kv_n_heads * (d // cfg.n_heads)
-        per_block = d * (d + 2 * kv_dim) + d * d + 2 * cfg.expansion_ratio * d * d
+        ffn_matrices = 3 if cfg.ffn_type == "glu" else 2
+        per_block = d * (d + 2 * kv_dim) + d * d + ffn_matrices * cfg.expansion_ratio * d * d
         n_matmul = cfg.n_layers * per_block + cfg.vocab_size * d
         if cfg.infini is not None:  # local attention spans one segment
             seq_len = min(seq_len, cfg.infini.segment_len)
@@ -327,7 +386,7 @@ class MPTForCausalLM(nn.Module):
                     nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
         residual_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
         for block in self.transformer.blocks:
@@ -336,3 +395,5 @@ class MPTForCausalLM(nn.Module):
             block.attn.out_proj.weight.mul_(residual_scale)
             block.ffn.down_proj.weight.mul_(residual_scale)
         self.transformer.masks.reset()
+        if self.transformer.rope is not None:
+            self.transformer.rope.reset()

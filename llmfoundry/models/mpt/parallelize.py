@@ -4,15 +4,17 @@ tensor-parallel layout.
 
 Each block holds 12 d_model^2 weights of a layer's 12 n_layers d_model^2, so sharding per block
 keeps one layer's weights gathered at a time. The token embedding, which is also the output
-head, stays with the root: it is used at both ends of the forward. Split into pipeline stages,
-the first stage embeds and the last applies the final norm and the head, so both hold the
-token embedding (`tied`).
+head unless `tie_word_embeddings=false`, stays with the root: it is used at both ends of the
+forward. Split into pipeline stages, the first stage embeds and the last applies the final norm
+and the head, so with a tied head both hold the token embedding (`tied`).
 
 Tensor parallel: Llama's layout (Megatron's, with sequence parallelism; see
 models/llama/parallelize.py), the MLP's up projection split by column and its down projection
-by row, out_proj by row, norms and the residual stream split by sequence position, the
-embedding (the tied head) by vocabulary row, the final norm's output gathered over the
-sequence for the head (`GatheredSequenceParallel`). Two things are MPT's own:
+by row (a GLU's gate projection by column, as its up projection), out_proj by row, norms and
+the residual stream split by sequence position, the embedding by vocabulary row; a tied head
+gets the final norm's output gathered over the sequence (`GatheredSequenceParallel`), an untied
+`lm_head` is split by vocabulary column as Llama's. RoPE needs no layout: each rank's attention
+rotates its own heads with the whole sequence's angles. Two things are MPT's own:
 
 - The fused Wqkv. Split by output column like any colwise linear (`Shard(0)` of its
   [q | k | v] rows), rank r computes a contiguous slice of [q | k | v] that cuts across q, k
@@ -51,7 +53,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmfoundry.models.layers.attention import AttentionMasks, compute_dtype
-from llmfoundry.models.layers.position import positions_in_document
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
@@ -70,30 +71,30 @@ def pipeline_stage_forward(
     """`MPTModel.forward` and the head, for one stage (`PipelineSplit.forward`); the blocks the
     stage does not hold pass their input through."""
     transformer = model.transformer
-    x = inputs
-    if first:
-        x = transformer.wte(inputs)
-        if transformer.learned_pos_emb:
-            if sequence_id is None:
-                pos = torch.arange(seq_len, device=inputs.device)
-            else:
-                pos = positions_in_document(sequence_id)
-            x = x + transformer.wpe(pos)
-        x = transformer.emb_drop(x)
+    positions = transformer.positions(sequence_id, 0, seq_len, inputs.device)
+    x = transformer.embed(inputs, positions) if first else inputs
+    rope = None if transformer.rope is None else transformer.rope(positions)
     mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, seq_len))
     for block in transformer.blocks:
-        x = block(x, mask)
+        x = block(x, mask, None, rope)
     if not last:
         return x
-    return F.linear(transformer.norm_f(x), transformer.wte.weight)
+    h = transformer.norm_f(x)
+    if model.config.tie_word_embeddings:
+        return F.linear(h, transformer.wte.weight)
+    return model.lm_head(h)
 
 
-_PIPELINE = PipelineSplit(
-    first=("transformer.wpe", "transformer.emb_drop"),
-    last=("transformer.norm_f",),
-    tied=("transformer.wte",),
-    forward=pipeline_stage_forward,
-)
+def _pipeline(tied: bool) -> PipelineSplit:
+    """The first stage embeds, the last holds the final norm and the head (the token embedding
+    when tied: then both ends hold it)."""
+    first = ("transformer.wpe", "transformer.emb_drop")
+    return PipelineSplit(
+        first=first if tied else (*first, "transformer.wte"),
+        last=("transformer.norm_f",) if tied else ("transformer.norm_f", "lm_head"),
+        tied=("transformer.wte",) if tied else (),
+        forward=pipeline_stage_forward,
+    )
 
 
 def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
@@ -102,7 +103,7 @@ def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
     return ParallelPlan(
         blocks=list(model.transformer.blocks),
         compile=cfg.compile,
-        pipeline=_PIPELINE,
+        pipeline=_pipeline(cfg.tie_word_embeddings),
         tensor_parallel=None if refusal else tensor_parallel_layout(model),
         tp_divides={
             "n_heads": cfg.n_heads,
@@ -135,19 +136,25 @@ def tensor_parallel_layout(model: MPTForCausalLM) -> dict[str, ParallelStyle]:
     cfg = model.config
     sequence_sharded, whole = Shard(1), Replicate()
     kv_dim = cfg.kv_n_heads * (cfg.d_model // cfg.n_heads)
+    tied = cfg.tie_word_embeddings
     layout: dict[str, ParallelStyle] = {
         "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=sequence_sharded),
         "transformer.masks": SelectHeads(),
-        "transformer.norm_f": GatheredSequenceParallel(),
+        "transformer.norm_f": GatheredSequenceParallel() if tied else SequenceParallel(),
     }
+    if not tied:  # Llama's untied head: split by vocabulary column, logits left sharded
+        layout["lm_head"] = ColwiseParallel(
+            input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False
+        )
+    ffn = ("gate_proj", "up_proj") if cfg.ffn_type == "glu" else ("up_proj",)
     for index in range(len(model.transformer.blocks)):
         block = f"transformer.blocks.{index}"
         layout |= {
             f"{block}.norm_1": SequenceParallel(),
-            # attn(x, mask, cache): only x is laid out (gathered over the sequence).
+            # attn(x, mask, cache, rope): only x is laid out (gathered over the sequence).
             f"{block}.attn": PrepareModuleInput(
-                input_layouts=(sequence_sharded, None, None),
-                desired_input_layouts=(whole, None, None),
+                input_layouts=(sequence_sharded, None, None, None),
+                desired_input_layouts=(whole, None, None, None),
             ),
             f"{block}.attn.Wqkv": ColwiseByHead((cfg.d_model, kv_dim, kv_dim)),
             f"{block}.attn.out_proj": RowwiseParallel(output_layouts=sequence_sharded),
@@ -155,7 +162,7 @@ def tensor_parallel_layout(model: MPTForCausalLM) -> dict[str, ParallelStyle]:
             f"{block}.ffn": PrepareModuleInput(
                 input_layouts=(sequence_sharded,), desired_input_layouts=(whole,)
             ),
-            f"{block}.ffn.up_proj": ColwiseParallel(),
+            **{f"{block}.ffn.{name}": ColwiseParallel() for name in ffn},
             f"{block}.ffn.down_proj": RowwiseParallel(output_layouts=sequence_sharded),
         }
     return layout

@@ -15,10 +15,14 @@ from llmfoundry.models.mpt.parallelize import parallelize_plan
 # float32 (4 + 4), every matmul input is a 2-byte copy (norm outputs 2 + 2, attention 2 + 2,
 # GELU 8), as are qkv (6) and the up projection (8): 38.
 _ACTIVATION_BYTES = {"fp32": 68, "amp_bf16": 38, "amp_fp16": 38}
+# A GLU (ffn_type=glu) keeps two more tensors of the MLP's width: the gate projection's output
+# and its activation (the up projection's output and the product are the MLP's two).
+_GLU_EXTRA_BYTES = {"fp32": 32, "amp_bf16": 16, "amp_fp16": 16}
 
 
 def _activation_bytes(config: MPTConfig, precision: str) -> int:
-    return _ACTIVATION_BYTES[precision] * config.d_model
+    extra = _GLU_EXTRA_BYTES[precision] if config.ffn_type == "glu" else 0
+    return (_ACTIVATION_BYTES[precision] + extra) * config.d_model
 
 
 def _position_limit(config: MPTConfig) -> int | None:
@@ -50,6 +54,13 @@ MPT = ModelFamily(
         "learned_pos_emb",
         "no_bias",
         "qk_ln",
+        "rope",
+        "rope_theta",
+        "rope_linear_scaling",
+        "norm_type",
+        "ffn_type",
+        "ffn_act",
+        "tie_word_embeddings",
     ),
     activation_bytes=_activation_bytes,
     load_overrides={"compile": False},
