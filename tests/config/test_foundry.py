@@ -515,14 +515,19 @@ def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
 
 
 def test_train_script_prints_the_config_their_yaml_became(foundry_dir):
+    """With the overrides scripts/launch.py adds to an llm-foundry config: our run_status
+    callback by name in their callbacks map, and Hydra's run folder (Hydra's, not theirs)."""
+    launched = ["callbacks.run_status.path=s3://b/runs/x/status.json", "hydra.run.dir=runs/x"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts/train.py"), "foundry.yaml",
-         "model.n_layers=3", "--cfg", "job"],
+         "model.n_layers=3", *launched, "--cfg", "job"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert (printed["model"]["n_layers"], printed["run_name"]) == (3, "tiny-foundry")
+    assert printed["callbacks"]["run_status"]["_target_"] == "llmfoundry.callbacks.RunStatus"
+    assert printed["callbacks"]["run_status"]["path"] == "s3://b/runs/x/status.json"
     assert printed["data"]["remote"] == "./my-mds" and printed["max_duration"] == "4ba"
     assert "llm-foundry fsdp_config: one process trains without FSDP" in result.stderr
 

@@ -136,6 +136,10 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
                 out.set(f"{key}.skip_batches", node["skip_batches"])
         elif name in ("lr_monitor", "memory_monitor"):
             check_known(key, node, set())
+        elif name == "run_status":  # ours, by name: scripts/launch.py adds it to every run
+            check_known(key, node, {"path", "interval_s"})
+            for field, value in node.items():
+                out.set(f"{key}.{field}", value)
         elif name == "hf_checkpointer":
             raise refuse(
                 key,
@@ -145,8 +149,9 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
         else:
             raise refuse(
                 key,
-                "not supported here (speed_monitor, lr_monitor, memory_monitor and "
-                "runtime_estimator are; ours: conf/callbacks/)",
+                "not supported here (speed_monitor, lr_monitor, memory_monitor, "
+                "runtime_estimator are, and our run_status; "
+                "ours: conf/callbacks/)",
             )
         if "time_unit" in node:
             out.note(f"{key}.time_unit", "times are reported in seconds and minutes here")
