@@ -283,6 +283,8 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     """An MCLI run file as MosaicML's users wrote them (parameters: an llm-foundry train config,
     the command passing it to their train.py), submitted here: a real (tiny) training through
     the translator, its status file finished and `runs.py` listing it."""
+    import transformers
+
     from tests.launch.test_local_and_sweeps import run
 
     fixtures = ROOT / "tests" / "fixtures" / "foundry"
@@ -290,7 +292,11 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     # (The fixture's llm-foundry-only logger and the folders of the run that made it.)
     for key in ("loggers", "save_folder", "run_name"):
         parameters.pop(key)
-    parameters["callbacks"] = {"lr_monitor": {}}
+    # Their hf_checkpointer, as llm-foundry's finetune YAMLs set it: ours writes the folders.
+    exports = tmp_path / "exports"
+    hf = {"save_folder": str(exports), "save_interval": "2ba", "precision": "float32"}
+    parameters["callbacks"] = {"lr_monitor": {}, "hf_checkpointer": hf}
+    parameters["model"]["no_bias"] = True  # (transformers' MptForCausalLM has no biases)
     parameters["variables"]["data_local"] = str(fixtures / "mds")
     parameters["tokenizer"]["name"] = str(fixtures / "tokenizer")
     repo = {"integration_type": "git_repo", "git_repo": LLM_FOUNDRY, "path": "llm-foundry"}
@@ -313,6 +319,9 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     assert (status["status"], status["step"]) == ("finished", 4)
     assert (outputs / "mcli-tiny" / "checkpoints" / "latest").exists()
     assert re.search(r"export RUN_NAME=mcli-tiny\n", (rendered / "mcli-tiny.sh").read_text())
+    assert sorted(p.name for p in (exports / "huggingface").iterdir()) == ["ba2", "ba4"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(exports / "huggingface" / "ba4")
+    assert type(model).__name__ == "MptForCausalLM"  # transformers' own class: no remote code
     listed = run([str(ROOT / "scripts/runs.py"), str(outputs)], cwd=tmp_path).stdout
     assert re.search(r"^mcli-tiny\s+finished\s", listed, re.MULTILINE), listed
 
