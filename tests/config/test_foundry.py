@@ -538,6 +538,8 @@ def test_train_script_prints_the_config_their_yaml_became(foundry_dir):
     assert (printed["model"]["n_layers"], printed["run_name"]) == (3, "tiny-foundry")
     assert printed["callbacks"]["run_status"]["_target_"] == "llmfoundry.callbacks.RunStatus"
     assert printed["callbacks"]["run_status"]["path"] == "s3://b/runs/x/status.json"
+    # Not secrets, though named with token and key: the printout keeps them.
+    assert (printed["tokenizer"], printed["load_ignore_keys"]) == ("./my-mds/tokenizer.json", [])
     assert printed["data"]["remote"] == "./my-mds" and printed["max_duration"] == "4ba"
     assert "llm-foundry fsdp_config: one process trains without FSDP" in result.stderr
 
