@@ -29,8 +29,7 @@ import sys
 
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, read_pretrained
 from llmfoundry.models.families import family_of, logits_relative_error
-from llmfoundry.models.hf_lib import transformers
-from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
+from llmfoundry.models.hf_folder import hf_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 
@@ -67,21 +66,11 @@ def export(args: argparse.Namespace) -> int:
             f"no tokenizer found with {args.checkpoint} (no tokenizer.json in the checkpoint and "
             "no tokenizer recorded by its run); pass --tokenizer PATH/tokenizer.json"
         )
-    tokenizer = prepare_tokenizer(tokenizer_path, eos_token=args.eos_token)
-    if not isinstance(tokenizer, PreparedTokenizer):
-        raise UserError(
-            f"a transformers folder needs a tokenizer.json tokenizer, and {tokenizer_path} is a "
-            f"{type(tokenizer).__name__}; convert it to a transformers tokenizer folder and pass "
-            "--tokenizer FOLDER"
-        )
+    tokenizer = hf_tokenizer(tokenizer_path, args.eos_token, loaded.chat_template)
     family.export_to_hf(
         model,
         args.out_dir,
-        tokenizer=transformers.PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer.tokenizer,
-            eos_token=tokenizer.eos_token,
-            chat_template=loaded.chat_template,
-        ),
+        tokenizer=tokenizer,
         dtype=WEIGHT_DTYPES[args.dtype],
     )
     chat = ", the default finetune format's chat template" if loaded.chat_template else ""

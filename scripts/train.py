@@ -47,7 +47,9 @@ _VALUED_FLAGS = ("--cfg", "-c", "--package", "-p")
 def from_foundry_argv(argv: list[str], debug: bool) -> list[str]:
     """Hydra's arguments for `train.py their.yaml [key=value ...] [flags]`: the YAML (with its
     overrides, in llm-foundry's schema) translated to ours; its inputs (an imported
-    transformers folder, instruction rows) made first unless only the config is printed."""
+    transformers folder, instruction rows) made first unless only the config is printed.
+    Hydra's own settings (``hydra.run.dir=FOLDER``: where the run folder is, as scripts/launch.py
+    sets it for every run) are not training config: they go to Hydra as given, like its flags."""
     from llmfoundry.config.foundry import describe, load, translate
     from llmfoundry.config.foundry.prep import make
 
@@ -55,7 +57,7 @@ def from_foundry_argv(argv: list[str], debug: bool) -> list[str]:
     for arg in rest:
         if arg in _VALUED_FLAGS:
             flags += [arg, next(rest, "")]
-        elif arg.startswith("-"):
+        elif arg.startswith(("-", "hydra.")):
             flags.append(arg)
         else:
             args.append(arg)

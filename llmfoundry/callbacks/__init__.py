@@ -3,6 +3,7 @@
 from llmfoundry.callbacks.checkpoint_saver import CheckpointSaver
 from llmfoundry.callbacks.early_stopper import EarlyStopper
 from llmfoundry.callbacks.generate import Generate
+from llmfoundry.callbacks.hf_checkpointer import HFCheckpointer
 from llmfoundry.callbacks.icl_eval import ICLEval
 from llmfoundry.callbacks.lr_monitor import LRMonitor
 from llmfoundry.callbacks.memory_monitor import MemoryMonitor
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointSaver",
     "EarlyStopper",
     "Generate",
+    "HFCheckpointer",
     "ICLEval",
     "LRMonitor",
     "MemoryMonitor",

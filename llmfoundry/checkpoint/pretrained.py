@@ -97,21 +97,29 @@ def read_pretrained(path: str) -> Pretrained:
     weights = checkpoint.model
     if weights is None:  # sharded: every rank's shards, merged here
         weights = full_model_state(join_url(checkpoint.path, SHARDED_DIR))
-    model = family_of(config).build(config, init_device="meta")
-    try:
-        model.load_state_dict(weights, strict=True, assign=True)
-    except RuntimeError as err:
-        raise UserError(
-            f"checkpoint {checkpoint.path!r}: its weights do not fit the model config it "
-            f"records ({err})"
-        ) from None
-    model.config = config  # built on meta only to skip the init; the weights are real now
+    model = model_from_weights(config, weights, f"checkpoint {checkpoint.path!r}")
     tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
     recorded = checkpoint.state.get("config") or {}
     run_name = recorded.get("run_name")
     return Pretrained(
         model.eval(), tokenizer, run_name if isinstance(run_name, str) else None, recorded
     )
+
+
+def model_from_weights(
+    config: Any, weights: Mapping[str, torch.Tensor], where: str
+) -> torch.nn.Module:
+    """The model of `config`'s family holding `weights` (whole tensors), without initialising
+    it first; `where` names their source in the error when they do not fit the config."""
+    model = family_of(config).build(config, init_device="meta")
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as err:
+        raise UserError(
+            f"{where}: its weights do not fit the model config it records ({err})"
+        ) from None
+    model.config = config  # built on meta only to skip the init; the weights are real now
+    return model
 
 
 def model_config(state: Mapping[str, Any], where: str) -> Any:

@@ -50,13 +50,18 @@ def train_overrides(job: Job, layout: Layout) -> list[str]:
     # An llm-foundry config's own save_folder (s3://bucket/{run_name}/checkpoints) is kept.
     if not (job.foundry_config or {}).get("save_folder"):
         overrides.append(f"save_folder={folder}/checkpoints")
-    overrides.append("++callbacks.run_status._target_=llmfoundry.callbacks.RunStatus")
-    if is_url(job.outputs):  # else the run folder is the Hydra run dir, which holds status.json
-        overrides.append(f"++callbacks.run_status.path={status_path(job)}")
-    else:
-        overrides.append(f"hydra.run.dir={folder}")
-    # (An llm-foundry config picks its own: DDP, or FSDP with its fsdp_config.)
+    # The status file: relative to the run folder (the Hydra run dir) unless outputs is a URL.
+    status = status_path(job) if is_url(job.outputs) else "status.json"
     native = job.foundry_config is None
+    if native:
+        overrides.append("++callbacks.run_status._target_=llmfoundry.callbacks.RunStatus")
+        if is_url(job.outputs):
+            overrides.append(f"++callbacks.run_status.path={status}")
+    else:  # llm-foundry's schema: a callback by name in its callbacks map (ours, by name too)
+        overrides.append(f"callbacks.run_status.path={status}")
+    if not is_url(job.outputs):
+        overrides.append(f"hydra.run.dir={folder}")  # Hydra's, for either config (train.py)
+    # (An llm-foundry config picks its own: DDP, or FSDP with its fsdp_config.)
     if native and layout.world_size > 1 and not any(o.startswith("strategy=") for o in job.train):
         overrides.append("strategy=ddp")
     # The job's own overrides come last, so they win over the defaults above.

@@ -28,16 +28,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config import ConfigError, check_keys, check_type
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.secrets import SECRET_WORDS, redact_urls
+from llmfoundry.utils.secrets import is_secret, name_words, redact_urls
 
 # The one script a job runs (`Job.script`).
 TRAIN_SCRIPT = "scripts/train.py"
 # A DNS-1123 label, short enough for "<name>-<pod index>" hostnames and Slurm job names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Words of an environment variable's name (split at "_") that make it a secret: WANDB_API_KEY,
-# HF_TOKEN, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM.
-_SECRET_PARTS = {*SECRET_WORDS, "credentials", "pat"}
 # Values that become `#SBATCH` lines: a newline in one would start a shell line on the compute
 # node and end sbatch's reading of directives, so every such field has a grammar (\Z: no
 # trailing newline either).
@@ -66,8 +63,10 @@ def _url_credentials(text: str) -> bool:
 
 
 def secret_named(key: str) -> bool:
-    """Whether an override key (``+storage.options.secret``) or variable name is a secret's."""
-    return bool(_SECRET_PARTS & set(re.split(r"[._-]", key.lstrip("+~").lower())))
+    """Whether an override key (``+storage.options.secret``) or variable name is a secret's:
+    WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM."""
+    key = key.lstrip("+~")
+    return is_secret(key) or "pat" in name_words(key)  # (and GitHub's personal access tokens)
 
 
 def check_setup_line(line: str) -> None:

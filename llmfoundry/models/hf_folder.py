@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_json
 from llmfoundry.models.hf_lib import transformers
+from llmfoundry.tokenizers.tokenizer import PreparedTokenizer, prepare_tokenizer
 from llmfoundry.utils.errors import UserError
 
 __all__ = [
@@ -71,6 +72,25 @@ def save_hf_folder(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def hf_tokenizer(
+    path: str, eos_token: str | None = None, chat_template: str | None = None
+) -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer at `path` (a tokenizer.json or transformers folder) as a transformers folder
+    holds it, with `chat_template` (None: none of ours); other kinds are refused, naming the fix."""
+    tokenizer = prepare_tokenizer(path, eos_token=eos_token)
+    if not isinstance(tokenizer, PreparedTokenizer):
+        raise UserError(
+            f"a transformers folder needs a tokenizer.json tokenizer, and {path} is a "
+            f"{type(tokenizer).__name__}; convert it to a transformers tokenizer folder and pass "
+            "that instead"
+        )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.tokenizer,
+        eos_token=tokenizer.eos_token,
+        chat_template=chat_template,
+    )
 
 
 def logits_relative_error(

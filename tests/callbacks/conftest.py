@@ -29,8 +29,8 @@ def make_trainer(
     """mpt with d_model 32 on random tokens (seq 16, so batch_size * 16 tokens per batch)."""
     kwargs.setdefault("train_dataloader", token_batches(n_batches, batch_size))
     kwargs.setdefault("max_duration", f"{n_batches}ba")
+    kwargs.setdefault("model", tiny_model())
     return Trainer(
-        model=tiny_model(),
         optimizer=functools.partial(torch.optim.SGD, lr=lr),
         run_dir=tmp_path,
         **kwargs,

@@ -259,9 +259,15 @@ def _with(path: str, value):
         ("tokenizer.name", "EleutherAI/gpt-neox-20b", "tokenizer.name", "save_pretrained"),
         (
             "callbacks.hf_checkpointer",
-            {"save_folder": "x"},
+            {"save_folder": "x", "save_interval": "1ba", "mlflow_registered_model_name": "m"},
+            "callbacks.hf_checkpointer.mlflow_registered_model_name",
+            "no MLflow here",
+        ),
+        (
             "callbacks.hf_checkpointer",
-            "export_hf",
+            {"save_folder": "x"},
+            "callbacks.hf_checkpointer.save_interval",
+            "missing",
         ),
         (
             "callbacks.mono_checkpoint_saver",
@@ -497,19 +503,23 @@ def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foun
 
 def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
     """tests/fixtures/foundry/alibi/train.yaml, trained by llm-foundry 0.22 itself: its
-    hf_checkpointer and inmemory logger are refused by name; without them it composes."""
+    inmemory logger is refused by name; without it it composes, its hf_checkpointer ours."""
     paths = [
         f"variables.data_local={FIXTURES / 'mds'}",
         f"tokenizer.name={FIXTURES / 'tokenizer'}",
     ]
     cfg = load(FIXTURES / "alibi" / "train.yaml", paths)
-    with pytest.raises(UserError, match="llm-foundry key callbacks.hf_checkpointer: no Hugging"):
-        translate(cfg, {})
-    del cfg["callbacks"]["hf_checkpointer"]
     with pytest.raises(UserError, match="llm-foundry key loggers.inmemory"):
         translate(cfg, {})
     del cfg["loggers"]
     out = composed(translate(cfg, {}))
+    assert dict(out.callbacks.hf_checkpointer) == {
+        "_target_": "llmfoundry.callbacks.HFCheckpointer",
+        "save_folder": "/tmp/foundry-fixture-work/alibi",
+        "save_interval": "4ba",
+        "precision": "float32",
+        "overwrite": True,
+    }
     assert (out.model.alibi, out.model.learned_pos_emb, out.model.vocab_size) == (True, False, 320)
     assert (out.data.remote, out.data.shuffle, out.data.eval_split) == (
         str(FIXTURES / "mds"),
@@ -543,14 +553,21 @@ def test_the_fixtures_rope_rmsnorm_glu_untied_yamls_compose(case, expected):
 
 
 def test_train_script_prints_the_config_their_yaml_became(foundry_dir):
+    """With the overrides scripts/launch.py adds to an llm-foundry config: our run_status
+    callback by name in their callbacks map, and Hydra's run folder (Hydra's, not theirs)."""
+    launched = ["callbacks.run_status.path=s3://b/runs/x/status.json", "hydra.run.dir=runs/x"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts/train.py"), "foundry.yaml",
-         "model.n_layers=3", "--cfg", "job"],
+         "model.n_layers=3", *launched, "--cfg", "job"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert (printed["model"]["n_layers"], printed["run_name"]) == (3, "tiny-foundry")
+    assert printed["callbacks"]["run_status"]["_target_"] == "llmfoundry.callbacks.RunStatus"
+    assert printed["callbacks"]["run_status"]["path"] == "s3://b/runs/x/status.json"
+    # Not secrets, though named with token and key: the printout keeps them.
+    assert (printed["tokenizer"], printed["load_ignore_keys"]) == ("./my-mds/tokenizer.json", [])
     assert printed["data"]["remote"] == "./my-mds" and printed["max_duration"] == "4ba"
     assert "llm-foundry fsdp_config: one process trains without FSDP" in result.stderr
 

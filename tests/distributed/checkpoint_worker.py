@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import EMA
-from llmfoundry.callbacks import CheckpointSaver
+from llmfoundry.callbacks import CheckpointSaver, HFCheckpointer
 from llmfoundry.checkpoint import sharded
 from llmfoundry.checkpoint.state import model_state_dict
 from llmfoundry.distributed import DDP, FSDP, Strategy
@@ -46,6 +46,7 @@ MODEL = {
 TOKENIZER = "tokenizer.json"  # written into the output folder by the test before the spawn
 EXPORT_RUN = "fsdp_export"  # save folder of the run the export tests read
 GATHERED = "gathered.safetensors"  # that run's final weights, gathered from the live model
+HF_RUN = "fsdp_hf"  # that run's hf_checkpointer folder (huggingface/ba3 at the end)
 
 
 class GatherAtEnd(Callback):
@@ -63,14 +64,18 @@ class GatherAtEnd(Callback):
 
 def export_run(rank: int, world: int, out: str) -> None:
     """Three AdamW steps under FSDP, saved at the end as a sharded checkpoint whose run
-    config names its model and tokenizer."""
+    config names its model and tokenizer, and exported at the end by hf_checkpointer."""
     Trainer(
         model=tiny_model(),
         strategy=FSDP("cpu", timeout_s=60),
         train_dataloader=rank_slice(global_batches(), rank, world),
         max_duration="3ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
-        callbacks=[CheckpointSaver(f"{out}/{EXPORT_RUN}"), GatherAtEnd(Path(out) / GATHERED)],
+        callbacks=[
+            CheckpointSaver(f"{out}/{EXPORT_RUN}"),
+            GatherAtEnd(Path(out) / GATHERED),
+            HFCheckpointer(f"{out}/{HF_RUN}"),
+        ],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
         config={"model": MODEL, "tokenizer": f"{out}/{TOKENIZER}"},
     ).fit()

@@ -33,6 +33,7 @@ from tests.checkpoint.helpers import write_mds
 from .checkpoint_worker import (
     EXPORT_RUN,
     GATHERED,
+    HF_RUN,
     MODEL,
     TOKENIZER,
     ema_run,
@@ -114,6 +115,12 @@ def test_export_from_a_sharded_checkpoint_equals_the_full_export(out, full_expor
         assert torch.equal(value, gathered[name]), name
     assert script("export_hf")([str(save_folder), str(tmp_path / "hf")]) == 0
     assert torch.equal(hf_logits(tmp_path / "hf"), hf_logits(full_export))
+
+
+def test_hf_checkpointer_under_fsdp_writes_the_full_export(out, full_export):
+    """Whole weights gathered from the two ranks' shards at the end of the run, rank 0 writes."""
+    assert sorted(p.name for p in (out / HF_RUN / "huggingface").iterdir()) == ["ba3"]
+    assert torch.equal(hf_logits(out / HF_RUN / "huggingface" / "ba3"), hf_logits(full_export))
 
 
 def test_export_and_convert_a_sharded_checkpoint_on_s3(

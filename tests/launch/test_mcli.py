@@ -280,47 +280,50 @@ def test_a_secret_read_from_the_environment_passes(tmp_path):
 
 @pytest.mark.slow
 def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
-    """An MCLI run file whose command runs this project's train.py with its own overrides,
-    submitted here: a real (tiny) training, its status file finished."""
-    from tests.checkpoint.helpers import write_mds
-    from tests.launch.test_local_and_sweeps import TINY, run
+    """An MCLI run file as MosaicML's users wrote them (parameters: an llm-foundry train config,
+    the command passing it to their train.py), submitted here: a real (tiny) training through
+    the translator, its status file finished and `runs.py` listing it."""
+    import transformers
 
-    mds = write_mds(tmp_path / "mds", {"train": 32, "val": 8})
-    overrides = [f"data.remote={mds}", *TINY, "callbacks=[]", "loggers=[console,jsonl]"]
-    command = "cd llmfoundry\npython scripts/train.py " + " ".join(overrides)
-    repo = {
-        "integration_type": "git_repo",
-        "git_repo": "mosaicml/llm-foundry",
-        "path": "llmfoundry",
-    }
+    from tests.launch.test_local_and_sweeps import run
+
+    fixtures = ROOT / "tests" / "fixtures" / "foundry"
+    parameters = yaml.safe_load((fixtures / "alibi" / "train.yaml").read_text())
+    # (The fixture's llm-foundry-only logger and the folders of the run that made it.)
+    for key in ("loggers", "save_folder", "run_name"):
+        parameters.pop(key)
+    # Their hf_checkpointer, as llm-foundry's finetune YAMLs set it: ours writes the folders.
+    exports = tmp_path / "exports"
+    hf = {"save_folder": str(exports), "save_interval": "2ba", "precision": "float32"}
+    parameters["callbacks"] = {"lr_monitor": {}, "hf_checkpointer": hf}
+    parameters["model"]["no_bias"] = True  # (transformers' MptForCausalLM has no biases)
+    parameters["variables"]["data_local"] = str(fixtures / "mds")
+    parameters["tokenizer"]["name"] = str(fixtures / "tokenizer")
+    repo = {"integration_type": "git_repo", "git_repo": LLM_FOUNDRY, "path": "llm-foundry"}
     path = run_file(
         tmp_path,
         name="mcli-tiny",
         compute={"gpus": 0},
-        parameters=None,
-        command=command,
+        parameters=parameters,
+        command="cd llm-foundry/scripts\ncomposer train/train.py /mnt/config/parameters.yaml "
+        "max_duration=4ba",
         integrations=[repo],
         env_variables={"OMP_NUM_THREADS": 1},
     )
     outputs = tmp_path / "outputs"
-    result = run(
-        [
-            str(ROOT / "scripts/launch.py"),
-            "submit",
-            "local",
-            str(path),
-            f"outputs={outputs}",
-            "--out",
-            str(tmp_path / "rendered"),
-        ],
-        cwd=tmp_path,
-    )
+    rendered = tmp_path / "rendered"
+    submit = ["submit", "local", str(path), f"outputs={outputs}", "--out", str(rendered)]
+    result = run([str(ROOT / "scripts/launch.py"), *submit], cwd=tmp_path)
     assert "local: 1 node(s) x 1 CPU processes" in result.stdout
     status = yaml.safe_load((outputs / "mcli-tiny" / "status.json").read_text())
     assert (status["status"], status["step"]) == ("finished", 4)
-    assert re.search(
-        r"export RUN_NAME=mcli-tiny\n", (tmp_path / "rendered/mcli-tiny.sh").read_text()
-    )
+    assert (outputs / "mcli-tiny" / "checkpoints" / "latest").exists()
+    assert re.search(r"export RUN_NAME=mcli-tiny\n", (rendered / "mcli-tiny.sh").read_text())
+    assert sorted(p.name for p in (exports / "huggingface").iterdir()) == ["ba2", "ba4"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(exports / "huggingface" / "ba4")
+    assert type(model).__name__ == "MptForCausalLM"  # transformers' own class: no remote code
+    listed = run([str(ROOT / "scripts/runs.py"), str(outputs)], cwd=tmp_path).stdout
+    assert re.search(r"^mcli-tiny\s+finished\s", listed, re.MULTILINE), listed
 
 
 def test_the_training_lines_overrides_are_merged_into_the_parameters(tmp_path):

@@ -11,6 +11,7 @@ from llmfoundry.utils.errors import UserError
 # Composer's time units (composer/core/time.py TimeUnit) and ours (llmfoundry/core/time.py).
 _COMPOSER_TIME = re.compile(r"^(.+?)(iter|ep|ba|sp|tok|dur|sec)$", re.IGNORECASE)
 _TIMEDELTA = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+_FORMAT_FIELD = re.compile(r"\{(\w+)\}")
 
 
 def refuse(key: str, message: str) -> UserError:
@@ -76,3 +77,14 @@ def _count(key: str, amount: float, unit: str) -> str:
     if amount != int(amount) or amount < 0:
         raise refuse(key, f"{amount:g}{unit}: counted in whole numbers; use dur for a fraction")
     return f"{int(amount)}{unit}"
+
+
+def run_name_field(key: str, value: str | None) -> str | None:
+    """Composer's ``{run_name}`` in a path as our ``${run_name}``; other fields ({rank}, ...)
+    name per-rank files, which our checkpoints do not have."""
+    if value is None:
+        return None
+    for field in _FORMAT_FIELD.findall(value):
+        if field != "run_name" and not (key == "load_path" and field == "rank"):
+            raise refuse(key, f"{{{field}}}: only {{run_name}} is filled in here")
+    return value.replace("{run_name}", "${run_name}")

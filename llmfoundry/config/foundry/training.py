@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfoundry.config.foundry.common import check_known, composer_time, only, refuse, section
+from llmfoundry.config.foundry.common import (
+    check_known,
+    composer_time,
+    only,
+    refuse,
+    run_name_field,
+    section,
+)
 from llmfoundry.config.foundry.native import Native
 
 # llm-foundry's registered optimizers (llmfoundry/optim/__init__.py) -> ours (conf/optimizer/).
@@ -34,6 +41,7 @@ _SCHEDULER_KEYS = {
 }
 
 
+_NO_MLFLOW = "no MLflow here: register the ba<N> folder it writes with MLflow yourself"
 _NO_ARTIFACTS = "checkpoints are not uploaded to W&B here; save_folder takes an s3:// URL"
 
 
@@ -136,22 +144,55 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
                 out.set(f"{key}.skip_batches", node["skip_batches"])
         elif name in ("lr_monitor", "memory_monitor"):
             check_known(key, node, set())
+        elif name == "run_status":  # ours, by name: scripts/launch.py adds it to every run
+            check_known(key, node, {"path", "interval_s"})
+            for field, value in node.items():
+                out.set(f"{key}.{field}", value)
         elif name == "hf_checkpointer":
-            raise refuse(
-                key,
-                "no Hugging Face export during training here; train with save_folder set, then "
-                "export a checkpoint: python scripts/export_hf.py CKPT OUT_DIR",
-            )
+            _hf_checkpointer(node, out)
         else:
             raise refuse(
                 key,
-                "not supported here (speed_monitor, lr_monitor, memory_monitor and "
-                "runtime_estimator are; ours: conf/callbacks/)",
+                "not supported here (speed_monitor, lr_monitor, memory_monitor, "
+                "runtime_estimator, hf_checkpointer are, and our run_status; "
+                "ours: conf/callbacks/)",
             )
         if "time_unit" in node:
             out.note(f"{key}.time_unit", "times are reported in seconds and minutes here")
         chosen.append(name)
     out.groups["callbacks"] = chosen
+
+
+def _hf_checkpointer(node: dict[str, Any], out: Native) -> None:
+    """Ours writes the same folders (`<save_folder>/huggingface/ba<N>`), as transformers' own
+    model class: no remote code, so nothing to flatten, and no MLflow to register them in."""
+    key = "callbacks.hf_checkpointer"
+    for field in ("mlflow_registered_model_name", "mlflow_logging_config"):
+        only(f"{key}.{field}", node.pop(field, None), None, _NO_MLFLOW)
+    only(f"{key}.final_register_only", node.pop("final_register_only", False), False, _NO_MLFLOW)
+    only(
+        f"{key}.huggingface_folder_name",
+        node.pop("huggingface_folder_name", "ba{batch}"),
+        "ba{batch}",
+        "export folders are named ba<N> here",
+    )
+    if "register_wait_seconds" in node:
+        node.pop("register_wait_seconds")
+        out.note(f"{key}.register_wait_seconds", "nothing is registered in MLflow here")
+    if "flatten_imports" in node:
+        node.pop("flatten_imports")
+        out.note(f"{key}.flatten_imports", "the folder is transformers' own model, no remote code")
+    check_known(key, node, {"save_folder", "save_interval", "precision", "overwrite"})
+    for field in ("save_folder", "save_interval"):
+        if node.get(field) is None:
+            raise refuse(f"{key}.{field}", "missing: llm-foundry requires it too")
+    out.set(f"{key}.save_folder", run_name_field(f"{key}.save_folder", node["save_folder"]))
+    out.set(f"{key}.save_interval", composer_time(f"{key}.save_interval", node["save_interval"]))
+    precision = node.get("precision", "float32")
+    if precision not in ("float32", "float16", "bfloat16"):
+        raise refuse(f"{key}.precision", f"{precision!r}: use float32, float16 or bfloat16")
+    out.set(f"{key}.precision", precision)
+    out.set(f"{key}.overwrite", bool(node.get("overwrite", True)))
 
 
 def loggers(cfg: dict[str, Any], out: Native) -> None:

@@ -9,7 +9,6 @@ TrainConfig does not have is refused, as llm-foundry refuses it ("Unused paramet
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmfoundry.config.foundry import data, model, parallel, training
-from llmfoundry.config.foundry.common import composer_time, only, refuse
+from llmfoundry.config.foundry.common import composer_time, only, refuse, run_name_field
 from llmfoundry.config.foundry.native import Native
 from llmfoundry.utils.errors import MissingInput, UserError
 
 # Where inputs made before the run go (imports of transformers folders, instruction rows).
 PREP_ROOT = "data/foundry-inputs"
-_FORMAT_FIELD = re.compile(r"\{(\w+)\}")
 
 
 def load(path: str | Path, args: Sequence[str] = ()) -> dict[str, Any]:
@@ -113,7 +111,7 @@ def _batches(cfg: Mapping[str, Any], out: Native) -> None:
 
 def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     folder = cfg.get("save_folder")
-    out.set("save_folder", _run_name_field("save_folder", folder))
+    out.set("save_folder", run_name_field("save_folder", folder))
     interval = composer_time("save_interval", cfg.get("save_interval", "1000ba"))
     out.set("save_interval", interval if folder is not None else None)  # no folder: no saves
     keep = cfg.get("save_num_checkpoints_to_keep", -1)
@@ -126,22 +124,11 @@ def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     out.set("save_overwrite", bool(cfg.get("save_overwrite", False)))
     out.set("autoresume", bool(cfg.get("autoresume", False)))
     if cfg.get("load_path"):
-        out.set("load_path", _run_name_field("load_path", cfg["load_path"]))
+        out.set("load_path", run_name_field("load_path", cfg["load_path"]))
     if cfg.get("load_weights_only") and cfg.get("load_path"):
         out.set("load_ignore_keys", list(model.WEIGHTS_ONLY))
     elif cfg.get("load_weights_only"):
         out.note("load_weights_only", "no load_path: no checkpoint is loaded (as in llm-foundry)")
-
-
-def _run_name_field(key: str, value: str | None) -> str | None:
-    """Composer's ``{run_name}`` in a path as our ``${run_name}``; other fields ({rank}, ...)
-    name per-rank files, which our checkpoints do not have."""
-    if value is None:
-        return None
-    for field in _FORMAT_FIELD.findall(value):
-        if field != "run_name" and not (key == "load_path" and field == "rank"):
-            raise refuse(key, f"{{{field}}}: only {{run_name}} is filled in here")
-    return value.replace("{run_name}", "${run_name}")
 
 
 # TrainConfig keys mapped by the functions above (and `variables`, consumed by `load`).
