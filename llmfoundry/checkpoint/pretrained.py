@@ -29,20 +29,12 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.catalogue import MODEL_FILE, SHARDED_DIR, STATE_FILE, checkpoint_name
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import (
-    MODEL_FILE,
-    SHARDED_DIR,
-    STATE_FILE,
-    checkpoint_name,
-    read_checkpoint,
-    read_state,
-    write_checkpoint,
-    write_object,
-    write_tensors,
-)
+from llmfoundry.checkpoint.reader import read_checkpoint, read_state
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
+from llmfoundry.checkpoint.writer import write_checkpoint, write_object, write_tensors
 from llmfoundry.data.prep.instructions import trained_chat_template
 from llmfoundry.models.families import config_from_record, family_of, family_of_hf
 from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX

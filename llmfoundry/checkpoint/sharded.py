@@ -40,12 +40,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from llmfoundry.checkpoint import deepspeed
+from llmfoundry.checkpoint.catalogue import SHARDED_DIR
 from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
+from llmfoundry.checkpoint.reader import read_checkpoint
+from llmfoundry.checkpoint.writer import write_tensors
 from llmfoundry.distributed import DeepSpeed, Strategy
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
+from llmfoundry.utils.files import FileWriter, join_url
 
 # What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
 SHARDED_KEYS = ("model", "optimizer")

@@ -33,25 +33,18 @@ from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
-from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import (
+from llmfoundry.checkpoint.catalogue import (
     MODEL_FILE,
     SHARDED_DIR,
     STATE_FILE,
-    Checkpoint,
-    FileWriter,
-    PendingCheckpoint,
-    begin_checkpoint,
     checkpoint_name,
-    read_checkpoint_together,
     rng_file,
-    write_checkpoint,
-    write_object,
-    write_tensors,
 )
+from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
+from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.keys import LOADABLE_KEYS, WEIGHTS_ONLY, check_ignore_keys
 from llmfoundry.checkpoint.manifest import CheckpointError
+from llmfoundry.checkpoint.reader import Checkpoint, read_checkpoint_together
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
     fit_layout,
@@ -67,11 +60,18 @@ from llmfoundry.checkpoint.state import (
     model_state_dict,
     optimizer_state_dict,
 )
+from llmfoundry.checkpoint.writer import (
+    PendingCheckpoint,
+    begin_checkpoint,
+    write_checkpoint,
+    write_object,
+    write_tensors,
+)
 from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.rng import rng_state
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
+from llmfoundry.utils.files import FileWriter, join_url
 
 log = logging.getLogger(__name__)
 
