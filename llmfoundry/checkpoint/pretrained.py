@@ -29,20 +29,17 @@ from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint.catalogue import MODEL_FILE, SHARDED_DIR, STATE_FILE, checkpoint_name
+from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE, checkpoint_name
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.reader import read_checkpoint, read_state
-from llmfoundry.checkpoint.sharded import full_model_state
+from llmfoundry.checkpoint.formats import locate
+from llmfoundry.checkpoint.ours import TOKENIZER_FILE
+from llmfoundry.checkpoint.reader import read_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
 from llmfoundry.checkpoint.writer import write_checkpoint, write_object, write_tensors
 from llmfoundry.data.prep.instructions import trained_chat_template
-from llmfoundry.models.families import config_from_record, family_of, family_of_hf
-from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX
+from llmfoundry.models.families import family_of, family_of_hf
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
-from llmfoundry.utils.storage import url_to_fs
 
-TOKENIZER_FILE = "tokenizer.json"
 # The --dtype choices of the scripts that load or export a model.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,48 +81,18 @@ def read_pretrained(path: str) -> Pretrained:
         )
         model = family_of_hf(path).from_hf(path)
         return Pretrained(model, str(path) if has_tokenizer else None, None)
-    checkpoint = read_checkpoint(path, rank=0)
-    config = model_config(checkpoint.state, checkpoint.path)
-    weights = checkpoint.model
-    if weights is None:  # sharded: every rank's shards, merged here
-        weights = full_model_state(join_url(checkpoint.path, SHARDED_DIR))
-    model = family_of(config).build(config, init_device="meta")
+    located = locate(path)
+    saved = located.read_model()
+    model = family_of(saved.config).build(saved.config, init_device="meta")
     try:
-        model.load_state_dict(weights, strict=True, assign=True)
+        model.load_state_dict(saved.weights, strict=True, assign=True)
     except RuntimeError as err:
         raise UserError(
-            f"checkpoint {checkpoint.path!r}: its weights do not fit the model config it "
-            f"records ({err})"
+            f"{located.format.name} checkpoint {located.location!r}: its weights do not fit the "
+            f"model config it records ({err})"
         ) from None
-    model.config = config  # built on meta only to skip the init; the weights are real now
-    tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
-    recorded = checkpoint.state.get("config") or {}
-    run_name = recorded.get("run_name")
-    return Pretrained(
-        model.eval(), tokenizer, run_name if isinstance(run_name, str) else None, recorded
-    )
-
-
-def model_config(state: Mapping[str, Any], where: str) -> Any:
-    """The model config a checkpoint's run recorded (`config.model` of state.pt), for CPU,
-    eager; its ``_target_`` names the family (none recorded: MPT, as before families)."""
-    fields = (state.get("config") or {}).get("model")
-    if not isinstance(fields, Mapping):
-        raise UserError(
-            f"checkpoint {where!r} does not record its model config (config.model in "
-            f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
-        )
-    if "fsdp_blocks" in fields:  # conf/model/custom.yaml's: a module of the user's own
-        raise UserError(
-            f"checkpoint {where!r} holds your own module ({fields.get('_target_')}); scripts "
-            "build only the model families from a checkpoint (its file names no code to run): "
-            f"build your module and load its {MODEL_FILE} (safetensors.torch.load_file) into it "
-            "in Python (sharded: scripts/convert_checkpoint.py writes one)"
-        )
-    try:
-        return config_from_record(fields, init_device="cpu")
-    except ValueError as err:
-        raise UserError(f"checkpoint {where!r}: {err}") from None
+    model.config = saved.config  # built on meta only to skip the init; the weights are real now
+    return Pretrained(model.eval(), saved.tokenizer, saved.run_name, saved.recorded)
 
 
 def recorded_model(path: str | None) -> dict[str, Any]:
@@ -145,18 +112,6 @@ def recorded_model(path: str | None) -> dict[str, Any]:
             f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
         )
     return dict(fields)
-
-
-def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
-    own = join_url(path, TOKENIZER_FILE)
-    if url_to_fs(own)[0].exists(own):
-        return own
-    recorded = (state.get("config") or {}).get("tokenizer")
-    if isinstance(recorded, str) and recorded.startswith(TIKTOKEN_PREFIX):
-        return recorded  # a name, not a file: tiktoken's cache holds it
-    if isinstance(recorded, str) and url_to_fs(recorded)[0].exists(recorded):
-        return recorded
-    return None
 
 
 def save_weights(

@@ -31,7 +31,6 @@ from llmfoundry.checkpoint.manifest import (
 from llmfoundry.checkpoint.resolve import reading, resolve
 from llmfoundry.checkpoint.writer import distributed
 from llmfoundry.utils import storage
-from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import join_url
 
 
@@ -44,6 +43,8 @@ class Checkpoint:
     model: dict[str, torch.Tensor] | None
     state: dict[str, Any]
     rng: dict[str, Any] | None
+    # The program that wrote it when not llmfoundry (its run state translated into ours).
+    origin: str | None = None
 
 
 def read_checkpoint(path: str, rank: int) -> Checkpoint:
@@ -86,37 +87,6 @@ def read_state(path: str) -> dict[str, Any]:
                 f"checkpoint {path} {damage(fs, root, files)}; load an earlier checkpoint"
             )
         return _load_object(fs, root, STATE_FILE, files)
-
-
-def read_checkpoint_together(path: str, rank: int) -> Checkpoint:
-    """`read_checkpoint` by every rank of a run at once (the trainer's load), failing on every
-    rank when it fails on one. Each rank hashes only its share of the other ranks' files and
-    reads its own RNG file, so a damaged file fails one rank: alone, it left the others waiting
-    for it in the shards' load, to fail there with a peer's traceback ("Connection closed by
-    peer") or wait out the process group's timeout. Every rank raises the first failing rank's
-    one-line error instead (that rank its own exception)."""
-    failure: Exception | None = None
-    try:
-        checkpoint = read_checkpoint(path, rank)
-    except Exception as err:  # noqa: BLE001 - raised below, once the ranks know of it
-        failure = err
-    if distributed():
-        said: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(said, None if failure is None else _said(failure))
-        first = next(((r, m) for r, m in enumerate(said) if m is not None), None)
-        if failure is None and first is not None:
-            other, (user_error, message) = first
-            if user_error:
-                raise CheckpointError(message)
-            raise RuntimeError(f"rank {other} failed to read the checkpoint at {path}: {message}")
-    if failure is not None:
-        raise failure
-    return checkpoint
-
-
-def _said(err: Exception) -> tuple[bool, str]:
-    """What a rank tells the others of its failure: whether the user can fix it, and how."""
-    return (True, str(err)) if isinstance(err, UserError) else (False, describe(err))
 
 
 def _verified(fs: fsspec.AbstractFileSystem, root: str, name: str, files: Entries) -> Any:

@@ -44,8 +44,9 @@ def resolve(path: str) -> str:
         )
     raise MissingInput(
         f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "
-        f"{STATE_FILE}) nor a save folder with a complete checkpoint; point it at a folder "
-        "like <save_folder>/ep0-ba100 or at the save_folder itself"
+        f"{STATE_FILE}), a save folder with a complete checkpoint, nor a Composer checkpoint "
+        "(ep<E>-ba<B>-rank0.pt, or its sharded folder); point it at a folder like "
+        "<save_folder>/ep0-ba100, at the save_folder itself, or at a Composer checkpoint"
     )
 
 

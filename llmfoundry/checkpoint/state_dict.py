@@ -42,9 +42,15 @@ from llmfoundry.checkpoint.catalogue import (
 )
 from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.keys import LOADABLE_KEYS, WEIGHTS_ONLY, check_ignore_keys
+from llmfoundry.checkpoint.formats import read_run_together
+from llmfoundry.checkpoint.keys import (
+    FORMAT_VERSION,
+    LOADABLE_KEYS,
+    WEIGHTS_ONLY,
+    check_ignore_keys,
+)
 from llmfoundry.checkpoint.manifest import CheckpointError
-from llmfoundry.checkpoint.reader import Checkpoint, read_checkpoint_together
+from llmfoundry.checkpoint.reader import Checkpoint
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
     fit_layout,
@@ -75,7 +81,6 @@ from llmfoundry.utils.files import FileWriter, join_url
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors
 # (state laid out like the parameters, e.g. EMA's averages) are in the shards (split_shards).
 OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
@@ -101,9 +106,10 @@ def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
 def load_checkpoint(
     path: str, state: State, logger: Logger, ignore_keys: Sequence[str] = ()
 ) -> dict[str, Any] | None:
-    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`.
-    Every rank calls it (a damaged file fails them all: `read_checkpoint_together`)."""
-    return restore(state, logger, read_checkpoint_together(path, state.rank), ignore_keys)
+    """Load the checkpoint at `path` (a checkpoint or a save folder, or another program's
+    checkpoint: formats.py) into `state`; see `restore`. Every rank calls it (a damaged file
+    fails them all: `read_run_together`)."""
+    return restore(state, logger, read_run_together(path, state.rank), ignore_keys)
 
 
 def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
@@ -182,7 +188,13 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
-    check_resume(saved.get("config") or {}, state.config, ignore, where)
+    recorded = saved.get("config") or {}
+    if checkpoint.origin is not None:  # compared only where another program's run recorded
+        check_resume(
+            recorded, {k: v for k, v in state.config.items() if k in recorded}, ignore, where
+        )
+    else:
+        check_resume(recorded, state.config, ignore, where)
     strategy = state.strategy
     current = {key: _by_name(objects) for key, objects in _objects(state, logger).items()}
     in_shards = {}  # the objects' tensors that DCP fills in place (`shard_targets`)
@@ -231,7 +243,7 @@ def restore(
         try:
             with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
                 load_optimizer_state_dict(
-                    strategy, state.model, state.optimizer, saved["optimizer"]
+                    strategy, state.model, state.optimizer, _with_groups(state, saved["optimizer"])
                 )
         except (ValueError, KeyError, RuntimeError) as err:
             raise UserError(
@@ -246,12 +258,21 @@ def restore(
         if key not in ignore:
             _load_by_name(objects, fit_layout(saved[key], current[key], in_shards.get(key, {})))
     if "data" not in ignore:
-        _load_data_state(state, saved["data"], where)
+        _load_data_state(state, saved["data"], where, checkpoint.origin)
     if "rng" in ignore:
         return None
     if checkpoint.rng is None:
         log.warning("checkpoint %r has no RNG state for this rank; keeping the seeded one", where)
     return checkpoint.rng
+
+
+def _with_groups(state: State, optimizer: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer` (saved state) with this run's parameter groups where it has none: another
+    program's per-parameter state, whose groups (hyperparameters) are this run's config."""
+    if "param_groups" in optimizer:
+        return optimizer
+    current = optimizer_state_dict(state.model, state.optimizer)
+    return {**optimizer, "param_groups": current["param_groups"]}
 
 
 def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
@@ -300,9 +321,13 @@ def _data_state(state: State) -> dict[str, Any] | None:
     return None if source is None else source.state_dict(int(state.timestamp.sample_in_epoch))
 
 
-def _load_data_state(state: State, saved: dict[str, Any] | None, where: str) -> None:
+def _load_data_state(
+    state: State, saved: dict[str, Any] | None, where: str, origin: str | None = None
+) -> None:
     source = data_source(state.train_dataloader)
     if source is not None and saved is not None:
+        if origin is not None:  # another program's position: this loader's state at that sample
+            saved = {**source.state_dict(saved["sample_in_epoch"]), "epoch": saved["epoch"]}
         source.load_state_dict(saved)
         return
     if state.timestamp.sample_in_epoch == 0:
