@@ -1,0 +1,363 @@
+"""llm-foundry's MPT config as ours: `mpt_config_from_foundry`.
+
+llm-foundry describes an MPT model with one dict, the keyword arguments of its `MPTConfig`: the
+`model:` block of a train YAML (``name: mpt_causal_lm``), the config.json of a folder its
+`convert_composer_to_hf.py` writes or of a mosaicml/mpt-* download, and the config a Composer
+checkpoint carries (``state['integrations']['huggingface']['model']['config']['content']``).
+Our model computes what llm-foundry's does for every value mapped here (same parameter names,
+same [q | k | v] layout, same ALiBi slopes); each other value is refused in one line naming the
+key and what to use instead, so no model is built that silently computes something else.
+
+Keys absent from the dict take llm-foundry's defaults, not ours (learned positions, biases,
+its low-precision LayerNorm), since that is the model the dict describes. Accepted without a
+field of ours, and why:
+- `init_device`: where llm-foundry first allocates the weights; our build always starts on the
+  meta device and the run's strategy places them, so the weights are the same either way.
+- `attn_impl` (torch, flash, triton): the kernel, not the function; all become our `sdpa`,
+  which runs torch's fused kernels (flash on a GPU). Set `attn_impl=flash` afterwards for the
+  flash-attn package.
+- `attn_uses_sequence_id`: our model masks documents whenever a batch carries `sequence_id`,
+  which our data config decides (`data.sequence_id_from_eos`); a caller mapping a train YAML
+  maps this key there. Without `sequence_id` (inference, an HF import) it changes nothing.
+- `use_pad_tok_in_ffn`: the MLP acts on each token alone, so skipping pad tokens changes no real
+  token's output.
+- `use_cache`, `verbose`, `tokenizer_name`, `loss_fn` (both of llm-foundry's compute the same
+  cross-entropy), `name: mpt_causal_lm`, the `rope_*` options while `rope` is off, and
+  transformers' own config keys (`TRANSFORMERS_KEYS`: names, versions, dtype, generate()
+  defaults, token ids), none of which llm-foundry's MPT forward reads.
+- `init_config`: mapped to our init (`init_std`) where we have it. An init we lack is refused
+  for a model about to train from scratch, and accepted with `weights_loaded=True` (the weights
+  come from a checkpoint, so no init runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.norms import LAYER_NORM_EPS
+from llmfoundry.utils.errors import UserError
+
+__all__ = ["MPT_TARGET", "TRANSFORMERS_KEYS", "mpt_config_from_foundry"]
+
+MPT_TARGET = "llmfoundry.models.mpt.MPTConfig"
+
+# llm-foundry 0.22's MPTConfig defaults (configuration_mpt.py, models/utils/config_defaults.py).
+TOP_DEFAULTS: dict[str, Any] = {
+    "d_model": 2048,
+    "n_heads": 16,
+    "n_layers": 24,
+    "head_dim": None,
+    "expansion_ratio": 4,
+    "max_seq_len": 2048,
+    "vocab_size": 50368,
+    "resid_pdrop": 0.0,
+    "emb_pdrop": 0.0,
+    "learned_pos_emb": True,
+    "no_bias": False,
+    "attention_bias": None,
+    "norm_type": "low_precision_layernorm",
+    "norm_eps": 1e-05,
+}
+ATTN_DEFAULTS: dict[str, Any] = {
+    "attn_type": "multihead_attention",
+    "attn_pdrop": 0.0,
+    "qk_ln": False,
+    "clip_qkv": None,
+    "softmax_scale": None,
+    "sliding_window_size": -1,
+    "alibi": False,
+    "alibi_bias_max": 8,
+    "rope": False,
+    "kv_n_heads": None,
+}
+INIT_DEFAULTS: dict[str, Any] = {
+    "name": "kaiming_normal_",
+    "fan_mode": "fan_in",
+    "init_nonlinearity": "relu",
+    "init_div_is_residual": True,
+    "emb_init_std": None,
+    "emb_init_uniform_lim": None,
+    "init_std": None,
+    "init_gain": 0.0,
+}
+
+# transformers' PretrainedConfig keys (what its to_dict() and save_pretrained write for any
+# model): bookkeeping and generate() defaults that llm-foundry's MPT forward never reads.
+TRANSFORMERS_KEYS = frozenset(
+    """_name_or_path _commit_hash _attn_implementation _attn_implementation_autoset
+    _attn_implementation_internal add_cross_attention architectures auto_map bad_words_ids
+    begin_suppress_tokens bos_token_id chunk_size_feed_forward cross_attention_hidden_size
+    decoder_start_token_id diversity_penalty do_sample dtype early_stopping
+    encoder_no_repeat_ngram_size eos_token_id exponential_decay_length_penalty finetuning_task
+    forced_bos_token_id forced_eos_token_id id2label is_decoder is_encoder_decoder label2id
+    length_penalty max_length min_length no_repeat_ngram_size num_beam_groups num_beams
+    num_return_sequences output_attentions output_hidden_states output_scores pad_token_id
+    prefix problem_type pruned_heads remove_invalid_values repetition_penalty return_dict
+    return_dict_in_generate sep_token_id suppress_tokens task_specific_params temperature
+    tf_legacy_loss tie_encoder_decoder tokenizer_class top_k top_p torch_dtype torchscript
+    transformers_version typical_p use_bfloat16""".split()
+)
+# Keys that change nothing our model computes (the module docstring says why for each).
+NO_EFFECT = frozenset(
+    {"init_device", "use_cache", "use_pad_tok_in_ffn", "verbose", "tokenizer_name"}
+)
+ATTN_NO_EFFECT = frozenset(
+    {"attn_impl", "attn_uses_sequence_id", "rope_theta", "rope_impl", "rope_dail_config"}
+    | {"rope_hf_config"}
+)
+LOSS_FNS = ("fused_crossentropy", "torch_crossentropy")
+NORM_TYPES = {"layernorm": False, "low_precision_layernorm": True}
+KV_HEADS = {"multihead_attention": None, "multiquery_attention": 1}
+MOE_FFNS = ("mb_moe", "mb_dmoe", "torch_dmoe")
+
+
+def _plain(value: Any) -> Any:
+    """`value` with any OmegaConf node turned into dicts and lists (a YAML's `model:` block)."""
+    if isinstance(value, DictConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _section(cfg: Mapping[str, Any], key: str, defaults: Mapping[str, Any], where: str) -> dict:
+    """The sub-dict `cfg[key]` (absent or null: empty) over llm-foundry's `defaults`."""
+    value = cfg.get(key)
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}.{key} must be a mapping, got {value!r}")
+    return {**defaults, **value}
+
+
+# (key, values we compute as llm-foundry does (the first: its default), what to do instead).
+Fixed = tuple[str, tuple[Any, ...], str]
+TOP_FIXED: tuple[Fixed, ...] = (
+    ("model_type", ("mpt",), "this reads MPT configs only"),
+    ("name", ("mpt_causal_lm",), "this reads MPT configs (hf_causal_lm names a transformers one)"),
+    ("loss_fn", LOSS_FNS, "our loss is cross-entropy; use one of " + ", ".join(LOSS_FNS)),
+    ("logit_scale", (None, 1, 1.0), "our output head does not scale its logits"),
+    ("embedding_fraction", (1.0,), "our token embedding gets its full gradient; set 1.0"),
+    ("norm_eps", (LAYER_NORM_EPS,), f"our LayerNorms use eps={LAYER_NORM_EPS}"),
+    ("tie_word_embeddings", (True,), "our output head is the token embedding; set true"),
+    ("block_overrides", (None,), "our blocks are all alike; remove the per-layer overrides"),
+    ("final_logit_softcapping", (None,), "our output head does not soft-cap its logits"),
+    ("fuse_norm_attn_norm", (False,), "our blocks keep norm_1, attn and norm_2 apart; set false"),
+)
+ATTN_FIXED: tuple[Fixed, ...] = (
+    ("rope", (False,), "our MPT has no rotary positions; use alibi or learned_pos_emb"),
+    ("nope", (False,), "use alibi or learned_pos_emb"),
+    ("qk_gn", (False,), "our MPT has no per-head q/k norm; use qk_ln (over the full width)"),
+    ("fused_qkv", (True,), "our attention has one fused Wqkv projection; set true"),
+    ("attn_logit_softcapping", (None,), "our attention does not soft-cap its logits"),
+    ("kv_dim", (None,), "our MPT has no cross-attention"),
+    ("prefix_lm", (False,), "our MPT attends causally only; train with prefix_lm=false"),
+    ("reuse_kv_layer_idx", (None,), "each of our blocks computes its own keys and values"),
+    ("reuse_kv_x_layer_idx", (None,), "each of our blocks computes its own keys and values"),
+    ("seq_parallel_world_size", (None, 1), "use strategy.tp (it splits sequences too)"),
+)
+FFN_TYPES = {
+    "mptglu": "our MPT's MLP is not gated; use ffn_type=mptmlp (or a Llama model for SwiGLU)",
+    "te_ln_mlp": "TransformerEngine's fused LayerNorm-MLP is not in our MPT; use ffn_type=mptmlp "
+    "(fp8 training: converters=[float8])",
+    **{moe: "DBRX's MoE is not supported; use ffn_type=mptmlp" for moe in MOE_FFNS},
+}
+GELU = {"name": "gelu", "approximate": "none"}
+
+
+class _Keys:
+    """One config dict's keys: each is read, checked or accepted, and any left over refused."""
+
+    def __init__(self, cfg: Mapping[str, Any], where: str) -> None:
+        self.cfg, self.where, self.seen = cfg, where, set()
+
+    def get(self, key: str) -> Any:
+        self.seen.add(key)
+        return self.cfg.get(key)
+
+    def accept(self, keys: frozenset[str]) -> None:
+        self.seen.update(keys)
+
+    def refuse(self, key: str, instead: str) -> UserError:
+        return UserError(f"{self.where}.{key}={self.cfg.get(key)!r} is not supported: {instead}")
+
+    def check(self, table: tuple[Fixed, ...]) -> None:
+        """Each key of `table` absent or one of its values."""
+        for key, allowed, instead in table:
+            self.seen.add(key)
+            if self.cfg.get(key, allowed[0]) not in allowed:
+                raise self.refuse(key, instead)
+
+    def refuse_unknown(self) -> None:
+        if unknown := sorted(set(self.cfg) - self.seen):
+            raise UserError(
+                f"{self.where}.{unknown[0]}={self.cfg[unknown[0]]!r}: not a key of llm-foundry's "
+                "MPT config (0.22) that llmfoundry knows; remove it or check its spelling"
+            )
+
+
+def _attention(attn: _Keys, n_heads: int) -> dict[str, Any]:
+    """Our attention fields for llm-foundry's `attn_config`."""
+    attn.accept(ATTN_NO_EFFECT)
+    attn.check(ATTN_FIXED)
+    tuning = attn.get("attn_temperature_tuning")
+    if tuning is not None and (not isinstance(tuning, Mapping) or tuning.get("attn_scale")):
+        raise attn.refuse("attn_temperature_tuning", "our attention has none; set attn_scale: 0")
+    attn_type, kv_n_heads = attn.get("attn_type"), attn.get("kv_n_heads")
+    if attn_type in KV_HEADS:
+        fixed = KV_HEADS[attn_type] or n_heads
+        if kv_n_heads not in (None, fixed):
+            raise attn.refuse("kv_n_heads", f"{attn_type} has {fixed}; use grouped_query_attention")
+        kv_n_heads = fixed
+    elif attn_type != "grouped_query_attention":
+        raise attn.refuse("attn_type", "use multihead_, multiquery_ or grouped_query_attention")
+    window = attn.get("sliding_window_size")
+    if window != -1 and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise attn.refuse("sliding_window_size", "use -1 (none) or a number of earlier tokens")
+    fields = {
+        "attn_impl": "sdpa",
+        "kv_n_heads": kv_n_heads,
+        "attn_pdrop": attn.get("attn_pdrop"),
+        "qk_ln": attn.get("qk_ln"),
+        "clip_qkv": attn.get("clip_qkv"),
+        "softmax_scale": attn.get("softmax_scale"),
+        # llm-foundry's query sees itself and `window` keys before it; ours counts itself too.
+        "sliding_window": None if window == -1 else window + 1,
+        "alibi": attn.get("alibi"),
+        "alibi_bias_max": attn.get("alibi_bias_max"),
+    }
+    attn.refuse_unknown()
+    return fields
+
+
+def _check_fc_type(keys: _Keys, key: str) -> None:
+    """`fc_type` is torch's Linear: "torch" or {name: torch} (llm-foundry adds bias and device)."""
+    fc_type = keys.get(key)
+    name = fc_type.get("name") if isinstance(fc_type, Mapping) else fc_type
+    extra = set(fc_type) - {"name", "bias", "device"} if isinstance(fc_type, Mapping) else set()
+    if name not in ("torch", None) or extra:
+        raise keys.refuse(
+            key,
+            "our Linear layers are torch's; use fc_type=torch (fp8 training: converters=[float8])",
+        )
+
+
+def _mlp_width(ffn: _Keys, top: _Keys) -> int:
+    """Our `expansion_ratio` for llm-foundry's `ffn_config` (mptmlp only) and its ratio."""
+    ffn_type = ffn.get("ffn_type")
+    if ffn_type != "mptmlp":
+        raise ffn.refuse("ffn_type", FFN_TYPES.get(ffn_type, "use ffn_type=mptmlp"))
+    act = ffn.get("ffn_act_fn")
+    if act is not None and {**GELU, **act} != GELU:
+        raise ffn.refuse("ffn_act_fn", "our MLP uses exact GELU; remove ffn_act_fn")
+    _check_fc_type(ffn, "fc_type")
+    ffn.accept(frozenset({"bias"}))  # llm-foundry sets it from no_bias for te_ln_mlp only
+    d_model, hidden = top.get("d_model"), ffn.get("ffn_hidden_size")
+    top.accept(frozenset({"expansion_ratio"}))  # llm-foundry ignores it given ffn_hidden_size
+    keys, key = (top, "expansion_ratio") if hidden is None else (ffn, "ffn_hidden_size")
+    if hidden is None:
+        hidden = d_model * top.get("expansion_ratio")
+    ffn.refuse_unknown()
+    if hidden != int(hidden) or int(hidden) % d_model:
+        raise keys.refuse(
+            key, f"our MLP is a whole multiple of d_model ({d_model}) wide (expansion_ratio)"
+        )
+    return int(hidden) // d_model
+
+
+def _init_std(init: _Keys) -> float | None:
+    """Our `init_std` for llm-foundry's `init_config`: None is our kaiming_normal_(fan_in, relu),
+    a number N(0, init_std) (its baseline_); both divide the residual projections by
+    sqrt(2 * n_layers) as its init_div_is_residual=true does. UserError for an init we lack."""
+    init.accept(frozenset({"verbose", "init_gain"}))  # kaiming with relu reads no gain
+    init.check(
+        (
+            ("init_div_is_residual", (True,), "ours divides by sqrt(2 * n_layers); set true"),
+            ("emb_init_std", (None,), "ours draws the embedding like the other weights"),
+            ("emb_init_uniform_lim", (None,), "ours draws the embedding like the other weights"),
+        )
+    )
+    name, init_std = init.get("name"), init.get("init_std")
+    if name == "kaiming_normal_":
+        init.check(
+            (
+                ("fan_mode", ("fan_in",), "ours is kaiming_normal_ with fan_in"),
+                ("init_nonlinearity", ("relu",), "ours is kaiming_normal_ for relu"),
+            )
+        )
+        init.refuse_unknown()
+        return None  # kaiming_normal_ reads no init_std
+    init.accept(frozenset({"fan_mode", "init_nonlinearity"}))  # read by kaiming only
+    if name != "baseline_":
+        raise init.refuse("name", "ours is kaiming_normal_, or baseline_ with init_std")
+    if isinstance(init_std, bool) or not isinstance(init_std, int | float) or init_std <= 0:
+        raise init.refuse("init_std", "baseline_ needs init_std > 0")
+    init.refuse_unknown()
+    return float(init_std)
+
+
+def _top_level(top: _Keys) -> dict[str, Any]:
+    """Our fields read from llm-foundry's top-level keys (not attn, ffn or init)."""
+    top.accept(NO_EFFECT | TRANSFORMERS_KEYS)
+    top.check(TOP_FIXED)
+    _check_fc_type(top, "fc_type")
+    d_model, n_heads, no_bias = top.get("d_model"), top.get("n_heads"), top.get("no_bias")
+    head_dim = top.get("head_dim")
+    if head_dim is not None and (not isinstance(n_heads, int) or head_dim * n_heads != d_model):
+        raise top.refuse("head_dim", "our heads are d_model // n_heads wide; remove head_dim")
+    if top.get("attention_bias") not in (None, not no_bias):
+        raise top.refuse("attention_bias", "our attention has biases exactly when no_bias=false")
+    norm_type = top.get("norm_type")
+    if str(norm_type).lower() not in NORM_TYPES:
+        raise top.refuse("norm_type", "ours is LayerNorm: layernorm or low_precision_layernorm")
+    return {
+        "d_model": d_model,
+        "n_heads": n_heads,
+        "n_layers": top.get("n_layers"),
+        "max_seq_len": top.get("max_seq_len"),
+        "vocab_size": top.get("vocab_size"),
+        "no_bias": no_bias,
+        "low_precision_layernorm": NORM_TYPES[norm_type.lower()],
+        "resid_pdrop": top.get("resid_pdrop"),
+        "emb_pdrop": top.get("emb_pdrop"),
+    }
+
+
+def mpt_config_from_foundry(
+    config: Mapping[str, Any], *, where: str = "model", weights_loaded: bool = False
+) -> dict[str, Any]:
+    """Our MPT model config (`model=`'s node: MPTConfig's fields and `_target_`) computing what
+    llm-foundry's MPT of `config` computes: a train YAML's `model:` block, an llm-foundry or Hub
+    config.json, a Composer checkpoint's HF config (module docstring).
+
+    Every key is mapped, accepted for a stated reason, or refused with a UserError naming it as
+    `where`.key (e.g. "model.attn_config.rope=True") and what to use instead; a key we do not
+    know is refused too. `weights_loaded`: the weights will come from a checkpoint, so an
+    `init_config` we cannot reproduce is accepted (with it false, it is refused).
+    """
+    config = _plain(config)
+    if not isinstance(config, Mapping):
+        raise UserError(f"{where} must be a mapping of llm-foundry MPT config keys, got {config!r}")
+    top = _Keys({**TOP_DEFAULTS, **config}, where)
+    fields = _top_level(top)
+    attn = _Keys(_section(config, "attn_config", ATTN_DEFAULTS, where), f"{where}.attn_config")
+    fields.update(_attention(attn, fields["n_heads"]))
+    ffn = _Keys(
+        _section(config, "ffn_config", {"ffn_type": "mptmlp"}, where), f"{where}.ffn_config"
+    )
+    fields["expansion_ratio"] = _mlp_width(ffn, top)
+    init = _Keys(_section(config, "init_config", INIT_DEFAULTS, where), f"{where}.init_config")
+    try:
+        fields["init_std"] = _init_std(init)
+    except UserError:
+        if not weights_loaded:
+            raise
+        fields["init_std"] = None  # the checkpoint's weights replace any init
+    # llm-foundry turns learned positions off whenever ALiBi is on.
+    fields["learned_pos_emb"] = bool(top.get("learned_pos_emb")) and not fields["alibi"]
+    top.accept(frozenset({"attn_config", "ffn_config", "init_config"}))
+    top.refuse_unknown()
+    MPTConfig(**fields)  # its own checks (sizes, head counts), before anything is built
+    return {"_target_": MPT_TARGET, **fields}
