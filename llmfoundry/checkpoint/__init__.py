@@ -1,5 +1,5 @@
 """Checkpoints: what a run saves (state_dict.py), how it is written (writer.py), read back
-(reader.py), found in a save folder (catalogue.py), named by a load path (resolve.py) and checked
+(reader.py), found in a save folder (catalogue.py), named by a load path (probe.py, formats.py: ours or Composer's) and checked
 (manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
 signals. Model and optimizer state is read and written here too, whatever the strategy: whole
 tensors (state.py), each rank's shards through torch.distributed.checkpoint (sharded.py,
@@ -30,7 +30,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "read_latest",
         ),
         ".reader": ("read_checkpoint",),
-        ".resolve": ("resolve",),
+        ".formats": ("locate",),
+        ".probe": ("resolve",),
         ".writer": ("PendingCheckpoint", "probe_writable"),
         ".keys": ("LOADABLE_KEYS", "WEIGHTS_ONLY", "check_ignore_keys"),
         ".manifest": ("CheckpointError",),

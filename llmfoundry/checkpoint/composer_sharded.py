@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -72,10 +73,18 @@ def read(path: str) -> dict[str, Any]:
         else None
         for key, item in metadata.state_dict_metadata.items()
     }
+    planner = _RestrictedBytesPlanner(path)
     with warnings.catch_warnings():  # one process, asked for: torch's notice says nothing
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(flat, storage_reader=reader, planner=_RestrictedBytesPlanner(path), no_dist=True)
-    return unflatten_state_dict(flat, metadata.planner_data)
+        try:
+            dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as err:
+            for failure in err.failures.values():
+                if isinstance(failure[0], CheckpointError):  # (exception, traceback)
+                    raise CheckpointError(str(failure[0])) from None
+            raise
+    # dcp.load writes non-tensor values into the planner's copy of `flat`, not into `flat`.
+    return unflatten_state_dict(planner.state_dict, metadata.planner_data)
 
 
 def _check_bounds(metadata: Metadata, folder: Path) -> None:

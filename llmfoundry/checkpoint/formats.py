@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from llmfoundry.checkpoint import composer, composer_sharded, ours, resolve
+from llmfoundry.checkpoint import composer, composer_sharded, ours, probe
 from llmfoundry.checkpoint.manifest import CheckpointError, describe
 from llmfoundry.checkpoint.reader import Checkpoint, read_checkpoint
 from llmfoundry.checkpoint.writer import distributed
@@ -50,6 +50,10 @@ class CheckpointFormat(Protocol):
         """The checkpoint `path` names in this format (a save folder: its checkpoint to
         continue from), or None when `path` is not in this format."""
 
+    def model_fields(self, location: str) -> dict[str, Any]:
+        """The model config of the checkpoint at `location` as conf/model writes one
+        (``_target_`` and fields), reading no more of it than needed."""
+
     def read_model(self, location: str) -> SavedModel:
         """The model of the checkpoint at `location`, whole, in this process."""
 
@@ -65,6 +69,9 @@ class Located:
     format: CheckpointFormat
     location: str
 
+    def model_fields(self) -> dict[str, Any]:
+        return self.format.model_fields(self.location)
+
     def read_model(self) -> SavedModel:
         return self.format.read_model(self.location)
 
@@ -79,6 +86,9 @@ class ComposerFormat:
 
     def locate(self, path: str) -> str | None:
         return path if composer.is_monolithic(path) or composer_sharded.is_sharded(path) else None
+
+    def model_fields(self, location: str) -> dict[str, Any]:
+        return composer.model_fields(composer.read(location))
 
     def read_model(self, location: str) -> SavedModel:
         saved = composer.read(location)
@@ -100,7 +110,10 @@ class OurFormat:
     name = "llmfoundry"
 
     def locate(self, path: str) -> str | None:
-        return resolve.resolve(path)
+        return probe.resolve(path)
+
+    def model_fields(self, location: str) -> dict[str, Any]:
+        return ours.model_fields(location)
 
     def read_model(self, location: str) -> SavedModel:
         return ours.read_model(location)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmfoundry.checkpoint.catalogue import MODEL_FILE, SHARDED_DIR, STATE_FILE
-from llmfoundry.checkpoint.reader import read_checkpoint
+from llmfoundry.checkpoint.reader import read_checkpoint, read_state
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.models.families import config_from_record
 from llmfoundry.tokenizers.foreign import TIKTOKEN_PREFIX
@@ -39,6 +39,20 @@ def read_model(location: str) -> Any:
         run_name=run_name if isinstance(run_name, str) else None,
         recorded=recorded,
     )
+
+
+def model_fields(location: str) -> dict[str, Any]:
+    """The model config our checkpoint at `location` recorded, as conf/model writes one
+    (``_target_`` and fields): `model=from_checkpoint` trains, finetunes or evaluates it
+    without retyping its sizes. Reads the run state only, not the weights."""
+    state = read_state(location)
+    fields = (state.get("config") or {}).get("model")
+    if not isinstance(fields, Mapping):
+        raise UserError(
+            f"checkpoint {location!r} does not record its model config (config.model in "
+            f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
+        )
+    return dict(fields)
 
 
 def model_config(state: Mapping[str, Any], where: str) -> Any:

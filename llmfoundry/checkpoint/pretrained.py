@@ -33,7 +33,6 @@ from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE, checkpoint_n
 from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.formats import locate
 from llmfoundry.checkpoint.ours import TOKENIZER_FILE
-from llmfoundry.checkpoint.reader import read_state
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
 from llmfoundry.checkpoint.writer import write_checkpoint, write_object, write_tensors
 from llmfoundry.data.prep.instructions import trained_chat_template
@@ -104,14 +103,7 @@ def recorded_model(path: str | None) -> dict[str, Any]:
             "model=from_checkpoint takes the model config of load_path's checkpoint, and "
             "load_path is not set; set load_path=CKPT or choose a model=<size>"
         )
-    state = read_state(path)
-    fields = (state.get("config") or {}).get("model")
-    if not isinstance(fields, Mapping):
-        raise UserError(
-            f"checkpoint {path!r} does not record its model config (config.model in "
-            f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
-        )
-    return dict(fields)
+    return locate(path).model_fields()
 
 
 def save_weights(

@@ -28,7 +28,7 @@ from llmfoundry.checkpoint.manifest import (
     describe,
     read_manifest,
 )
-from llmfoundry.checkpoint.resolve import reading, resolve
+from llmfoundry.checkpoint.probe import reading, resolve
 from llmfoundry.checkpoint.writer import distributed
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url

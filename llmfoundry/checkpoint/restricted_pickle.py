@@ -18,6 +18,7 @@ size; a Composer pickle of a 7B model's state is a few MB).
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import collections
 import datetime
@@ -53,7 +54,6 @@ ALLOWED_GLOBALS: dict[str, Callable[[], Any]] = {
     "numpy._core.multiarray._reconstruct": _numpy_reconstruct,  # written by numpy 2
     "numpy.core.multiarray._reconstruct": _numpy_reconstruct,  # written by numpy 1
     "torch._utils._rebuild_tensor_v2": lambda: torch._utils._rebuild_tensor_v2,
-    "torch._utils._rebuild_parameter": lambda: torch._utils._rebuild_parameter,
     "torch.torch_version.TorchVersion": lambda: str,
 }
 
@@ -70,6 +70,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only `ALLOWED_GLOBALS`."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names (torch.save writes protocol 2), mapped as pickle's own find_class does.
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         resolve = ALLOWED_GLOBALS.get(f"{module}.{name}")
         if resolve is None:
             raise RefusedGlobal(f"{module}.{name}")

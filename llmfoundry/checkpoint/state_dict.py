@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -189,12 +189,9 @@ def restore(
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
     recorded = saved.get("config") or {}
-    if checkpoint.origin is not None:  # compared only where another program's run recorded
-        check_resume(
-            recorded, {k: v for k, v in state.config.items() if k in recorded}, ignore, where
-        )
-    else:
-        check_resume(recorded, state.config, ignore, where)
+    # Another program's run records less than ours: compared only where it recorded.
+    now = state.config if checkpoint.origin is None else _within(state.config, recorded)
+    check_resume(recorded, now, ignore, where)
     strategy = state.strategy
     current = {key: _by_name(objects) for key, objects in _objects(state, logger).items()}
     in_shards = {}  # the objects' tensors that DCP fills in place (`shard_targets`)
@@ -264,6 +261,13 @@ def restore(
     if checkpoint.rng is None:
         log.warning("checkpoint %r has no RNG state for this rank; keeping the seeded one", where)
     return checkpoint.rng
+
+
+def _within(config: Any, recorded: Any) -> Any:
+    """`config` with only the keys `recorded` has, at every depth."""
+    if not (isinstance(config, Mapping) and isinstance(recorded, Mapping)):
+        return config
+    return {k: _within(v, recorded[k]) for k, v in config.items() if k in recorded}
 
 
 def _with_groups(state: State, optimizer: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,12 @@ def resolve(path: str) -> str:
             f"load_path {path} is a transformers folder, not a llmfoundry checkpoint; convert it "
             f"first with `python scripts/import_hf.py {path} CKPT_DIR` and point load_path at CKPT_DIR"
         )
+    if fs.isfile(root):
+        raise CheckpointError(
+            f"load_path {path} is a file, and the only checkpoint files llmfoundry reads are "
+            "Composer's torch zip files on this machine; decompress a compressed Composer "
+            "checkpoint (.tar.gz, .lz4, .zst) first, and copy one from an object store here"
+        )
     raise MissingInput(
         f"load_path {path!r} is neither a checkpoint folder (with {MODEL_FILE} and "
         f"{STATE_FILE}), a save folder with a complete checkpoint, nor a Composer checkpoint "
