@@ -31,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "foundry"
 ALIBI = FIXTURES / "alibi" / "ep0-ba4-rank0.pt"
+SHARDED = FIXTURES / "sharded" / "ep0-ba4"  # Composer's FSDP save of the same run, 2 ranks
 TOLERANCE = 1e-5
 
 
@@ -79,23 +80,13 @@ def test_generate_import_and_export(tmp_path, capsys):
     assert "does not support: no_bias=false" in capsys.readouterr().err
 
 
-def composer_sharded(tmp_path: Path) -> Path:
-    """The fixture's state saved as Composer's FSDP saves it: ``dcp.save`` of
-    ``{'state': ..., 'rng': ...}`` into a folder (composer/utils/checkpoint.py)."""
-    saved = restricted_pickle.load(ALIBI)
-    folder = tmp_path / "ep0-ba4"
-    dcp.save(saved, checkpoint_id=str(folder), no_dist=True)
-    return folder
-
-
-def test_sharded_composer_checkpoint(tmp_path):
-    folder = composer_sharded(tmp_path)
-    loaded = read_pretrained(str(folder))
-    reference = FIXTURES / "alibi" / "reference-logits-ba4.safetensors"
+def test_sharded_composer_checkpoint():
+    loaded = read_pretrained(str(SHARDED))
+    reference = FIXTURES / "sharded" / "reference-logits-ba4.safetensors"
     assert relative_error(loaded.model, reference) <= TOLERANCE
 
 
-def resumed(tmp_path: Path, **model_fields) -> Trainer:
+def resumed(tmp_path: Path, path: Path = ALIBI, **model_fields) -> Trainer:
     """A trainer of the fixture's model (`model_fields` changed) continuing the fixture's run."""
     fields = {**composer.model_fields(composer.read(str(ALIBI))), **model_fields}
     config = config_from_record(fields, init_device="meta")
@@ -105,24 +96,25 @@ def resumed(tmp_path: Path, **model_fields) -> Trainer:
         train_dataloader=Batches([{"input_ids": torch.zeros(4, 32, dtype=torch.long)}] * 16),
         max_duration="8ba",
         run_dir=tmp_path,
-        load_path=str(ALIBI),
+        load_path=str(path),
         config={"model": fields, "optimizer": {"_target_": "llmfoundry.optim.DecoupledAdamW"}},
     )
 
 
-def test_resume_takes_optimizer_position_and_rng(tmp_path):
-    theirs = restricted_pickle.load(ALIBI)
-    trainer = resumed(tmp_path)
+@pytest.mark.parametrize("path", [ALIBI, SHARDED], ids=["monolithic", "sharded"])
+def test_resume_takes_optimizer_position_and_rng(tmp_path, path):
+    theirs = composer.read(str(path))
+    trainer = resumed(tmp_path, path)
     ts = trainer.state.timestamp
     assert (ts.epoch, ts.batch, ts.sample, ts.token, ts.sample_in_epoch) == (0, 4, 16, 512, 16)
     assert trainer.state.train_dataloader.skip == 4  # batches of 4 samples: 16 samples in
-    moments = theirs["state"]["optimizers"]["DecoupledAdamW"]["state"]
+    moments = theirs.state["optimizers"]["DecoupledAdamW"]["state"]
     for name, param in trainer.state.model.named_parameters():
         ours, saved = trainer.state.optimizer.state[param], moments[f"model.{name}"]
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours[key], saved[key]), (name, key)
         assert ours["step"].item() == saved["step"].item() == 4
-    assert torch.equal(trainer._resume_rng["torch"], theirs["rng"][0]["torch"])
+    assert torch.equal(trainer._resume_rng["torch"], theirs.rng[0]["torch"])
 
 
 def test_resume_into_another_model_is_refused(tmp_path):
