@@ -39,8 +39,8 @@ import torch
 
 from llmfoundry.checkpoint import restricted_pickle
 from llmfoundry.checkpoint.keys import FORMAT_VERSION
+from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import CheckpointError
-from llmfoundry.checkpoint.reader import Checkpoint
 from llmfoundry.models.families import config_from_record
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError

@@ -3,42 +3,32 @@
 `locate(path)` asks each format in `FORMATS` whether it can read `path` and returns the first
 that can, with where its checkpoint is (a save folder resolves to its checkpoint to continue
 from); every script and the trainer read through what it returns:
+- `model_fields`: the model config as conf/model writes one (`model=from_checkpoint`);
 - `read_model`: the weights, the model config and the tokenizer (generate, eval, serve,
   export_hf, import_hf, `load_pretrained`);
 - `read_run`: everything a run continues from (weights, optimizer, position, RNG), in our run
   state's layout (state_dict.py's `restore` loads it).
+What they return is loaded.py's.
 
-Formats: ours (ours.py: a checkpoint folder or save folder; its sharded/ is DCP's (dcp_reader.py)
-or DeepSpeed's (deepspeed.py), which the strategy reads) and Composer's (composer.py: its
-monolithic file or its sharded DCP folder).
+Formats: ours (reader.py and ours.py: a checkpoint folder or save folder; its sharded/ holds DCP's
+shards (dcp_reader.py) or DeepSpeed's files (deepspeed.py), which the run's strategy reads) and
+Composer's (composer.py: its monolithic file, read by restricted_pickle.py, or its sharded DCP
+folder, composer_sharded.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from llmfoundry.checkpoint import composer, composer_sharded, ours, probe
+from llmfoundry.checkpoint.loaded import Checkpoint, SavedModel
 from llmfoundry.checkpoint.manifest import CheckpointError, describe
-from llmfoundry.checkpoint.reader import Checkpoint, read_checkpoint
+from llmfoundry.checkpoint.reader import read_checkpoint
 from llmfoundry.checkpoint.writer import distributed
 from llmfoundry.utils.errors import UserError
-
-
-@dataclass(frozen=True)
-class SavedModel:
-    """A checkpoint's model: whole weights by our names, our config object, where its tokenizer
-    is (None: unknown), the name of its run and the config that run recorded (may be empty)."""
-
-    weights: dict[str, torch.Tensor]
-    config: Any
-    tokenizer: str | None
-    run_name: str | None
-    recorded: Mapping[str, Any] = field(default_factory=dict)
 
 
 class CheckpointFormat(Protocol):

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmfoundry.checkpoint.catalogue import MODEL_FILE, SHARDED_DIR, STATE_FILE
+from llmfoundry.checkpoint.loaded import SavedModel
 from llmfoundry.checkpoint.reader import read_checkpoint, read_state
 from llmfoundry.checkpoint.sharded import full_model_state
 from llmfoundry.models.families import config_from_record
@@ -21,10 +22,8 @@ from llmfoundry.utils.storage import url_to_fs
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def read_model(location: str) -> Any:
-    """The `formats.SavedModel` of our checkpoint at `location`."""
-    from llmfoundry.checkpoint.formats import SavedModel
-
+def read_model(location: str) -> SavedModel:
+    """The model of our checkpoint at `location`, whole, in this process."""
     checkpoint = read_checkpoint(location, rank=0)
     config = model_config(checkpoint.state, checkpoint.path)
     weights = checkpoint.model

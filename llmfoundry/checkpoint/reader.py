@@ -10,7 +10,6 @@ when loaded; each file is checked against the manifest before it is parsed.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
 from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE, damage, rng_file
+from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import (
     CheckpointError,
     Entries,
@@ -32,19 +32,6 @@ from llmfoundry.checkpoint.probe import reading, resolve
 from llmfoundry.checkpoint.writer import distributed
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url
-
-
-@dataclass
-class Checkpoint:
-    """What one rank reads back: the weights (None in a sharded checkpoint, whose weights
-    sharded.py loads), the run state, and its own RNG states if saved."""
-
-    path: str
-    model: dict[str, torch.Tensor] | None
-    state: dict[str, Any]
-    rng: dict[str, Any] | None
-    # The program that wrote it when not llmfoundry (its run state translated into ours).
-    origin: str | None = None
 
 
 def read_checkpoint(path: str, rank: int) -> Checkpoint:

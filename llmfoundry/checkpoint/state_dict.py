@@ -49,8 +49,8 @@ from llmfoundry.checkpoint.keys import (
     WEIGHTS_ONLY,
     check_ignore_keys,
 )
+from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import CheckpointError
-from llmfoundry.checkpoint.reader import Checkpoint
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
     fit_layout,
