@@ -163,32 +163,40 @@ def read_run(path: str, rank: int) -> Checkpoint:
     """The Composer checkpoint at `path` as our run state for `rank` (state_dict.py's layout:
     `restore` loads it), saying in one line what does not carry over."""
     saved = read(path)
-    timestamp = _timestamp(saved)
     state: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "config": {"model": model_fields(saved)},
-        "timestamp": timestamp,
-        "scaler": {},
-        "algorithms": {},
-        "callbacks": {},
-        "loggers": {},
-        "data": {"epoch": timestamp["epoch"], "sample_in_epoch": timestamp["sample_in_epoch"]},
+        **{key: {} for key in ("scaler", "algorithms", "callbacks", "loggers")},
     }
-    optimizer = _optimizer(saved)
-    if optimizer is not None:
-        state["config"]["optimizer"] = {"_target_": OPTIMIZERS[optimizer[0]]}
-        state["optimizer"] = optimizer[1]
-    log.warning("%s", _not_carried(saved))
+    # A weights-only save (Composer's save_weights_only) has neither: `restore` then asks for
+    # weights-only loading, as for our weights-only checkpoints.
+    if (timestamp := _timestamp(saved)) is not None:
+        state["timestamp"] = timestamp
+        state["data"] = {
+            "epoch": timestamp["epoch"],
+            "sample_in_epoch": timestamp["sample_in_epoch"],
+        }
+    if optimizers := saved.state.get("optimizers"):
+        name = ", ".join(optimizers)
+        # Any other optimizer is refused by the resume check unless 'optimizer' is ignored.
+        state["config"]["optimizer"] = {"_target_": OPTIMIZERS.get(name, f"Composer's {name}")}
+        if name in OPTIMIZERS:
+            state["optimizer"] = _optimizer_state(saved, optimizers[name])
     return Checkpoint(
-        path=path, model=weights(saved), state=state, rng=_rng(saved, rank), origin="Composer"
+        path=path,
+        model=weights(saved),
+        state=state,
+        rng=_rng(saved, rank),
+        origin="Composer",
+        not_carried=_not_carried(saved) if timestamp is not None else None,
     )
 
 
-def _timestamp(saved: ComposerState) -> dict[str, float]:
+def _timestamp(saved: ComposerState) -> dict[str, float] | None:
     """Composer's Timestamp as ours (its iteration counters are always 0 in llm-foundry)."""
     raw = (saved.state.get("timestamp") or {}).get("Timestamp")
     if not isinstance(raw, Mapping):
-        raise CheckpointError(f"Composer checkpoint {saved.path} has no timestamp")
+        return None
     wall = raw.get("total_wct")
     counters = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch")
     return {
@@ -197,22 +205,11 @@ def _timestamp(saved: ComposerState) -> dict[str, float]:
     }
 
 
-def _optimizer(saved: ComposerState) -> tuple[str, dict[str, Any]] | None:
-    """(Composer's optimizer class, its state keyed by our parameter names); None when the
-    checkpoint has none. Only the per-parameter state: this run's parameter groups and
-    hyperparameters apply (its lr comes from the schedule at the loaded position)."""
-    optimizers = saved.state.get("optimizers")
-    if not optimizers:
-        return None
-    (name, optimizer), *more = optimizers.items()
-    if more or name not in OPTIMIZERS:
-        raise UserError(
-            f"Composer checkpoint {saved.path} holds the state of {', '.join(optimizers)}; "
-            f"llmfoundry continues {', '.join(OPTIMIZERS)} only; add 'optimizer' to "
-            "load_ignore_keys to start the optimizer afresh"
-        )
-    per_param = {_our_name(fqn, saved.path): dict(v) for fqn, v in optimizer["state"].items()}
-    return name, {"state": per_param}
+def _optimizer_state(saved: ComposerState, optimizer: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer's per-parameter state keyed by our parameter names. Only that: this run's
+    parameter groups and hyperparameters apply (its lr comes from the schedule at the loaded
+    position)."""
+    return {"state": {_our_name(fqn, saved.path): dict(v) for fqn, v in optimizer["state"].items()}}
 
 
 def _rng(saved: ComposerState, rank: int) -> dict[str, Any] | None:

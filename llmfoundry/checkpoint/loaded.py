@@ -19,8 +19,10 @@ class Checkpoint:
     model: dict[str, torch.Tensor] | None
     state: dict[str, Any]
     rng: dict[str, Any] | None
-    # The program that wrote it when not llmfoundry (its run state translated into ours).
+    # The program that wrote it when not llmfoundry (its run state translated into ours), and
+    # what of that run does not continue here (said when a run continues from it).
     origin: str | None = None
+    not_carried: str | None = None
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,8 @@ def restore(
         state.precision.load_state_dict(saved["scaler"])
     if "timestamp" not in ignore:
         state.timestamp.load_state_dict(saved["timestamp"])
+        if checkpoint.not_carried:
+            log.warning("%s", checkpoint.not_carried)
     for key, objects in _objects(state, logger).items():
         if key not in ignore:
             _load_by_name(objects, fit_layout(saved[key], current[key], in_shards.get(key, {})))

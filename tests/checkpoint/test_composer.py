@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from llmfoundry.checkpoint import CheckpointError, composer, restricted_pickle
+from llmfoundry.checkpoint import WEIGHTS_ONLY, CheckpointError, composer, restricted_pickle
 from llmfoundry.checkpoint.pretrained import read_pretrained
 from llmfoundry.models import MPTForCausalLM
 from llmfoundry.models.families import config_from_record
@@ -86,10 +86,11 @@ def test_sharded_composer_checkpoint():
     assert relative_error(loaded.model, reference) <= TOLERANCE
 
 
-def resumed(tmp_path: Path, path: Path = ALIBI, **model_fields) -> Trainer:
-    """A trainer of the fixture's model (`model_fields` changed) continuing the fixture's run."""
-    fields = {**composer.model_fields(composer.read(str(ALIBI))), **model_fields}
+def resumed(tmp_path: Path, path: Path = ALIBI, ignore=(), optimizer=None, **model_fields):
+    """A trainer of the checkpoint's model (`model_fields` changed) continuing its run."""
+    fields = {**composer.model_fields(composer.read(str(path))), **model_fields}
     config = config_from_record(fields, init_device="meta")
+    optimizer = optimizer or {"_target_": "llmfoundry.optim.DecoupledAdamW"}
     return Trainer(
         model=MPTForCausalLM(config),
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-5),
@@ -97,7 +98,8 @@ def resumed(tmp_path: Path, path: Path = ALIBI, **model_fields) -> Trainer:
         max_duration="8ba",
         run_dir=tmp_path,
         load_path=str(path),
-        config={"model": fields, "optimizer": {"_target_": "llmfoundry.optim.DecoupledAdamW"}},
+        load_ignore_keys=ignore,
+        config={"model": fields, "optimizer": optimizer},
     )
 
 
@@ -115,6 +117,24 @@ def test_resume_takes_optimizer_position_and_rng(tmp_path, path):
             assert torch.equal(ours[key], saved[key]), (name, key)
         assert ours["step"].item() == saved["step"].item() == 4
     assert torch.equal(trainer._resume_rng["torch"], theirs.rng[0]["torch"])
+
+
+def test_weights_only_composer_checkpoint_finetunes(tmp_path):
+    path = FIXTURES / "learned-pos" / "ep0-ba4-rank0.pt"  # Composer's save_weights_only layout
+    with pytest.raises(UserError, match=r"has no optimizer, timestamp, data .* weights only"):
+        resumed(tmp_path, path)
+    trainer = resumed(tmp_path, path, ignore=WEIGHTS_ONLY)
+    theirs = composer.weights(composer.read(str(path)))
+    for name, tensor in trainer.state.model.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+    assert trainer.state.timestamp.batch == 0
+
+
+def test_another_optimizer_is_refused_unless_ignored(tmp_path):
+    lion = {"_target_": "llmfoundry.optim.DecoupledLionW"}
+    with pytest.raises(CheckpointError, match=r"optimizer\._target_: 'llmfoundry.optim.Decoupled"):
+        resumed(tmp_path, optimizer=lion)
+    assert resumed(tmp_path, optimizer=lion, ignore=["optimizer"]).state.timestamp.batch == 4
 
 
 def test_resume_into_another_model_is_refused(tmp_path):
