@@ -5,6 +5,8 @@
   folder whose `latest` one is read, on any filesystem fsspec reaches), full or sharded (its
   shards merged in this process): its weights and the model config its run recorded
   (`config.model` in state.pt, whose ``_target_`` names the family);
+- a Composer checkpoint of an llm-foundry MPT (monolithic ``*-rank0.pt`` or its sharded
+  folder): its weights, the llm-foundry config and tokenizer it carries (composer.py);
 - a transformers folder (config.json + weights) of a family's ``model_type`` (mpt, llama),
   converted by that family's `from_hf`;
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's

@@ -5,7 +5,9 @@ never runs."""
 import functools
 import json
 import os
+import pickle
 import runpy
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from llmfoundry.checkpoint import WEIGHTS_ONLY, CheckpointError, composer, restricted_pickle
+from llmfoundry.checkpoint.dcp_reader import SafeFileSystemReader
 from llmfoundry.checkpoint.pretrained import read_pretrained
 from llmfoundry.models import MPTForCausalLM
 from llmfoundry.models.families import config_from_record
@@ -240,3 +243,15 @@ def test_compressed_or_oversized_pickle_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(restricted_pickle, "MAX_PICKLE_BYTES", 1000)
     with pytest.raises(CheckpointError, match="its pickle is .* bytes, more than"):
         read_pretrained(str(ALIBI))
+
+
+def test_sharded_metadata_declaring_more_than_its_files_hold_is_refused(tmp_path):
+    """A .metadata of a few bytes could otherwise make the reader allocate any size."""
+    folder = tmp_path / "ep0-ba4"
+    shutil.copytree(SHARDED, folder)
+    metadata = SafeFileSystemReader(str(folder)).read_metadata()
+    item = metadata.state_dict_metadata["state.model.model.transformer.wte.weight"]
+    item.size = torch.Size([2**20, 2**20])  # 4 TiB of float32
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="declares .* bytes of tensors but its shard files"):
+        read_pretrained(str(folder))
