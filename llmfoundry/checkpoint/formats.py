@@ -11,7 +11,8 @@ from); every script and the trainer read through what it returns:
 What they return is loaded.py's.
 
 Formats: ours (reader.py and ours.py: a checkpoint folder or save folder; its sharded/ holds DCP's
-shards (dcp_reader.py) or DeepSpeed's files (deepspeed.py), which the run's strategy reads) and
+shards (dcp_reader.py) or DeepSpeed's files (deepspeed.py), told apart by their files
+(`sharded.written_by_deepspeed`) and read by the run's strategy) and
 Composer's (composer.py: its monolithic file, read by restricted_pickle.py, or its sharded DCP
 folder, composer_sharded.py).
 """
