@@ -6,16 +6,21 @@
         data.remote=data/demo/sft        # the command it prints; your data in data.remote
 
 The family comes from config.json's model_type (mpt: MptForCausalLM, llama: LlamaForCausalLM).
+llm-foundry's MPT folders (its convert_composer_to_hf.py output, the mosaicml/mpt-* downloads:
+MPTForCausalLM with auto_map) are read too, without running their code: config.json's
+llm-foundry keys are mapped to ours or refused by name (llmfoundry/models/mpt/foundry.py).
 CKPT_DIR becomes a save folder holding one weights-only checkpoint (ep0-ba0, named by `latest`):
 the weights in float32, the model config and the folder's tokenizer.json. The script prints the
 command that finetunes it (conf/experiment/finetune.yaml: weights only; `model=from_checkpoint`:
 this model's config, read from the checkpoint), and warns when config.json's eos_token_id is not
 the tokenizer's EOS. Config fields our model cannot represent are refused, naming the field. The
 import is checked: the checkpoint's logits must equal the folder's (relative error at most 1e-5,
-printed). A Composer checkpoint brings its weights, the model config llm-foundry recorded in it and
-its tokenizer (llmfoundry/checkpoint/composer.py); its check compares the written checkpoint's
-logits with the Composer checkpoint's model. (To continue its run rather than finetune, give it
-to train.py as load_path= directly.)
+printed): transformers' model of the folder, or for llm-foundry's layout the folder as read here
+(its equality with llm-foundry's own model: tests/models/test_mpt_foundry_folders.py). A Composer
+checkpoint brings its weights, the model config llm-foundry recorded in it and its tokenizer
+(llmfoundry/checkpoint/composer.py); its check compares the written checkpoint's logits with the
+Composer checkpoint's model. (To continue its run rather than finetune, give it to train.py as
+load_path= directly.)
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "hf_dir",
-        help="a transformers MPT or Llama folder (config.json and weights), or a Composer "
-        "checkpoint (ep<E>-ba<B>-rank0.pt or its sharded folder)",
+        help="a transformers MPT or Llama folder, or llm-foundry's MPT (config.json and "
+        "weights), or a Composer checkpoint (ep<E>-ba<B>-rank0.pt or its sharded folder)",
     )
     p.add_argument("ckpt_dir", help="save folder to write the checkpoint into (load_path=)")
     add_script_arguments(p)

@@ -1,4 +1,4 @@
-"""Render or submit a job file (conf/job/*.yaml) to this machine, Slurm or Kubernetes.
+"""Render or submit a job file (conf/job/*.yaml, or an MCLI run file) here, to Slurm or Kubernetes.
 
     python scripts/launch.py render slurm conf/job/tiny.yaml compute.gpus=24   # writes .launch/<name>/
     python scripts/launch.py submit local conf/job/tiny.yaml --gpus 0 compute.procs_per_node=2
@@ -7,7 +7,8 @@
 
 Any job field can be overridden as key=value; --gpus N is compute.gpus=N; --train adds training
 overrides. The training overrides are checked against conf/ before anything is written. The
-backends: llmfoundry/launch/backends.py.
+backends: llmfoundry/launch/backends.py. An MCLI run file (``mcli run -f`` YAML) is mapped onto a
+job first (llmfoundry/launch/mcli.py); the overrides then apply to that job.
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ def launch(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         overrides.append(f"compute.gpus={args.gpus}")
     render, submit = BACKENDS[args.backend]
-    job = load_job(args.job, overrides, train=args.train)
+    job = load_job(args.job, overrides, train=args.train, backend=args.backend)
     rendered = render(job, ROOT)
-    # Hydra-only keys are checked by Hydra itself when the run starts.
-    check(
-        ROOT / "conf",
-        [o for o in train_overrides(job, rendered.layout) if not o.startswith("hydra.")],
-    )
+    # Hydra-only keys are checked by Hydra itself when the run starts; an llm-foundry config
+    # (an MCLI run file's parameters) is checked by train.py, which reads it.
+    if job.foundry_config is None:
+        check(
+            ROOT / "conf",
+            [o for o in train_overrides(job, rendered.layout) if not o.startswith("hydra.")],
+        )
     out = args.out or ROOT / ".launch" / job.name
     out.mkdir(parents=True, exist_ok=True)
     path = out / rendered.filename

@@ -3,8 +3,12 @@
     python scripts/train.py                                  # the demo: mpt-tiny on data/demo/mds
     python scripts/train.py model=mpt-1b data.remote=s3://bucket/mds max_duration=10000ba
     torchrun --nproc_per_node=8 scripts/train.py model=mpt-1b ...
+    python scripts/train.py their-llm-foundry.yaml variables.data_local=DIR model.n_layers=2
 
 Every value in conf/ can be overridden as key=value; `--cfg job` prints the composed config.
+An llm-foundry train YAML as the first argument runs as llm-foundry would run it, its
+key=value overrides in its own schema (llmfoundry/config/foundry/; `--cfg job` prints the config
+it became here, scripts/from_foundry.py writes it as a conf/experiment file).
 Sweeps: `-m optimizer.lr=1e-3,3e-3 model.n_layers=2,4` (a grid), or an Optuna search space from
 conf/sweep/: `-m +sweep=tiny_lr` (README, Sweeps).
 A problem with the config or the inputs (a missing data folder, strategy=ddp without torchrun)
@@ -35,6 +39,36 @@ from llmfoundry.utils.logs import configure_logging
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DEBUG = False
+# Hydra's flags that take a value (`--cfg job`): kept together when an llm-foundry YAML's
+# key=value arguments are separated from the flags.
+_VALUED_FLAGS = ("--cfg", "-c", "--package", "-p")
+
+
+def from_foundry_argv(argv: list[str], debug: bool) -> list[str]:
+    """Hydra's arguments for `train.py their.yaml [key=value ...] [flags]`: the YAML (with its
+    overrides, in llm-foundry's schema) translated to ours; its inputs (an imported
+    transformers folder, instruction rows) made first unless only the config is printed."""
+    from llmfoundry.config.foundry import describe, load, translate
+    from llmfoundry.config.foundry.prep import make
+
+    flags, args, rest = [], [], iter(argv[1:])
+    for arg in rest:
+        if arg in _VALUED_FLAGS:
+            flags += [arg, next(rest, "")]
+        elif arg.startswith("-"):
+            flags.append(arg)
+        else:
+            args.append(arg)
+    with exit_on_user_error(debug, prefix="Config error"):
+        native = translate(load(argv[0], args), os.environ)
+    for note in native.notes:
+        print(f"llm-foundry {note}", file=sys.stderr)
+    if not any(flag in ("--cfg", "-c") for flag in flags):
+        for step in native.prep:
+            print(f"preparing: {describe(step)}", file=sys.stderr)
+            with exit_on_user_error(debug):
+                make(step)
+    return native.overrides() + flags
 
 
 def _only_setup_files(run_dir: Path, lock_file: str) -> bool:
@@ -90,6 +124,8 @@ if __name__ == "__main__":
     # from, as `python -m` would; installed packages come first.
     sys.path.append(os.getcwd())
     sys.argv[1:], DEBUG = split_debug_flag(sys.argv[1:])
+    if sys.argv[1:] and sys.argv[1].endswith((".yaml", ".yml")):
+        sys.argv[1:] = from_foundry_argv(sys.argv[1:], DEBUG)
     if DEBUG:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's own report keeps the whole traceback
     register_resolvers()

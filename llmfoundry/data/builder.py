@@ -163,7 +163,9 @@ def build_loaders(
             evaluation=evaluation,
             **padding,
         )
-        return StreamingDataLoader(built, **loader_args)
+        # Evaluation reads every sample once: drop_last shapes training batches only.
+        args = {**loader_args, "drop_last": False} if evaluation else loader_args
+        return StreamingDataLoader(built, **args)
 
     train = loader(dataset, splits.train_split, evaluation=False)
     evals = {}

@@ -192,6 +192,13 @@ def kubernetes_objects(job: Job) -> tuple[list[dict[str, Any]], Layout]:
         raise ConfigError(
             "image", "kubernetes runs a container image; set image=<registry/name:tag>"
         )
+    if re.match(r"(docker\.io/)?mosaicml/", job.image):  # (an MCLI run file's image)
+        raise ConfigError(
+            "image",
+            f"{job.image} is MosaicML's image, which holds llm-foundry, not this project; "
+            "build this project's (make image IMAGE=<registry/name:tag>), then pass "
+            "image=<registry/name:tag>",
+        )
     if layout.nodes > 1 and not is_url(job.outputs):
         raise ConfigError(
             "outputs",

@@ -4,6 +4,7 @@ A job names the run, the image, the compute it needs, the code to run, setup com
 environment variables, secrets (names only: their values come from the submitting environment or
 a Kubernetes Secret when the job starts, and are never written into a rendered file) and the
 training overrides (Hydra ``key=value`` overrides of ``scripts/train.py``). Example: ``conf/job/tiny.yaml``.
+An MCLI run file (MosaicML's ``mcli run -f``) is read as a job file too: `llmfoundry.launch.mcli`.
 
 The schema is the dataclasses below; a file is checked against them with the same one-line
 `ConfigError` messages as training configs (``compute.gpu: unknown key; did you mean 'gpus'? ...``).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,9 +65,62 @@ def _url_credentials(text: str) -> bool:
     )
 
 
-def _secret_named(key: str) -> bool:
+def secret_named(key: str) -> bool:
     """Whether an override key (``+storage.options.secret``) or variable name is a secret's."""
     return bool(_SECRET_PARTS & set(re.split(r"[._-]", key.lstrip("+~").lower())))
+
+
+def check_setup_line(line: str) -> None:
+    """A setup line is rendered in clear like everything else: a secret-named assignment or
+    flag given a value (``export HF_TOKEN=hf_x``, ``--token hf_x``) or a URL with credentials is
+    refused, naming `secrets:`. Values read from the environment (``--token "$HF_TOKEN"``) pass."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:  # (unbalanced quotes: bash reports it where it runs)
+        words = line.split()
+    for word, following in zip(words, [*words[1:], ""], strict=True):
+        name, equals, value = word.partition("=")
+        flag = not equals and name.startswith("-")
+        if (equals or flag) and secret_named(name.lstrip("-")):
+            value = following if flag else value
+            if value and not value.startswith(("$", "-")):
+                raise UserError(
+                    f"setup: a line gives {name.lstrip('-')} a value, which would be written in "
+                    "clear into the rendered script and manifest; list an environment variable "
+                    'under secrets: and use it there ("$NAME")'
+                )
+    if _url_credentials(line):
+        raise UserError(
+            f"setup: {redact_urls(line)[:80]!r} holds credentials in a URL, which would be "
+            "written in clear into the rendered script and manifest; give them through "
+            "secrets: (environment variables) instead"
+        )
+
+
+def check_foundry_config(config: Any, path: str = "foundry_config") -> None:
+    """An llm-foundry config is shipped in clear inside the rendered script and manifest: a
+    secret-named key holding a value, or a URL with credentials, is refused; read the value
+    from the environment instead (``${oc.env:NAME}``, NAME listed under secrets:)."""
+    if isinstance(config, Mapping):
+        for key, value in config.items():
+            check_foundry_config(value, f"{path}.{key}")
+    elif isinstance(config, list):
+        for index, value in enumerate(config):
+            check_foundry_config(value, f"{path}.{index}")
+    elif isinstance(config, str):
+        if _url_credentials(config):
+            raise UserError(
+                f"{path}: {redact_urls(config)!r} holds credentials in a URL, which would be "
+                "written in clear into the rendered script and manifest; give the URL without "
+                "them and the credentials through secrets: (e.g. AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY)"
+            )
+        if secret_named(path) and not _FROM_ENV.match(config):
+            raise UserError(
+                f"{path}: named like a secret, and the config is written in clear into the "
+                f"rendered script and manifest; list an environment variable under secrets: "
+                "and read it: '${oc.env:NAME}'"
+            )
 
 
 def check_train_override(override: str) -> None:
@@ -81,7 +136,7 @@ def check_train_override(override: str) -> None:
             "and the credentials through secrets: (e.g. secrets: [AWS_ACCESS_KEY_ID, "
             "AWS_SECRET_ACCESS_KEY], which the storage backend reads)"
         )
-    if _secret_named(key) and not _FROM_ENV.match(value.strip("'\"")):
+    if secret_named(key) and not _FROM_ENV.match(value.strip("'\"")):
         raise UserError(
             f"train: {key}=... is named like a secret, and training overrides are written in "
             f"clear into the rendered script and manifest; list an environment variable under "
@@ -207,6 +262,10 @@ class Job:
     # Training overrides for scripts/train.py, as on its command line; they are rendered in
     # clear, so credentials in them are refused (`check_train_override`).
     train: list[str] = field(default_factory=list)
+    # An llm-foundry train config (MCLI's parameters:), shipped inside the rendered script and
+    # given to scripts/train.py as its config file (`train` then holds llm-foundry-style
+    # overrides of it). Its ${...} are its own, resolved by train.py, not by the job file.
+    foundry_config: dict[str, Any] | None = None
     # Only scripts/train.py: the launcher passes it `train` and the run's own overrides (run
     # name, outputs) and waits for the status file it writes. Your own model goes through it:
     # train: [model=custom, model._target_=my_pkg.build_model] (README, Your own model).
@@ -236,7 +295,7 @@ class Job:
         for key, value in self.env.items():
             if not _ENV_NAME.match(key):
                 raise UserError(f"env.{key}: not a valid environment variable name")
-            if key not in self.secrets and _secret_named(key):
+            if key not in self.secrets and secret_named(key):
                 raise UserError(
                     f"env.{key}: named like a secret, and env values are written into the "
                     f"rendered script and manifest; list {key} under secrets: instead (its value "
@@ -261,6 +320,10 @@ class Job:
                 )
         for override in self.train:
             check_train_override(override)
+        for line in self.setup:
+            check_setup_line(line)
+        if self.foundry_config is not None:
+            check_foundry_config(self.foundry_config)
         if not self.outputs or _CONTROL.search(self.outputs):
             raise UserError(
                 f"outputs: {self.outputs!r} is not a folder or URL; write it on one line, "
@@ -275,17 +338,35 @@ class Job:
             )
 
 
-def load_job(path: str | Path, overrides: Sequence[str] = (), train: Sequence[str] = ()) -> Job:
-    """Read a job file, apply ``key=value`` overrides, add the training overrides `train`
-    (``--train``) to its own, and check it all (raises ConfigError)."""
+def load_job(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    train: Sequence[str] = (),
+    backend: str | None = None,
+) -> Job:
+    """Read a job file (or an MCLI run file, mapped onto one for `backend`), apply ``key=value``
+    overrides, add the training overrides `train` (``--train``) to its own, and check it all
+    (raises ConfigError)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("", f"no job file at {path}; see conf/job/tiny.yaml for an example")
     try:
         cfg = OmegaConf.load(path)
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        values = OmegaConf.to_container(cfg, resolve=True)
+        # An MCLI run file knows no ${...} of OmegaConf's: its ${VAR} are bash's, kept as text.
+        mcli = isinstance(cfg, DictConfig) and "command" in cfg
+        if mcli:
+            from llmfoundry.launch.mcli import job_values
+
+            run = OmegaConf.to_container(cfg, resolve=False)
+            cfg = OmegaConf.create(job_values(run, backend))  # type: ignore[arg-type]
+        # Its ${...} belong to the llm-foundry config (train.py resolves them), not to the job.
+        foundry = cfg.pop("foundry_config", None) if isinstance(cfg, DictConfig) else None
+        ours, foundry_overrides = _split_foundry_overrides(overrides)
+        if foundry_overrides:
+            foundry = OmegaConf.merge(foundry or {}, OmegaConf.from_dotlist(foundry_overrides))
+        if ours:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(ours))
+        values = OmegaConf.to_container(cfg, resolve=not mcli)
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
     except yaml.YAMLError as err:  # a value YAML cannot read (a backtick, an unclosed quote)
@@ -296,10 +377,30 @@ def load_job(path: str | Path, overrides: Sequence[str] = (), train: Sequence[st
         ) from None
     if not isinstance(values, dict):
         raise ConfigError("", f"{path} must hold a mapping of job fields, e.g. name: my-run")
+    if foundry is not None:
+        values["foundry_config"] = (
+            OmegaConf.to_container(foundry, resolve=False)
+            if isinstance(foundry, DictConfig | ListConfig)
+            else foundry
+        )
     if train:
         own = values.get("train") or []
         values["train"] = [*own, *train] if isinstance(own, list) else own
     return build_dataclass("", values, Job)
+
+
+def _split_foundry_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the job's overrides, those of its llm-foundry config: foundry_config.KEY=VALUE without
+    the prefix, merged unresolved as the config is)."""
+    ours, theirs = [], []
+    for override in overrides:
+        if override.startswith("foundry_config="):
+            raise ConfigError("foundry_config", "set its keys one by one: foundry_config.KEY=VALUE")
+        if override.startswith("foundry_config."):
+            theirs.append(override.removeprefix("foundry_config."))
+        else:
+            ours.append(override)
+    return ours, theirs
 
 
 def build_dataclass(path: str, values: Mapping[str, Any], cls: type) -> Any:

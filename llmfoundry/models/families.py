@@ -69,6 +69,16 @@ def family_of_hf(hf_dir: str | Path) -> ModelFamily:
     raise UserError(f"{path}: model_type {model_type!r} is not supported; supported: {known}")
 
 
+def config_from_foundry(
+    config: Mapping[str, Any], *, where: str = "model", weights_loaded: bool = False
+) -> dict[str, Any]:
+    """Our model config node (`model=`'s: fields and ``_target_``) for llm-foundry's MPT config
+    dict (a train YAML's `mpt_causal_lm` block, an llm-foundry or Hub config.json, a Composer
+    checkpoint's HF config): `llmfoundry.models.mpt.foundry.mpt_config_from_foundry`, which
+    refuses in one line, naming `where`.key, what our MPT does not compute as llm-foundry's."""
+    return MPT.foundry_config(config, where=where, weights_loaded=weights_loaded)
+
+
 def build_model(config: Any, **overrides: Any) -> nn.Module:
     """The model of `config`'s family (fields replaced by `overrides`, e.g. init_device)."""
     return family_of(config).build(config, **overrides)
@@ -76,7 +86,8 @@ def build_model(config: Any, **overrides: Any) -> nn.Module:
 
 def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
     """max |ours - theirs| / max |theirs| of `model` against the transformers folder `hf_dir`
-    (any family: transformers' AutoModelForCausalLM reads the folder)."""
+    (any family: transformers' AutoModelForCausalLM reads the folder, or the family's own
+    reading of it where transformers would have to run the folder's code: `hf_reference`)."""
     from llmfoundry.models.hf_folder import logits_relative_error as relative_error
 
-    return relative_error(model, hf_dir)
+    return relative_error(model, hf_dir, family_of_hf(hf_dir).hf_reference(hf_dir))

@@ -50,7 +50,8 @@ class ModelFamily:
       (imported only when an HF folder is read or written, as it imports transformers) with
       `from_hf(folder)`, `export_to_hf(model, out_dir, tokenizer=, dtype=, eos_token=)` and
       `to_hf_config(config)`, which refuses, before any work, what transformers' class cannot
-      represent (`check_hf`).
+      represent (`check_hf`); optionally `reference_model(folder)`: the model an import is
+      checked against where transformers' own class cannot run the folder (None where it can).
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
     - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
@@ -61,6 +62,8 @@ class ModelFamily:
       compressed memory instead of a key/value cache (rows cannot be padded or batched);
       `attention_window(config)`: how far back one token's attention reaches in a forward
       (infini-attention's segment, a sliding window), None for the whole row.
+    - `foundry_config(config, where=, weights_loaded=)`: our model config node for the model
+      config dict of llm-foundry's model of this family (None: it has none we read).
     """
 
     name: str
@@ -76,12 +79,18 @@ class ModelFamily:
     position_limit: Callable[[Any], int | None] = lambda config: None
     recurrent_memory: Callable[[Any], bool] = lambda config: False
     attention_window: Callable[[Any], int | None] = lambda config: None
+    foundry_config: Callable[..., dict[str, Any]] | None = None
 
     def from_hf(self, hf_dir: str | Path) -> nn.Module:
         return importlib.import_module(self.hf_adapter).from_hf(hf_dir)
 
     def export_to_hf(self, model: nn.Module, out_dir: str | Path, **kwargs: Any) -> Path:
         return importlib.import_module(self.hf_adapter).export_to_hf(model, out_dir, **kwargs)
+
+    def hf_reference(self, hf_dir: str | Path) -> nn.Module | None:
+        """What import checks ours against: None for transformers' class of the folder."""
+        adapter = importlib.import_module(self.hf_adapter)
+        return getattr(adapter, "reference_model", lambda folder: None)(hf_dir)
 
     def check_hf(self, config: Any) -> None:
         importlib.import_module(self.hf_adapter).to_hf_config(config)

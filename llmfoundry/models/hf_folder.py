@@ -12,12 +12,14 @@ drop with a warning) are a one-line :class:`UserError` naming the file or tensor
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import nn
 from transformers.utils import logging as hf_logging
@@ -26,12 +28,26 @@ from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_js
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.utils.errors import UserError
 
-__all__ = ["load_hf_weights", "logits_relative_error", "read_hf_config", "save_hf_folder"]
+__all__ = [
+    "load_hf_weights",
+    "load_state",
+    "logits_relative_error",
+    "read_hf_config",
+    "read_hf_weights",
+    "save_hf_folder",
+]
 
 _REFETCH = "export or download the folder again"
 # What transformers raises for a config or weights file it cannot read (not a bug of ours).
 _UNREADABLE = (OSError, ValueError, TypeError, KeyError, RuntimeError, EOFError)
 _UNREADABLE_WEIGHTS = (*_UNREADABLE, pickle.UnpicklingError, SafetensorError)
+# The weights files of a transformers folder, by preference: one file, or shards an index names.
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_SUFFIX = ".index.json"
+_PICKLE_REFUSED = (
+    "its pickle holds objects other than tensors, refused since unpickling them could run "
+    "code; use a safetensors export of the model (model.safetensors)"
+)
 
 
 def save_hf_folder(
@@ -57,17 +73,23 @@ def save_hf_folder(
     return out_dir
 
 
-def logits_relative_error(model: nn.Module, hf_dir: str | Path) -> float:
+def logits_relative_error(
+    model: nn.Module, hf_dir: str | Path, reference: nn.Module | None = None
+) -> float:
     """How exactly the transformers folder `hf_dir` computes what `model` does, in float32:
-    max |ours - theirs| / max |theirs| over the logits of two rows of seeded random tokens."""
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, local_files_only=True
-    ).eval()
+    max |ours - theirs| / max |theirs| over the logits of two rows of seeded random tokens.
+    Theirs: transformers' model of the folder, or `reference` (a folder transformers could run
+    only as its own remote code: the folder as our adapter reads it)."""
+    if reference is None:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, local_files_only=True
+        ).eval()
     seq_len = min(64, model.config.max_seq_len)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=generator)
     with torch.no_grad():
-        ours, theirs = model(ids), hf_model(ids).logits
+        ours, theirs = model(ids), reference(ids)
+    theirs = getattr(theirs, "logits", theirs)
     return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
 
 
@@ -125,10 +147,7 @@ def load_hf_weights(
                 output_loading_info=True,
             )
     except pickle.UnpicklingError:
-        raise UserError(
-            f"{where}: its pickle holds objects other than tensors, refused since unpickling "
-            "them could run code; use a safetensors export of the model (model.safetensors)"
-        ) from None
+        raise UserError(f"{where}: {_PICKLE_REFUSED}") from None
     except _UNREADABLE_WEIGHTS as err:
         raise UserError(
             f"{where}: cannot read its weights ({_first_line(err)}); {_REFETCH}"
@@ -146,3 +165,83 @@ def load_hf_weights(
     if info.get("error_msgs"):
         raise UserError(f"{where}: cannot load its weights ({info['error_msgs'][0]}); {_REFETCH}")
     return model
+
+
+def _weights_files(hf_dir: Path) -> list[Path]:
+    """The files holding the folder's weights: model.safetensors, else pytorch_model.bin, or
+    the shards their index (`<name>.index.json`) lists, each a file of the folder itself."""
+    for name in WEIGHTS_FILES:
+        if (hf_dir / name).is_file():
+            return [hf_dir / name]
+        index = hf_dir / f"{name}{INDEX_SUFFIX}"
+        if not index.is_file():
+            continue
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"{index}: not a readable weights index ({err}); {_REFETCH}") from None
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise UserError(f"{index}: shard {shard!r} is not a file name of the folder")
+        return [hf_dir / shard for shard in shards]
+    raise UserError(
+        f"{hf_dir} has no weights ({' or '.join(WEIGHTS_FILES)}, or their {INDEX_SUFFIX}); "
+        f"{_REFETCH}"
+    )
+
+
+def _read_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """One weights file's tensors: safetensors, or a torch.save pickle read weights-only
+    (memory-mapped, so a large file costs no more memory than the tensors the model keeps)."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{path}: {_PICKLE_REFUSED}") from None
+    except _UNREADABLE_WEIGHTS as err:
+        raise UserError(
+            f"{path}: cannot read its weights ({_first_line(err)}); {_REFETCH}"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise UserError(f"{path}: not a state dict (names to tensors); {_REFETCH}")
+    return state
+
+
+def read_hf_weights(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the transformers folder `hf_dir` by name, read without transformers
+    (a folder whose model class is its own remote code): from model.safetensors or
+    pytorch_model.bin (weights-only), or their shards. A name in two shards is refused."""
+    state: dict[str, torch.Tensor] = {}
+    for path in _weights_files(Path(hf_dir)):
+        if not path.is_file():
+            raise UserError(f"{path}: a shard its index lists is missing; {_REFETCH}")
+        tensors = _read_weights_file(path)
+        if twice := sorted(state.keys() & tensors.keys()):
+            raise UserError(f"{path}: tensor {twice[0]} is in another shard too; {_REFETCH}")
+        state.update(tensors)
+    return state
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Put `state` (a folder's tensors) into `model` (built on meta), in place: every tensor
+    of the model there with its shape, none missing and none left over."""
+    expected = model.state_dict()
+    for key in sorted(expected.keys() & state.keys()):
+        if state[key].shape != expected[key].shape:
+            raise UserError(
+                f"{where}: tensor {key} has shape {list(state[key].shape)}, but {CONFIG_FILE} "
+                f"makes it {list(expected[key].shape)}; {_REFETCH} (weights and {CONFIG_FILE} "
+                "from the same export)"
+            )
+    for keys, what in (
+        (expected.keys() - state.keys(), "lack"),
+        (state.keys() - expected.keys(), "hold tensors the model has no place for:"),
+    ):
+        if keys:
+            names = ", ".join(sorted(keys)[:5])
+            raise UserError(f"{where}: the weights {what} {names}; {_REFETCH}")
+    model.load_state_dict(state, strict=True, assign=True)

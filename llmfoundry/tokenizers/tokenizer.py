@@ -185,7 +185,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if path.is_dir():
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        _refuse_remote_code(path)
+        hf = AutoTokenizer.from_pretrained(
+            str(path), local_files_only=True, trust_remote_code=False
+        )
         if not getattr(hf, "is_fast", False):
             raise UserError(
                 f"{path} holds a slow (Python) tokenizer; a fast one is needed "
@@ -195,6 +198,28 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     raise MissingInput(
         f"tokenizer {path} not found; give a tokenizer.json file or a tokenizer folder"
     )
+
+
+MAX_TOKENIZER_CONFIG_BYTES = 1 << 20  # real ones are a few KB
+
+
+def _refuse_remote_code(folder: Path) -> None:
+    """A tokenizer folder whose tokenizer is its own code (tokenizer_config.json's `auto_map`,
+    as llm-foundry's tiktoken wrapper writes) is refused: transformers would otherwise ask, on
+    a terminal, whether to run that code. Its config is read as bounded JSON."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file() or config.stat().st_size > MAX_TOKENIZER_CONFIG_BYTES:
+        return  # none, or transformers says what is wrong with it
+    try:
+        auto_map = json.loads(config.read_bytes()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return
+    if auto_map:
+        raise UserError(
+            f"{config}: the tokenizer is code of the folder's own (auto_map {auto_map}), which "
+            "llmfoundry never runs; give a tokenizer.json, or for a tiktoken encoding "
+            "tiktoken:NAME (e.g. tiktoken:cl100k_base) or a .tiktoken rank file"
+        )
 
 
 def _parse(text: str, source: str) -> Tokenizer:

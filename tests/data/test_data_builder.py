@@ -45,6 +45,15 @@ def loaders(batch_size=8, eval_batch_size=4, max_seq_len=None, data_parallel=Non
     )
 
 
+def test_drop_last_drops_training_batches_only(root: Path):
+    """10 val rows in batches of 4: evaluation still reads every one (drop_last=true used to
+    drop its last 2, and all of a split smaller than one batch)."""
+    data = loaders(eval_batch_size=4, remote=str(root), drop_last=True)
+    assert len(data.train) == 12  # 100 rows: the short 13th batch is dropped
+    data.evals["val"].set_epoch(0)
+    assert sum(len(b["input_ids"]) for b in data.evals["val"]) == 10
+
+
 def test_train_and_eval_loaders(root: Path):
     data = loaders(max_seq_len=16, remote=str(root))
     train = data.train

@@ -21,6 +21,7 @@ from llmfoundry.data.text import StreamingTextDataset
 from llmfoundry.models.families import family_of
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
+from tests.models.foundry_folder import random_model, write_foundry_folder
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 VOCAB, SEQ = 300, 64
@@ -140,16 +141,28 @@ def test_finetune_recipe_without_load_path_is_a_config_error():
         check(CONF, ["+experiment=finetune"])
 
 
-def test_import_hf_prints_a_finetune_command_that_trains_as_printed(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("layout", ["transformers", "llm-foundry"])
+def test_import_hf_prints_a_finetune_command_that_trains_as_printed(
+    layout, tmp_path, monkeypatch, capsys
+):
     """scripts/import_hf.py's printed command, run as printed (plus the test's sizes) from a
-    folder with the recipe's data: weights only, the model config from the checkpoint."""
+    folder with the recipe's data: weights only, the model config from the checkpoint. From
+    transformers' MptForCausalLM folder, and from llm-foundry's (learned positions, biases)."""
     (tmp_path / "data" / "demo").mkdir(parents=True)
     _instruction_data(tmp_path / "data" / "demo")  # the recipe's data.remote: data/demo/sft
     tokenizer = prepare_tokenizer(tmp_path / "data" / "demo" / "tokenizer.json")
-    imported = tiny(seed=5)
-    family_of(imported).export_to_hf(
-        imported, tmp_path / "hf", tokenizer=tokenizer.tokenizer, eos_token=tokenizer.eos_token
-    )
+    if layout == "transformers":
+        imported = tiny(seed=5)
+        family_of(imported).export_to_hf(
+            imported, tmp_path / "hf", tokenizer=tokenizer.tokenizer, eos_token=tokenizer.eos_token
+        )
+    else:
+        imported = random_model(
+            seed=5, alibi=False, no_bias=False, max_seq_len=SEQ, vocab_size=VOCAB
+        )
+        write_foundry_folder(
+            imported, tmp_path / "hf", tokenizer=tokenizer.tokenizer, eos_token=tokenizer.eos_token
+        )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
     main = runpy.run_path(str(CONF.parent / "scripts" / "import_hf.py"), run_name="x")["main"]

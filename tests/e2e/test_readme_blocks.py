@@ -74,10 +74,12 @@ CLAIMS = {
     "python data_prep/instructions_to_mds.py chats.jsonl": VALIDATED,
     "pip install -e '.[serve]'": "tests/serving/test_readme_block.py",
     "python scripts/launch.py submit local conf/job/tiny.yaml": VALIDATED,
+    "python scripts/launch.py render slurm run.yaml": VALIDATED + ", tests/launch/test_mcli.py",
     "make image": VALIDATED + ", tests/launch/test_dockerfile.py",
     "python scripts/runs.py": RUN_AND_VALIDATED,
     "python scripts/train.py -m optimizer.lr=1e-3,3e-3": VALIDATED,
     "python scripts/train.py data=memmap": VALIDATED,
+    "python scripts/train.py mpt-small-cpu.yaml": "tests/config/test_foundry.py",
     "python data_prep/adopt_tokens.py": VALIDATED + ", tests/data/test_adopt_tokens.py",
     "python scripts/plan.py model=llama3-70b": VALIDATED + ", tests/planning/test_mesh_planning.py",
     "class RandomTokenReplacement(Algorithm):": "test_algorithm_excerpt_is_the_shipped_code",
@@ -86,6 +88,7 @@ CLAIMS = {
     "# my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
     "python scripts/train.py model=custom": "test_own_model_commands_are_valid",
     "# train_my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
+    "python scripts/import_hf.py mpt-hf": VALIDATED + ", tests/models/test_mpt_foundry_folders.py",
     "python scripts/generate.py tests/fixtures/foundry/alibi/ep0-ba4-rank0.pt": VALIDATED
     + ", tests/checkpoint/test_composer.py",
 }

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from llmfoundry.models.families import config_from_record
+from llmfoundry.models.families import config_from_foundry, config_from_record
 from llmfoundry.models.mpt import MPTConfig
 from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 from llmfoundry.utils.errors import UserError
@@ -194,6 +194,7 @@ def test_grouped_query_attention():
         ("init_config.name", "xavier_normal_", "kaiming_normal_"),
         ("init_config.emb_init_std", 0.01, "embedding"),
         ("init_config.init_div_is_residual", False, "sqrt(2 * n_layers)"),
+        ("init_config.init_div_is_residual", 1, "sqrt(2 * n_layers)"),  # divides by 1
         ("name", "hf_causal_lm", "MPT configs"),
         ("model_type", "llama", "MPT configs"),
         ("learnd_pos_emb", True, "not a key of llm-foundry's MPT config"),
@@ -225,3 +226,23 @@ def test_no_position_information_is_refused():
     cfg = with_key(FULL, "learned_pos_emb", False)
     with pytest.raises(UserError, match="no position information"):
         mpt_config_from_foundry(cfg)
+
+
+def test_the_registry_gives_it_to_code_outside_the_family():
+    """Code outside models/mpt reaches it through the registry (test_families checks imports)."""
+    assert config_from_foundry(HUB_MPT_7B, where="x") == mpt_config_from_foundry(HUB_MPT_7B)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        ({"d_model": "64"}, "run.yaml:model.d_model='64' is not supported: give a positive"),
+        ({"expansion_ratio": None}, "run.yaml:model.expansion_ratio=None"),
+        ({**TINY, "n_heads": 3}, "run.yaml:model: MPTConfig.d_model (64) must be divisible"),
+        ({**TINY, "vocab_size": 0}, "run.yaml:model: MPTConfig.vocab_size must be a positive"),
+    ],
+)
+def test_bad_sizes_are_one_line(cfg, expected):
+    with pytest.raises(UserError) as err:
+        mpt_config_from_foundry(cfg, where="run.yaml:model")
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)

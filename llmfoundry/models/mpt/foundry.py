@@ -19,6 +19,8 @@ field of ours, and why:
 - `attn_uses_sequence_id`: our model masks documents whenever a batch carries `sequence_id`,
   which our data config decides (`data.sequence_id_from_eos`); a caller mapping a train YAML
   maps this key there. Without `sequence_id` (inference, an HF import) it changes nothing.
+  With it and learned positions, ours number each document's tokens from 0, where llm-foundry's
+  count on across the packed row.
 - `use_pad_tok_in_ffn`: the MLP acts on each token alone, so skipping pad tokens changes no real
   token's output.
 - `use_cache`, `verbose`, `tokenizer_name`, `loss_fn` (both of llm-foundry's compute the same
@@ -220,12 +222,12 @@ def _attention(attn: _Keys, n_heads: int) -> dict[str, Any]:
         "attn_impl": "sdpa",
         "kv_n_heads": kv_n_heads,
         "attn_pdrop": attn.get("attn_pdrop"),
-        "qk_ln": attn.get("qk_ln"),
+        "qk_ln": bool(attn.get("qk_ln")),
         "clip_qkv": attn.get("clip_qkv"),
         "softmax_scale": attn.get("softmax_scale"),
         # llm-foundry's query sees itself and `window` keys before it; ours counts itself too.
         "sliding_window": None if window == -1 else window + 1,
-        "alibi": attn.get("alibi"),
+        "alibi": bool(attn.get("alibi")),
         "alibi_bias_max": attn.get("alibi_bias_max"),
     }
     attn.refuse_unknown()
@@ -245,7 +247,8 @@ def _check_fc_type(keys: _Keys, key: str) -> None:
 
 
 def _mlp_width(ffn: _Keys, top: _Keys) -> int:
-    """Our `expansion_ratio` for llm-foundry's `ffn_config` (mptmlp only) and its ratio."""
+    """Our `expansion_ratio` for llm-foundry's MLP: `ffn_config` (mptmlp only) and the
+    top-level `expansion_ratio` it falls back on."""
     ffn_type = ffn.get("ffn_type")
     if ffn_type != "mptmlp":
         raise ffn.refuse("ffn_type", FFN_TYPES.get(ffn_type, "use ffn_type=mptmlp"))
@@ -272,9 +275,10 @@ def _init_std(init: _Keys) -> float | None:
     a number N(0, init_std) (its baseline_); both divide the residual projections by
     sqrt(2 * n_layers) as its init_div_is_residual=true does. UserError for an init we lack."""
     init.accept(frozenset({"verbose", "init_gain"}))  # kaiming with relu reads no gain
+    if init.get("init_div_is_residual") is not True:  # a number (even 1) is its divisor
+        raise init.refuse("init_div_is_residual", "ours divides by sqrt(2 * n_layers); set true")
     init.check(
         (
-            ("init_div_is_residual", (True,), "ours divides by sqrt(2 * n_layers); set true"),
             ("emb_init_std", (None,), "ours draws the embedding like the other weights"),
             ("emb_init_uniform_lim", (None,), "ours draws the embedding like the other weights"),
         )
@@ -303,6 +307,12 @@ def _top_level(top: _Keys) -> dict[str, Any]:
     top.accept(NO_EFFECT | TRANSFORMERS_KEYS)
     top.check(TOP_FIXED)
     _check_fc_type(top, "fc_type")
+    for key in ("d_model", "n_heads"):  # divided by below, before MPTConfig checks the rest
+        value = top.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise top.refuse(key, "give a positive integer")
+    if not isinstance(top.get("expansion_ratio"), int | float):
+        raise top.refuse("expansion_ratio", "give a number")
     d_model, n_heads, no_bias = top.get("d_model"), top.get("n_heads"), top.get("no_bias")
     head_dim = top.get("head_dim")
     if head_dim is not None and (not isinstance(n_heads, int) or head_dim * n_heads != d_model):
@@ -318,7 +328,7 @@ def _top_level(top: _Keys) -> dict[str, Any]:
         "n_layers": top.get("n_layers"),
         "max_seq_len": top.get("max_seq_len"),
         "vocab_size": top.get("vocab_size"),
-        "no_bias": no_bias,
+        "no_bias": bool(no_bias),
         "low_precision_layernorm": NORM_TYPES[norm_type.lower()],
         "resid_pdrop": top.get("resid_pdrop"),
         "emb_pdrop": top.get("emb_pdrop"),
@@ -359,5 +369,8 @@ def mpt_config_from_foundry(
     fields["learned_pos_emb"] = bool(top.get("learned_pos_emb")) and not fields["alibi"]
     top.accept(frozenset({"attn_config", "ffn_config", "init_config"}))
     top.refuse_unknown()
-    MPTConfig(**fields)  # its own checks (sizes, head counts), before anything is built
+    try:
+        MPTConfig(**fields)  # its own checks (sizes, head counts), before anything is built
+    except UserError as err:
+        raise UserError(f"{where}: {err}") from None
     return {"_target_": MPT_TARGET, **fields}

@@ -10,9 +10,17 @@ silently misread is worse than none, so `to_hf_config` refuses every feature it 
 - MLP width fixed at 4 * d_model;
 - no qk_ln, no grouped key/value heads (kv_n_heads), no sliding window, no infini-attention.
 `from_hf_config` likewise refuses a transformers config whose fields its model ignores or we lack.
+
 Dropout rates are not exported (the folder gets transformers' defaults, 0): transformers' MPT
 applies attn_pdrop to its MLP and residual too and ignores resid_pdrop and emb_pdrop, so copying
 them would change what they mean, and its config types attn_pdrop as an int.
+
+llm-foundry's own folders (its `convert_composer_to_hf.py` output, the mosaicml/mpt-* downloads:
+``MPTForCausalLM`` with `auto_map` remote code) are `model_type: mpt` too, but their model is
+llm-foundry's, which transformers runs only as that remote code, and their config's values make
+transformers' MptConfig fail. `from_foundry_folder` reads them without either: config.json as
+JSON through `mpt_config_from_foundry` (llm-foundry's keys, learned positions as well as ALiBi),
+the weights from safetensors or weights-only pickles.
 """
 
 from __future__ import annotations
@@ -23,9 +31,17 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
+from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_json
+from llmfoundry.models.hf_folder import (
+    load_hf_weights,
+    load_state,
+    read_hf_config,
+    read_hf_weights,
+    save_hf_folder,
+)
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.norms import LAYER_NORM_EPS
 from llmfoundry.utils.errors import UserError
@@ -161,9 +177,46 @@ def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
     )
 
 
+def is_foundry_folder(raw: dict) -> bool:
+    """Whether config.json `raw` is llm-foundry's (its MPTForCausalLM, remote code), not
+    transformers' MptForCausalLM."""
+    return "auto_map" in raw or "MPTForCausalLM" in (raw.get("architectures") or ())
+
+
+def from_foundry_folder(hf_dir: str | Path) -> MPTForCausalLM:
+    """llm-foundry's MPT folder `hf_dir` as our model, in float32, running none of its code."""
+    raw = read_config_json(hf_dir)
+    check_sizes(hf_dir, raw, HF_SIZES)
+    where = str(Path(hf_dir, CONFIG_FILE))
+    fields = mpt_config_from_foundry(raw, where=where, weights_loaded=True)
+    config = MPTConfig(**{k: v for k, v in fields.items() if k != "_target_"})
+    state = read_hf_weights(hf_dir)
+    head = state.pop("lm_head.weight", None)  # tied: if written at all, the embedding again
+    embedding = state.get("transformer.wte.weight")
+    if head is not None and (embedding is None or not torch.equal(head, embedding)):
+        raise UserError(
+            f"{hf_dir}: lm_head.weight differs from the token embedding, though {where} ties "
+            "them (tie_word_embeddings); export the folder again"
+        )
+    model = MPTForCausalLM(dataclasses.replace(config, init_device="meta"))
+    load_state(model, {k: v.float() for k, v in state.items()}, f"{hf_dir}")
+    model.config = config  # built on meta only to skip the init; the weights are real now
+    return model.eval()
+
+
+def reference_model(hf_dir: str | Path) -> MPTForCausalLM | None:
+    """llm-foundry's folders: the model read from the folder (transformers could run theirs
+    only as the folder's own code, which is never run); transformers' folders: None (its
+    MptForCausalLM)."""
+    return from_foundry_folder(hf_dir) if is_foundry_folder(read_config_json(hf_dir)) else None
+
+
 def from_hf(hf_dir: str | Path) -> MPTForCausalLM:
-    """The transformers MPT folder `hf_dir` (config.json + weights) as our model, in float32."""
+    """The transformers MPT folder `hf_dir` (config.json + weights) as our model, in float32;
+    llm-foundry's own layout through `from_foundry_folder`."""
     hf_dir = Path(hf_dir)
+    if is_foundry_folder(read_config_json(hf_dir)):
+        return from_foundry_folder(hf_dir)
     hf_config = read_hf_config(hf_dir, HF_SIZES)
     config = from_hf_config(hf_config)
     hf_model = load_hf_weights(transformers.MptForCausalLM, hf_dir, hf_config)

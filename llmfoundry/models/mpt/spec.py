@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.mpt.config import MPTConfig
+from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.mpt.parallelize import parallelize_plan
 
@@ -55,4 +56,5 @@ MPT = ModelFamily(
     position_limit=_position_limit,
     recurrent_memory=lambda config: config.infini is not None,
     attention_window=_attention_window,
+    foundry_config=mpt_config_from_foundry,
 )
