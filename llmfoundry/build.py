@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from llmfoundry.callbacks import CheckpointSaver
-from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, newest_damage, resolve
+from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, locate, newest_damage
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import TrainSettings, validate_config
 from llmfoundry.core.metrics import LanguageMetrics
@@ -60,7 +60,7 @@ def build_trainer(
             "or delete it to start the run afresh"
         )
     elif load_path:
-        resolve(load_path)
+        load_path = locate(load_path).location  # resolved once: the trainer reads this
     device_batch = per_rank_batch(settings.global_train_batch_size, strategy.dp_size)
     if strategy.pipeline is not None and settings.device_train_microbatch_size != "auto":
         strategy.pipeline.microbatches(device_batch, settings.device_train_microbatch_size)

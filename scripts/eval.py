@@ -25,7 +25,9 @@ from llmfoundry.utils.logs import configure_logging
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "model", help="checkpoint, save folder (its latest) or transformers MPT/Llama folder"
+        "model",
+        help="checkpoint, save folder (its latest), Composer checkpoint (*-rank0.pt or its sharded "
+        "folder) or transformers MPT/Llama folder",
     )
     p.add_argument("tasks", nargs="+", help=".jsonl task files (local paths or URLs)")
     p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")

@@ -38,7 +38,11 @@ TOLERANCE = 1e-5
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("checkpoint", help="checkpoint folder, or a save folder (its latest)")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint folder, a save folder (its latest), or a Composer checkpoint (*-rank0.pt "
+        "or its sharded folder)",
+    )
     p.add_argument("out_dir", help="folder to write the transformers model into")
     p.add_argument(
         "--dtype", choices=WEIGHT_DTYPES, default="fp32", help="weights' dtype (default fp32)"

@@ -1,4 +1,4 @@
-"""Continue prompts with a trained model: a checkpoint (or save folder) or a transformers MPT or Llama folder.
+"""Continue prompts with a trained model: a checkpoint (or save folder), a Composer checkpoint or a transformers MPT or Llama folder.
 
     python scripts/generate.py outputs/run/checkpoints --prompt "def " --prompt "import"
     python scripts/generate.py hf_out/ --prompt "def add(" --temperature 0 --max-new-tokens 40
@@ -27,7 +27,11 @@ from llmfoundry.utils.errors import UserError
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("model", help="checkpoint, save folder, or transformers MPT/Llama folder")
+    p.add_argument(
+        "model",
+        help="checkpoint, save folder, Composer checkpoint (*-rank0.pt or its sharded folder), or "
+        "transformers MPT/Llama folder",
+    )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path, help="a file of prompts, one per line")
     p.add_argument("--max-new-tokens", type=int, default=64)

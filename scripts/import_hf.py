@@ -1,6 +1,7 @@
-"""Import a Hugging Face transformers folder (MPT or Llama) as a llmfoundry checkpoint, to finetune from.
+"""Import a Hugging Face transformers folder (MPT or Llama), or a Composer checkpoint of an llm-foundry MPT, as a llmfoundry checkpoint, to finetune from.
 
     python scripts/import_hf.py HF_DIR CKPT_DIR
+    python scripts/import_hf.py ep0-ba4-rank0.pt CKPT_DIR   # Composer's (or its sharded folder)
     python scripts/train.py +experiment=finetune model=from_checkpoint load_path=CKPT_DIR/ep0-ba0 \\
         data.remote=data/demo/sft        # the command it prints; your data in data.remote
 
@@ -15,7 +16,11 @@ this model's config, read from the checkpoint), and warns when config.json's eos
 the tokenizer's EOS. Config fields our model cannot represent are refused, naming the field. The
 import is checked: the checkpoint's logits must equal the folder's (relative error at most 1e-5,
 printed): transformers' model of the folder, or for llm-foundry's layout the folder as read here
-(its equality with llm-foundry's own model: tests/models/test_mpt_foundry_folders.py).
+(its equality with llm-foundry's own model: tests/models/test_mpt_foundry_folders.py). A Composer
+checkpoint brings its weights, the model config llm-foundry recorded in it and its tokenizer
+(llmfoundry/checkpoint/composer.py); its check compares the written checkpoint's logits with the
+Composer checkpoint's model. (To continue its run rather than finetune, give it to train.py as
+load_path= directly.)
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from llmfoundry.checkpoint import resolve
+import torch
+
+from llmfoundry.checkpoint import locate
+from llmfoundry.checkpoint.formats import ComposerFormat
 from llmfoundry.checkpoint.pretrained import (
     TOKENIZER_FILE,
     is_hf_folder,
     load_pretrained,
+    read_pretrained,
     save_weights,
 )
 from llmfoundry.models.families import family_of_hf, logits_relative_error
@@ -46,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "hf_dir",
-        help="a transformers MPT or Llama folder, or llm-foundry's MPT (config.json and weights)",
+        help="a transformers MPT or Llama folder, or llm-foundry's MPT (config.json and "
+        "weights), or a Composer checkpoint (ep<E>-ba<B>-rank0.pt or its sharded folder)",
     )
     p.add_argument("ckpt_dir", help="save folder to write the checkpoint into (load_path=)")
     add_script_arguments(p)
@@ -83,22 +93,48 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
 
 
-def refuse_checkpoint(path: str) -> None:
-    """A llmfoundry checkpoint given for the transformers folder: say what to do with it."""
+def is_composer_checkpoint(path: str) -> bool:
+    """Whether `path` is a Composer checkpoint; a llmfoundry checkpoint given for the
+    transformers folder is refused, saying what to do with it."""
     if is_hf_folder(path):
-        return
+        return False
     try:
-        found = resolve(path)
+        found = locate(path)
     except UserError:
-        return  # not a checkpoint either: family_of_hf says what is missing
+        return False  # not a checkpoint either: family_of_hf says what is missing
+    if isinstance(found.format, ComposerFormat):
+        return True
     raise UserError(
-        f"{path} is a llmfoundry checkpoint ({found}), not a transformers folder: train from it "
-        "with load_path= as it is, or export it with scripts/export_hf.py"
+        f"{path} is a llmfoundry checkpoint ({found.location}), not a transformers folder: "
+        "train from it with load_path= as it is, or export it with scripts/export_hf.py"
     )
 
 
+def import_composer(args: argparse.Namespace) -> int:
+    """Write the Composer checkpoint `args.hf_dir` as a weights-only checkpoint; check it."""
+    composer = read_pretrained(args.hf_dir)
+    tokenizer = None if composer.tokenizer is None else Path(composer.tokenizer, TOKENIZER_FILE)
+    url = save_weights(composer.model, args.ckpt_dir, tokenizer, composer.run_name)
+    print(f"wrote {url}\nfinetune it with: {train_command(url)}")
+    loaded, _ = load_pretrained(args.ckpt_dir)
+    error = logits_relative_error_between(loaded, composer.model)
+    print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")
+    return 0 if error <= TOLERANCE else 1
+
+
+def logits_relative_error_between(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
+    """max |ours - theirs| / max |theirs| of the two models' logits on the same tokens."""
+    ids = torch.randint(
+        0, ours.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        a, b = ours(ids).float(), theirs(ids).float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
 def run(args: argparse.Namespace) -> int:
-    refuse_checkpoint(args.hf_dir)
+    if is_composer_checkpoint(args.hf_dir):
+        return import_composer(args)
     model = family_of_hf(args.hf_dir).from_hf(args.hf_dir)
     tokenizer = Path(args.hf_dir, TOKENIZER_FILE)
     name = Path(args.hf_dir.rstrip("/")).name  # the served model's id (scripts/serve.py)

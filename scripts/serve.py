@@ -58,7 +58,11 @@ NOT_FOR_VLLM = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("model", help="checkpoint, save folder, or transformers MPT/Llama folder")
+    p.add_argument(
+        "model",
+        help="checkpoint, save folder, Composer checkpoint (*-rank0.pt or its sharded folder), or "
+        "transformers MPT/Llama folder",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument(

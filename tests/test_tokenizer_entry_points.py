@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmfoundry.checkpoint.pretrained import _checkpoint_tokenizer, save_weights
+from llmfoundry.checkpoint.ours import checkpoint_tokenizer
+from llmfoundry.checkpoint.pretrained import save_weights
 from llmfoundry.eval import evaluate_tasks, load_task
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -107,7 +108,7 @@ def test_server_completions(kind, files, model, tmp_path):
 
 def test_a_run_trained_with_a_tiktoken_name_finds_it(files):
     state = {"config": {"tokenizer": "tiktoken:cl100k_base"}}
-    assert _checkpoint_tokenizer(str(files["ckpt"]), state) == "tiktoken:cl100k_base"
+    assert checkpoint_tokenizer(str(files["ckpt"]), state) == "tiktoken:cl100k_base"
 
 
 def test_export_refuses_what_transformers_cannot_load_in_one_line(files, tmp_path, capsys):

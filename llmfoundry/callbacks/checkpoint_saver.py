@@ -4,7 +4,8 @@ A run stops early when a callback or algorithm sets ``state.stop_training`` (ear
 loss-spike guard) or on SIGTERM/SIGINT (preemption); the checkpoint is then taken at the end of
 the batch that stopped it, so rerunning with ``autoresume=true`` loses nothing. Before each save
 the loggers flush (`Logger.flush`): a checkpoint never covers steps whose metrics a kill could
-still lose. Storage, the `latest` pointer and pruning: llmfoundry/checkpoint/io.py.
+still lose. Writing: llmfoundry/checkpoint/writer.py; the `latest` pointer and pruning:
+llmfoundry/checkpoint/catalogue.py.
 
 A save folder that already holds checkpoints is never written over silently: unless the run
 continues from a checkpoint (autoresume, load_path), it stops at FIT_START, before its first

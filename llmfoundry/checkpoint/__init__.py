@@ -1,5 +1,6 @@
-"""Checkpoints: what a run saves (state_dict.py), how it is stored (io.py) and checked
-(manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
+"""Checkpoints: what a run saves (state_dict.py), how it is written (writer.py), read back
+(reader.py), found in a save folder (catalogue.py), named by a load path (probe.py; formats.py:
+one reader interface for ours and Composer's, composer.py) and checked (manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
 signals. Model and optimizer state is read and written here too, whatever the strategy: whole
 tensors (state.py), each rank's shards through torch.distributed.checkpoint (sharded.py,
 dcp_reader.py), DeepSpeed's engine's own files (deepspeed.py); strategies know nothing of
@@ -17,8 +18,7 @@ from llmfoundry.utils.lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        ".io": (
-            "PendingCheckpoint",
+        ".catalogue": (
             "checkpoint_names",
             "clean",
             "delete_checkpoints",
@@ -26,12 +26,13 @@ __getattr__, __dir__, __all__ = lazy_exports(
             "latest_checkpoint",
             "newest_complete",
             "newest_damage",
-            "probe_writable",
             "prune",
-            "read_checkpoint",
             "read_latest",
-            "resolve",
         ),
+        ".reader": ("read_checkpoint",),
+        ".formats": ("locate",),
+        ".probe": ("resolve",),
+        ".writer": ("PendingCheckpoint", "probe_writable"),
         ".keys": ("LOADABLE_KEYS", "WEIGHTS_ONLY", "check_ignore_keys"),
         ".manifest": ("CheckpointError",),
         ".preemption": ("Preemption",),

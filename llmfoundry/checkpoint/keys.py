@@ -11,6 +11,7 @@ from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
+FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 LOADABLE_KEYS = (
     "model",
     "optimizer",

@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 
 from fsspec.implementations.local import LocalFileSystem
 
-from llmfoundry.checkpoint.io import probe_writable
 from llmfoundry.checkpoint.manifest import CheckpointError
+from llmfoundry.checkpoint.writer import probe_writable
 from llmfoundry.core.engine import Callback
 from llmfoundry.utils import storage
 from llmfoundry.utils.files import join_url

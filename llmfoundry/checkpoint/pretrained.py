@@ -5,6 +5,8 @@
   folder whose `latest` one is read, on any filesystem fsspec reaches), full or sharded (its
   shards merged in this process): its weights and the model config its run recorded
   (`config.model` in state.pt, whose ``_target_`` names the family);
+- a Composer checkpoint of an llm-foundry MPT (monolithic ``*-rank0.pt`` or its sharded
+  folder): its weights, the llm-foundry config and tokenizer it carries (composer.py);
 - a transformers folder (config.json + weights) of a family's ``model_type`` (mpt, llama),
   converted by that family's `from_hf`;
 and returns the model with where its tokenizer is: the folder's own tokenizer, a checkpoint's
@@ -29,28 +31,16 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE, checkpoint_name
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import (
-    MODEL_FILE,
-    SHARDED_DIR,
-    STATE_FILE,
-    checkpoint_name,
-    read_checkpoint,
-    read_state,
-    write_checkpoint,
-    write_object,
-    write_tensors,
-)
-from llmfoundry.checkpoint.sharded import full_model_state
+from llmfoundry.checkpoint.formats import locate
+from llmfoundry.checkpoint.ours import TOKENIZER_FILE
 from llmfoundry.checkpoint.state_dict import FORMAT_VERSION, model_weights
+from llmfoundry.checkpoint.writer import write_checkpoint, write_object, write_tensors
 from llmfoundry.data.prep.instructions import trained_chat_template
-from llmfoundry.models.families import config_from_record, family_of, family_of_hf
-from llmfoundry.tokenizers.tokenizer import tokenizer_exists
+from llmfoundry.models.families import family_of, family_of_hf
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
-from llmfoundry.utils.storage import url_to_fs
 
-TOKENIZER_FILE = "tokenizer.json"
 # The --dtype choices of the scripts that load or export a model.
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,18 +82,11 @@ def read_pretrained(path: str) -> Pretrained:
         )
         model = family_of_hf(path).from_hf(path)
         return Pretrained(model, str(path) if has_tokenizer else None, None)
-    checkpoint = read_checkpoint(path, rank=0)
-    config = model_config(checkpoint.state, checkpoint.path)
-    weights = checkpoint.model
-    if weights is None:  # sharded: every rank's shards, merged here
-        weights = full_model_state(join_url(checkpoint.path, SHARDED_DIR))
-    model = model_from_weights(config, weights, f"checkpoint {checkpoint.path!r}")
-    tokenizer = _checkpoint_tokenizer(checkpoint.path, checkpoint.state)
-    recorded = checkpoint.state.get("config") or {}
-    run_name = recorded.get("run_name")
-    return Pretrained(
-        model.eval(), tokenizer, run_name if isinstance(run_name, str) else None, recorded
-    )
+    located = locate(path)
+    saved = located.read_model()
+    where = f"{located.format.name} checkpoint {located.location!r}"
+    model = model_from_weights(saved.config, saved.weights, where)
+    return Pretrained(model.eval(), saved.tokenizer, saved.run_name, saved.recorded)
 
 
 def model_from_weights(
@@ -122,28 +105,6 @@ def model_from_weights(
     return model
 
 
-def model_config(state: Mapping[str, Any], where: str) -> Any:
-    """The model config a checkpoint's run recorded (`config.model` of state.pt), for CPU,
-    eager; its ``_target_`` names the family (none recorded: MPT, as before families)."""
-    fields = (state.get("config") or {}).get("model")
-    if not isinstance(fields, Mapping):
-        raise UserError(
-            f"checkpoint {where!r} does not record its model config (config.model in "
-            f"{STATE_FILE}); it was not written by scripts/train.py or scripts/import_hf.py"
-        )
-    if "fsdp_blocks" in fields:  # conf/model/custom.yaml's: a module of the user's own
-        raise UserError(
-            f"checkpoint {where!r} holds your own module ({fields.get('_target_')}); scripts "
-            "build only the model families from a checkpoint (its file names no code to run): "
-            f"build your module and load its {MODEL_FILE} (safetensors.torch.load_file) into it "
-            "in Python (sharded: scripts/convert_checkpoint.py writes one)"
-        )
-    try:
-        return config_from_record(fields, init_device="cpu")
-    except ValueError as err:
-        raise UserError(f"checkpoint {where!r}: {err}") from None
-
-
 def recorded_model(path: str | None) -> dict[str, Any]:
     """The model config the checkpoint (or save folder) at `path` recorded, as conf/model writes
     one (``_target_`` and fields): `model=from_checkpoint` trains, finetunes or evaluates it
@@ -153,22 +114,7 @@ def recorded_model(path: str | None) -> dict[str, Any]:
             "model=from_checkpoint takes the model config of load_path's checkpoint, and "
             "load_path is not set; set load_path=CKPT or choose a model=<size>"
         )
-    state = read_state(path)
-    fields = (state.get("config") or {}).get("model")
-    if not isinstance(fields, Mapping):
-        raise UserError(
-            f"checkpoint {path!r} does not record its model config (config.model in "
-            f"{STATE_FILE}), so model=from_checkpoint cannot take it; choose a model=<size>"
-        )
-    return dict(fields)
-
-
-def _checkpoint_tokenizer(path: str, state: Mapping[str, Any]) -> str | None:
-    own = join_url(path, TOKENIZER_FILE)
-    if url_to_fs(own)[0].exists(own):
-        return own
-    recorded = (state.get("config") or {}).get("tokenizer")
-    return recorded if isinstance(recorded, str) and tokenizer_exists(recorded) else None
+    return locate(path).model_fields()
 
 
 def save_weights(

@@ -40,17 +40,21 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from llmfoundry.checkpoint import deepspeed
+from llmfoundry.checkpoint.catalogue import SHARDED_DIR
 from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import SHARDED_DIR, FileWriter, read_checkpoint, write_tensors
+from llmfoundry.checkpoint.reader import read_checkpoint
+from llmfoundry.checkpoint.writer import write_tensors
 from llmfoundry.distributed import DeepSpeed, Strategy
+from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
+from llmfoundry.utils.files import FileWriter, join_url
 
 # What a sharded checkpoint's shards hold (the rest is in state.pt, but see `split_shards`).
 SHARDED_KEYS = ("model", "optimizer")
 # What state.pt holds where an object's state had a DTensor (saved in the shards instead).
 IN_SHARDS = "<in sharded/>"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a shards folder
 
 
 def write_shards(
@@ -100,7 +104,20 @@ def load_shards(
     local folder or an fsspec URL (read without unpickling objects: `load_shards_state`).
     `objects` (as for `save_shards`, this run's tensors in its own layout) are filled in
     place."""
-    if isinstance(strategy, DeepSpeed):
+    by_deepspeed = written_by_deepspeed(path)
+    if by_deepspeed and not isinstance(strategy, DeepSpeed):
+        raise UserError(
+            f"{path} holds DeepSpeed's shards (saved with strategy=deepspeed), which only "
+            "strategy=deepspeed reads: resume with it, at the ZeRO stage that saved them"
+        )
+    if isinstance(strategy, DeepSpeed) and not by_deepspeed:
+        raise UserError(
+            f"{path} holds torch.distributed.checkpoint shards, which strategy=deepspeed does "
+            "not read: resume with the strategy that saved them (fsdp, ddp, single), or write "
+            "their whole weights with scripts/convert_checkpoint.py and load those with "
+            "load_ignore_keys=[optimizer]"
+        )
+    if by_deepspeed:
         deepspeed.load_shards(strategy, path, keys)
         return
     reader = shard_reader(path)
@@ -109,6 +126,15 @@ def load_shards(
     if state:
         load_shards_state(state, path, reader=reader)
         load_sharded_state(model, optimizer, state, by_name)
+
+
+def written_by_deepspeed(folder: str) -> bool:
+    """Whether the shards folder `folder` holds DeepSpeed's engine files (deepspeed.py) rather
+    than torch.distributed.checkpoint's (its `.metadata`): the two formats of our shards."""
+    fs, root = storage.url_to_fs(folder)
+    if fs.exists(join_url(root, DCP_METADATA)):
+        return False
+    return bool(fs.glob(join_url(root, "*_model_states.pt")))
 
 
 def _dcp_state(
@@ -244,6 +270,12 @@ def full_model_state(folder: str) -> dict[str, torch.Tensor]:
     in one process (no process group).
 
     Tensors are allocated from the shapes DCP recorded, then filled from every shard."""
+    if written_by_deepspeed(folder):
+        raise UserError(
+            f"{folder} holds DeepSpeed's shards (saved with strategy=deepspeed), which only "
+            "DeepSpeed's engine reads: write its whole weights with DeepSpeed's zero_to_fp32.py, "
+            "or continue its run with strategy=deepspeed"
+        )
     reader = shard_reader(folder)
     metadata = reader.read_metadata()
     model = {

@@ -27,30 +27,29 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
-from llmfoundry.checkpoint.finite import refuse_non_finite
-from llmfoundry.checkpoint.io import (
+from llmfoundry.checkpoint.catalogue import (
     MODEL_FILE,
     SHARDED_DIR,
     STATE_FILE,
-    Checkpoint,
-    FileWriter,
-    PendingCheckpoint,
-    begin_checkpoint,
     checkpoint_name,
-    read_checkpoint_together,
     rng_file,
-    write_checkpoint,
-    write_object,
-    write_tensors,
 )
-from llmfoundry.checkpoint.keys import LOADABLE_KEYS, WEIGHTS_ONLY, check_ignore_keys
+from llmfoundry.checkpoint.compat import check_resume, keep_hyperparameters
+from llmfoundry.checkpoint.finite import refuse_non_finite
+from llmfoundry.checkpoint.formats import read_run_together
+from llmfoundry.checkpoint.keys import (
+    FORMAT_VERSION,
+    LOADABLE_KEYS,
+    WEIGHTS_ONLY,
+    check_ignore_keys,
+)
+from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.checkpoint.sharded import (
     SHARDED_KEYS,
@@ -67,15 +66,21 @@ from llmfoundry.checkpoint.state import (
     model_state_dict,
     optimizer_state_dict,
 )
+from llmfoundry.checkpoint.writer import (
+    PendingCheckpoint,
+    begin_checkpoint,
+    write_checkpoint,
+    write_object,
+    write_tensors,
+)
 from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.rng import rng_state
 from llmfoundry.utils.errors import UserError
-from llmfoundry.utils.files import join_url
+from llmfoundry.utils.files import FileWriter, join_url
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; sharded checkpoints
 # Each object's state_dict() by name (`_objects`); in a sharded checkpoint their DTensors
 # (state laid out like the parameters, e.g. EMA's averages) are in the shards (split_shards).
 OBJECT_KEYS = ("algorithms", "callbacks", "loggers")
@@ -101,9 +106,10 @@ def begin_save(folder: str, state: State, logger: Logger) -> PendingCheckpoint:
 def load_checkpoint(
     path: str, state: State, logger: Logger, ignore_keys: Sequence[str] = ()
 ) -> dict[str, Any] | None:
-    """Load the checkpoint at `path` (a checkpoint or a save folder) into `state`; see `restore`.
-    Every rank calls it (a damaged file fails them all: `read_checkpoint_together`)."""
-    return restore(state, logger, read_checkpoint_together(path, state.rank), ignore_keys)
+    """Load the checkpoint at `path` (a checkpoint or a save folder, or another program's
+    checkpoint: formats.py) into `state`; see `restore`. Every rank calls it (a damaged file
+    fails them all: `read_run_together`)."""
+    return restore(state, logger, read_run_together(path, state.rank), ignore_keys)
 
 
 def checkpoint_files(state: State, logger: Logger) -> dict[str, FileWriter]:
@@ -182,7 +188,10 @@ def restore(
             f"checkpoint {where!r} has format_version {saved.get('format_version')!r}; this "
             f"version of llmfoundry reads format {FORMAT_VERSION}"
         )
-    check_resume(saved.get("config") or {}, state.config, ignore, where)
+    recorded = saved.get("config") or {}
+    # Another program's run records less than ours: compared only where it recorded.
+    now = state.config if checkpoint.origin is None else _within(state.config, recorded)
+    check_resume(recorded, now, ignore, where)
     strategy = state.strategy
     current = {key: _by_name(objects) for key, objects in _objects(state, logger).items()}
     in_shards = {}  # the objects' tensors that DCP fills in place (`shard_targets`)
@@ -231,7 +240,7 @@ def restore(
         try:
             with keep_hyperparameters(state.optimizer):  # a changed optimizer config applies
                 load_optimizer_state_dict(
-                    strategy, state.model, state.optimizer, saved["optimizer"]
+                    strategy, state.model, state.optimizer, _with_groups(state, saved["optimizer"])
                 )
         except (ValueError, KeyError, RuntimeError) as err:
             raise UserError(
@@ -242,16 +251,34 @@ def restore(
         state.precision.load_state_dict(saved["scaler"])
     if "timestamp" not in ignore:
         state.timestamp.load_state_dict(saved["timestamp"])
+        if checkpoint.not_carried:
+            log.warning("%s", checkpoint.not_carried)
     for key, objects in _objects(state, logger).items():
         if key not in ignore:
             _load_by_name(objects, fit_layout(saved[key], current[key], in_shards.get(key, {})))
     if "data" not in ignore:
-        _load_data_state(state, saved["data"], where)
+        _load_data_state(state, saved["data"], where, checkpoint.origin)
     if "rng" in ignore:
         return None
     if checkpoint.rng is None:
         log.warning("checkpoint %r has no RNG state for this rank; keeping the seeded one", where)
     return checkpoint.rng
+
+
+def _within(config: Any, recorded: Any) -> Any:
+    """`config` with only the keys `recorded` has, at every depth."""
+    if not (isinstance(config, Mapping) and isinstance(recorded, Mapping)):
+        return config
+    return {k: _within(v, recorded[k]) for k, v in config.items() if k in recorded}
+
+
+def _with_groups(state: State, optimizer: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer` (saved state) with this run's parameter groups where it has none: another
+    program's per-parameter state, whose groups (hyperparameters) are this run's config."""
+    if "param_groups" in optimizer:
+        return optimizer
+    current = optimizer_state_dict(state.model, state.optimizer)
+    return {**optimizer, "param_groups": current["param_groups"]}
 
 
 def _objects(state: State, logger: Logger) -> dict[str, Sequence[Any]]:
@@ -300,9 +327,13 @@ def _data_state(state: State) -> dict[str, Any] | None:
     return None if source is None else source.state_dict(int(state.timestamp.sample_in_epoch))
 
 
-def _load_data_state(state: State, saved: dict[str, Any] | None, where: str) -> None:
+def _load_data_state(
+    state: State, saved: dict[str, Any] | None, where: str, origin: str | None = None
+) -> None:
     source = data_source(state.train_dataloader)
     if source is not None and saved is not None:
+        if origin is not None:  # another program's position: this loader's state at that sample
+            saved = {**source.state_dict(saved["sample_in_epoch"]), "epoch": saved["epoch"]}
         source.load_state_dict(saved)
         return
     if state.timestamp.sample_in_epoch == 0:

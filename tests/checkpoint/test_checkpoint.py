@@ -17,14 +17,15 @@ from llmfoundry.algorithms import RandomTokenReplacement
 from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import (
     WEIGHTS_ONLY,
+    catalogue,
     check_ignore_keys,
     keys,
     latest_checkpoint,
     read_checkpoint,
     read_latest,
     state_dict,
+    writer,
 )
-from llmfoundry.checkpoint import io as ckpt_io
 from llmfoundry.checkpoint.manifest import hash_tree, manifest_bytes
 from llmfoundry.loggers import ConsoleLogger
 from llmfoundry.optim import CosineWithWarmup, DecoupledAdamW
@@ -104,10 +105,10 @@ def test_prune_counts_back_from_latest(tmp_path):
     (tmp_path / ".ep1-ba9.staging").mkdir()
     (tmp_path / "latest.tmp.123.abc").write_text("ep1-ba9\n")
     (tmp_path / "ep1-ba9").mkdir()
-    assert ckpt_io.prune(str(tmp_path), keep=2) == ["ep0-ba1"]
+    assert catalogue.prune(str(tmp_path), keep=2) == ["ep0-ba1"]
     assert folders(tmp_path) == ["ep0-ba2", "ep1-ba3", "ep1-ba4", "latest"]
-    assert ckpt_io.prune(str(tmp_path), keep=1) == ["ep0-ba2"]
-    assert ckpt_io.prune(str(tmp_path), keep=-1) == []
+    assert catalogue.prune(str(tmp_path), keep=1) == ["ep0-ba2"]
+    assert catalogue.prune(str(tmp_path), keep=-1) == []
 
 
 def _lists(groups):
@@ -303,7 +304,7 @@ class FailOnce:
 
     def __init__(self, monkeypatch, filename, at_save):
         self.calls = 0
-        original = ckpt_io.write_checkpoint
+        original = writer.write_checkpoint
 
         def write(folder, name, files):
             self.calls += 1

@@ -23,8 +23,8 @@ from llmfoundry.checkpoint import (
     find_checkpoint,
     read_checkpoint,
     read_latest,
+    writer,
 )
-from llmfoundry.checkpoint import io as ckpt_io
 from llmfoundry.checkpoint.manifest import hash_tree, manifest_bytes
 from llmfoundry.trainer import Callback
 
@@ -75,12 +75,12 @@ def write_shards(path):
 def test_every_listed_file_is_checked_including_folders_of_shards(tmp_path):
     """A writer may write a folder (sharded checkpoints): its files are listed and verified."""
     files = {
-        "model.safetensors": ckpt_io.write_tensors({"w": torch.ones(3)}),
-        "state.pt": ckpt_io.write_object({"format_version": 1}),
+        "model.safetensors": writer.write_tensors({"w": torch.ones(3)}),
+        "state.pt": writer.write_object({"format_version": 1}),
         "sharded": write_shards,
     }
     for url in (str(tmp_path / "local"), f"memory://integrity-{uuid.uuid4().hex}"):
-        ckpt_io.write_checkpoint(url, "ep0-ba1", files)
+        writer.write_checkpoint(url, "ep0-ba1", files)
         fs, root = fsspec.core.url_to_fs(url)
         listed = json.loads(fs.cat_file(f"{root}/ep0-ba1/manifest.json"))["files"]
         assert sorted(listed) == ["model.safetensors", "sharded/0/__0_0.distcp", "state.pt"]
@@ -130,7 +130,7 @@ def test_nan_weights_are_never_saved_over_good_checkpoints(tmp_path):
 
 
 def fail_writing(monkeypatch, filename, error):
-    original = ckpt_io.write_checkpoint
+    original = writer.write_checkpoint
 
     def write(folder, name, files):
         files = dict(files)
@@ -170,10 +170,10 @@ def test_disk_full_while_replacing_latest_keeps_the_old_pointer(tmp_path, monkey
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", f"{path}.tmp.1.x")
 
-    monkeypatch.setattr(ckpt_io, "atomic_write", full)
+    monkeypatch.setattr(writer, "atomic_write", full)
     with pytest.raises(CheckpointError, match="no space left on the device writing .*latest"):
-        ckpt_io.write_checkpoint(
-            str(folder), "ep2-ba9", {"state.pt": ckpt_io.write_object({"format_version": 1})}
+        writer.write_checkpoint(
+            str(folder), "ep2-ba9", {"state.pt": writer.write_object({"format_version": 1})}
         )
     assert read_latest(str(folder)) == "ep0-ba1"
 
@@ -196,16 +196,16 @@ def test_an_upload_cut_short_never_counts_and_is_cleaned(tmp_path, monkeypatch):
 
 KILLED_MID_SAVE = """
 import os, signal, sys, torch
-from llmfoundry.checkpoint import io
+from llmfoundry.checkpoint import writer
 
 def model(path):
     path.write_bytes(b"the first half of the weights")
     os.kill(os.getpid(), signal.SIGKILL)
 
-files = {"model.safetensors": io.write_tensors({"w": torch.ones(2)}),
-         "state.pt": io.write_object({"format_version": 1})}
-io.write_checkpoint(sys.argv[1], "ep0-ba1", files)
-io.write_checkpoint(sys.argv[1], "ep0-ba2", {**files, "model.safetensors": model})
+files = {"model.safetensors": writer.write_tensors({"w": torch.ones(2)}),
+         "state.pt": writer.write_object({"format_version": 1})}
+writer.write_checkpoint(sys.argv[1], "ep0-ba1", files)
+writer.write_checkpoint(sys.argv[1], "ep0-ba2", {**files, "model.safetensors": model})
 """
 
 

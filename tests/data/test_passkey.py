@@ -9,15 +9,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from llmfoundry.checkpoint.io import (
-    MODEL_FILE,
-    STATE_FILE,
-    write_checkpoint,
-    write_object,
-    write_tensors,
-)
+from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE
 from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.checkpoint.state_dict import model_weights
+from llmfoundry.checkpoint.writer import write_checkpoint, write_object, write_tensors
 from llmfoundry.data.passkey import PasskeyTask, read_task, score_passkey, write_passkey_dataset
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import StreamingTextDataset

@@ -21,7 +21,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from llmfoundry.checkpoint.io import MODEL_FILE
+from llmfoundry.checkpoint.catalogue import MODEL_FILE
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer

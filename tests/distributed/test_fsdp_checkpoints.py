@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmfoundry.checkpoint import checkpoint_names, clean, find_checkpoint, pretrained, read_latest
-from llmfoundry.checkpoint.io import MODEL_FILE, STATE_FILE, is_complete
+from llmfoundry.checkpoint.catalogue import MODEL_FILE, STATE_FILE, is_complete
 from llmfoundry.checkpoint.sharded import IN_SHARDS, full_model_state
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.models.mpt.config import MPTConfig

@@ -89,6 +89,8 @@ CLAIMS = {
     "python scripts/train.py model=custom": "test_own_model_commands_are_valid",
     "# train_my_model.py": "test_own_model_blocks_train_and_write_a_run_folder",
     "python scripts/import_hf.py mpt-hf": VALIDATED + ", tests/models/test_mpt_foundry_folders.py",
+    "python scripts/generate.py tests/fixtures/foundry/alibi/ep0-ba4-rank0.pt": VALIDATED
+    + ", tests/checkpoint/test_composer.py",
 }
 
 

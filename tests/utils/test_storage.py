@@ -9,7 +9,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from llmfoundry.checkpoint.io import read_latest
+from llmfoundry.checkpoint.catalogue import read_latest
 from llmfoundry.data.streaming.download import read_bytes
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
