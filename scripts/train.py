@@ -27,7 +27,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Only what checking and printing the config needs is imported here: the trainer (and torch,
 # seconds to import) comes in main(), so `--cfg job` and a config error answer in about a second.
@@ -91,6 +91,7 @@ def main(cfg: DictConfig) -> float:
     from llmfoundry.checkpoint.lock import LOCK_FILE
     from llmfoundry.config.next_steps import launcher_of, next_steps
     from llmfoundry.launch.sweeps import objective
+    from llmfoundry.models.custom import FSDP_BLOCKS_KEY
     from llmfoundry.tokenizers.tokenizer import tokenizer_exists
 
     hydra_cfg = HydraConfig.get()
@@ -128,6 +129,8 @@ def main(cfg: DictConfig) -> float:
                 overrides,
                 launcher=launcher,
                 tokenizer_found=found,
+                own_module=FSDP_BLOCKS_KEY in cfg.model,  # conf/model/custom.yaml's key
+                storage=OmegaConf.to_container(cfg.storage, resolve=True),
             )
         )
     return objective(state)

@@ -4,12 +4,14 @@ README for what to do with what was just trained."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from llmfoundry.utils.secrets import redact_argv
+from llmfoundry.utils.secrets import redact_argv, redact_secrets
 
 # Overrides the resume command sets itself.
 _RESUME_KEYS = ("run_name", "autoresume")
@@ -39,6 +41,42 @@ def shown_path(path: str | Path, cwd: Path) -> str:
         return str(resolved)
 
 
+def storage_flag(storage: Mapping[str, Any] | None) -> str:
+    """` --storage '<block>'` for the scripts that read a checkpoint from an object store, with
+    the run's `storage:` settings that are set (an endpoint, a profile), so the printed command
+    reaches the store the run saved to; "" when none is set. Secret-named keys are left out:
+    credentials come from the environment."""
+
+    def set_values(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            kept = {k: set_values(v) for k, v in value.items()}
+            return {k: v for k, v in kept.items() if v not in (None, {})}
+        return value
+
+    block = set_values(redact_secrets(dict(storage or {})))
+    return f" --storage {shlex.quote(json.dumps(block))}" if block else ""
+
+
+def _generate_and_serve(
+    checkpoints: str, tokenizer_found: bool, storage: Mapping[str, Any] | None
+) -> list[tuple[str, str]]:
+    """The commands that sample from and serve the checkpoints, each with why."""
+    where = shlex.quote(redact_argv([checkpoints])[0])
+    if "://" in checkpoints:
+        where += storage_flag(storage)
+    named, whose = "", ""
+    if not tokenizer_found:
+        named = " --tokenizer TOKENIZER"
+        whose = (
+            "; TOKENIZER: the one your tokens came from (tiktoken:gpt2 for nanoGPT's, "
+            "a tokenizer.json or .model)"
+        )
+    return [
+        (f"python scripts/generate.py {where}{named} --prompt 'def '", f"sample from it{whose}"),
+        (f"python scripts/serve.py {where}{named}", "chat with it (OpenAI API, port 8000)"),
+    ]
+
+
 def next_steps(
     run_dir: Path,
     run_name: str,
@@ -47,6 +85,8 @@ def next_steps(
     cwd: Path | None = None,
     launcher: Sequence[str] = ("python",),
     tokenizer_found: bool = True,
+    own_module: bool = False,
+    storage: Mapping[str, Any] | None = None,
 ) -> str:
     """The run folder and the commands that generate from, serve, resume and list this run.
 
@@ -55,7 +95,10 @@ def next_steps(
     credentials in them are printed `<redacted>` (put them back, or better, in the environment).
     `launcher` starts the resume command (`torchrun --nproc_per_node=8` for a torchrun run:
     its strategy refuses to start without one). Without `tokenizer_found` (token files made
-    elsewhere, trained without their tokenizer) generating and serving need one named.
+    elsewhere, trained without their tokenizer) generating and serving need one named. An
+    `own_module` (model=custom) checkpoint is refused by generate.py and serve.py, so they are
+    not offered. `storage` is the run's `storage:` block: a checkpoint on an object store is
+    read with its settings.
     """
     cwd = cwd or Path(os.getcwd())
     folder = shown_path(run_dir, cwd)
@@ -63,24 +106,13 @@ def next_steps(
     lines.append("next:")
     commands: list[tuple[str, str]] = []
     if save_folder:
-        checkpoints = shlex.quote(redact_argv([shown_path(save_folder, cwd)])[0])
-        named, whose = "", ""
-        if not tokenizer_found:
-            named = " --tokenizer TOKENIZER"
-            whose = (
-                "; TOKENIZER: the one your tokens came from (tiktoken:gpt2 for nanoGPT's, "
-                "a tokenizer.json or .model)"
+        if own_module:
+            lines.append(
+                "  (your own module: scripts/generate.py and serve.py build only the model "
+                "families; load a checkpoint's model.safetensors into your module in Python)"
             )
-        commands += [
-            (
-                f"python scripts/generate.py {checkpoints}{named} --prompt 'def '",
-                f"sample from it{whose}",
-            ),
-            (
-                f"python scripts/serve.py {checkpoints}{named}",
-                "chat with it (OpenAI API, port 8000)",
-            ),
-        ]
+        else:
+            commands += _generate_and_serve(shown_path(save_folder, cwd), tokenizer_found, storage)
         kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _RESUME_KEYS]
         kept = redact_argv(kept)
         resume = shlex.join(

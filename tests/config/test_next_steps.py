@@ -63,3 +63,31 @@ def test_a_run_without_a_tokenizer_is_told_to_name_one(tmp_path):
     assert generate[:5] == ["python", "scripts/generate.py", "ck", "--tokenizer", "TOKENIZER"]
     assert serve == ["python", "scripts/serve.py", "ck", "--tokenizer", "TOKENIZER"]
     assert "TOKENIZER: the one your tokens came from (tiktoken:gpt2" in block
+
+
+def test_your_own_module_is_not_offered_generate_or_serve(tmp_path):
+    """generate.py and serve.py refuse a model=custom checkpoint (exit 2), so a run of one does
+    not print them; it still prints how to resume it."""
+    block = next_steps(tmp_path / "r", "r", "ck", ["model=custom"], cwd=tmp_path, own_module=True)
+    assert "python scripts/generate.py" not in block and "python scripts/serve.py" not in block
+    assert "load a checkpoint's model.safetensors into your module" in block
+    assert "  python scripts/train.py model=custom run_name=r autoresume=true  #" in block
+
+
+def test_checkpoints_on_a_store_are_read_with_the_runs_storage_settings(tmp_path):
+    """A run that saved to MinIO/moto (storage.options.endpoint_url) prints generate/serve
+    commands that reach that endpoint, not AWS; unset values and secret keys are left out."""
+    storage = {
+        "options": {"endpoint_url": "http://localhost:9000", "profile": None, "secret": "x"},
+        "overrides": {},
+    }
+    block = next_steps(tmp_path / "r", "r", "s3://b/ck", [], cwd=tmp_path, storage=storage)
+    generate, serve = (shlex.split(line, comments=True) for line in block.splitlines()[2:4])
+    flag = ["--storage", '{"options": {"endpoint_url": "http://localhost:9000"}}']
+    assert generate[2:5] == ["s3://b/ck", *flag]
+    assert serve == ["python", "scripts/serve.py", "s3://b/ck", *flag]
+    unset = {"options": {"endpoint_url": None, "profile": None}, "overrides": {}}
+    block = next_steps(tmp_path / "r", "r", "s3://b/ck", [], cwd=tmp_path, storage=unset)
+    assert "python scripts/serve.py s3://b/ck  #" in block
+    local = next_steps(tmp_path / "r", "r", "ck", [], cwd=tmp_path, storage=storage)
+    assert "--storage" not in local
