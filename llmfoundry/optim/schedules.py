@@ -9,7 +9,8 @@ runs from the end of warmup to `max_duration`.
 an llm-foundry run's lr curve: Composer steps its scheduler at the end of each batch BEFORE its
 timestamp counts that batch (composer/trainer/trainer.py, `_train_loop`), so its batch k
 (1-based) trains with the schedule at k-2 batches, batches 1 and 2 both at 0, where ours
-trains batch k at k-1. Off by default: a native run's lr reaches each value one batch sooner.
+trains batch k at k-1; a warmup given as a fraction of the run (``0.3dur``) is rounded down to
+whole units of max_duration, as Composer converts it. Off by default: a native run's lr reaches each value one batch sooner.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 
 from llmfoundry.core.state import State
-from llmfoundry.core.time import Time, Timestamp, TimeString
+from llmfoundry.core.time import Time, Timestamp, TimeString, TimeUnit
 from llmfoundry.utils.errors import UserError
 
 
@@ -38,7 +39,7 @@ class WarmupSchedule:
 
     def __call__(self, state: State) -> float:
         ts = composer_timestamp(state) if self.composer_lag else state.timestamp
-        warmup_done = state.elapsed(self.t_warmup, ts)
+        warmup_done = state.elapsed(self.warmup(state), ts)
         if warmup_done < 1.0:
             return warmup_done
         return self.after_warmup(state, ts)
@@ -49,9 +50,10 @@ class WarmupSchedule:
         The warmup's share of the run is measured as the ratio of the two elapsed fractions
         now, so warmup and max_duration may be in different units (tokens vs batches).
         """
+        warmup = self.warmup(state)
         run_done = state.elapsed(state.max_duration, ts)
-        warmup_done = state.elapsed(self.t_warmup, ts)
-        has_warmup = self.t_warmup.value > 0 and warmup_done > 0
+        warmup_done = state.elapsed(warmup, ts)
+        has_warmup = warmup.value > 0 and warmup_done > 0
         warmup_share = run_done / warmup_done if has_warmup else 0.0
         if warmup_share >= 1.0:
             return 1.0
@@ -59,6 +61,18 @@ class WarmupSchedule:
 
     def after_warmup(self, state: State, ts: Timestamp) -> float:
         raise NotImplementedError
+
+    def warmup(self, state: State) -> Time:
+        """`t_warmup`; with `composer_lag`, a fraction of the run rounded down to whole units
+        of max_duration (batches for a run in epochs), as Composer converts it."""
+        if not (self.composer_lag and self.t_warmup.unit is TimeUnit.DURATION):
+            return self.t_warmup
+        run = state.max_duration
+        if run.unit is TimeUnit.EPOCH:
+            if not state.dataloader_len:
+                return self.t_warmup
+            run = Time(run.value * state.dataloader_len, TimeUnit.BATCH)
+        return Time(int(self.t_warmup.value * run.value), run.unit)
 
 
 class ConstantWithWarmup(WarmupSchedule):
@@ -92,7 +106,7 @@ class InverseSqrtWithWarmup(WarmupSchedule):
             raise UserError("scheduler.t_warmup must be non-zero for the inverse-sqrt schedule")
 
     def after_warmup(self, state: State, ts: Timestamp) -> float:
-        return max(self.alpha_f, 1.0 / math.sqrt(state.elapsed(self.t_warmup, ts)))
+        return max(self.alpha_f, 1.0 / math.sqrt(state.elapsed(self.warmup(state), ts)))
 
 
 def composer_timestamp(state: State) -> Timestamp:

@@ -182,3 +182,13 @@ def test_composer_lag_gives_composers_lr_sequence(
     composer = _composer_lrs(decay)
     assert seen[True] == pytest.approx(composer, abs=1e-12)
     assert seen[False] == pytest.approx(composer[1:] + [decay(5 / 6)], abs=1e-12)
+
+
+def test_composer_lag_rounds_a_fractional_warmup_down_as_composer_does():
+    """Composer converts t_warmup=0.3dur of an 8ba run to int(2.4) = 2ba: its batch 4 (t = 2
+    batches with the lag) is past warmup, where a 2.4ba warmup would still be at 2/2.4."""
+    assert at(CosineWithWarmup("0.3dur", alpha_f=0.1), "8ba", batch=2) == pytest.approx(2 / 2.4)
+    composer = CosineWithWarmup("0.3dur", alpha_f=0.1, composer_lag=True)
+    assert at(composer, "8ba", batch=3) == pytest.approx(1.0)
+    assert at(composer, "8ba", batch=2) == pytest.approx(0.5)
+    assert at(composer, "80tok", batch=3, token=30) == pytest.approx(20 / 24)  # int(24.0) tok
