@@ -9,8 +9,9 @@ runs from the end of warmup to `max_duration`.
 an llm-foundry run's lr curve: Composer steps its scheduler at the end of each batch BEFORE its
 timestamp counts that batch (composer/trainer/trainer.py, `_train_loop`), so its batch k
 (1-based) trains with the schedule at k-2 batches, batches 1 and 2 both at 0, where ours
-trains batch k at k-1; a warmup given as a fraction of the run (``0.3dur``) is rounded down to
-whole units of max_duration, as Composer converts it. Off by default: a native run's lr reaches each value one batch sooner.
+trains batch k at k-1; and a warmup given as a fraction of the run (``0.3dur``) is rounded
+down to whole units of max_duration, as Composer converts it. Off by default: a native run's
+lr reaches each value one batch sooner.
 """
 
 from __future__ import annotations
