@@ -44,6 +44,9 @@ RUN_CHANGING = (
     "algorithms",
 )
 _ABSENT = "<absent>"
+# Keys added to conf/ after checkpoints were written without them, with the value that keeps
+# the behaviour of before: a checkpoint without one ran with that value, not another recipe.
+ADDED_KEYS = {"scheduler.composer_lag": False}
 
 
 def check_resume(
@@ -56,7 +59,7 @@ def check_resume(
     if not saved or not new:
         return
     architecture = {"_target_", *_architecture(saved), *_architecture(new)}
-    before, after = _flatten(_resolved(saved)), _flatten(_resolved(new))
+    before, after = _with_added_keys(_flatten(_resolved(saved))), _flatten(_resolved(new))
     changed = sorted(
         key
         for key in before.keys() | after.keys()
@@ -146,6 +149,15 @@ def _resolved(config: Mapping[str, Any]) -> Mapping[str, Any]:
         return config  # an invalid model config is reported by the model itself
     arch = {k: resolved[k] for k in family.architecture if k in resolved}
     return {**config, "model": {**model, **arch}}
+
+
+def _with_added_keys(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with each of `ADDED_KEYS` it lacks where it records the key's group."""
+    for key, value in ADDED_KEYS.items():
+        group = key.rsplit(".", 1)[0] + "."
+        if key not in flat and any(name.startswith(group) for name in flat):
+            flat[key] = value
+    return flat
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

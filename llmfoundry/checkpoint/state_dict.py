@@ -253,6 +253,15 @@ def restore(
         state.timestamp.load_state_dict(saved["timestamp"])
         if checkpoint.not_carried:
             log.warning("%s", checkpoint.not_carried)
+        if (
+            checkpoint.origin == "Composer"
+            and getattr(state.scheduler, "composer_lag", True) is False
+        ):
+            log.warning(
+                "checkpoint %r is Composer's: this run's lr schedule steps one batch ahead of "
+                "Composer's; set scheduler.composer_lag=true to continue its lr curve exactly",
+                where,
+            )
     for key, objects in _objects(state, logger).items():
         if key not in ignore:
             _load_by_name(objects, fit_layout(saved[key], current[key], in_shards.get(key, {})))

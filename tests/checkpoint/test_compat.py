@@ -70,6 +70,17 @@ def test_a_llama_resume_is_held_to_the_llama_architecture(caplog):
         assert message in str(err.value)
 
 
+def test_a_key_added_later_is_its_old_behaviour_in_older_checkpoints(caplog):
+    """A checkpoint written before scheduler.composer_lag existed ran without the lag: resuming
+    it with the option off is no change of recipe, turning it on is one."""
+    caplog.set_level(logging.WARNING)
+    saved = {**SAVED, "scheduler": {"_target_": "Cosine", "t_warmup": "2ba"}}
+    check_resume(saved, changed(scheduler={**saved["scheduler"], "composer_lag": False}), (), "c")
+    assert caplog.text == ""
+    check_resume(saved, changed(scheduler={**saved["scheduler"], "composer_lag": True}), (), "c")
+    assert "scheduler.composer_lag: False -> True" in caplog.text
+
+
 def test_ignored_parts_opt_out_and_legal_changes_warn(caplog):
     caplog.set_level(logging.WARNING)
     new = changed(model__d_model=128, optimizer___target_="Lion", global_train_batch_size=32)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from safetensors.torch import load_file
 
 from llmfoundry.checkpoint import WEIGHTS_ONLY, CheckpointError, composer, restricted_pickle
@@ -145,11 +146,48 @@ def test_resume_into_another_model_is_refused(tmp_path):
         resumed(tmp_path, n_layers=3)
 
 
-@pytest.mark.slow
-def test_train_script_continues_foundry_run(tmp_path):
-    """scripts/train.py continues the run llm-foundry started: batch 5 (the first after the
-    checkpoint) has llm-foundry's loss, since weights and data position carried over."""
+def _train_losses(command: list[str], cwd: Path, run_name: str) -> tuple[dict[int, float], str]:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = (cwd / "outputs" / run_name / "metrics.jsonl").read_text().splitlines()
+    losses = {}
+    for line in map(json.loads, lines):
+        if "loss/train" in line.get("metrics", {}):
+            losses[line["step"]] = line["metrics"]["loss/train"]
+    return losses, done.stderr
+
+
+def _their_losses() -> dict[int, float]:
     record = json.loads((FIXTURES / "alibi" / "resume-losses.json").read_text())
+    return {int(batch): loss for batch, loss in record["losses"].items()}
+
+
+@pytest.mark.slow
+def test_train_script_continues_foundry_run_from_their_yaml(tmp_path):
+    """`scripts/train.py their.yaml load_path=<their ba4 checkpoint>` continues the run
+    llm-foundry started: batches 5..8 have llm-foundry's own losses, since weights, optimizer
+    state, data position and (scheduler.composer_lag, which the translation sets) the lr curve
+    carried over."""
+    cfg = yaml.safe_load((FIXTURES / "alibi" / "train.yaml").read_text())
+    cfg["variables"]["data_local"] = str(FIXTURES / "mds")
+    cfg["tokenizer"]["name"] = str(FIXTURES / "tokenizer")
+    del cfg["loggers"], cfg["callbacks"]  # their in-memory logger; exports are not compared
+    cfg.update(save_folder=str(tmp_path / "ckpt"), load_path=str(ALIBI), run_name="resumed")
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, str(ROOT / "scripts" / "train.py"), "train.yaml"]
+    losses, _ = _train_losses(command, tmp_path, "resumed")
+    theirs = _their_losses()
+    assert sorted(losses) == [5, 6, 7, 8]
+    for batch in losses:
+        assert losses[batch] == pytest.approx(theirs[batch], rel=TOLERANCE), batch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [False, True])
+def test_train_script_continues_foundry_run(tmp_path, lag):
+    """A native config continuing their run: batch 5 (the first after the checkpoint) has
+    llm-foundry's loss, since weights and data position carried over; the lr curve follows
+    theirs only with scheduler.composer_lag=true, and without it the log says so."""
     command = [
         sys.executable,
         str(ROOT / "scripts" / "train.py"),
@@ -166,6 +204,7 @@ def test_train_script_continues_foundry_run(tmp_path):
         "optimizer.weight_decay=1e-5",
         "scheduler.t_warmup=2ba",
         "scheduler.alpha_f=0.1",
+        f"scheduler.composer_lag={str(lag).lower()}",
         "max_duration=8ba",
         "precision=fp32",
         "seed=17",
@@ -175,16 +214,16 @@ def test_train_script_continues_foundry_run(tmp_path):
         "eval_first=false",
         "run_name=resumed",
     ]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "not carried over: its algorithms' state (GradientClipping" in done.stderr
-    lines = (tmp_path / "outputs" / "resumed" / "metrics.jsonl").read_text().splitlines()
-    losses = {}
-    for line in map(json.loads, lines):
-        if "loss/train" in line.get("metrics", {}):
-            losses[line["step"]] = line["metrics"]["loss/train"]
+    losses, stderr = _train_losses(command, tmp_path, "resumed")
+    theirs = _their_losses()
+    assert "not carried over: its algorithms' state (GradientClipping" in stderr
+    assert ("steps one batch ahead of Composer's; set scheduler.composer_lag=true" in stderr) is (
+        not lag
+    )
     assert sorted(losses) == [5, 6, 7, 8]
-    assert losses[5] == pytest.approx(record["losses"]["5"], rel=TOLERANCE)
+    assert losses[5] == pytest.approx(theirs[5], rel=TOLERANCE)
+    later_equal = [losses[b] == pytest.approx(theirs[b], rel=TOLERANCE) for b in (6, 7, 8)]
+    assert later_equal == [lag] * 3
 
 
 class _Payload:

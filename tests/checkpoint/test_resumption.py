@@ -38,7 +38,7 @@ class StopAt(Callback):
         state.stop_training = state.stop_training or state.timestamp.batch == self.batch
 
 
-def run(tmp_path, mds, folder, *, callbacks=(), save_interval=None, **kwargs):
+def run(tmp_path, mds, folder, *, callbacks=(), save_interval=None, composer_lag=False, **kwargs):
     def loader(split: str, **kwargs) -> StreamingDataLoader:
         return StreamingDataLoader(
             StreamingTextDataset(
@@ -54,7 +54,7 @@ def run(tmp_path, mds, folder, *, callbacks=(), save_interval=None, **kwargs):
         eval_interval="4ba",
         max_duration=f"{BATCHES}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=3e-3, weight_decay=1e-2),
-        scheduler=CosineWithWarmup(t_warmup="3ba", alpha_f=0.1),
+        scheduler=CosineWithWarmup(t_warmup="3ba", alpha_f=0.1, composer_lag=composer_lag),
         algorithms=[RandomTokenReplacement(probability=0.1, vocab_size=VOCAB, seed=1)],
         callbacks=[recorder, *callbacks, CheckpointSaver(str(folder), save_interval)],
         run_dir=tmp_path,
@@ -121,3 +121,16 @@ def test_unrestored_rng_would_show(tmp_path, mds, straight):
     second, _ = run(tmp_path, mds, folder, load_path=str(folder), load_ignore_keys=["rng"])
     assert [s["ids"] for s in second] == [s["ids"] for s in expected[3:]]
     assert [s["loss"] for s in second] != [s["loss"] for s in expected[3:]]
+
+
+def test_resume_with_composers_lr_timing_is_bitwise_identical(tmp_path, mds, straight):
+    """scheduler.composer_lag (the lr one batch behind, as Composer) is a function of the
+    saved timestamp too: stopped at an epoch's end and resumed, the run equals a straight one."""
+    expected, _, _ = straight
+    lagged, final = run(tmp_path / "straight", mds, tmp_path / "unused", composer_lag=True)
+    assert [s["loss"] for s in lagged][3:] != [s["loss"] for s in expected][3:]  # it is on
+    folder = tmp_path / "ckpt"
+    first, _ = run(tmp_path, mds, folder, callbacks=[StopAt(6)], composer_lag=True)
+    second, state = run(tmp_path, mds, folder, load_path=str(folder), composer_lag=True)
+    assert first + second == lagged
+    assert_same_weights(state, final)

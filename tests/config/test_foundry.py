@@ -496,6 +496,7 @@ def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foun
     via_file = OmegaConf.to_container(compose_config(conf, ["+experiment=from_theirs"]))
     direct.pop("hydra", None), via_file.pop("hydra", None)
     assert via_file == direct
+    assert via_file["scheduler"]["composer_lag"] is True  # their lr curve, also when moved over
     with pytest.raises(SystemExit) as exit_:
         from_foundry(["foundry.yaml", "--out", str(out)])
     assert exit_.value.code == 2 and "--overwrite" in capsys.readouterr().err
@@ -527,6 +528,7 @@ def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
         None,
     )
     assert (out.eval_interval, out.max_duration, out.optimizer.weight_decay) == ("1ep", "8ba", 1e-5)
+    assert (out.scheduler.t_warmup, out.scheduler.composer_lag) == ("2ba", True)
 
 
 @pytest.mark.parametrize(

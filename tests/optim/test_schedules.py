@@ -1,6 +1,7 @@
 """Learning-rate schedules: shape, warmups in any Time unit, their configs, and the trainer."""
 
 import functools
+import math
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,66 @@ def test_warmup_then_cosine_midpoint_and_warmup_as_fraction_of_run():
     # warmup given as a fraction of the run
     assert at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), batch=5) == pytest.approx(0.5)
     assert at(CosineWithWarmup(t_warmup="0.1dur", alpha_f=0.0), batch=55) == pytest.approx(0.5)
+
+
+def _composer_lrs(decay):
+    """Composer's lr of batches 1..8 (t_warmup 2ba, 8 batches) by hand: its scheduler steps after
+    each batch, before its timestamp counts it, so batch k trains at t = max(k - 2, 0) batches:
+    warmup 0, 0, 1/2; then the decay at 0/6 .. 4/6 of the 6 post-warmup batches."""
+    return [0.0, 0.0, 0.5] + [decay(done / 6) for done in range(5)]
+
+
+def _cosine(x):
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * x))
+
+
+def _linear(x):
+    return 1.0 - 0.9 * x
+
+
+@pytest.mark.parametrize(
+    ("cls", "decay", "t_warmup", "max_duration", "per_epoch"),
+    [
+        (CosineWithWarmup, _cosine, "2ba", "8ba", 8),
+        (LinearWithWarmup, _linear, "2ba", "8ba", 8),
+        # 32 tokens and 2 samples a batch; a run of 2 epochs of 4 batches (the lag crosses the
+        # epoch end); warmup as a fraction of the run.
+        (CosineWithWarmup, _cosine, "64tok", "8ba", 8),
+        (LinearWithWarmup, _linear, "4sp", "2ep", 4),
+        (CosineWithWarmup, _cosine, "0.25dur", "256tok", 8),
+    ],
+)
+def test_composer_lag_gives_composers_lr_sequence(
+    tmp_path, cls, decay, t_warmup, max_duration, per_epoch
+):
+    """With composer_lag the trainer sets Composer's lr at every batch (batches 1 and 2 both at
+    t=0, the warmup's end a batch later), in any unit; without it, one batch ahead."""
+    seen = {True: [], False: []}
+    for lag in seen:
+
+        class LR(Callback):
+            def batch_end(self, state, logger, lrs=seen[lag]):
+                lrs.append(state.optimizer.param_groups[0]["lr"])
+
+        Trainer(
+            model=tiny_model(),
+            train_dataloader=token_batches(per_epoch, 2),
+            max_duration=max_duration,
+            optimizer=functools.partial(DecoupledAdamW, lr=1.0),
+            run_dir=tmp_path / str(lag),
+            scheduler=cls(t_warmup=t_warmup, alpha_f=0.1, composer_lag=lag),
+            callbacks=[LR()],
+        ).fit()
+    composer = _composer_lrs(decay)
+    assert seen[True] == pytest.approx(composer, abs=1e-12)
+    assert seen[False] == pytest.approx(composer[1:] + [decay(5 / 6)], abs=1e-12)
+
+
+def test_composer_lag_rounds_a_fractional_warmup_down_as_composer_does():
+    """Composer converts t_warmup=0.3dur of an 8ba run to int(2.4) = 2ba: its batch 4 (t = 2
+    batches with the lag) is past warmup, where a 2.4ba warmup would still be at 2/2.4."""
+    assert at(CosineWithWarmup("0.3dur", alpha_f=0.1), "8ba", batch=2) == pytest.approx(2 / 2.4)
+    composer = CosineWithWarmup("0.3dur", alpha_f=0.1, composer_lag=True)
+    assert at(composer, "8ba", batch=3) == pytest.approx(1.0)
+    assert at(composer, "8ba", batch=2) == pytest.approx(0.5)
+    assert at(composer, "80tok", batch=3, token=30) == pytest.approx(20 / 24)  # int(24.0) tok

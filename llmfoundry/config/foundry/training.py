@@ -79,6 +79,8 @@ def scheduler(cfg: dict[str, Any], out: Native) -> None:
     only("scheduler.alpha_i", node.pop("alpha_i", 1.0), 1.0, f"{where} starts decay from the lr")
     only("scheduler.alpha", node.pop("alpha", 1.0), 1.0, "scale optimizer.lr instead")
     out.groups["scheduler"] = _SCHEDULERS[name]
+    # Their lr curve: Composer evaluates the schedule one batch behind ours (schedules.py).
+    out.set("scheduler.composer_lag", True)
     warmup = composer_time("scheduler.t_warmup", node.pop("t_warmup", "0ba"))
     out.set("scheduler.t_warmup", warmup)
     if name == "inv_sqrt_with_warmup":
