@@ -14,7 +14,7 @@ Two layouts, as Composer 0.32 writes them (composer/utils/checkpoint.py):
 state dict keyed by those names}), ``timestamp``, ``dataset_state``, ``integrations`` (the
 model's llm-foundry config and its tokenizer's files) and the state of schedulers, algorithms
 and callbacks. `read_model` gives what generate/eval/serve/export/import need: the weights, our
-model config for llm-foundry's (`mpt_config_from_foundry`) and the tokenizer. `read_run` turns
+model config for llm-foundry's (`config_from_foundry`) and the tokenizer. `read_run` turns
 the rest into our run state (state_dict.py's layout), so a run llm-foundry started continues
 here: weights, DecoupledAdamW's moments (the same update as our DecoupledAdamW), the position
 (epoch, batch, sample, token; the schedule is a function of it) and each rank's RNG states.
@@ -41,7 +41,7 @@ from llmfoundry.checkpoint import restricted_pickle
 from llmfoundry.checkpoint.keys import FORMAT_VERSION
 from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import CheckpointError
-from llmfoundry.models.families import config_from_record
+from llmfoundry.models.families import config_from_foundry, config_from_record
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 
@@ -89,8 +89,6 @@ def read(path: str) -> ComposerState:
 def model_fields(saved: ComposerState) -> dict[str, Any]:
     """Our model config (recorded form: `_target_` and fields) for the llm-foundry MPT config the
     checkpoint carries."""
-    from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
-
     hf = (saved.state.get("integrations") or {}).get("huggingface") or {}
     config = (hf.get("model") or {}).get("config") or {}
     content = config.get("content")
@@ -105,7 +103,7 @@ def model_fields(saved: ComposerState) -> dict[str, Any]:
             f"{content.get('model_type')!r}); llmfoundry reads llm-foundry's MPT checkpoints "
             "(model_type 'mpt'); export it with llm-foundry's convert_composer_to_hf.py instead"
         )
-    return mpt_config_from_foundry(content, where=f"{saved.path}: model", weights_loaded=True)
+    return config_from_foundry(content, where=f"{saved.path}: model", weights_loaded=True)
 
 
 def model_config(saved: ComposerState) -> Any:

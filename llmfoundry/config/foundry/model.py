@@ -1,7 +1,7 @@
 """llm-foundry's model and tokenizer sections as our model group and tokenizer.
 
 `mpt_causal_lm`: every MPT key llm-foundry reads, its defaults included (theirs are not ours:
-learned positions and biases, no ALiBi), as our MPT config's fields (`mpt_config_from_foundry`,
+learned positions and biases, no ALiBi), as our MPT config's fields (`config_from_foundry`,
 which refuses what our MPT does not compute).
 `hf_causal_lm` with a local transformers folder (Llama or MPT): imported before the run as a
 weights-only checkpoint (scripts/import_hf.py's import, `Prep`) that the run starts from, its
@@ -61,11 +61,11 @@ def model(cfg: Mapping[str, Any], out: Native, prep_root: str) -> None:
         )
     if name == "mpt_causal_lm":
         # Imported here: it loads torch (models/norms.py), which the other checks do without.
-        from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
+        from llmfoundry.models.families import config_from_foundry
 
         out.groups["model"] = "mpt-tiny"  # every field is set below
         try:
-            fields = mpt_config_from_foundry(node, where="model", weights_loaded=_loads(cfg))
+            fields = config_from_foundry(node, where="model", weights_loaded=_loads(cfg))
         except UserError as err:
             raise UserError(f"llm-foundry key {err}") from None
         for key, value in fields.items():
@@ -129,14 +129,13 @@ def _architecture_of(folder: str, out: Native) -> None:
     our model group's fields, trained from our init."""
     import importlib
 
-    from llmfoundry.models.families import family_of_hf
+    from llmfoundry.models.families import config_from_foundry, family_of_hf
     from llmfoundry.models.hf_config import read_config_json
     from llmfoundry.models.hf_folder import read_hf_config
-    from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
 
     family = family_of_hf(folder)
     if family.name == "mpt":  # llm-foundry's and the Hub's MPT config.json (auto_map) too
-        fields = mpt_config_from_foundry(read_config_json(folder), where="config.json")
+        fields = config_from_foundry(read_config_json(folder), where="config.json")
     else:
         adapter = importlib.import_module(family.hf_adapter)
         fields = family.recorded_config(adapter.from_hf_config(read_hf_config(folder, ())))
