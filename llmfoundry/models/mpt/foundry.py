@@ -498,11 +498,21 @@ def _foundry_rope(cfg: MPTConfig) -> dict[str, Any]:
     if not cfg.rope:
         return {"rope": False, **keys}
     scaling = cfg.rope_linear_scaling
-    hf = {"type": "no_scaling", "factor": 1.0} if scaling is None else {
-        "type": "linear",
-        "factor": scaling,
+    hf = (
+        {"type": "no_scaling", "factor": 1.0}
+        if scaling is None
+        else {
+            "type": "linear",
+            "factor": scaling,
+        }
+    )
+    return {
+        **keys,
+        "rope": True,
+        "rope_impl": "hf",
+        "rope_theta": cfg.rope_theta,
+        "rope_hf_config": hf,
     }
-    return {**keys, "rope": True, "rope_impl": "hf", "rope_theta": cfg.rope_theta, "rope_hf_config": hf}
 
 
 def mpt_config_to_foundry(cfg: MPTConfig, *, where: str = "model") -> dict[str, Any]:
