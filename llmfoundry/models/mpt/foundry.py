@@ -498,14 +498,9 @@ def _foundry_rope(cfg: MPTConfig) -> dict[str, Any]:
     if not cfg.rope:
         return {"rope": False, **keys}
     scaling = cfg.rope_linear_scaling
-    hf = (
-        {"type": "no_scaling", "factor": 1.0}
-        if scaling is None
-        else {
-            "type": "linear",
-            "factor": scaling,
-        }
-    )
+    hf = dict(ATTN_DEFAULTS["rope_hf_config"])  # no_scaling
+    if scaling is not None:
+        hf = {"type": "linear", "factor": scaling}
     return {
         **keys,
         "rope": True,
