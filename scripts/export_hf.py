@@ -36,7 +36,6 @@ import sys
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, read_pretrained
 from llmfoundry.models.families import family_of, logits_relative_error
 from llmfoundry.models.hf_folder import hf_tokenizer
-from llmfoundry.models.mpt.hf import FOUNDRY_NOTE
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
 
@@ -94,8 +93,8 @@ def export(args: argparse.Namespace) -> int:
     )
     chat = ", the default finetune format's chat template" if loaded.chat_template else ""
     print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path}{chat})")
-    if layout == "foundry":
-        print(f"{args.out_dir} is {FOUNDRY_NOTE}")
+    if note := family.layout_note(layout):
+        print(f"{args.out_dir} is {note}")
     if args.dtype == "fp32":
         error = logits_relative_error(model, args.out_dir)
         print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

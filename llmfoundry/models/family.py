@@ -55,7 +55,7 @@ class ModelFamily:
       checked against where transformers' own class cannot run the folder (None where it can),
       and `export_layout(config, layout)`: the folder layouts it writes besides transformers'
       (MPT: llm-foundry's, for what transformers' class cannot hold), `export_to_hf` taking
-      `layout=`.
+      `layout=`, and `LAYOUT_NOTES`: for such a layout, how to load it (printed on export).
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
     - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
@@ -118,6 +118,12 @@ class ModelFamily:
             )
         adapter.to_hf_config(config)
         return "transformers"
+
+    def layout_note(self, layout: str) -> str | None:
+        """What a reader of a folder in `layout` needs to know to load it (the adapter's
+        LAYOUT_NOTES), None for transformers' own class (AutoModelForCausalLM loads it)."""
+        notes = getattr(importlib.import_module(self.hf_adapter), "LAYOUT_NOTES", {})
+        return notes.get(layout)
 
     def build(self, config: Any, **overrides: Any) -> nn.Module:
         """A model of this family from `config` (any field replaced by `overrides`)."""

@@ -63,12 +63,12 @@ HF_SIZES = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len")
 # the two that holds the model.
 LAYOUTS = ("auto", "transformers", "foundry")
 FOUNDRY_ARCHITECTURE = "MPTForCausalLM"
-FOUNDRY_NOTE = (
-    "llm-foundry's MPT layout (no remote code in it): transformers loads it only with "
-    "llm-foundry's code (trust_remote_code with llm-foundry's modeling files added, or "
+LAYOUT_NOTES = {
+    "foundry": "llm-foundry's MPT layout (no remote code in it): transformers loads it only "
+    "with llm-foundry's code (trust_remote_code with llm-foundry's modeling files added, or "
     "llmfoundry.models.mpt.MPTForCausalLM.from_pretrained with llm-foundry installed); our "
     "import_hf.py, generate.py and serve.py read it as it is"
-)
+}
 
 
 def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
