@@ -16,10 +16,16 @@ OUT_DIR then loads without trust_remote_code:
 The tokenizer is the checkpoint's own tokenizer.json or the one its run trained with
 (`tokenizer=`); --tokenizer overrides both. A checkpoint finetuned in the default finetune format
 (data_prep/instructions_to_mds.py without a chat template) exports that format as the tokenizer's
-`chat_template`, so chat through transformers, vLLM or scripts/serve.py prompts it as it trained. The checkpoint's model family (its recorded config)
-picks the transformers class; features that class lacks (for MPT: learned positions, biases,
-grouped key/value heads, qk_ln, sliding window, infini-attention) are refused, naming the field. An fp32 export is checked: the folder's logits must equal the checkpoint's
-(relative error at most 1e-5, printed).
+`chat_template`, so chat through transformers, vLLM or scripts/serve.py prompts it as it trained.
+The checkpoint's model family (its recorded config) picks the transformers class. An MPT that
+class cannot hold (biases, learned positions, RoPE, grouped key/value heads, RMSNorm, GLU, an
+untied head, qk_ln, a sliding window) is written in llm-foundry's layout instead, as its
+convert_composer_to_hf.py and the mosaicml/mpt-* models have it (MPTForCausalLM, its config
+keys), without its remote code: a printed line says how to load it. --layout transformers or
+foundry insists on one (what it cannot hold is refused, naming the field). An fp32 export is
+checked: the folder's logits must equal the checkpoint's (relative error at most 1e-5, printed).
+
+    python scripts/export_hf.py their/ep0-ba4-rank0.pt OUT_DIR --layout foundry
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tokenizer", help="tokenizer.json or tokenizer folder (default: found)")
     p.add_argument("--eos-token", help="EOS token (default <|endoftext|> when it exists)")
+    p.add_argument(
+        "--layout",
+        choices=("auto", "transformers", "foundry"),
+        default="auto",
+        help="transformers' own class, llm-foundry's MPT layout, or (auto, the default) "
+        "transformers' where it holds the model, else llm-foundry's",
+    )
     add_script_arguments(p)
     return p.parse_args(argv)
 
@@ -63,7 +76,7 @@ def export(args: argparse.Namespace) -> int:
     loaded = read_pretrained(args.checkpoint)
     model, found = loaded.model, loaded.tokenizer
     family = family_of(model)
-    family.check_hf(model.config)  # refuses what transformers cannot represent, before any work
+    layout = family.export_layout(model.config, args.layout)  # refuses before any work
     tokenizer_path = args.tokenizer or found
     if tokenizer_path is None:
         raise UserError(
@@ -76,9 +89,12 @@ def export(args: argparse.Namespace) -> int:
         args.out_dir,
         tokenizer=tokenizer,
         dtype=WEIGHT_DTYPES[args.dtype],
+        layout=layout,
     )
     chat = ", the default finetune format's chat template" if loaded.chat_template else ""
     print(f"wrote {args.out_dir} ({args.dtype}, tokenizer {tokenizer_path}{chat})")
+    if note := family.layout_note(layout):
+        print(f"{args.out_dir} is {note}")
     if args.dtype == "fp32":
         error = logits_relative_error(model, args.out_dir)
         print(f"round trip: logits relative error {error:.2e} (limit {TOLERANCE:.0e})")

@@ -2,12 +2,15 @@
 
 Every `save_interval` and when training ends, `{save_folder}/huggingface/ba{N}` (the layout
 llm-foundry's callback writes, N the batch) receives what ``scripts/export_hf.py`` writes for a
-checkpoint: the family's transformers folder (``MptForCausalLM``, ``LlamaForCausalLM``: loads
-without remote code), with the run's tokenizer. `save_folder` is a local folder or an fsspec URL.
+checkpoint, with the run's tokenizer: in `layout` auto, the family's transformers folder
+(``MptForCausalLM``, ``LlamaForCausalLM``: loads without remote code) where that class holds
+the model, else (an MPT with biases, learned positions, RoPE, ...) llm-foundry's MPT layout, as
+llm-foundry's own callback writes it (less its remote code); `layout: transformers` or
+`foundry` insists on one. `save_folder` is a local folder or an fsspec URL.
 
 Whole weights are gathered on every rank (under FSDP a collective: `model_state_dict`, as full
-checkpoints gather them), and rank 0 writes. A model transformers cannot represent (for MPT:
-learned positions, biases, ...) is refused when training starts, not at the first save.
+checkpoints gather them), and rank 0 writes. A model the layout cannot hold is refused when
+training starts, not at the first save.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class HFCheckpointer(Callback):
     precision: the exported weights' dtype: float32, float16 or bfloat16.
     overwrite: replace an export folder that exists already (as llm-foundry's default);
         false: such a folder stops the run, naming it.
+    layout: auto, transformers or foundry (llm-foundry's MPT layout): see the module docstring.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class HFCheckpointer(Callback):
         save_interval: str | None = None,
         precision: str = "float32",
         overwrite: bool = True,
+        layout: str = "auto",
     ) -> None:
         if not save_folder:
             raise UserError("hf_checkpointer: save_folder must name a folder or URL to export to")
@@ -70,6 +75,7 @@ class HFCheckpointer(Callback):
         self.save_interval = Time.parse(save_interval) if save_interval else None
         self.dtype = PRECISIONS[precision]
         self.overwrite = overwrite
+        self.layout = layout
         self.last_saved: str | None = None
         self._saved_batch: int | None = None
         self._before = Timestamp()
@@ -84,7 +90,8 @@ class HFCheckpointer(Callback):
             )
         model = unwrap_model(state.model)
         try:
-            family_of(model).check_hf(model.config)  # what transformers cannot represent, now
+            # what the layout cannot hold, now
+            self.layout = family_of(model).export_layout(model.config, self.layout)
         except UserError as err:
             raise UserError(f"hf_checkpointer: {err}") from None
         if not state.config.get("tokenizer"):
@@ -127,10 +134,12 @@ class HFCheckpointer(Callback):
         )
         with tempfile.TemporaryDirectory(prefix="hf-export-") as scratch:
             written = Path(scratch, "ba")
-            family_of(model).export_to_hf(model, written, tokenizer=tokenizer, dtype=self.dtype)
+            family_of(model).export_to_hf(
+                model, written, tokenizer=tokenizer, dtype=self.dtype, layout=self.layout
+            )
             self._publish(written, target)
         self.last_saved = target
-        log.info("wrote transformers folder %s", target)
+        log.info("wrote %s folder %s", self.layout, target)
 
     def _publish(self, written: Path, target: str) -> None:
         """Move the finished folder to `target`, replacing one there only under `overwrite`."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmfoundry.models.plan import ParallelPlan
+from llmfoundry.utils.errors import UserError
 
 
 class CausalLM(Protocol):
@@ -50,8 +51,11 @@ class ModelFamily:
       (imported only when an HF folder is read or written, as it imports transformers) with
       `from_hf(folder)`, `export_to_hf(model, out_dir, tokenizer=, dtype=, eos_token=)` and
       `to_hf_config(config)`, which refuses, before any work, what transformers' class cannot
-      represent (`check_hf`); optionally `reference_model(folder)`: the model an import is
-      checked against where transformers' own class cannot run the folder (None where it can).
+      represent (`export_layout`); optionally `reference_model(folder)`: the model an import is
+      checked against where transformers' own class cannot run the folder (None where it can),
+      and `export_layout(config, layout)`: the folder layouts it writes besides transformers'
+      (MPT: llm-foundry's, for what transformers' class cannot hold), `export_to_hf` taking
+      `layout=`, and `LAYOUT_NOTES`: for such a layout, how to load it (printed on export).
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
     - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
@@ -84,16 +88,42 @@ class ModelFamily:
     def from_hf(self, hf_dir: str | Path) -> nn.Module:
         return importlib.import_module(self.hf_adapter).from_hf(hf_dir)
 
-    def export_to_hf(self, model: nn.Module, out_dir: str | Path, **kwargs: Any) -> Path:
-        return importlib.import_module(self.hf_adapter).export_to_hf(model, out_dir, **kwargs)
+    def export_to_hf(
+        self, model: nn.Module, out_dir: str | Path, layout: str = "auto", **kwargs: Any
+    ) -> Path:
+        """Write `model` as an HF folder in `layout` (`export_layout`)."""
+        adapter = importlib.import_module(self.hf_adapter)
+        if hasattr(adapter, "export_layout"):
+            kwargs["layout"] = layout
+        else:
+            self.export_layout(model.config, layout)
+        return adapter.export_to_hf(model, out_dir, **kwargs)
 
     def hf_reference(self, hf_dir: str | Path) -> nn.Module | None:
         """What import checks ours against: None for transformers' class of the folder."""
         adapter = importlib.import_module(self.hf_adapter)
         return getattr(adapter, "reference_model", lambda folder: None)(hf_dir)
 
-    def check_hf(self, config: Any) -> None:
-        importlib.import_module(self.hf_adapter).to_hf_config(config)
+    def export_layout(self, config: Any, layout: str = "auto") -> str:
+        """The folder layout an export of `config` writes for `layout` ("auto",
+        "transformers" or "foundry": llm-foundry's); refuses, before any work, a layout that
+        cannot hold the model."""
+        adapter = importlib.import_module(self.hf_adapter)
+        if hasattr(adapter, "export_layout"):
+            return adapter.export_layout(config, layout)
+        if layout not in ("auto", "transformers"):
+            raise UserError(
+                f"layout {layout!r}: a {self.name} model exports as transformers' own class; "
+                "use layout transformers (or auto)"
+            )
+        adapter.to_hf_config(config)
+        return "transformers"
+
+    def layout_note(self, layout: str) -> str | None:
+        """What a reader of a folder in `layout` needs to know to load it (the adapter's
+        LAYOUT_NOTES), None for transformers' own class (AutoModelForCausalLM loads it)."""
+        notes = getattr(importlib.import_module(self.hf_adapter), "LAYOUT_NOTES", {})
+        return notes.get(layout)
 
     def build(self, config: Any, **overrides: Any) -> nn.Module:
         """A model of this family from `config` (any field replaced by `overrides`)."""

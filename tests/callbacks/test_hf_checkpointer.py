@@ -9,6 +9,7 @@ import transformers
 
 from llmfoundry.callbacks import HFCheckpointer
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.models import families
 from llmfoundry.models.hf_folder import logits_relative_error
 from llmfoundry.utils.errors import UserError
 from tests.callbacks.conftest import make_trainer
@@ -57,11 +58,37 @@ def test_an_existing_folder_is_replaced_only_under_overwrite(tmp_path):
     assert (tmp_path / "save" / "huggingface" / "ba1" / "model.safetensors").is_file()
 
 
-def test_a_model_transformers_cannot_hold_is_refused_before_training(tmp_path):
+def test_llm_foundrys_default_mpt_exports_in_its_layout(tmp_path):
+    """llm-foundry's default MPT (biases, learned positions), which transformers' MptForCausalLM
+    cannot hold, is written in llm-foundry's layout (MPTForCausalLM, its config keys, no
+    remote code) and reads back with the trained model's logits."""
+    foundry_default = dict(vocab_size=320, alibi=False, no_bias=False)
+    callback = HFCheckpointer(str(tmp_path / "save"), save_interval="2ba")
+    trainer = make_trainer(
+        tmp_path,
+        n_batches=2,
+        model=tiny_model(**foundry_default),
+        callbacks=[callback],
+        config={"tokenizer": str(TOKENIZER)},
+    )
+    trainer.fit()
+    folder = tmp_path / "save" / "huggingface" / "ba2"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["architectures"], config["no_bias"], config["learned_pos_emb"]) == (
+        ["MPTForCausalLM"],
+        False,
+        True,
+    )
+    assert "auto_map" not in config and (folder / "tokenizer.json").is_file()
+    # (the folder as our reader takes it: transformers would have to run llm-foundry's code)
+    assert families.logits_relative_error(unwrap_model(trainer.state.model), folder) <= 1e-5
+
+
+def test_a_layout_that_cannot_hold_the_model_is_refused_before_training(tmp_path):
     trainer = make_trainer(
         tmp_path,
         model=tiny_model(vocab_size=320, alibi=False, learned_pos_emb=True),
-        callbacks=[HFCheckpointer(str(tmp_path / "save"))],
+        callbacks=[HFCheckpointer(str(tmp_path / "save"), layout="transformers")],
         config={"tokenizer": str(TOKENIZER)},
     )
     with pytest.raises(UserError, match=r"^hf_checkpointer: cannot export .* alibi=false"):

@@ -73,10 +73,13 @@ def test_generate_import_and_export(tmp_path, capsys):
     assert imported.run_name == "foundry-fixture"
     reference = FIXTURES / "alibi" / "reference-logits-ba4.safetensors"
     assert relative_error(imported.model, reference) <= TOLERANCE
-    # transformers' MptForCausalLM has no biases, which llm-foundry's MPT has by default.
+    # transformers' MptForCausalLM has no biases, which llm-foundry's MPT has by default: the
+    # export is llm-foundry's layout (tests/models/test_mpt_foundry_export.py), not its class.
     with pytest.raises(SystemExit, match="2"):
-        script("export_hf")([str(ALIBI), str(tmp_path / "hf")])
+        script("export_hf")([str(ALIBI), str(tmp_path / "hf"), "--layout", "transformers"])
     assert "does not support: no_bias=false" in capsys.readouterr().err
+    assert script("export_hf")([str(ALIBI), str(tmp_path / "hf")]) == 0
+    assert "is llm-foundry's MPT layout" in capsys.readouterr().out
 
 
 def test_sharded_composer_checkpoint():

@@ -520,6 +520,7 @@ def test_the_yaml_llm_foundry_ran_for_the_fixtures_translates(tmp_path):
         "save_interval": "4ba",
         "precision": "float32",
         "overwrite": True,
+        "layout": "foundry",  # what llm-foundry's own callback writes for an mpt_causal_lm
     }
     assert (out.model.alibi, out.model.learned_pos_emb, out.model.vocab_size) == (True, False, 320)
     assert (out.data.remote, out.data.shuffle, out.data.eval_split) == (

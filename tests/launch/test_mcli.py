@@ -1,5 +1,6 @@
 """MCLI run files (`mcli run -f`) rendered as jobs: each field mapped or refused by name."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -283,8 +284,7 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     """An MCLI run file as MosaicML's users wrote them (parameters: an llm-foundry train config,
     the command passing it to their train.py), submitted here: a real (tiny) training through
     the translator, its status file finished and `runs.py` listing it."""
-    import transformers
-
+    from llmfoundry.models.mpt.hf import from_hf
     from tests.launch.test_local_and_sweeps import run
 
     fixtures = ROOT / "tests" / "fixtures" / "foundry"
@@ -296,7 +296,6 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     exports = tmp_path / "exports"
     hf = {"save_folder": str(exports), "save_interval": "2ba", "precision": "float32"}
     parameters["callbacks"] = {"lr_monitor": {}, "hf_checkpointer": hf}
-    parameters["model"]["no_bias"] = True  # (transformers' MptForCausalLM has no biases)
     parameters["variables"]["data_local"] = str(fixtures / "mds")
     parameters["tokenizer"]["name"] = str(fixtures / "tokenizer")
     repo = {"integration_type": "git_repo", "git_repo": LLM_FOUNDRY, "path": "llm-foundry"}
@@ -320,8 +319,12 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     assert (outputs / "mcli-tiny" / "checkpoints" / "latest").exists()
     assert re.search(r"export RUN_NAME=mcli-tiny\n", (rendered / "mcli-tiny.sh").read_text())
     assert sorted(p.name for p in (exports / "huggingface").iterdir()) == ["ba2", "ba4"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(exports / "huggingface" / "ba4")
-    assert type(model).__name__ == "MptForCausalLM"  # transformers' own class: no remote code
+    # llm-foundry's MPT layout, as its own hf_checkpointer writes it (its default MPT has
+    # biases, which transformers' MptForCausalLM lacks), without its remote code.
+    folder = exports / "huggingface" / "ba4"
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["architectures"], config["no_bias"]) == (["MPTForCausalLM"], False)
+    assert "auto_map" not in config and from_hf(folder).config.no_bias is False
     listed = run([str(ROOT / "scripts/runs.py"), str(outputs)], cwd=tmp_path).stdout
     assert re.search(r"^mcli-tiny\s+finished\s", listed, re.MULTILINE), listed
 

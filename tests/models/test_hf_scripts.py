@@ -104,7 +104,16 @@ def test_export_refuses_what_transformers_cannot_represent(tmp_path, capsys):
     )
     t.fit()
     with pytest.raises(SystemExit) as exited:  # one line, as for every user error
-        script("export_hf")([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", "x"])
+        script("export_hf")(
+            [
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "hf"),
+                "--tokenizer",
+                "x",
+                "--layout",
+                "transformers",
+            ]
+        )
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot export" in err and "kv_n_heads=1" in err

@@ -151,7 +151,7 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
             for field, value in node.items():
                 out.set(f"{key}.{field}", value)
         elif name == "hf_checkpointer":
-            _hf_checkpointer(node, out)
+            _hf_checkpointer(node, out, (cfg.get("model") or {}).get("name"))
         else:
             raise refuse(
                 key,
@@ -165,9 +165,11 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
     out.groups["callbacks"] = chosen
 
 
-def _hf_checkpointer(node: dict[str, Any], out: Native) -> None:
-    """Ours writes the same folders (`<save_folder>/huggingface/ba<N>`), as transformers' own
-    model class: no remote code, so nothing to flatten, and no MLflow to register them in."""
+def _hf_checkpointer(node: dict[str, Any], out: Native, model_name: Any) -> None:
+    """Ours writes the same folders (`<save_folder>/huggingface/ba<N>`) in the same layout: for
+    an `mpt_causal_lm` llm-foundry's MPT layout (`layout: foundry`), for an `hf_causal_lm` the
+    transformers class it is. No remote code, so nothing to flatten, and no MLflow to register
+    them in."""
     key = "callbacks.hf_checkpointer"
     for field in ("mlflow_registered_model_name", "mlflow_logging_config"):
         only(f"{key}.{field}", node.pop(field, None), None, _NO_MLFLOW)
@@ -195,6 +197,7 @@ def _hf_checkpointer(node: dict[str, Any], out: Native) -> None:
         raise refuse(f"{key}.precision", f"{precision!r}: use float32, float16 or bfloat16")
     out.set(f"{key}.precision", precision)
     out.set(f"{key}.overwrite", bool(node.get("overwrite", True)))
+    out.set(f"{key}.layout", "foundry" if model_name == "mpt_causal_lm" else "transformers")
 
 
 def loggers(cfg: dict[str, Any], out: Native) -> None:

@@ -1,4 +1,5 @@
-"""llm-foundry's MPT config as ours: `mpt_config_from_foundry`.
+"""llm-foundry's MPT config as ours (`mpt_config_from_foundry`) and ours as theirs
+(`mpt_config_to_foundry`, its inverse, for exports in llm-foundry's layout).
 
 llm-foundry describes an MPT model with one dict, the keyword arguments of its `MPTConfig`: the
 `model:` block of a train YAML (``name: mpt_causal_lm``), the config.json of a folder its
@@ -43,7 +44,12 @@ from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.norms import LAYER_NORM_EPS
 from llmfoundry.utils.errors import UserError
 
-__all__ = ["MPT_TARGET", "TRANSFORMERS_KEYS", "mpt_config_from_foundry"]
+__all__ = [
+    "MPT_TARGET",
+    "TRANSFORMERS_KEYS",
+    "mpt_config_from_foundry",
+    "mpt_config_to_foundry",
+]
 
 MPT_TARGET = "llmfoundry.models.mpt.MPTConfig"
 
@@ -454,3 +460,104 @@ def mpt_config_from_foundry(
     except UserError as err:
         raise UserError(f"{where}: {err}") from None
     return {"_target_": MPT_TARGET, **fields}
+
+
+# What llm-foundry 0.22's MPTConfig writes for the options our MPT has no field for (its
+# defaults: they compute what ours does), so an export's config.json carries every key of theirs.
+FOUNDRY_FIXED_TOP: dict[str, Any] = {
+    "block_overrides": None,
+    "embedding_fraction": 1.0,
+    "fc_type": {"name": "torch"},
+    "final_logit_softcapping": None,
+    "head_dim": None,
+    "init_device": "cpu",
+    "logit_scale": None,
+    "norm_eps": LAYER_NORM_EPS,
+    "use_cache": False,
+    "use_pad_tok_in_ffn": True,
+}
+FOUNDRY_FIXED_ATTN: dict[str, Any] = {
+    "attn_impl": "torch",  # torch's kernels, as ours; "flash" would need the flash-attn package
+    "attn_logit_softcapping": None,
+    "attn_temperature_tuning": {"attn_scale": 0.0, "floor_scale": 8192},
+    "attn_uses_sequence_id": False,
+    "fused_qkv": True,
+    "kv_dim": None,
+    "nope": False,
+    "qk_gn": False,
+}
+# Our fields that choose how a model runs, not what it computes: llm-foundry's dict does not
+# carry them (mpt_config_from_foundry gives them their defaults back).
+RUNTIME_FIELDS = ("attn_impl", "init_device", "compile")
+
+
+def _foundry_rope(cfg: MPTConfig) -> dict[str, Any]:
+    """attn_config's rope keys: llm-foundry's defaults with RoPE off (unread then), else its
+    `hf` RoPE (transformers' Llama rotary embedding: ours, and runs without flash-attn)."""
+    keys = {k: ATTN_DEFAULTS[k] for k in ROPE_KEYS}
+    if not cfg.rope:
+        return {"rope": False, **keys}
+    scaling = cfg.rope_linear_scaling
+    hf = dict(ATTN_DEFAULTS["rope_hf_config"])  # no_scaling
+    if scaling is not None:
+        hf = {"type": "linear", "factor": scaling}
+    return {
+        **keys,
+        "rope": True,
+        "rope_impl": "hf",
+        "rope_theta": cfg.rope_theta,
+        "rope_hf_config": hf,
+    }
+
+
+def mpt_config_to_foundry(cfg: MPTConfig, *, where: str = "model") -> dict[str, Any]:
+    """llm-foundry's MPT config dict (the keys its MPTConfig takes and its config.json holds)
+    for our `cfg`: the inverse of `mpt_config_from_foundry`, which reads it back to `cfg`'s
+    fields (`RUNTIME_FIELDS` aside). Every key llm-foundry 0.22 writes is written, at its
+    default where ours has no field for it. UserError for what llm-foundry's MPT lacks
+    (infini-attention)."""
+    if cfg.infini is not None:
+        raise UserError(
+            f"{where}.infini: neither llm-foundry's MPT nor transformers' has infini-attention, so "
+            "no HF folder can hold this model; use our checkpoint (generate.py, serve.py read it)"
+        )
+    norm = {ours: name for name, ours in NORM_TYPES.items() if name != "triton_rmsnorm"}
+    ffn: dict[str, Any] = {"fc_type": {"name": "torch"}, "ffn_type": "mpt" + cfg.ffn_type}
+    if cfg.ffn_act != "gelu":  # absent: llm-foundry's exact GELU
+        ffn["ffn_act_fn"] = dict(next(k for k, v in ACTS.items() if v == cfg.ffn_act))
+    attn = {
+        **FOUNDRY_FIXED_ATTN,
+        **_foundry_rope(cfg),
+        "alibi": cfg.alibi,
+        "alibi_bias_max": cfg.alibi_bias_max,
+        "attn_pdrop": cfg.attn_pdrop,
+        "attn_type": "multihead_attention",
+        "clip_qkv": cfg.clip_qkv,
+        "qk_ln": cfg.qk_ln,
+        "sliding_window_size": -1 if cfg.sliding_window is None else cfg.sliding_window - 1,
+        "softmax_scale": cfg.softmax_scale,
+    }
+    if cfg.kv_n_heads != cfg.n_heads:
+        attn.update(attn_type="grouped_query_attention", kv_n_heads=cfg.kv_n_heads)
+    init = dict(INIT_DEFAULTS)
+    if cfg.init_std is not None:
+        init.update(name="baseline_", init_std=cfg.init_std)
+    return {
+        **FOUNDRY_FIXED_TOP,
+        "d_model": cfg.d_model,
+        "n_heads": cfg.n_heads,
+        "n_layers": cfg.n_layers,
+        "expansion_ratio": cfg.expansion_ratio,
+        "max_seq_len": cfg.max_seq_len,
+        "vocab_size": cfg.vocab_size,
+        "resid_pdrop": cfg.resid_pdrop,
+        "emb_pdrop": cfg.emb_pdrop,
+        "learned_pos_emb": cfg.learned_pos_emb,
+        "no_bias": cfg.no_bias,
+        "attention_bias": not cfg.no_bias,
+        "norm_type": norm[(cfg.norm_type, cfg.low_precision_layernorm)],
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attn_config": attn,
+        "ffn_config": ffn,
+        "init_config": init,
+    }

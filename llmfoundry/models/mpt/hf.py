@@ -22,14 +22,24 @@ llm-foundry's, which transformers runs only as that remote code, and their confi
 transformers' MptConfig fail. `from_foundry_folder` reads them without either: config.json as
 JSON through `mpt_config_from_foundry` (llm-foundry's keys, learned positions as well as ALiBi),
 the weights from safetensors or weights-only pickles.
+
+`export_to_hf` writes that layout too (`layout="foundry"`, `export_foundry_folder`) for the
+models transformers' class cannot hold (biases, learned positions, RoPE, GQA, RMSNorm, GLU, an
+untied head, qk_ln, sliding windows), and by default (`layout="auto"`) whenever
+`to_hf_config` refuses: config.json with llm-foundry's MPTConfig keys
+(`mpt_config_to_foundry`), `architectures: ["MPTForCausalLM"]`, our weights under their names
+(the same as ours), generation_config.json and the tokenizer. No `auto_map`: we never ship
+llm-foundry's code, so transformers needs it from llm-foundry to load the folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from llmfoundry.models.hf_config import CONFIG_FILE, check_sizes, read_config_json
@@ -42,13 +52,23 @@ from llmfoundry.models.hf_folder import (
 )
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.mpt.config import MPTConfig
-from llmfoundry.models.mpt.foundry import mpt_config_from_foundry
+from llmfoundry.models.mpt.foundry import mpt_config_from_foundry, mpt_config_to_foundry
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.norms import LAYER_NORM_EPS
 from llmfoundry.utils.errors import UserError
 
 # The config.json sizes an import divides by or allocates from (checked positive first).
 HF_SIZES = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len")
+# Export layouts: transformers' MptForCausalLM, llm-foundry's MPTForCausalLM, or the first of
+# the two that holds the model.
+LAYOUTS = ("auto", "transformers", "foundry")
+FOUNDRY_ARCHITECTURE = "MPTForCausalLM"
+LAYOUT_NOTES = {
+    "foundry": "llm-foundry's MPT layout (no remote code in it): transformers loads it only "
+    "with llm-foundry's code (trust_remote_code with llm-foundry's modeling files added, or "
+    "llmfoundry.models.mpt.MPTForCausalLM.from_pretrained with llm-foundry installed); our "
+    "import_hf.py, generate.py and serve.py read it as it is"
+}
 
 
 def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
@@ -115,34 +135,100 @@ def to_hf_config(cfg: MPTConfig) -> transformers.MptConfig:
     )
 
 
-def export_to_hf(
-    model: MPTForCausalLM,
-    out_dir: str | Path,
-    tokenizer: Tokenizer | transformers.PreTrainedTokenizerBase | None = None,
-    dtype: torch.dtype | None = None,
-    eos_token: str | None = None,
-) -> Path:
-    """Write `model` (and `tokenizer`, if given) as a transformers MptForCausalLM folder.
+def export_layout(cfg: MPTConfig, layout: str = "auto") -> str:
+    """The layout ("transformers" or "foundry") an export of `cfg` writes for `layout`; refuses
+    (UserError, naming the fields) a layout that cannot hold the model, before any work."""
+    if layout not in LAYOUTS:
+        raise UserError(f"layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    if layout != "foundry":
+        try:
+            to_hf_config(cfg)
+            return "transformers"
+        except UserError as err:
+            if layout == "transformers":
+                raise UserError(f"{err}; --layout foundry (llm-foundry's MPT) holds it") from None
+    mpt_config_to_foundry(cfg)  # refuses what llm-foundry's MPT lacks too
+    return "foundry"
 
-    The weights go to safetensors; `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
-    loads them. `dtype` casts the exported copy (e.g. torch.bfloat16), leaving `model` untouched.
-    `eos_token` (a token of `tokenizer`) becomes the tokenizer's and the model's EOS, so
-    transformers' `generate` stops there.
-    """
-    hf_config = to_hf_config(model.config)
+
+def _export_state(model: MPTForCausalLM, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`model`'s weights on the CPU as `dtype` (None: as they are), refusing a meta model."""
     state = model.state_dict()
     if any(t.is_meta for t in state.values()):
         raise ValueError(
             "the model is on the meta device; materialise it (to_empty + init_weights, or load "
             "a checkpoint) before exporting"
         )
-    state = {k: t.detach().to(device="cpu", dtype=dtype or t.dtype) for k, t in state.items()}
+    return {k: t.detach().to(device="cpu", dtype=dtype or t.dtype) for k, t in state.items()}
+
+
+def export_to_hf(
+    model: MPTForCausalLM,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | transformers.PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype | None = None,
+    eos_token: str | None = None,
+    layout: str = "auto",
+) -> Path:
+    """Write `model` (and `tokenizer`, if given) as a transformers MptForCausalLM folder, or in
+    llm-foundry's layout (`export_layout` picks; `export_foundry_folder`).
+
+    The weights go to safetensors; `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`
+    loads transformers' layout. `dtype` casts the exported copy (e.g. torch.bfloat16), leaving
+    `model` untouched. `eos_token` (a token of `tokenizer`) becomes the tokenizer's and the
+    model's EOS, so `generate` stops there.
+    """
+    if export_layout(model.config, layout) == "foundry":
+        return export_foundry_folder(model, out_dir, tokenizer, dtype, eos_token)
+    hf_config = to_hf_config(model.config)
+    state = _export_state(model, dtype)
     state["lm_head.weight"] = state["transformer.wte.weight"]
     with torch.device("meta"):
         hf_model = transformers.MptForCausalLM(hf_config)
     hf_model.load_state_dict(state, strict=True, assign=True)
     hf_model.tie_weights()
     return save_hf_folder(hf_model, out_dir, tokenizer, eos_token)
+
+
+def export_foundry_folder(
+    model: MPTForCausalLM,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | transformers.PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype | None = None,
+    eos_token: str | None = None,
+) -> Path:
+    """Write `model` as llm-foundry's `convert_composer_to_hf.py` / `hf_checkpointer` lay out an
+    MPT (config.json of its MPTConfig keys, model.safetensors under the same parameter names,
+    generation_config.json, tokenizer files), less their `auto_map` and code (module docstring)."""
+    config = mpt_config_to_foundry(model.config)
+    state = _export_state(model, dtype)
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, eos_token=eos_token
+        )
+    eos_id = None if tokenizer is None else tokenizer.eos_token_id
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config_json = {
+        **config,
+        "architectures": [FOUNDRY_ARCHITECTURE],
+        "model_type": "mpt",
+        "torch_dtype": dtype_name,
+        "transformers_version": transformers.__version__,
+    }
+    if eos_id is not None:
+        config_json["eos_token_id"] = eos_id
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    transformers.GenerationConfig(eos_token_id=eos_id).save_pretrained(out_dir)
+    save_file(
+        {k: t.contiguous() for k, t in state.items()},
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 def from_hf_config(hf: transformers.MptConfig) -> MPTConfig:
