@@ -279,7 +279,7 @@ def _check_split_ids(split: _Split, seq_len: int, tokenizer_vocab: int | None) -
     used = split.stream[split.start * seq_len : split.stop * seq_len]
     if tokenizer_vocab is not None:
         _check_ids(used, tokenizer_vocab, split.path)
-    elif isinstance(split.source.get("vocab_size"), int):  # a sidecar written by hand, no tokenizer
+    elif isinstance(split.source.get("vocab_size"), int):  # no tokenizer beside the file
         check_token_ids(used, split.source["vocab_size"], Path(split.path))
 
 
