@@ -11,6 +11,7 @@ Example:
 
 A token file made elsewhere (nanoGPT's train.bin) without a sidecar: add --dtype uint16
 --vocab-size 50257 [--eos-id 50256], or describe it once with data_prep/adopt_tokens.py.
+Its val.bin becomes the val split with --val-tokens data/owt/val.bin (the same facts apply).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         help="fraction of rows (the stream's tail) for validation",
     )
     val.add_argument("--val-rows", type=int, help="number of validation rows (the stream's tail)")
+    val.add_argument(
+        "--val-tokens",
+        help="a token file of its own for validation (nanoGPT's val.bin), all of it; the "
+        "stream is then all training",
+    )
     parser.add_argument(
         "--size-limit", default="64mb", help="shard size limit (bytes, or like 64mb; default 64mb)"
     )
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens,
             args.out,
             args.seq_len,
+            val_tokens=args.val_tokens,
             val_fraction=args.val_fraction,
             val_rows=args.val_rows,
             size_limit=parse_size(args.size_limit),

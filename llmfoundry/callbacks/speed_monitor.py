@@ -30,7 +30,6 @@ over the benchmark's, whatever else runs. The rates above stay on the wall clock
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter, process_time
@@ -43,6 +42,7 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,22 @@ class SpeedMonitor(Callback):
             self._peak, source = device_peak_flops(
                 state.device, state.precision.name, self._mfu_clock
             )
+        # Every rank would say these alike (same model, same device kind): rank 0 says them once.
         if self._flops_per_token is None:
-            warnings.warn(
-                f"{type(model).__name__} has no flops_per_token(seq_len) method: throughput is "
-                "logged without MFU",
-                stacklevel=2,
+            log.warning(
+                "speed monitor: MFU is not logged: %s has no flops_per_token; add a method "
+                "`def flops_per_token(self, seq_len: int) -> int` returning training flops per "
+                "token (forward + backward, ~6 * params + 12 * n_layers * d_model * seq_len)",
+                type(model).__name__,
+                extra=SAME_ON_EVERY_RANK,
             )
         elif self._peak is None:
-            warnings.warn(
-                f"MFU is not logged: no peak flop/s known ({source}) for precision "
-                f"{state.precision.name}; set callbacks.speed_monitor.peak_flops=<flop/s per device>",
-                stacklevel=2,
+            log.warning(
+                "speed monitor: MFU is not logged: no peak flop/s known (%s) for precision %s; "
+                "set callbacks.speed_monitor.peak_flops=<flop/s per device>",
+                source,
+                state.precision.name,
+                extra=SAME_ON_EVERY_RANK,
             )
         elif self._mfu_clock is perf_counter:
             log.info("speed monitor: peak %.1f GFLOP/s per device (%s)", self._peak / 1e9, source)

@@ -8,9 +8,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from llmfoundry.callbacks import SpeedMonitor, peak_flops, speed_monitor
-from llmfoundry.models.mpt.model import Block
+from llmfoundry.models.mpt.model import Block, MPTForCausalLM
 from llmfoundry.trainer import Callback
-from tests.trainer.conftest import token_batches
+from llmfoundry.utils.logs import configure_logging
+from tests.trainer.conftest import tiny_model, token_batches
 
 from .conftest import Recorder, make_trainer
 
@@ -204,17 +205,41 @@ def test_cpu_mfu_stays_below_one_when_the_peak_benchmark_was_descheduled(tmp_pat
     assert all(0 < value < 1 for value in mfu), mfu
 
 
-def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(tmp_path, monkeypatch):
+def test_unknown_peak_logs_throughput_without_mfu_and_says_how_to_fix(
+    tmp_path, monkeypatch, caplog
+):
     monkeypatch.setattr(
         speed_monitor, "device_peak_flops", lambda device, precision, clock: (None, "no peak")
     )
     recorder = Recorder()
     trainer = make_trainer(tmp_path, n_batches=2, callbacks=[SpeedMonitor()], loggers=[recorder])
-    with pytest.warns(UserWarning, match="peak_flops=<flop/s per device>"):
-        trainer.fit()
+    trainer.fit()
+    assert "set callbacks.speed_monitor.peak_flops=<flop/s per device>" in caplog.text
     names = set().union(*(m for _, m in recorder.calls))
     assert "throughput/tokens_per_sec" in names
     assert "throughput/mfu" not in names
+
+
+class UserModule(MPTForCausalLM):
+    """A user's own module (model=custom): it trains, but has no flops_per_token method."""
+
+    flops_per_token = None
+
+
+def test_a_model_without_flops_per_token_is_told_once_in_one_line_what_to_add(tmp_path, capsys):
+    """Under torchrun every rank printed Python's two-line UserWarning; rank 0 now logs one line
+    naming the method and signature the monitor reads, and the other ranks stay silent."""
+    for rank in (0, 1):
+        configure_logging(rank=rank)
+        model = UserModule(tiny_model().config)
+        monitor = SpeedMonitor(peak_flops=1e12)
+        make_trainer(tmp_path / str(rank), n_batches=1, callbacks=[monitor], model=model).fit()
+    said = [line for line in capsys.readouterr().err.splitlines() if "flops_per_token" in line]
+    assert said == [
+        "warning: speed monitor: MFU is not logged: UserModule has no flops_per_token; add a "
+        "method `def flops_per_token(self, seq_len: int) -> int` returning training flops per "
+        "token (forward + backward, ~6 * params + 12 * n_layers * d_model * seq_len)"
+    ]
 
 
 def test_override_beats_lookup(tmp_path, monkeypatch, caplog):

@@ -208,6 +208,39 @@ def test_tokens_to_mds_takes_a_hand_written_sidecar(nanogpt: Path, tmp_path: Pat
     assert tokens_to_mds(*args, "--no-progress") == 2
 
 
+def test_a_pair_converts_with_val_bin_as_the_val_split(nanogpt: Path, tmp_path: Path, capsys):
+    """nanoGPT's val.bin is the val split whole (--val-tokens), not the tail of train.bin: bare
+    with the facts given, and adopted (sidecars, no flags) alike."""
+    from llmfoundry.data.streaming import StreamingDataset
+
+    train_bin, val_bin = nanogpt / "train.bin", nanogpt / "val.bin"
+    out = tmp_path / "mds"
+    args = [str(train_bin), "--out", str(out), "--seq-len", "16", "--val-tokens", str(val_bin)]
+    assert tokens_to_mds(*args, "--no-progress", *FACTS) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert {name: (s["rows"], s["tokens"], s["source_tokens"]) for name, s in meta["splits"].items()} == {
+        "train": (4000 // 16, 4000, str(train_bin)), "val": (800 // 16, 800, str(val_bin))
+    }  # fmt: skip
+    assert meta["dropped_tokens"] == 0 and meta["vocab_size"] == VOCAB and meta["eos_id"] == EOS
+    val = StreamingDataset(str(out), str(tmp_path / "cache"), split="val")
+    got = np.stack([val[i]["tokens"] for i in range(len(val))])
+    assert np.array_equal(got, np.fromfile(val_bin, dtype=np.uint16).reshape(50, 16))
+    assert script("mds_tools.py", "verify", str(out)) == 0  # sizes, hashes, ids below vocab_size
+
+    adopt_tokens(train_bin, dtype="uint16", vocab_size=VOCAB, eos_id=EOS)
+    assert tokens_to_mds(*args, "--no-progress", "--overwrite") == 2  # val.bin has no sidecar
+    assert "val.bin has no sidecar" in capsys.readouterr().err
+    adopt_tokens(val_bin, dtype="uint16", vocab_size=VOCAB + 1, overwrite=True)
+    assert tokens_to_mds(*args, "--no-progress", "--overwrite") == 2  # another vocabulary
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has vocab_size 101 but" in err and "same tokenizer" in err
+    adopt_tokens(val_bin, dtype="uint16", vocab_size=VOCAB, eos_id=EOS, overwrite=True)
+    assert tokens_to_mds(*args, "--no-progress", "--overwrite") == 0
+    assert json.loads((out / "meta.json").read_text())["splits"]["val"]["rows"] == 50
+    assert tokens_to_mds(*args, "--val-rows", "5") == 2  # the val split is given twice
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_an_adopted_file_converts_to_mds_on_s3(nanogpt: Path, s3_env: str, tmp_path: Path):
     s3fs = pytest.importorskip("s3fs")
     bucket = f"adopt-{tmp_path.name.lower().replace('_', '-')[-30:]}"

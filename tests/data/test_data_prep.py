@@ -272,6 +272,25 @@ def test_mds_rows_equal_memmap_windows(prepared, tmp_path, compression):
     assert np.array_equal(_rows(out / "train", tmp_path).ravel(), tokens[: (len(tokens) // 8) * 8])
 
 
+def test_a_val_token_file_is_the_val_split_with_its_own_counts(prepared, corpus, tmp_path):
+    """--val-tokens: a val file tokenized with the same tokenizer is the val split whole, and
+    meta.json counts each split from its own file (seq_len 1 drops nothing)."""
+    val_bin = tmp_path / "val" / "val.bin"
+    val_text = "held out: café " * 40
+    (tmp_path / "val.txt").write_text(val_text)
+    text_to_tokens([str(tmp_path / "val.txt")], val_bin, tokenizer=prepared.parent / "tokenizer.json",
+                   progress=False)  # fmt: skip
+    meta = tokens_to_mds(prepared, str(tmp_path / "m"), 1, val_tokens=val_bin, progress=False)
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    assert train["tokens"] == open_tokens(prepared)[1]["num_tokens"]
+    assert val["tokens"] == open_tokens(val_bin)[1]["num_tokens"] == val["rows"]
+    assert train["text_bytes"] == sum(len((corpus / rel).read_bytes()) for rel in KEPT)
+    assert val["text_bytes"] == len(val_text.encode())
+    assert (train["source_tokens"], val["source_tokens"]) == (str(prepared), str(val_bin))
+    with pytest.raises(UserError, match="leave out --val-fraction"):
+        tokens_to_mds(prepared, str(tmp_path / "m"), 1, val_tokens=val_bin, val_fraction=0.1)
+
+
 def test_tokens_to_mds_to_fsspec_url(prepared, tmp_path):
     url = "memory://prep-test/mds"
     tokens_to_mds(prepared, url, 32, val_rows=2, compression="gz", progress=False)

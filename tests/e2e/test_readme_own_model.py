@@ -14,9 +14,6 @@ from tests.trainer.conftest import token_batches
 
 from .own_model import ddp_rank, readme_module, train
 
-# The adapter has no flops_per_token: the speed monitor says so once.
-pytestmark = pytest.mark.filterwarnings("ignore:CausalLM has no flops_per_token")
-
 
 def test_readme_adapter_trains_a_hf_llama_and_evaluates_it(tmp_path):
     data = token_batches(4, 4, seed=1)

@@ -45,7 +45,7 @@ def test_train_script_trains_a_module_from_pythonpath(tmp_path):
         [
             sys.executable,
             str(ROOT / "scripts/train.py"),
-            *USER_MODEL,
+            *[arg if arg != "callbacks=[]" else "callbacks=[speed_monitor]" for arg in USER_MODEL],
             f"data.remote={data}",
             "max_duration=2ba",
             f"hydra.run.dir={tmp_path / 'run'}",
@@ -59,6 +59,9 @@ def test_train_script_trains_a_module_from_pythonpath(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "ckpt" / "ep0-ba2").is_dir()
+    # No flops_per_token: one line saying what to add (not Python's two-line UserWarning).
+    said = [line for line in result.stderr.splitlines() if "flops_per_token" in line]
+    assert len(said) == 1 and "def flops_per_token(self, seq_len: int)" in said[0], said
 
 
 def test_a_builder_under_the_mpt_group_is_told_to_use_the_custom_group(tiny_gpt, tmp_path):

@@ -3,7 +3,8 @@
 Layout of ``out`` (a local folder or fsspec URL)::
 
     out/train/index.json, out/train/shard.*.mds   rows [0, rows - val_rows)
-    out/val/index.json,   out/val/shard.*.mds     the last val_rows rows (if any)
+    out/val/index.json,   out/val/shard.*.mds     the last val_rows rows (if any), or the rows
+                                                  of a val token file of its own (val.bin)
     out/tokenizer.json                            copied from next to the token stream (or its
                                                   tokenizer.model / NAME.tiktoken)
     out/meta.json                                 seq_len, vocab_size, eos/bos ids, splits
@@ -11,7 +12,9 @@ Layout of ``out`` (a local folder or fsspec URL)::
 Each row is column ``tokens`` encoded ``ndarray:uint16:L`` (or uint32 for large
 vocabularies): fixed size, so a reader maps a whole shard as one ``[rows, L]`` array.
 Validation rows are the stream's tail, contiguous, so no training row shares text with them
-(apart from the one document that may straddle the boundary). meta.json is written last and
+(apart from the one document that may straddle the boundary); a validation file of its own
+(nanoGPT's ``val.bin``) is taken whole instead, and must share the main file's dtype,
+vocabulary, EOS and tokenizer. meta.json is written last and
 records the inputs, so a rerun with the same inputs is recognised and skipped. A token id the
 tokenizer next to the stream does not have is refused before anything is written.
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -69,11 +72,22 @@ def split_rows(rows: int, val_fraction: float = 0.0, val_rows: int | None = None
     return n_val
 
 
+class _Split(NamedTuple):
+    """Rows ``[start, stop)`` of ``seq_len`` tokens of the token file at ``path``."""
+
+    path: str | os.PathLike
+    stream: np.ndarray
+    source: dict[str, Any]
+    start: int
+    stop: int
+
+
 def tokens_to_mds(
     tokens: str | os.PathLike,
     out: str,
     seq_len: int,
     *,
+    val_tokens: str | os.PathLike | None = None,
     val_fraction: float = 0.0,
     val_rows: int | None = None,
     size_limit: int | str | None = 1 << 26,
@@ -87,32 +101,32 @@ def tokens_to_mds(
 ) -> dict[str, Any]:
     """Write the token stream at ``tokens`` as MDS under ``out``; return meta.json's content.
 
-    Tokens after the last full row are dropped (reported as ``dropped_tokens``). ``hashes``
-    default to xxh64 (fast): readers check downloads with it, and a cache can tell a rewritten
-    dataset's shards from the ones it holds. A token file without a sidecar (made elsewhere)
-    needs ``dtype`` and ``vocab_size`` (adopt.py); without a tokenizer beside it, none is
-    copied and ``text_bytes`` is null.
+    The val split is the stream's tail (``val_fraction`` or ``val_rows``), or all of the token
+    file ``val_tokens`` (nanoGPT's ``val.bin``), which must share the main file's dtype,
+    vocabulary, EOS and tokenizer. Tokens after the last full row of each file are dropped
+    (reported as ``dropped_tokens``). ``hashes`` default to xxh64 (fast): readers check
+    downloads with it, and a cache can tell a rewritten dataset's shards from the ones it holds.
+    A token file without a sidecar (made elsewhere) needs ``dtype`` and ``vocab_size``
+    (adopt.py); without a tokenizer beside it, none is copied and ``text_bytes`` is null.
     """
     if seq_len < 1:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
-    stream, source = open_token_file(tokens, dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
-    rows = len(stream) // seq_len
-    if rows < 1:
-        raise UserError(
-            f"{tokens} has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}"
-        )
-    n_val = split_rows(rows, val_fraction, val_rows)
+    facts = {"dtype": dtype, "vocab_size": vocab_size, "eos_id": eos_id}
+    splits = _plan_splits(tokens, seq_len, val_tokens, val_fraction, val_rows, facts)
+    stream, source, val = splits["train"].stream, splits["train"].source, splits["val"]
     out = str(out)
     settings = {
-        "source": source.get("fingerprint") or _identity(tokens, source),
+        "source": _source_id(tokens, source),
         "num_tokens": source["num_tokens"],
         "seq_len": seq_len,
-        "val_rows": n_val,
+        "val_rows": val.stop - val.start,
         "size_limit": size_limit,
         "compression": compression,
         "hashes": sorted(hashes),
         "version": 1,
     }
+    if val_tokens is not None:  # absent otherwise: earlier outputs keep their fingerprint
+        settings["val_source"] = _source_id(val_tokens, val.source)
     key = settings_fingerprint(settings)
     previous = previous_output(out, key, overwrite)
     if previous is not None:
@@ -125,25 +139,16 @@ def tokens_to_mds(
     if overwrite and fs.exists(merged_index):
         fs.rm(merged_index)
 
-    tok_src, byte_lengths = None, None
+    tok_src, tok_vocab, byte_lengths = None, None, None
     if source.get("tokenizer"):
         tok_src = Path(sidecar_path(tokens)).parent / source["tokenizer"]
         tokenizer = prepare_tokenizer(tok_src, require_eos=False)  # any kind text_to_tokens takes
-        _check_ids(stream[: rows * seq_len], tokenizer.vocab_size, tokens)
-        byte_lengths = tokenizer.token_byte_lengths()
-    elif isinstance(source.get("vocab_size"), int):  # a sidecar written by hand, no tokenizer
-        check_token_ids(stream[: rows * seq_len], source["vocab_size"], Path(tokens))
-    splits = {"train": (0, rows - n_val), "val": (rows - n_val, rows)}
-    bar = tqdm(total=rows, desc="writing MDS", unit="row", disable=not progress)
-    written = {}
-    for name, (start, stop) in splits.items():
-        if stop > start:
-            rows_of_split = stream[start * seq_len : stop * seq_len].reshape(-1, seq_len)
-            written[name] = _write_split(
-                rows_of_split, join_url(out, name), compression, hashes, size_limit, overwrite, bar
-            )
-            written[name]["text_bytes"] = text_bytes(rows_of_split, byte_lengths)
-    bar.close()
+        tok_vocab, byte_lengths = tokenizer.vocab_size, tokenizer.token_byte_lengths()
+    for split in splits.values():
+        _check_split_ids(split, seq_len, tok_vocab)
+    written = _write_splits(
+        splits, out, seq_len, byte_lengths, compression, hashes, size_limit, overwrite, progress
+    )
     if "val" not in written and fs.exists(join_url(root, "val/index.json")):
         fs.rm(join_url(root, "val"), recursive=True)  # stale split from an earlier run
 
@@ -162,13 +167,126 @@ def tokens_to_mds(
         "eos_id": source.get("eos_id"),
         "bos_id": source.get("bos_id"),
         "tokenizer": tok_src.name if tok_src is not None else None,
-        "splits": {name: {**info, "folder": name} for name, info in written.items()},
-        "dropped_tokens": len(stream) - rows * seq_len,
+        "splits": written,
+        "dropped_tokens": sum(len(f.stream) % seq_len for f in _files(splits)),
         "source_tokens": str(tokens),
         "fingerprint": key,
     }
     write_meta(out, meta)
     return {**meta, "reused": False}
+
+
+def _plan_splits(
+    tokens: str | os.PathLike,
+    seq_len: int,
+    val_tokens: str | os.PathLike | None,
+    val_fraction: float,
+    val_rows: int | None,
+    facts: Mapping[str, Any],
+) -> dict[str, _Split]:
+    """The train and val rows: the main file's head and tail, or all of the main file and all
+    of ``val_tokens``. ``facts``: dtype, vocab_size, eos_id of files without a sidecar."""
+    stream, source = open_token_file(tokens, **facts)
+    rows = _full_rows(stream, seq_len, tokens)
+    if val_tokens is None:
+        n_val = split_rows(rows, val_fraction, val_rows)
+        return {
+            "train": _Split(tokens, stream, source, 0, rows - n_val),
+            "val": _Split(tokens, stream, source, rows - n_val, rows),
+        }
+    if val_fraction or val_rows is not None:
+        raise UserError(
+            "--val-tokens is the validation split: leave out --val-fraction and --val-rows"
+        )
+    val_stream, val_source = open_token_file(val_tokens, **facts)
+    _check_same_tokens(tokens, source, val_tokens, val_source)
+    return {
+        "train": _Split(tokens, stream, source, 0, rows),
+        "val": _Split(
+            val_tokens, val_stream, val_source, 0, _full_rows(val_stream, seq_len, val_tokens)
+        ),
+    }
+
+
+def _files(splits: Mapping[str, _Split]) -> list[_Split]:
+    """One split per token file the splits read (train and val may share one)."""
+    return list({str(split.path): split for split in splits.values()}.values())
+
+
+def _write_splits(
+    splits: Mapping[str, _Split],
+    out: str,
+    seq_len: int,
+    byte_lengths: np.ndarray | None,
+    compression: str | None,
+    hashes: tuple[str, ...] | list[str],
+    size_limit: int | str | None,
+    overwrite: bool,
+    progress: bool,
+) -> dict[str, dict[str, Any]]:
+    """Write each non-empty split as MDS under ``out/<name>``; return meta.json's split records
+    (rows, shards, tokens, text_bytes, the token file they came from)."""
+    total = sum(split.stop - split.start for split in splits.values())
+    bar = tqdm(total=total, desc="writing MDS", unit="row", disable=not progress)
+    written = {}
+    for name, split in splits.items():
+        if split.stop > split.start:
+            rows = split.stream[split.start * seq_len : split.stop * seq_len].reshape(-1, seq_len)
+            info = _write_split(
+                rows, join_url(out, name), compression, hashes, size_limit, overwrite, bar
+            )
+            info["text_bytes"] = text_bytes(rows, byte_lengths)
+            written[name] = {**info, "source_tokens": str(split.path), "folder": name}
+    bar.close()
+    return written
+
+
+def _full_rows(stream: np.ndarray, seq_len: int, path: str | os.PathLike) -> int:
+    """Rows of ``seq_len`` tokens in ``stream``: at least one, or a `UserError`."""
+    rows = len(stream) // seq_len
+    if rows < 1:
+        raise UserError(
+            f"{path} has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}"
+        )
+    return rows
+
+
+# What a val file must share with the main one: rows of both go to one model and one meta.json.
+_SHARED_FACTS = ("dtype", "vocab_size", "eos_id", "bos_id", "tokenizer_sha256")
+
+
+def _check_same_tokens(
+    tokens: str | os.PathLike,
+    source: Mapping[str, Any],
+    val_tokens: str | os.PathLike,
+    val_source: Mapping[str, Any],
+) -> None:
+    """Refuse a val file whose ids mean something else than the main file's (another dtype,
+    vocabulary, EOS or tokenizer): its loss would be measured on the wrong tokens."""
+    for fact in _SHARED_FACTS:
+        if source.get(fact) != val_source.get(fact):
+            raise UserError(
+                f"--val-tokens {val_tokens} has {fact} {val_source.get(fact)!r} but {tokens} has "
+                f"{source.get(fact)!r}: both must come from the same tokenizer (tokenize them "
+                "with the same one, or fix a sidecar with data_prep/adopt_tokens.py --overwrite)"
+            )
+
+
+def _check_split_ids(split: _Split, seq_len: int, tokenizer_vocab: int | None) -> None:
+    """Refuse ids past the vocabulary in the rows ``split`` writes, before any shard is written:
+    the tokenizer's when there is one, else the sidecar's vocab_size (hand-written, or adopted
+    before the file changed)."""
+    used = split.stream[split.start * seq_len : split.stop * seq_len]
+    if tokenizer_vocab is not None:
+        _check_ids(used, tokenizer_vocab, split.path)
+    elif isinstance(split.source.get("vocab_size"), int):  # no tokenizer beside the file
+        check_token_ids(used, split.source["vocab_size"], Path(split.path))
+
+
+def _source_id(tokens: str | os.PathLike, source: Mapping[str, Any]) -> str:
+    """What the token file stands for in the fingerprint: its sidecar's fingerprint, or for a
+    sidecar written by hand, `_identity`."""
+    return source.get("fingerprint") or _identity(tokens, source)
 
 
 def _identity(tokens: str | os.PathLike, source: Mapping[str, Any]) -> str:
