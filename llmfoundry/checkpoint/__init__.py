@@ -1,8 +1,9 @@
 """Checkpoints: what a run saves (state_dict.py), how it is written (writer.py), read back
 (reader.py), found in a save folder (catalogue.py), named by a load path (probe.py; formats.py:
-one reader interface for ours and Composer's, composer.py) and checked (manifest.py), what may change on resume (compat.py), one run per folder (lock.py), preemption
-signals. Model and optimizer state is read and written here too, whatever the strategy: whole
-tensors (state.py), each rank's shards through torch.distributed.checkpoint (sharded.py,
+one reader interface for ours and Composer's, composer.py) and checked (manifest.py), what may
+change on resume (compat.py), one run per folder (lock.py), preemption signals.
+Model and optimizer state is read and written here too, whatever the strategy: whole tensors
+(state.py), each rank's shards through torch.distributed.checkpoint (sharded.py,
 dcp_reader.py), DeepSpeed's engine's own files (deepspeed.py); strategies know nothing of
 checkpoints beyond their `sharded_checkpoints`/`async_save` flags.
 

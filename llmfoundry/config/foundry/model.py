@@ -16,20 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from llmfoundry.checkpoint.keys import WEIGHTS_ONLY
 from llmfoundry.config.foundry.common import check_known, refuse, section
 from llmfoundry.config.foundry.native import Native, Prep, Whole
 from llmfoundry.utils.errors import UserError
 
-WEIGHTS_ONLY = [
-    "optimizer",
-    "scaler",
-    "timestamp",
-    "algorithms",
-    "callbacks",
-    "loggers",
-    "data",
-    "rng",
-]
 _HF_KEYS = {
     "name",
     "pretrained_model_name_or_path",

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from llmfoundry.checkpoint.keys import WEIGHTS_ONLY
 from llmfoundry.config.foundry import data, model, parallel, training
 from llmfoundry.config.foundry.common import composer_time, only, refuse, run_name_field
 from llmfoundry.config.foundry.native import Native
@@ -126,7 +127,7 @@ def _checkpoints(cfg: Mapping[str, Any], out: Native) -> None:
     if cfg.get("load_path"):
         out.set("load_path", run_name_field("load_path", cfg["load_path"]))
     if cfg.get("load_weights_only") and cfg.get("load_path"):
-        out.set("load_ignore_keys", list(model.WEIGHTS_ONLY))
+        out.set("load_ignore_keys", list(WEIGHTS_ONLY))
     elif cfg.get("load_weights_only"):
         out.note("load_weights_only", "no load_path: no checkpoint is loaded (as in llm-foundry)")
 
