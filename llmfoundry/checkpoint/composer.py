@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from llmfoundry.checkpoint import restricted_pickle
-from llmfoundry.checkpoint.keys import FORMAT_VERSION
+from llmfoundry.checkpoint.keys import FORMAT_VERSION, WEIGHTS_ONLY
 from llmfoundry.checkpoint.loaded import Checkpoint
 from llmfoundry.checkpoint.manifest import CheckpointError
 from llmfoundry.models.families import config_from_foundry, config_from_record
@@ -161,6 +161,19 @@ def read_run(path: str, rank: int) -> Checkpoint:
     """The Composer checkpoint at `path` as our run state for `rank` (state_dict.py's layout:
     `restore` loads it), saying in one line what does not carry over."""
     saved = read(path)
+    try:
+        return _run_state(saved, rank)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(
+            f"Composer checkpoint {path}: its run state is not laid out as Composer 0.32 writes "
+            f"it ({type(err).__name__}: {err}); load its weights only "
+            f"(load_ignore_keys=[{','.join(WEIGHTS_ONLY)}])"
+        ) from None
+
+
+def _run_state(saved: ComposerState, rank: int) -> Checkpoint:
+    """`read_run`'s work; raises what indexing a state of another layout raises."""
+    path = saved.path
     state: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "config": {"model": model_fields(saved)},

@@ -139,6 +139,15 @@ def test_another_optimizer_is_refused_unless_ignored(tmp_path):
     assert resumed(tmp_path, optimizer=lion, ignore=["optimizer"]).state.timestamp.batch == 4
 
 
+def test_a_run_state_of_another_layout_is_one_line(tmp_path):
+    saved = restricted_pickle.load(ALIBI)
+    saved["rng"] = [{"python": "not a state"}]  # what a damaged or other writer's file may hold
+    path = tmp_path / "ep0-ba4-rank0.pt"
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=r"not laid out as Composer 0\.32 writes it.*rng\]"):
+        composer.read_run(str(path), rank=0)
+
+
 def test_resume_into_another_model_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"cannot continue .* model\.n_layers: 2 -> 3"):
         resumed(tmp_path, n_layers=3)
