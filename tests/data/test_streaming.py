@@ -647,6 +647,29 @@ def test_predownload_never_evicts_a_shard_still_to_be_read(data, tmp_path, monke
     assert not list((tmp_path / "c" / "train" / ".pins").glob("*"))  # unpinned at the end
 
 
+def test_a_predownloader_behind_the_reader_fetches_no_shard_twice(data, tmp_path, monkeypatch):
+    """Under load the predownload thread can fall behind the reader, which then fetches shards
+    itself; the thread must skip a shard whose last batch was read (evicted by then), not fetch
+    it again (CI saw shard 0 twice). A thread slowed by 50 ms a shard shows it every time."""
+    from llmfoundry.data.streaming import predownload
+
+    fetched = count_downloads(monkeypatch)
+    start = predownload.Predownloader.__init__
+
+    def slowed(self, fetch):
+        start(self, lambda shard: (time.sleep(0.05), fetch(shard)))
+
+    monkeypatch.setattr(predownload.Predownloader, "__init__", slowed)
+    shard_size = max(p.stat().st_size for p in (data / "train").glob("shard.*"))
+    ds = StreamingDataset(
+        str(data), str(tmp_path / "c"), split="train", cache_limit=2 * shard_size, predownload=40
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "over cache_limit": the window outgrows 2 shards
+        assert ids_of(ds) == list(range(60))
+    assert sorted(fetched) == list(range(len(ds.caches[0].shards)))
+
+
 def test_a_cache_limit_below_the_working_set_is_reported_at_start(data, tmp_path, monkeypatch):
     """The start warning names the working set; a cache of that size reads the epoch with
     every shard downloaded once and never grows past it."""

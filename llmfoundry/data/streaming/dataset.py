@@ -344,13 +344,21 @@ class StreamingDataset(EpochDataset):
         self, pairs: Iterator[tuple[np.ndarray, np.ndarray]]
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         readers = self._readers()
-        worker = Predownloader(readers.fetch)
         # With a cache limit, a shard is pinned from when it enters the predownload window
         # until the batch that reads it for the last time (the rest of its shuffle block) has
         # been read, so no reader sharing the cache evicts it before then (pins.py).
         pins = Pins(self.caches) if self.limiter is not None else None
         last = self._last_uses() if pins is not None else {}
         live: set[int] = set()
+
+        def fetch_if_needed(shard: int) -> None:
+            # A thread behind the reader (which then fetched the shard itself) skips a shard
+            # whose last batch has been read: it may be evicted by now, and would come back
+            # for nothing, taking cache space a shard still to be read needs.
+            if pins is None or shard in live:
+                readers.fetch(shard)
+
+        worker = Predownloader(fetch_if_needed)
         ahead: deque[tuple[tuple[np.ndarray, np.ndarray], list[int], int]] = deque()
         ahead_samples = 0
 
