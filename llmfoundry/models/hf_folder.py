@@ -16,6 +16,7 @@ import json
 import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -172,16 +173,12 @@ def load_hf_weights(
         raise UserError(
             f"{where}: cannot read its weights ({_first_line(err)}); {_REFETCH}"
         ) from None
-    for key, found, expected in sorted(info.get("mismatched_keys") or ()):
-        raise UserError(
-            f"{where}: tensor {key} has shape {list(found)}, but {CONFIG_FILE} makes it "
-            f"{list(expected)}; {_REFETCH} (weights and config.json from the same export)"
-        )
-    for kind in ("missing_keys", "unexpected_keys"):
-        keys = sorted(info.get(kind) or ())
-        if keys:
-            what = "lack" if kind == "missing_keys" else "hold tensors the model has no place for:"
-            raise UserError(f"{where}: the weights {what} {', '.join(keys[:5])}; {_REFETCH}")
+    _refuse_unfit(
+        where,
+        info.get("mismatched_keys") or (),
+        info.get("missing_keys") or (),
+        info.get("unexpected_keys") or (),
+    )
     if info.get("error_msgs"):
         raise UserError(f"{where}: cannot load its weights ({info['error_msgs'][0]}); {_REFETCH}")
     return model
@@ -250,18 +247,31 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> 
     """Put `state` (a folder's tensors) into `model` (built on meta), in place: every tensor
     of the model there with its shape, none missing and none left over."""
     expected = model.state_dict()
-    for key in sorted(expected.keys() & state.keys()):
-        if state[key].shape != expected[key].shape:
-            raise UserError(
-                f"{where}: tensor {key} has shape {list(state[key].shape)}, but {CONFIG_FILE} "
-                f"makes it {list(expected[key].shape)}; {_REFETCH} (weights and {CONFIG_FILE} "
-                "from the same export)"
-            )
-    for keys, what in (
-        (expected.keys() - state.keys(), "lack"),
-        (state.keys() - expected.keys(), "hold tensors the model has no place for:"),
-    ):
-        if keys:
-            names = ", ".join(sorted(keys)[:5])
-            raise UserError(f"{where}: the weights {what} {names}; {_REFETCH}")
+    mismatched = [
+        (key, state[key].shape, expected[key].shape)
+        for key in expected.keys() & state.keys()
+        if state[key].shape != expected[key].shape
+    ]
+    _refuse_unfit(where, mismatched, expected.keys() - state.keys(), state.keys() - expected.keys())
     model.load_state_dict(state, strict=True, assign=True)
+
+
+def _refuse_unfit(
+    where: str,
+    mismatched: Iterable[tuple[str, Any, Any]],
+    missing: Iterable[str],
+    unexpected: Iterable[str],
+) -> None:
+    """The one-line refusal of weights that do not fit the folder's config: the first tensor of
+    another shape (name, found, expected), else the tensors missing, else those left over."""
+    for key, found, expected in sorted(mismatched):
+        raise UserError(
+            f"{where}: tensor {key} has shape {list(found)}, but {CONFIG_FILE} makes it "
+            f"{list(expected)}; {_REFETCH} (weights and {CONFIG_FILE} from the same export)"
+        )
+    for keys, what in (
+        (missing, "lack"),
+        (unexpected, "hold tensors the model has no place for:"),
+    ):
+        if names := sorted(keys):
+            raise UserError(f"{where}: the weights {what} {', '.join(names[:5])}; {_REFETCH}")
