@@ -89,6 +89,8 @@ def _dataset(
 ) -> dict[str, Any]:
     """Map the train loader's dataset onto data.*; return its source (remote, local, streams)."""
     kind, node = loader["name"], dict(loader.get("dataset") or {})
+    if "persistent_workers" in loader:
+        out.note(f"{where}.persistent_workers", _NOTED["persistent_workers"])
     where = f"{where}.dataset"
     check_known(where, node, _TEXT_KEYS if kind == "text" else _FINETUNING_KEYS)
     _check_seq_len(where, node, cfg)
@@ -98,8 +100,6 @@ def _dataset(
     for key, why in _NOTED.items():
         if key in node:
             out.note(f"{where}.{key}", why)
-    if "persistent_workers" in loader:
-        out.note(f"{where[: -len('.dataset')]}.persistent_workers", _NOTED["persistent_workers"])
     if kind == "finetuning":
         _finetuning(where, node, cfg, out, prep_root)
     node["split"] = _split(node)
