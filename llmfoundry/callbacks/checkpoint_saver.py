@@ -42,7 +42,49 @@ from llmfoundry.utils.errors import UserError
 log = logging.getLogger(__name__)
 
 
-class CheckpointSaver(Callback):
+class SavesEvery(Callback):
+    """A callback that calls `save(state, logger)` every `save_interval` (a Time string in any
+    unit, or None: never on an interval) and when training ends; CheckpointSaver and
+    HFCheckpointer are this. Batch, sample, token and wall-clock intervals are checked after
+    each batch, epoch intervals after each epoch (State.crossed counts an epoch interval as
+    crossed only there). `save_when_stopped`: save too after the batch that set
+    ``state.stop_training``."""
+
+    save_when_stopped = False
+
+    def __init__(self, save_interval: str | None) -> None:
+        self.save_interval = Time.parse(save_interval) if save_interval else None
+        self._before = Timestamp()
+        self._epoch_start = Timestamp()
+
+    def save(self, state: State, logger: Logger) -> None:
+        raise NotImplementedError
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self._epoch_start = copy.copy(state.timestamp)
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._before = copy.copy(state.timestamp)
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        due = self.save_interval is not None and state.crossed(self.save_interval, self._before)
+        if due or (self.save_when_stopped and state.stop_training):
+            self.save(state, logger)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        interval = self.save_interval
+        if (
+            interval
+            and interval.unit is TimeUnit.EPOCH
+            and state.crossed(interval, self._epoch_start)
+        ):
+            self.save(state, logger)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.save(state, logger)
+
+
+class CheckpointSaver(SavesEvery):
     """Args:
     save_folder: local folder or fsspec URL (``s3://bucket/runs/x/checkpoints``).
     save_interval: Time string in any unit (``500ba``, ``1ep``, ``1000000tok``, ``0.25dur``,
@@ -51,6 +93,8 @@ class CheckpointSaver(Callback):
         `latest` names never is); -1 keeps all.
     overwrite: replace the checkpoints a folder holds when the run does not continue from one.
     """
+
+    save_when_stopped = True
 
     def __init__(
         self,
@@ -66,8 +110,8 @@ class CheckpointSaver(Callback):
                 f"num_checkpoints_to_keep must be -1 (keep all) or a positive number, got "
                 f"{num_checkpoints_to_keep}"
             )
+        super().__init__(save_interval)
         self.save_folder = save_folder
-        self.save_interval = Time.parse(save_interval) if save_interval else None
         self.num_checkpoints_to_keep = num_checkpoints_to_keep
         self.overwrite = overwrite
         self.last_saved: str | None = None
@@ -75,8 +119,6 @@ class CheckpointSaver(Callback):
         self._resumed = False
         self._replaced: list[str] = []  # old checkpoints `overwrite` deletes after the first save
         self._pending: PendingCheckpoint | None = None  # a save still writing in the background
-        self._before = Timestamp()
-        self._epoch_start = Timestamp()
 
     def after_load(self, state: State, logger: Logger) -> None:
         # The checkpoint just loaded is this point of the run: saving it again would only
@@ -105,27 +147,6 @@ class CheckpointSaver(Callback):
             self._replaced = existing
         if state.rank == 0:
             clean(self.save_folder)
-
-    def epoch_start(self, state: State, logger: Logger) -> None:
-        self._epoch_start = copy.copy(state.timestamp)
-
-    def batch_start(self, state: State, logger: Logger) -> None:
-        self._before = copy.copy(state.timestamp)
-
-    def batch_checkpoint(self, state: State, logger: Logger) -> None:
-        # Epoch intervals never count as crossed mid-epoch (State.crossed); they fire below.
-        due = self.save_interval is not None and state.crossed(self.save_interval, self._before)
-        if due or state.stop_training:
-            self.save(state, logger)
-
-    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
-        interval = self.save_interval
-        if (
-            interval
-            and interval.unit is TimeUnit.EPOCH
-            and state.crossed(interval, self._epoch_start)
-        ):
-            self.save(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.save(state, logger)

@@ -15,7 +15,6 @@ training starts, not at the first save.
 
 from __future__ import annotations
 
-import copy
 import logging
 import shutil
 import tempfile
@@ -23,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from llmfoundry.callbacks.checkpoint_saver import SavesEvery
 from llmfoundry.checkpoint.pretrained import model_from_weights
 from llmfoundry.checkpoint.state import model_state_dict
-from llmfoundry.core.engine import Callback, Logger
+from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
-from llmfoundry.core.time import Time, Timestamp, TimeUnit
 from llmfoundry.data.prep.instructions import trained_chat_template
 from llmfoundry.distributed import DeepSpeed, unwrap_model
 from llmfoundry.models.families import family_of
@@ -47,7 +46,7 @@ def folder_name(batch: int) -> str:
     return f"huggingface/ba{batch}"
 
 
-class HFCheckpointer(Callback):
+class HFCheckpointer(SavesEvery):
     """Args:
     save_folder: local folder or fsspec URL; exports go to ``<save_folder>/huggingface/ba<N>``.
     save_interval: Time string in any unit (``500ba``, ``1ep``); None exports only at the end.
@@ -71,15 +70,13 @@ class HFCheckpointer(Callback):
             raise UserError(
                 f"hf_checkpointer: precision {precision!r}: use one of {', '.join(PRECISIONS)}"
             )
+        super().__init__(save_interval)
         self.save_folder = save_folder
-        self.save_interval = Time.parse(save_interval) if save_interval else None
         self.dtype = PRECISIONS[precision]
         self.overwrite = overwrite
         self.layout = layout
         self.last_saved: str | None = None
         self._saved_batch: int | None = None
-        self._before = Timestamp()
-        self._epoch_start = Timestamp()
 
     def fit_start(self, state: State, logger: Logger) -> None:
         strategy = state.strategy
@@ -97,27 +94,7 @@ class HFCheckpointer(Callback):
         if not state.config.get("tokenizer"):
             raise UserError("hf_checkpointer: the run has no tokenizer= to put in the folder")
 
-    def epoch_start(self, state: State, logger: Logger) -> None:
-        self._epoch_start = copy.copy(state.timestamp)
-
-    def batch_start(self, state: State, logger: Logger) -> None:
-        self._before = copy.copy(state.timestamp)
-
-    def batch_checkpoint(self, state: State, logger: Logger) -> None:
-        # Epoch intervals never count as crossed mid-epoch (State.crossed); they fire below.
-        if self.save_interval is not None and state.crossed(self.save_interval, self._before):
-            self.save(state)
-
-    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
-        interval = self.save_interval
-        if interval and interval.unit is TimeUnit.EPOCH:
-            if state.crossed(interval, self._epoch_start):
-                self.save(state)
-
-    def fit_end(self, state: State, logger: Logger) -> None:
-        self.save(state)
-
-    def save(self, state: State) -> None:
+    def save(self, state: State, logger: Logger | None = None) -> None:
         """Export now (once per batch); every rank calls this, rank 0 writes."""
         batch = state.timestamp.batch
         if self._saved_batch == batch:
