@@ -23,6 +23,7 @@ our model and transformers' (tests compare the two on an exported model).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.eval.scoring import Forward
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.utils.errors import UserError
@@ -180,10 +182,13 @@ def evaluate_tasks(
     seed: int = 17,
     limit: int | None = None,
     logits_fn: LogitsFn | None = None,
+    forward: Forward | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Accuracy per task: ``{name: {kind, accuracy, correct, examples, shots}}``.
+    """Accuracy per task: ``{name: {kind, accuracy, correct, examples, shots, scores}}``,
+    `scores` each example's (1.0 right, 0.0 wrong, in order: what intervals resample).
 
     `limit` scores only the first examples of each task (shots still come from all of them).
+    `forward` (llmfoundry/eval/scoring.py) runs the model where it is not whole on this process.
     """
     if shots < 0:
         raise UserError(f"shots must be >= 0, got {shots}")
@@ -194,6 +199,8 @@ def evaluate_tasks(
         )
     for task in tasks:  # before scoring any: a short task would otherwise fail after the others
         _check_shots(task, shots)
+    if forward is not None:
+        logits_fn = functools.partial(forward, reduce=lambda logits: logits)
     logits_fn = logits_fn or model
     was_training = model.training
     model.eval()
@@ -201,24 +208,28 @@ def evaluate_tasks(
     try:
         for task in tasks:
             n = len(task.examples) if limit is None else min(limit, len(task.examples))
-            correct = sum(
-                score_example(
-                    logits_fn,
-                    tokenizer,
-                    task,
-                    i,
-                    _prefix(task, i, shots, seed),
-                    model.config.max_seq_len,
-                    model,
-                )[0]
+            scores = [
+                float(
+                    score_example(
+                        logits_fn,
+                        tokenizer,
+                        task,
+                        i,
+                        _prefix(task, i, shots, seed),
+                        model.config.max_seq_len,
+                        model,
+                    )[0]
+                )
                 for i in range(n)
-            )
+            ]
+            correct = int(sum(scores))
             results[task.name] = {
                 "kind": task.kind,
                 "accuracy": correct / n,
                 "correct": correct,
                 "examples": n,
                 "shots": shots,
+                "scores": scores,
             }
             log.info("%s (%s, %d-shot): %d/%d", task.name, task.kind, shots, correct, n)
     finally:

@@ -1,0 +1,60 @@
+"""Batched scoring and greedy continuing (llmfoundry/eval/scoring.py): the same answers as
+one row at a time, and as the KV-cached decoder."""
+
+import torch
+import torch.nn.functional as F
+
+from llmfoundry.eval.scoring import (
+    Continuation,
+    ModelForward,
+    greedy_continue,
+    score_continuations,
+)
+from llmfoundry.models.generation import GenerationConfig, generate
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+
+
+def tiny_model() -> MPTForCausalLM:
+    torch.manual_seed(0)
+    config = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, vocab_size=50)
+    return MPTForCausalLM(config).eval()
+
+
+def by_hand(model: MPTForCausalLM, request: Continuation) -> tuple[float, bool]:
+    ids = list(request.context) + list(request.continuation)
+    with torch.no_grad():
+        logprobs = F.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+    start = len(request.context)
+    rows = logprobs[start - 1 : len(ids) - 1]
+    target = torch.tensor(list(request.continuation))
+    return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
+
+
+def test_batched_scores_equal_one_row_at_a_time():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    requests = [
+        Continuation(
+            torch.randint(
+                50, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g
+            ).tolist(),
+            torch.randint(50, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist(),
+        )
+        for _ in range(11)
+    ]
+    scored = score_continuations(ModelForward(model), requests, max_seq_len=32, batch_size=4)
+    for request, got in zip(requests, scored, strict=True):
+        logprob, greedy = by_hand(model, request)
+        assert abs(got.logprob - logprob) < 1e-4 and got.greedy == greedy
+        assert got.tokens == len(request.continuation)
+
+
+def test_greedy_continue_equals_the_cached_decoder():
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    got = greedy_continue(ModelForward(model), prompts, max_new_tokens=6, max_seq_len=32)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        config = GenerationConfig(max_new_tokens=6, temperature=0.0)
+        assert tokens == generate(model, torch.tensor([prompt]), None, config).tokens[0]
+    stopped = greedy_continue(ModelForward(model), prompts, 6, 32, stop=lambda new: len(new) == 2)
+    assert stopped[0] == got[0][:2]
