@@ -1,10 +1,14 @@
-"""Score a checkpoint or a transformers (MPT or Llama) folder on in-context-learning tasks (.jsonl files).
+"""Score a checkpoint or a transformers (MPT or Llama) folder on in-context-learning tasks (.jsonl files, or llm-foundry icl_tasks YAMLs).
 
     python scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --shots 3 --out eval.json
+    python scripts/eval.py outputs/my-run/checkpoints tasks_v0.3.yaml --out eval.json
 
 Each .jsonl file is one task, named after the file; its kind (multiple choice, LAMBADA-style
-language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). Prints a
-table of per-task accuracy and writes it with the settings to --out as JSON.
+language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). A .yaml
+or .yml file is an llm-foundry icl_tasks YAML: one task per entry and num_fewshot, named
+<label>/<n>-shot and scored as llm-foundry scores it (llmfoundry/eval/foundry_tasks.py; its
+relative dataset_uri paths are read from the current directory). Prints a table of per-task
+accuracy and writes it with the settings to --out as JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import json
 import sys
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.eval import evaluate_tasks, load_tasks, summary_table
+from llmfoundry.eval.icl import BATCH_SIZE
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
@@ -29,10 +34,20 @@ def main(argv: list[str] | None = None) -> int:
         help="checkpoint, save folder (its latest), Composer checkpoint (*-rank0.pt or its sharded "
         "folder) or transformers MPT/Llama folder",
     )
-    p.add_argument("tasks", nargs="+", help=".jsonl task files (local paths or URLs)")
-    p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")
+    p.add_argument(
+        "tasks", nargs="+", help=".jsonl task files or icl_tasks .yaml files (paths or URLs)"
+    )
+    p.add_argument(
+        "--shots", type=int, default=0, help="examples before each .jsonl query (default 0)"
+    )
     p.add_argument("--seed", type=int, default=17, help="seed of the shot choice (default 17)")
     p.add_argument("--limit", type=int, help="score only the first N examples of each task")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help=f"rows per forward (default {BATCH_SIZE})",
+    )
     p.add_argument(
         "--tokenizer",
         help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
@@ -51,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer_path is None:
         raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
     tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
-    tasks = [load_task(url) for url in args.tasks]
-    results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
+    tasks = load_tasks(args.tasks)
+    results = evaluate_tasks(
+        model, tokenizer, tasks, args.shots, args.seed, args.limit, batch_size=args.batch_size
+    )
     print(summary_table(results))
     if args.out:
         report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}

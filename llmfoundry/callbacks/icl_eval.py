@@ -6,16 +6,19 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
-from llmfoundry.eval.icl import evaluate_tasks, load_task
+from llmfoundry.eval.foundry_tasks import load_icl_tasks, load_tasks
+from llmfoundry.eval.icl import BATCH_SIZE, EvalTask, evaluate_tasks
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
+from llmfoundry.utils.errors import UserError
 
 
 class ICLEval(Callback):
     """At ``EVAL_BEFORE_ALL`` (model in eval mode; the trainer restores the RNG after
-    evaluation), score the .jsonl `tasks` (llmfoundry/eval/icl.py) and log
-    ``icl/<task>/accuracy``. Every rank scores the same examples (a sharded model needs all of
-    them); `limit` keeps it cheap during training. `tokenizer`: a tokenizer.json path or URL,
-    or any `Tokenizer`.
+    evaluation), score the .jsonl `tasks` (llmfoundry/eval/icl.py) and llm-foundry's
+    `icl_tasks` (a YAML path or its list of entries, llmfoundry/eval/foundry_tasks.py), and log
+    ``icl/<task>/accuracy`` (and ``icl/<task>/<category>/accuracy``). Every rank scores the same
+    examples (a sharded model needs all of them); `limit` keeps it cheap during training.
+    `tokenizer`: a tokenizer.json path or URL, or any `Tokenizer`.
     """
 
     runs_the_model = True
@@ -23,22 +26,42 @@ class ICLEval(Callback):
     def __init__(
         self,
         tokenizer: str | Tokenizer,
-        tasks: list[str],
+        tasks: list[str] = (),
         shots: int = 0,
         seed: int = 17,
         limit: int | None = 100,
+        icl_tasks: str | list[dict] | None = None,
+        batch_size: int = BATCH_SIZE,
     ) -> None:
         self.tokenizer = (
             tokenizer
             if isinstance(tokenizer, Tokenizer)
             else prepare_tokenizer(tokenizer, require_eos=False)
         )
-        self.tasks = [load_task(url) for url in tasks]
-        self.shots, self.seed, self.limit = shots, seed, limit
+        self.tasks: list[EvalTask] = load_tasks(list(tasks))
+        if icl_tasks is not None:
+            self.tasks += load_icl_tasks(icl_tasks)
+        if not self.tasks:
+            raise UserError(
+                "icl_eval has no tasks: give callbacks.icl_eval.tasks=[a.jsonl] or "
+                "callbacks.icl_eval.icl_tasks=<llm-foundry icl_tasks YAML>"
+            )
+        self.shots, self.seed, self.limit, self.batch_size = shots, seed, limit, batch_size
 
     def eval_before_all(self, state: State, logger: Logger) -> None:
         model = unwrap_model(state.model)
         results = evaluate_tasks(
-            model, self.tokenizer, self.tasks, self.shots, self.seed, self.limit
+            model,
+            self.tokenizer,
+            self.tasks,
+            self.shots,
+            self.seed,
+            self.limit,
+            batch_size=self.batch_size,
         )
-        logger.log_metrics({f"icl/{name}/accuracy": r["accuracy"] for name, r in results.items()})
+        metrics = {}
+        for name, r in results.items():
+            metrics[f"icl/{name}/accuracy"] = r["accuracy"]
+            for category, c in r.get("categories", {}).items():
+                metrics[f"icl/{name}/{category}/accuracy"] = c["accuracy"]
+        logger.log_metrics(metrics)

@@ -44,15 +44,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import ListConfig, OmegaConf
+
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.eval.icl import Generation, Prepared, Question, Rule
+from llmfoundry.eval.icl import EvalTask, Generation, Prepared, Question, Rule, load_task
 from llmfoundry.eval.scoring import Continuation
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, UserError
 from llmfoundry.utils.jsonl import read_jsonl
 from llmfoundry.utils.yaml_guard import safe_load
 
-__all__ = ["MAX_YAML_BYTES", "FoundryTask", "load_icl_tasks", "normalize_answer"]
+__all__ = [
+    "MAX_YAML_BYTES",
+    "FoundryTask",
+    "fewshot_indices",
+    "load_icl_tasks",
+    "load_tasks",
+    "normalize_answer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +337,8 @@ def load_icl_tasks(source: str | Sequence[Mapping[str, Any]]) -> list[FoundryTas
     their files read. A relative ``dataset_uri`` is read from the current directory, as
     llm-foundry reads it."""
     where = "icl_tasks"
+    if isinstance(source, ListConfig):  # from a Hydra config (callbacks.icl_eval.icl_tasks)
+        source = OmegaConf.to_container(source, resolve=True)
     if isinstance(source, str):
         where = source
         try:
@@ -512,3 +523,15 @@ def _check_row(row: dict[str, Any], task_type: str, line: str) -> None:
         isinstance(aliases, list) and all(isinstance(a, str) for a in aliases)
     ):
         raise UserError(f"{line}: 'aliases' must list strings")
+
+
+def load_tasks(urls: Sequence[str]) -> list[EvalTask]:
+    """The tasks of each file: an llm-foundry ``icl_tasks`` YAML (.yaml, .yml) or one of our
+    .jsonl tasks (anything else)."""
+    tasks: list[EvalTask] = []
+    for url in urls:
+        if url.endswith((".yaml", ".yml")):
+            tasks += load_icl_tasks(url)
+        else:
+            tasks.append(load_task(url))
+    return tasks
