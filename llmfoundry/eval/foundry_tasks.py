@@ -128,23 +128,26 @@ class FoundryTask:
     def name(self) -> str:
         return f"{self.label}/{self.num_fewshot}-shot"
 
-    def prepare(
-        self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
-    ) -> Prepared:
-        """The questions, prompted and tokenized as llm-foundry's dataset does (`shots` and
-        `seed` are our .jsonl tasks'; this task has its own)."""
+    def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
         opts = self.options
         if opts.max_seq_len is not None and opts.max_seq_len > max_seq_len:
             raise UserError(
                 f"icl task {self.name}: max_seq_len {opts.max_seq_len} is longer than the "
                 f"model's {max_seq_len}; lower it or remove it"
             )
-        rule = TYPES[self.task_type][1]
-        if rule == "generate" and tokenizer.eos_id is None:
+        if TYPES[self.task_type][1] == "generate" and tokenizer.eos_id is None:
             raise UserError(
                 f"icl task {self.name}: generation stops at the end-of-text token, and this "
                 "tokenizer has none (llm-foundry requires one too); use the model's tokenizer"
             )
+
+    def prepare(
+        self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
+    ) -> Prepared:
+        """The questions, prompted and tokenized as llm-foundry's dataset does (`shots` and
+        `seed` are our .jsonl tasks'; this task has its own)."""
+        self.check(tokenizer, max_seq_len, shots)
+        opts, rule = self.options, TYPES[self.task_type][1]
         max_seq_len = opts.max_seq_len or max_seq_len
         n = len(self.rows) if limit is None else min(limit, len(self.rows))
         groups = _partition(self.rows) if self.has_categories else {"": list(range(len(self.rows)))}

@@ -127,6 +127,9 @@ class EvalTask(Protocol):
     @property
     def name(self) -> str: ...
 
+    def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
+        """Raise `UserError` for what would fail `prepare`, cheaply (before any is scored)."""
+
     def prepare(
         self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
     ) -> Prepared: ...
@@ -143,6 +146,9 @@ class Task:
     name: str
     kind: str
     examples: list[dict[str, Any]]
+
+    def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
+        _check_shots(self, shots)
 
     def prepare(
         self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
@@ -331,14 +337,16 @@ def evaluate_tasks(
             f"the tokenizer has {tokenizer.vocab_size} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )
-    # All prepared before any is scored: a task too short for its shots fails at once.
-    prepared = [t.prepare(tokenizer, model.config.max_seq_len, shots, seed, limit) for t in tasks]
+    max_seq_len = model.config.max_seq_len
+    for task in tasks:  # before scoring any: a short task would otherwise fail after the others
+        task.check(tokenizer, max_seq_len, shots)
     forward = forward or ModelForward(model)
     was_training = model.training
     model.eval()
     results = {}
     try:
-        for task in prepared:
+        for one in tasks:  # prepared one at a time: a task's tokens are held while it is scored
+            task = one.prepare(tokenizer, max_seq_len, shots, seed, limit)
             try:
                 scores = score_prepared(forward, tokenizer, task, batch_size)
             except UserError as err:

@@ -269,3 +269,25 @@ def test_the_callback_logs_each_task_and_category(tasks_yaml):
     }  # fmt: skip
     with pytest.raises(ValueError, match="icl_eval has no tasks"):
         ICLEval(bpe())
+
+
+def test_a_task_the_model_cannot_take_is_refused_before_any_is_scored(tmp_path):
+    lm = write(tmp_path / "lm.jsonl", [{"context": "a", "continuation": "b"}] * 2)
+    qa = write(tmp_path / "qa.jsonl", [{"context": "a", "answer": "b"}] * 2)
+    calls = []
+
+    def forward(ids, reduce):
+        calls.append(ids)
+        return reduce(torch.zeros(*ids.shape, 5))
+
+    for bad, message in (
+        (
+            entry(lm, "language_modeling", label="long", max_seq_len=65),
+            "longer than the model's 64",
+        ),
+        (entry(qa, "generation_task_with_answers"), "this tokenizer has none"),
+    ):
+        tasks = load_icl_tasks([entry(lm, "language_modeling"), bad])
+        with pytest.raises(ValueError, match=message):
+            evaluate_tasks(tiny_model(), word_tokenizer(), tasks, forward=forward)
+    assert calls == []
