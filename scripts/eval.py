@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
     model, tokenizer_path = load_pretrained(args.model)
     tokenizer_path = args.tokenizer or tokenizer_path
     if tokenizer_path is None:
         raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
     tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
     tasks = [load_task(url) for url in args.tasks]
-    composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
     composites.check({(task.name, args.shots) for task in tasks})
     results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
     report = composites.report(results)

@@ -94,7 +94,14 @@ class Gauntlet:
     benchmarks: tuple[Benchmark, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        unique = {b.key: b for bs in self.categories.values() for b in bs}
+        """`benchmarks`: each once, in order (one may serve two categories, with one baseline)."""
+        unique: dict[str, Benchmark] = {}
+        for b in (b for bs in self.categories.values() for b in bs):
+            if unique.setdefault(b.key, b) != b:
+                raise UserError(
+                    f"benchmark {b.key} is listed with random_baseline {unique[b.key].random_baseline}"
+                    f" and {b.random_baseline}; give it one"
+                )
         object.__setattr__(self, "benchmarks", tuple(unique.values()))
 
 

@@ -116,6 +116,12 @@ def test_a_file_naming_results_that_are_missing_or_wrong_is_refused_in_one_line(
     for options, message in bad:
         with pytest.raises(UserError, match=message):
             parse_gauntlet(gauntlet(**options))
+    twice = gauntlet()
+    twice["eval_gauntlet"]["categories"][1]["benchmarks"].append(
+        {"name": "arc", "num_fewshot": 0, "random_baseline": 0.2}
+    )
+    with pytest.raises(UserError, match="arc/0-shot is listed with random_baseline 0.25 and 0.2"):
+        parse_gauntlet(twice)
     with pytest.raises(UserError, match="the bootstrap resamples must be a whole number >= 0"):
         Composites(resamples=-1)
     spec = gauntlet()
@@ -160,8 +166,8 @@ def checkpoint(tmp_path_factory):
     tokenizer = folder / "tokenizer.json"
     tokenizer.write_text(bpe().json)  # a few BPE merges: shared by the tests below
     save_weights(tiny_model(), str(folder / "ckpt"), tokenizer)
-    mc = [{"query": "the cat", "choices": [" sat", " ran"], "gold": i % 2} for i in range(6)]
-    lm = [{"context": "the cat sat on the", "continuation": " mat"}] * 3
+    mc = [{"query": "the cat", "choices": [" sat", " ran"], "gold": i % 2} for i in range(4)]
+    lm = [{"context": "the cat sat on the", "continuation": " mat"}] * 2
     return folder, write(folder / "mc.jsonl", mc), write(folder / "lm.jsonl", lm)
 
 
