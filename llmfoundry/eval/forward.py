@@ -36,7 +36,13 @@ from llmfoundry.distributed import Strategy, unwrap_model
 from llmfoundry.eval.scoring import Forward, Reduce
 from llmfoundry.models.generation import eval_mode
 
-__all__ = ["mesh_forward"]
+__all__ = ["mesh_forward", "splits_the_model"]
+
+
+def splits_the_model(strategy: Strategy | None) -> bool:
+    """Whether no process holds the whole model (tensor or pipeline parallelism): its forward
+    is then `mesh_forward`'s, not the model's own on each process."""
+    return strategy is not None and (strategy.pipeline is not None or strategy.tp > 1)
 
 
 def mesh_forward(
