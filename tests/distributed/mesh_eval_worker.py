@@ -140,6 +140,20 @@ def one_process(folder: Path) -> dict[str, Any]:
     return result
 
 
+def _fail(logits: torch.Tensor) -> torch.Tensor:
+    raise ValueError("no token to draw")
+
+
+def _failure(forward: Forward) -> str:
+    """What each rank raises when the reduction fails where the logits are (a pipeline's
+    last stage only; the others would wait for its result)."""
+    try:
+        forward(torch.ones(1, 3, dtype=torch.long), _fail)
+    except Exception as err:
+        return str(err)
+    return ""
+
+
 def rank_main(rank: int, world: int, ports: list[int], folder: str) -> None:
     result = {}
     for (name, options), port in zip(MESHES.items(), ports, strict=True):
@@ -148,7 +162,9 @@ def rank_main(rank: int, world: int, ports: list[int], folder: str) -> None:
         strategy.setup()
         try:
             model = prepared(strategy)
-            result[name] = evaluation(model, mesh_forward(model, strategy), Path(folder))
+            forward = mesh_forward(model, strategy)
+            result[name] = evaluation(model, forward, Path(folder))
+            result[name]["failure"] = _failure(forward)
         finally:
             strategy.teardown()
             # DTensor caches layouts by mesh shape; the next mesh's process groups are new.

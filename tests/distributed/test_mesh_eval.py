@@ -42,3 +42,17 @@ def test_scores_answers_and_generations_equal_one_process_on_every_rank(runs, me
         assert got["icl"] == single["icl"]
         for name in GENERATIONS:
             assert got[name] == single[name], name
+
+
+def test_a_reduction_that_fails_raises_on_every_rank(runs):
+    """Under a pipeline only the last stage reduces: its error reaches the other stages, which
+    would otherwise wait for its result until the collective timeout."""
+    _, ranks = runs
+    raised, sent = (
+        "no token to draw",
+        "the last pipeline stage failed: ValueError('no token to draw')",
+    )
+    for mesh in MESHES:
+        # The pp axis is the mesh's outermost: ranks 2 and 3 hold the last stage.
+        expected = [sent, sent, raised, raised] if "pp" in mesh else [raised] * WORLD
+        assert [rank[mesh]["failure"] for rank in ranks] == expected
