@@ -141,31 +141,37 @@ def icl_task(tmp_path_factory):
     return path
 
 
-# The default config's callbacks with icl_eval on a mesh, as one process runs them: the samples
-# (8 tokens: each is a forward through the mesh) and the task's accuracy are logged, once. pp=2
-# on 4 processes, as the issue ran it: two data-parallel pipelines, whose per-device batch of 2
-# was one microbatch, refused for pp=2 (the default microbatch size now makes what 1F1B needs).
+# The default config's callbacks on a mesh, as one process runs them: the samples (8 tokens:
+# each is a forward through the mesh) are logged once, and under pp=2 icl_eval's accuracy too
+# (under tp=2 its forward is test_mesh_eval's; the callback is the same). pp=2 on 4 processes, as
+# the issue ran it: two data-parallel pipelines, whose per-device batch of 2 was one
+# microbatch, refused for pp=2 (the default microbatch size now makes what 1F1B needs).
 @pytest.mark.parametrize(
-    ("mesh", "processes"), [("strategy.tp=2", 2), ("strategy.pp=2", 4)], ids=["tp2", "pp2"]
+    ("mesh", "processes", "icl"),
+    [("strategy.tp=2", 2, False), ("strategy.pp=2", 4, True)],
+    ids=["tp2", "pp2"],
 )
 def test_the_default_config_trains_samples_and_scores_on_a_mesh(
-    mds_with_tokenizer, icl_task, tmp_path, mesh, processes
+    mds_with_tokenizer, icl_task, tmp_path, mesh, processes, icl
 ):
     defaults = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["defaults"]
-    default = next(d["callbacks"] for d in defaults if isinstance(d, dict) and "callbacks" in d)
+    callbacks = next(d["callbacks"] for d in defaults if isinstance(d, dict) and "callbacks" in d)
+    scoring = [
+        f"callbacks=[{','.join(callbacks)},icl_eval]",
+        f"callbacks.icl_eval.tasks=[{icl_task}]",
+    ]
     command = train_command(
         mds_with_tokenizer, tmp_path, "--standalone", f"--nproc_per_node={processes}",
-        overrides=[
-            mesh, f"callbacks=[{','.join(default)},icl_eval]", f"callbacks.icl_eval.tasks=[{icl_task}]",
-            "callbacks.generate.max_new_tokens=8",
-        ],
+        overrides=[mesh, "callbacks.generate.max_new_tokens=8", *(scoring if icl else [])],
     )  # fmt: skip
+    command.remove("callbacks=[]")  # the default config's
     job = launch(command, tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
     assert job.returncode == 0, out
     assert "loss/train" in out
     assert out.count("--- sample (prompt ") == 1, out
-    assert len(re.findall(r"^mc \(multiple_choice, 0-shot\): \d/4$", out, re.MULTILINE)) == 1, out
+    scored = re.findall(r"^mc \(multiple_choice, 0-shot\): \d/4$", out, re.MULTILINE)
+    assert len(scored) == icl, out
     assert "suboptimal" not in out  # DTensor's warning on every tp rank (the gradient norm)
 
 
