@@ -119,24 +119,26 @@ def _icl(model: torch.nn.Module, folder: Path, forward: Forward | None) -> dict[
     return {name: (r["accuracy"], r["scores"]) for name, r in results.items()}
 
 
+def _scores(forward: Forward) -> list[tuple[float, bool]]:
+    scored = score_continuations(forward, REQUESTS, MAX_SEQ_LEN, batch_size=2)
+    return [(s.logprob, s.greedy) for s in scored]
+
+
 def evaluation(model: torch.nn.Module, forward: Forward, folder: Path) -> dict[str, Any]:
     """What the tests compare between one process and each mesh."""
-    scored = score_continuations(forward, REQUESTS, MAX_SEQ_LEN, batch_size=2)
-    result = {"scores": [(s.logprob, s.greedy) for s in scored]}
+    result = {"scores": _scores(forward), "icl": _icl(model, folder, forward)}
     for name, config in GENERATIONS.items():
         result[name] = continue_prompts(forward, PROMPTS, config, MAX_SEQ_LEN)
-    result["icl"] = _icl(model, folder, forward)
     return result
 
 
 def one_process(folder: Path) -> dict[str, Any]:
-    """`evaluation` on one process, its generation by the KV-cached decoder (each prompt
-    alone) and its tasks scored without a `Forward`, as before meshes could."""
+    """`evaluation` on one process, as before meshes could: generation by the KV-cached
+    decoder (each prompt alone), the tasks scored without a `Forward`."""
     model = prepared(SingleDevice("cpu"))
-    result = evaluation(model, ModelForward(model), folder)
+    result = {"scores": _scores(ModelForward(model)), "icl": _icl(model, folder, None)}
     for name, config in GENERATIONS.items():
         result[name] = [generate(model, torch.tensor([p]), None, config).tokens[0] for p in PROMPTS]
-    result["icl"] = _icl(model, folder, None)
     return result
 
 
