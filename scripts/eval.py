@@ -8,7 +8,9 @@ language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl
 or .yml file is an llm-foundry icl_tasks YAML: one task per entry and num_fewshot, named
 <label>/<n>-shot and scored as llm-foundry scores it (llmfoundry/eval/foundry_tasks.py; its
 relative dataset_uri paths are read from the current directory). Prints a table of per-task
-accuracy and writes it with the settings to --out as JSON.
+accuracy, the Eval Gauntlet's categories and averages (--gauntlet) and CORE (--core), each with
+a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them with the settings to
+--out as JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import json
 import sys
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.eval import evaluate_tasks, load_tasks, summary_table
+from llmfoundry.eval import evaluate_tasks, load_tasks
+from llmfoundry.eval.composite import Composites, report_json, report_table
 from llmfoundry.eval.icl import BATCH_SIZE
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
@@ -52,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer",
         help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
     )
+    p.add_argument("--gauntlet", help="llm-foundry eval_gauntlet YAML: print its composites")
+    p.add_argument("--core", help="YAML of the same shape: print CORE over its benchmarks")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="resamples of the 95%% intervals (default 1000; 0: none)",
+    )
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="its seed (default 0)")
     p.add_argument("--out", help="write the results as JSON here")
     add_script_arguments(p)
     args = p.parse_args(argv)
@@ -61,19 +73,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
     model, tokenizer_path = load_pretrained(args.model)
     tokenizer_path = args.tokenizer or tokenizer_path
     if tokenizer_path is None:
         raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
     tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
     tasks = load_tasks(args.tasks)
+    composites.check({task.benchmark(args.shots) for task in tasks})
     results = evaluate_tasks(
         model, tokenizer, tasks, args.shots, args.seed, args.limit, batch_size=args.batch_size
     )
-    print(summary_table(results))
+    report = composites.report(results)
+    print(report_table(results, report))
     if args.out:
-        report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}
-        atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+        settings = {"model": args.model, "shots": args.shots, "seed": args.seed}
+        atomic_write(args.out, json.dumps(settings | report_json(results, report), indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

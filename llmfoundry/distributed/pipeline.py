@@ -270,6 +270,31 @@ class Pipeline:
         last stage computed (evaluation's metric totals) reaches every stage."""
         dist.all_reduce(tensor, group=self._pp_group)
 
+    def share_from_last_stage(
+        self, result: torch.Tensor | None, failure: BaseException | None = None
+    ) -> torch.Tensor:
+        """`result`, computed on the last stage (None on the others), on every stage of this
+        process's column: its shape and dtype first (the other stages do not know them: a
+        reduction of the logits, llmfoundry/eval/forward.py), then the tensor. A `failure` of
+        the last stage's computation is raised on every stage (there, `failure` itself), so
+        none waits for a tensor that will not come."""
+        last = self.pp - 1
+        meta: list[Any] = [None]
+        if self.is_last:
+            meta = [(tuple(result.shape), result.dtype) if failure is None else repr(failure)]
+        dist.broadcast_object_list(meta, group=self._pp_group, group_src=last, device=self._device)
+        if isinstance(meta[0], str):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the last pipeline stage failed: {meta[0]}")
+        shape, dtype = meta[0]
+        if self.is_last:
+            tensor = result.to(self._device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(tensor, group=self._pp_group, group_src=last)
+        return tensor
+
     def microbatches(self, rows: int, microbatch_size: int | None) -> int:
         """How many microbatches a device batch of `rows` makes (`microbatch_size` None: the
         fewest that keep every stage busy, `default_microbatch_size`); refused if too few for the

@@ -25,8 +25,8 @@ tokenized with the tokenizer's special tokens (a BOS), the query and answers wit
 answer gets a leading space where the tokenizer reads " a" as one token. The shots are drawn as
 llm-foundry draws them (one `random.Random(fewshot_random_seed)` per task, 1234 by default,
 consumed example by example), so prompts are llm-foundry's token for token.
-``has_categories`` splits the file by each line's ``category`` (shots drawn within it) and
-reports each category's accuracy besides the task's.
+``has_categories`` splits the file by each line's ``category`` (shots drawn within it), one
+result per category (``<label>/<n>-shot/<category>``), as llm-foundry reports them.
 
 Refused in one line: other keys, ``code_evaluation`` (it runs the model's code), ``hf://``
 datasets (no Hub here). Differences: stop strings are matched as plain text (llm-foundry
@@ -127,6 +127,9 @@ class FoundryTask:
     @property
     def name(self) -> str:
         return f"{self.label}/{self.num_fewshot}-shot"
+
+    def benchmark(self, shots: int) -> tuple[str, int]:
+        return self.label, self.num_fewshot
 
     def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
         opts = self.options

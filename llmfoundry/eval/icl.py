@@ -127,6 +127,10 @@ class EvalTask(Protocol):
     @property
     def name(self) -> str: ...
 
+    def benchmark(self, shots: int) -> tuple[str, int]:
+        """The ``(label, shots)`` its results carry (composites find benchmarks by it), when
+        our .jsonl tasks are given `shots`."""
+
     def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
         """Raise `UserError` for what would fail `prepare`, cheaply (before any is scored)."""
 
@@ -146,6 +150,9 @@ class Task:
     name: str
     kind: str
     examples: list[dict[str, Any]]
+
+    def benchmark(self, shots: int) -> tuple[str, int]:
+        return self.name, shots
 
     def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
         _check_shots(self, shots)
@@ -290,14 +297,19 @@ def _score_generated(
     ]
 
 
-def _result(task: Prepared, scores: list[float]) -> dict[str, Any]:
-    result = {"kind": task.kind, "label": task.label, "shots": task.shots, **_counts(scores)}
-    if task.categories is not None:
-        result["categories"] = {
-            name: _counts([s for s, c in zip(scores, task.categories, strict=True) if c == name])
-            for name in sorted(set(task.categories))
-        }
-    return result
+def _results(task: Prepared, scores: list[float]) -> dict[str, dict[str, Any]]:
+    """The task's result, or with categories one per category, ``<task>/<category>`` with the
+    task's label and shots, as llm-foundry reports them (its gauntlet, and ours in
+    llmfoundry/eval/composite.py, average them into the task)."""
+    head = {"kind": task.kind, "label": task.label, "shots": task.shots}
+    if task.categories is None:
+        return {task.name: head | _counts(scores)}
+    return {
+        f"{task.name}/{name}": head
+        | {"category": name}
+        | _counts([s for s, c in zip(scores, task.categories, strict=True) if c == name])
+        for name in sorted(set(task.categories))
+    }
 
 
 def _counts(scores: list[float]) -> dict[str, Any]:
@@ -322,7 +334,7 @@ def evaluate_tasks(
 ) -> dict[str, dict[str, Any]]:
     """Accuracy per task: ``{name: {kind, label, accuracy, correct, examples, shots, scores}}``,
     `scores` each example's (1.0 right, 0.0 wrong, in order: what intervals resample); a task
-    with categories adds ``categories: {name: {accuracy, correct, examples, scores}}``.
+    with categories gives one result per category (``<name>/<category>``, with ``category``).
 
     `shots` and `seed` apply to our .jsonl tasks (llm-foundry's set their own). `limit` scores
     only the first examples of each task (shots still come from all of them). `forward`
@@ -351,10 +363,14 @@ def evaluate_tasks(
                 scores = score_prepared(forward, tokenizer, task, batch_size)
             except UserError as err:
                 raise UserError(f"task {task.name}: {err}") from None
-            results[task.name] = _result(task, scores)
-            correct = results[task.name]["correct"]
+            results |= _results(task, scores)
             log.info(
-                "%s (%s, %d-shot): %d/%d", task.name, task.kind, task.shots, correct, len(scores)
+                "%s (%s, %d-shot): %d/%d",
+                task.name,
+                task.kind,
+                task.shots,
+                sum(scores),
+                len(scores),
             )
     finally:
         model.train(was_training)
@@ -362,20 +378,15 @@ def evaluate_tasks(
 
 
 def summary_table(results: dict[str, dict[str, Any]]) -> str:
-    """The results as a fixed-width text table, one task per line (its categories below it,
-    indented) and the mean accuracy of the tasks."""
-    rows = []
+    """The results as a fixed-width text table, one task per line and the mean accuracy."""
+    width = max([len("task"), *map(len, results)])
+    lines = [f"{'task':<{width}}  {'kind':<17}  shots  examples  accuracy"]
     for name, r in results.items():
-        rows.append((name, r["kind"], str(r["shots"]), r))
-        rows += [(f"  {c}", "", "", v) for c, v in r.get("categories", {}).items()]
-    width = max([len("task"), *(len(row[0]) for row in rows)])
-    kind = max([len("kind"), *(len(row[1]) for row in rows)])
-    lines = [f"{'task':<{width}}  {'kind':<{kind}}  shots  examples  accuracy"]
-    for name, k, shots, r in rows:
         lines.append(
-            f"{name:<{width}}  {k:<{kind}}  {shots:>5}  {r['examples']:>8}  {r['accuracy']:>8.4f}"
+            f"{name:<{width}}  {r['kind']:<17}  {r['shots']:>5}  {r['examples']:>8}  "
+            f"{r['accuracy']:>8.4f}"
         )
     if results:
         mean = sum(r["accuracy"] for r in results.values()) / len(results)
-        lines.append(f"{'mean':<{width}}  {'':<{kind}}  {'':>5}  {'':>8}  {mean:>8.4f}")
+        lines.append(f"{'mean':<{width}}  {'':<17}  {'':>5}  {'':>8}  {mean:>8.4f}")
     return "\n".join(lines)

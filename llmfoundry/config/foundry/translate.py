@@ -159,8 +159,8 @@ REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
     "max_split_size_mb": (None, "set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N instead"),
     "cuda_load_lazy": (False, "set CUDA_MODULE_LOADING=LAZY in the environment instead"),
     "accumulate_train_batch_on_tokens": (True, "microbatch losses are weighted by tokens here"),
-    "eval_gauntlet": (None, "no gauntlet here; score tasks with scripts/eval.py"),
-    "eval_gauntlet_str": (None, "no gauntlet here; score tasks with scripts/eval.py"),
+    "eval_gauntlet": (None, "callbacks.icl_eval.gauntlet=FILE, or scripts/eval.py --gauntlet"),
+    "eval_gauntlet_str": (None, "callbacks.icl_eval.gauntlet=FILE, or scripts/eval.py --gauntlet"),
     "save_latest_filename": (None, "checkpoints are folders here, `latest` names the last"),
     "save_filename": (None, "checkpoints are folders named ep<E>-ba<B> here"),
     "save_weights_only": (False, "checkpoints hold the full state; scripts/export_hf.py "
