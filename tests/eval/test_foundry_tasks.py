@@ -255,8 +255,17 @@ def test_eval_script_scores_an_icl_tasks_yaml(tmp_path, tasks_yaml, capsys):
     model = tiny_model()
     save_weights(model, str(tmp_path / "ckpt"), tokenizer)
     out = tmp_path / "results.json"
-    assert module.main([str(tmp_path / "ckpt"), str(tasks_yaml), "--out", str(out)]) == 0
-    report = json.loads(out.read_text())["tasks"]
+    gauntlet = tmp_path / "gauntlet.yaml"
+    bench = {"name": "lm", "num_fewshot": 0, "random_baseline": 0.0}
+    categories = [{"name": "lm_only", "benchmarks": [bench]}]
+    gauntlet.write_text(yaml.safe_dump({"eval_gauntlet": {"categories": categories}}))
+    argv = [str(tmp_path / "ckpt"), str(tasks_yaml), "--out", str(out), "--gauntlet", str(gauntlet)]
+    assert module.main([*argv, "--bootstrap", "0"]) == 0
+    written = json.loads(out.read_text())
+    report = written["tasks"]
+    by_category = [report[f"lm/0-shot/{c}"]["accuracy"] for c in ("x", "y")]
+    # llm-foundry's gauntlet: a task's categories averaged, not its examples pooled
+    assert written["gauntlet"]["categories"]["lm_only"]["score"] == sum(by_category) / 2
     assert list(report) == ["mc/0-shot", "mc/1-shot", "lm/0-shot/x", "lm/0-shot/y"]
     want = evaluate_tasks(model, bpe(), load_icl_tasks(str(tasks_yaml)))
     assert {k: {f: v for f, v in r.items() if f != "ci95"} for k, r in report.items()} == (
