@@ -70,8 +70,9 @@ KINDS = {
     "qa": ("question", "answer"),
 }
 SEPARATOR = "\n\n"
-# Rows per forward: long enough batches to keep an accelerator busy (bench/icl_overhead.py),
-# small enough that [batch, length, vocab] logits of a 2k context and a 50k vocabulary fit.
+# Rows per forward: enough that an accelerator is not left idle by one-row forwards, few enough
+# that the [batch, length, vocab] logits of 2k-token rows and a 50k vocabulary (6.5 GB in fp32)
+# fit. On a CPU 4, 16 and 64 cost the same (bench/RESULTS.md).
 BATCH_SIZE = 16
 QA_MAX_NEW_TOKENS = 32
 
@@ -349,6 +350,10 @@ def evaluate_tasks(
             f"the tokenizer has {tokenizer.vocab_size} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )
+    names = [task.name for task in tasks]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise UserError(f"two tasks are named {twice}; their results would overwrite each other")
     max_seq_len = model.config.max_seq_len
     for task in tasks:  # before scoring any: a short task would otherwise fail after the others
         task.check(tokenizer, max_seq_len, shots)

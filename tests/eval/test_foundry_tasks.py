@@ -308,4 +308,7 @@ def test_a_task_the_model_cannot_take_is_refused_before_any_is_scored(tmp_path):
         tasks = load_icl_tasks([entry(lm, "language_modeling"), bad])
         with pytest.raises(ValueError, match=message):
             evaluate_tasks(tiny_model(), word_tokenizer(), tasks, forward=forward)
+    twice = load_icl_tasks([entry(lm, "language_modeling")]) * 2
+    with pytest.raises(ValueError, match="two tasks are named lm/0-shot"):
+        evaluate_tasks(tiny_model(), word_tokenizer(), twice, forward=forward)
     assert calls == []
