@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from llmfoundry.eval.composite import (
     Composites,
@@ -211,6 +212,8 @@ def test_eval_script_prints_and_writes_intervals_and_composites(checkpoint, caps
 
 def test_callback_logs_the_composites(checkpoint):
     from llmfoundry.callbacks.icl_eval import ICLEval
+    from llmfoundry.core.precision import Precision
+    from llmfoundry.distributed.single import SingleDevice
 
     folder, mc, lm = checkpoint
     bench = lambda name, b: {"name": name, "num_fewshot": 0, "random_baseline": b}  # noqa: E731
@@ -219,7 +222,12 @@ def test_callback_logs_the_composites(checkpoint):
     callback = ICLEval(tokenizer, [mc], limit=4, gauntlet=spec, core={"eval_gauntlet": spec})
     logged = {}
     logger = SimpleNamespace(log_metrics=logged.update)
-    callback.eval_before_all(SimpleNamespace(model=tiny_model()), logger)
+    state = SimpleNamespace(
+        model=tiny_model(),
+        strategy=SingleDevice("cpu"),
+        precision=Precision("fp32", torch.device("cpu")),
+    )
+    callback.eval_before_all(state, logger)
     accuracy = logged["icl/mc/accuracy"]
     assert logged == {
         "icl/mc/accuracy": accuracy,
