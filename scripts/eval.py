@@ -25,7 +25,8 @@ import torch
 from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
-from llmfoundry.eval.scoring import Forward, ModelForward
+from llmfoundry.eval.forward import mesh_forward
+from llmfoundry.eval.scoring import Forward
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ:  # torchrun's: every process scores, rank 0 reports
         loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp)
         try:
-            results = score(args, loaded.model, loaded.tokenizer, ModelForward(loaded.model))
+            forward = mesh_forward(loaded.model, loaded.strategy)
+            results = score(args, loaded.model, loaded.tokenizer, forward)
         finally:
             loaded.strategy.teardown()
         if loaded.strategy.rank != 0:

@@ -84,8 +84,10 @@ def load_on_mesh(path: str, tp: int = 1, pp: int = 1, device: str = "auto") -> O
         if whole is None:
             _load_shards(shards, model, strategy)
         else:
-            load_model_state_dict(strategy, model, whole.model.state_dict())
-            del whole
+            held = model.state_dict().keys()  # a pipeline stage's: its own modules'
+            weights = {k: v for k, v in whole.model.state_dict().items() if k in held}
+            load_model_state_dict(strategy, model, weights)
+            del whole, weights
             log.info(
                 "%s has no shards: every rank read its weights whole, then kept its part "
                 "(pp=%d x fsdp=%d x tp=%d)",

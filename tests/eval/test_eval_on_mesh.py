@@ -30,7 +30,7 @@ WHOLE = ROOT / "tests" / "checkpoint" / "old_main" / "mpt" / "ckpt"
 TORCHRUN = (sys.executable, str(ROOT / "scripts" / "torchrun.py"), "--standalone")
 LIMIT_S = 180
 # The mesh runs, two processes each: tensor parallel, pipeline parallel.
-MESHES = {"fsdp2": ()}
+MESHES = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2")}
 READ = re.compile(r"each rank read at most ([\d.]+)% of the \d+ bytes of weights")
 
 
