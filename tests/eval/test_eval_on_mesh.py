@@ -42,10 +42,20 @@ def words(ids: list[int]) -> str:
     return "".join(f" w{i}" for i in ids)
 
 
+def greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """The model's `n` most likely next tokens after `ids`, one at a time."""
+    ids = list(ids)
+    for _ in range(n):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[-n:]
+
+
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> tuple[Path, list[str]]:
-    """A word-level tokenizer of the checkpoint's 64 tokens and two tasks: multiple choice, and
-    language modelling whose even examples continue with the model's own two greedy tokens."""
+    """A word-level tokenizer of the checkpoint's 64 tokens and two tasks whose odd examples
+    the model gets right (their answer is its own greedy choice) and whose even ones are drawn
+    at random: multiple choice between single tokens, language modelling of two tokens."""
     folder = tmp_path_factory.mktemp("tasks")
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -54,17 +64,16 @@ def tasks(tmp_path_factory) -> tuple[Path, list[str]]:
     draw = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(64, (n,), generator=draw).tolist()  # noqa: E731
     mc, lm = [], []
-    for i in range(12):
-        choices = [words(rand(1 + (i + c) % 3)) for c in range(3)]
-        mc.append({"query": words(rand(2 + i % 5)), "choices": choices, "gold": i % 3})
+    for i in range(8):
+        query, gold = rand(2 + i % 5), i % 3
+        best = greedy(model, query, 1)[0] if i % 2 else None
+        choices = [t for t in torch.randperm(64, generator=draw).tolist() if t != best][:3]
+        if best is not None:
+            choices[gold] = best
+        mc.append({"query": words(query), "choices": [words([c]) for c in choices], "gold": gold})
         context = rand(3 + i % 6)
-        ids = list(context)
-        for _ in range(2):
-            with torch.no_grad():
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-        lm.append(
-            {"context": words(context), "continuation": words(ids[-2:] if i % 2 else rand(2))}
-        )
+        answer = greedy(model, context, 2) if i % 2 else rand(2)
+        lm.append({"context": words(context), "continuation": words(answer)})
     for name, lines in (("mc", mc), ("lm", lm)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return folder, [str(folder / "mc.jsonl"), str(folder / "lm.jsonl")]
