@@ -2,6 +2,12 @@
 training splits it (tensor or pipeline parallel, FSDP over the rest), each rank reading only
 its part of the shards, and the same results as one process, example by example.
 
+The ranks are two processes spawned once with the environment torchrun gives each of its
+processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running the script's `main`
+at each mesh in a row: a torchrun launch per mesh would start the processes again, most of the
+time such a run takes here. How torchrun reports a user error (exit 2) is
+tests/distributed/test_launch.py's; the refusals here come before any process group.
+
 The checkpoint is tests/checkpoint/old_main/mpt-fsdp's: a two-rank FSDP run's DCP shards (MPT,
 2 blocks, 2 heads, 64 tokens), so each mesh here reshards it. Its language-modelling task is
 half the model's own greedy continuations, so a weight that loaded wrong changes its scores.
@@ -10,11 +16,8 @@ half the model's own greedy continuations, so a weight that loaded wrong changes
 from __future__ import annotations
 
 import json
-import os
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,13 +26,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint.pretrained import load_pretrained
 from tests.conftest import free_port
+from tests.distributed.eval_script_worker import output, rank_main
+from tests.distributed.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDED = ROOT / "tests" / "checkpoint" / "old_main" / "mpt-fsdp" / "ckpt"
 WHOLE = ROOT / "tests" / "checkpoint" / "old_main" / "mpt" / "ckpt"
-TORCHRUN = (sys.executable, str(ROOT / "scripts" / "torchrun.py"), "--standalone")
 LIMIT_S = 180
-# The mesh runs, two processes each: tensor parallel, pipeline parallel.
+# The meshes, of two processes each: tensor parallel, pipeline parallel.
 MESHES = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2")}
 READ = re.compile(r"each rank read at most ([\d.]+)% of the \d+ bytes of weights")
 
@@ -102,27 +106,30 @@ def one_process(tasks, tmp_path_factory) -> dict:
     return report
 
 
+@pytest.fixture(scope="module")
+def meshes(tasks, tmp_path_factory) -> Path:
+    """One spawn of two processes with torchrun's environment, running scripts/eval.py at
+    every mesh in a row (module docstring): each mesh's results.json and every rank's
+    stdout."""
+    out = tmp_path_factory.mktemp("meshes")
+    runs = {mesh: [*arguments(tasks, SHARDED, out / f"{mesh}.json"), *flags]
+            for mesh, flags in MESHES.items()}  # fmt: skip
+    ports = [free_port() for _ in MESHES]
+    assert run_ranks(rank_main, 2, ports, runs, str(out), limit_s=LIMIT_S) == [0, 0]
+    return out
+
+
 @pytest.mark.parametrize("mesh", MESHES)
-def test_eval_under_torchrun_reads_only_its_shards_and_equals_one_process(
-    tasks, one_process, tmp_path, mesh
-):
-    out = tmp_path / "results.json"
-    command = [*TORCHRUN, "--nproc_per_node=2", str(ROOT / "scripts" / "eval.py"),
-               *arguments(tasks, SHARDED, out), *MESHES[mesh]]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    job = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path
-    )
-    log = job.stdout + job.stderr
-    assert job.returncode == 0, log
-    assert json.loads(out.read_text()) == one_process  # each example's score, each interval
-    assert log.count("\nmean ") == 1, log  # rank 0 alone prints the table
+def test_eval_on_a_mesh_reads_only_its_shards_and_equals_one_process(meshes, one_process, mesh):
+    assert json.loads((meshes / f"{mesh}.json").read_text()) == one_process
+    said = [output(str(meshes), mesh, rank).read_text() for rank in (0, 1)]
+    assert "\nmean " in said[0] and not said[1], said  # rank 0 alone prints the table
     # What DCP read on the rank that read most, of all the shard files' weights.
-    read = float(READ.search(log).group(1))
-    assert read < 100, log
+    read = float(READ.search(said[0]).group(1))
+    assert read < 100, said[0]
 
 
-def test_a_whole_checkpoint_under_torchrun_is_read_whole_then_split(
+def test_a_whole_checkpoint_on_a_mesh_is_read_whole_then_split(
     tasks, tmp_path, monkeypatch, capsys
 ):
     """model.safetensors has no shards to read apart: each rank reads it whole and keeps its
