@@ -33,8 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARDED = ROOT / "tests" / "checkpoint" / "old_main" / "mpt-fsdp" / "ckpt"
 WHOLE = ROOT / "tests" / "checkpoint" / "old_main" / "mpt" / "ckpt"
 LIMIT_S = 180
-# The meshes, of two processes each: tensor parallel, pipeline parallel.
-MESHES = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2")}
+# The spawn's runs, two processes each: the checkpoint and the mesh.
+RUNS = {
+    "tp2": (SHARDED, ("--tp", "2")),
+    "pp2": (SHARDED, ("--pp", "2")),
+    "pp2_whole": (WHOLE, ("--pp", "2")),
+}
 READ = re.compile(r"each rank read at most ([\d.]+)% of the \d+ bytes of weights")
 
 
@@ -96,55 +100,52 @@ def arguments(tasks: tuple[Path, list[str]], checkpoint: Path, out: Path) -> lis
 
 
 @pytest.fixture(scope="module")
-def one_process(tasks, tmp_path_factory) -> dict:
-    """One process's report on the sharded checkpoint (its shards merged in the process)."""
-    out = tmp_path_factory.mktemp("one") / "results.json"
-    assert eval_main(*arguments(tasks, SHARDED, out)) == 0
-    report = json.loads(out.read_text())
-    for task in report["tasks"].values():  # right and wrong answers both, so a change shows
-        assert 0 < task["correct"] < task["examples"], report
-    return report
+def one_process(tasks, tmp_path_factory) -> dict[Path, dict]:
+    """One process's report on each checkpoint (the sharded one's shards merged in the
+    process)."""
+    reports = {}
+    for checkpoint in (SHARDED, WHOLE):
+        out = tmp_path_factory.mktemp("one") / "results.json"
+        assert eval_main(*arguments(tasks, checkpoint, out)) == 0
+        reports[checkpoint] = json.loads(out.read_text())
+    for task in reports[SHARDED]["tasks"].values():  # right and wrong answers, so a change shows
+        assert 0 < task["correct"] < task["examples"], reports[SHARDED]
+    return reports
 
 
 @pytest.fixture(scope="module")
 def meshes(tasks, tmp_path_factory) -> Path:
-    """One spawn of two processes with torchrun's environment, running scripts/eval.py at
-    every mesh in a row (module docstring): each mesh's results.json and every rank's
-    stdout."""
+    """One spawn of two processes with torchrun's environment, running scripts/eval.py for
+    every run in a row (module docstring): each run's results.json and every rank's stdout."""
     out = tmp_path_factory.mktemp("meshes")
-    runs = {mesh: [*arguments(tasks, SHARDED, out / f"{mesh}.json"), *flags]
-            for mesh, flags in MESHES.items()}  # fmt: skip
-    ports = [free_port() for _ in MESHES]
+    runs = {name: [*arguments(tasks, checkpoint, out / f"{name}.json"), *flags]
+            for name, (checkpoint, flags) in RUNS.items()}  # fmt: skip
+    ports = [free_port() for _ in RUNS]
     assert run_ranks(rank_main, 2, ports, runs, str(out), limit_s=LIMIT_S) == [0, 0]
     return out
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_eval_on_a_mesh_reads_only_its_shards_and_equals_one_process(meshes, one_process, mesh):
-    assert json.loads((meshes / f"{mesh}.json").read_text()) == one_process
-    said = [output(str(meshes), mesh, rank).read_text() for rank in (0, 1)]
-    assert "\nmean " in said[0] and not said[1], said  # rank 0 alone prints the table
+def said(meshes: Path, run: str) -> list[str]:
+    """What each rank of `run` printed."""
+    return [output(str(meshes), run, rank).read_text() for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("run", ["tp2", "pp2"])
+def test_eval_on_a_mesh_reads_only_its_shards_and_equals_one_process(meshes, one_process, run):
+    assert json.loads((meshes / f"{run}.json").read_text()) == one_process[SHARDED]
+    rank0, rank1 = said(meshes, run)
+    assert "\nmean " in rank0 and not rank1, (rank0, rank1)  # rank 0 alone prints the table
     # What DCP read on the rank that read most, of all the shard files' weights.
-    read = float(READ.search(said[0]).group(1))
-    assert read < 100, said[0]
+    read = float(READ.search(rank0).group(1))
+    assert read < 100, rank0
 
 
-def test_a_whole_checkpoint_on_a_mesh_is_read_whole_then_split(
-    tasks, tmp_path, monkeypatch, capsys
-):
+def test_a_whole_checkpoint_on_a_mesh_is_read_whole_then_split(meshes, one_process):
     """model.safetensors has no shards to read apart: each rank reads it whole and keeps its
-    part (one rank here, in this process), with the results of one process."""
-    one = tmp_path / "one.json"
-    assert eval_main(*arguments(tasks, WHOLE, one)) == 0
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    for key, value in {**env, "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(key, value)
-    mesh = tmp_path / "mesh.json"
-    assert eval_main(*arguments(tasks, WHOLE, mesh)) == 0
-    assert "every rank read its weights whole, then kept its part (pp=1 x fsdp=1" in (
-        capsys.readouterr().out
-    )
-    assert json.loads(mesh.read_text()) == json.loads(one.read_text())
+    part (a pipeline stage: its own modules' weights), with the results of one process."""
+    assert json.loads((meshes / "pp2_whole.json").read_text()) == one_process[WHOLE]
+    rank0, _ = said(meshes, "pp2_whole")
+    assert "every rank read its weights whole, then kept its part (pp=2 x fsdp=1 x tp=1)" in rank0
 
 
 TORCHRUN_ENV = dict(LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
