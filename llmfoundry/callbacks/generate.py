@@ -16,8 +16,11 @@ from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.meta import made_without_tokenizer
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.eval.forward import mesh_forward, splits_the_model
+from llmfoundry.eval.scoring import continue_prompts
 from llmfoundry.models.families import find_family
 from llmfoundry.models.generation import (
+    GREEDY_BELOW,
     GenerationConfig,
     generate,
     generate_by_recompute,
@@ -48,14 +51,17 @@ class Generate(Callback):
     the samples are logged once, by rank 0. `tokenizer`: a tokenizer.json path or URL (the
     config's), or any `Tokenizer`.
 
+    On one process, DDP and FSDP the prompts are decoded with a KV cache; under tensor or
+    pipeline parallelism (`strategy.tp`, `strategy.pp`), where no process holds the whole
+    model, by recompute through the mesh (llmfoundry/eval/forward.py: `continue_prompts`), the
+    same tokens for the same seed. There a seed is required (`seed=null` draws from each
+    process's own RNG, and the processes would disagree on the tokens): refused at start.
+
     A tokenizer file that does not exist is an error when the run starts (`init`), unless the
     training data records that it has none (token files made elsewhere, such as nanoGPT's
     ``train.bin``, whose default ``${data.remote}/tokenizer.json`` is absent): then the samples
     are skipped with one warning saying how to get them, and training goes on.
     """
-
-    runs_the_model = True
-    skipped_on_mesh = True  # in the default config: samples are a look, not a result
 
     def __init__(
         self,
@@ -86,7 +92,17 @@ class Generate(Callback):
 
     def init(self, state: State, logger: Logger) -> None:
         """A missing tokenizer: skipped with one warning for data made without one, else
-        refused (a wrong path), before any training step."""
+        refused (a wrong path), before any training step; so is sampling without a seed on a
+        mesh (see the class docstring)."""
+        if (
+            self.config.seed is None
+            and self.config.temperature >= GREEDY_BELOW
+            and splits_the_model(state.strategy)
+        ):
+            raise UserError(
+                "callbacks.generate.seed=null under strategy.tp or strategy.pp: every process "
+                "draws the samples, so they need the same seed; set callbacks.generate.seed"
+            )
         if self.tokenizer is not None:
             return
         if not made_without_tokenizer(_training_meta(state)):
@@ -115,13 +131,27 @@ class Generate(Callback):
             return
         prompts = self._prompts()  # on every rank: rank 0's is broadcast
         model = unwrap_model(state.model)
-        if find_family(model) is None:
+        if splits_the_model(state.strategy):
+            texts = self._on_mesh(state, prompts)
+        elif find_family(model) is None:
             self._recompute(model, prompts)
             return
-        ids, mask = left_pad([self.tokenizer.encode(p) for p in prompts])
-        out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
-        for prompt, text in zip(prompts, out.texts, strict=True):
+        else:
+            ids, mask = left_pad([self.tokenizer.encode(p) for p in prompts])
+            with state.precision.autocast():
+                out = generate(model, ids, mask, self.config, decode=self.tokenizer.decode)
+            texts = out.texts
+        for prompt, text in zip(prompts, texts, strict=True):
             log.info("--- sample (prompt %r) ---\n%s", prompt, prompt + text)
+
+    def _on_mesh(self, state: State, prompts: list[str]) -> list[str]:
+        """The prompts' samples by recompute through the mesh (nothing cut from the prompts,
+        as the KV-cached decoder cuts nothing)."""
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        forward = mesh_forward(state.model, state.strategy, state.precision)
+        window = max(map(len, encoded)) + self.config.max_new_tokens
+        tokens = continue_prompts(forward, encoded, self.config, window)
+        return [self.tokenizer.decode(t) for t in tokens]
 
     def _recompute(self, model: nn.Module, prompts: list[str]) -> None:
         """A module of your own: each prompt alone, without a KV cache."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.eval.composite import Composites
+from llmfoundry.eval.forward import mesh_forward, splits_the_model
 from llmfoundry.eval.icl import evaluate_tasks, load_task
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 
@@ -18,11 +21,11 @@ class ICLEval(Callback):
     llm-foundry ``eval_gauntlet`` YAML (path, URL or its mapping), as
     ``icl/gauntlet/<category or average>``, and CORE over the benchmarks of `core` (a file of the
     same shape) as ``icl/core``. Every rank scores the same examples (a sharded model needs all of
-    them); `limit` keeps it cheap during training. `tokenizer`: a tokenizer.json path or URL,
-    or any `Tokenizer`.
+    them), under the trainer's autocast, as its evaluation runs; under tensor or pipeline
+    parallelism through the mesh (llmfoundry/eval/forward.py), with one process's answers.
+    `limit` keeps it cheap during training. `tokenizer`: a tokenizer.json path or URL, or any
+    `Tokenizer`.
     """
-
-    runs_the_model = True
 
     def __init__(
         self,
@@ -45,9 +48,18 @@ class ICLEval(Callback):
         self.composites.check({(task.name, shots) for task in self.tasks})
 
     def eval_before_all(self, state: State, logger: Logger) -> None:
-        model = unwrap_model(state.model)
-        results = evaluate_tasks(
-            model, self.tokenizer, self.tasks, self.shots, self.seed, self.limit
-        )
+        model, forward = unwrap_model(state.model), None
+        if splits_the_model(state.strategy):
+            forward = mesh_forward(state.model, state.strategy, state.precision)
+        with state.precision.autocast() if forward is None else contextlib.nullcontext():
+            results = evaluate_tasks(
+                model,
+                self.tokenizer,
+                self.tasks,
+                self.shots,
+                self.seed,
+                self.limit,
+                forward=forward,
+            )
         metrics = {f"icl/{name}/accuracy": r["accuracy"] for name, r in results.items()}
         logger.log_metrics(metrics | self.composites.metrics(results, "icl/"))

@@ -39,16 +39,7 @@ class Algorithm:
 
 
 class Callback:
-    """Observes events: define a method named after the event (e.g. ``batch_end``).
-
-    `runs_the_model`: whether it calls the whole model itself (generation, scoring), which
-    pipeline parallelism cannot serve (each process holds only its stage) nor tensor
-    parallelism (its sequence split needs a multiple of tp positions): refused at start, or
-    left out with a warning where `skipped_on_mesh` (it is only a look at the model, as
-    generation samples are: the run loses no result without it)."""
-
-    runs_the_model: bool = False
-    skipped_on_mesh: bool = False
+    """Observes events: define a method named after the event (e.g. ``batch_end``)."""
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         handler = getattr(self, event.value, None)

@@ -270,17 +270,23 @@ class Pipeline:
         last stage computed (evaluation's metric totals) reaches every stage."""
         dist.all_reduce(tensor, group=self._pp_group)
 
-    def share_from_last_stage(self, result: torch.Tensor | None) -> torch.Tensor:
+    def share_from_last_stage(
+        self, result: torch.Tensor | None, failure: BaseException | None = None
+    ) -> torch.Tensor:
         """`result`, computed on the last stage (None on the others), on every stage of this
         process's column: its shape and dtype first (the other stages do not know them: a
-        reduction of the logits, llmfoundry/eval/forward.py), then the tensor."""
+        reduction of the logits, llmfoundry/eval/forward.py), then the tensor. A `failure` of
+        the last stage's computation is raised on every stage (there, `failure` itself), so
+        none waits for a tensor that will not come."""
         last = self.pp - 1
-        meta = [
-            (tuple(result.shape), result.dtype) if self.is_last and result is not None else None
-        ]
+        meta: list[Any] = [None]
+        if self.is_last:
+            meta = [(tuple(result.shape), result.dtype) if failure is None else repr(failure)]
         dist.broadcast_object_list(meta, group=self._pp_group, group_src=last, device=self._device)
-        if meta[0] is None:
-            raise ValueError("share_from_last_stage: the last stage has no result to share")
+        if isinstance(meta[0], str):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the last pipeline stage failed: {meta[0]}")
         shape, dtype = meta[0]
         if self.is_last:
             tensor = result.to(self._device).contiguous()

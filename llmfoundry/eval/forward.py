@@ -11,7 +11,8 @@ Every process calls it with the same right-padded ids [B, L] and gets the same r
   not see later ones: the real positions' logits are unchanged); a vocabulary-sharded head's
   logits (a DTensor) are gathered whole, then cut back to [B, L] and reduced;
 - pipeline parallelism (`strategy.pipeline`): the stages run `Pipeline.forward_only`, the last
-  one reduces its logits and sends the result to the other stages of its column. A pipeline
+  one reduces its logits and sends the result to the other stages of its column (or its
+  error, which every stage then raises: a sampling of non-finite scores, say). A pipeline
   builds a stage and schedule per batch shape, so the ids are padded to a few shapes (rows and
   positions to powers of two): an evaluation, or a generation whose sequences grow a token at
   a time, builds a handful, not one per length.
@@ -36,7 +37,13 @@ from llmfoundry.distributed import Strategy, unwrap_model
 from llmfoundry.eval.scoring import Forward, Reduce
 from llmfoundry.models.generation import eval_mode
 
-__all__ = ["mesh_forward"]
+__all__ = ["mesh_forward", "splits_the_model"]
+
+
+def splits_the_model(strategy: Strategy | None) -> bool:
+    """Whether no process holds the whole model (tensor or pipeline parallelism): its forward
+    is then `mesh_forward`'s, not the model's own on each process."""
+    return strategy is not None and (strategy.pipeline is not None or strategy.tp > 1)
 
 
 def mesh_forward(
@@ -73,10 +80,15 @@ class MeshForward:
                     logits = self.model(batch)
                 else:
                     logits = self.pipeline.forward_only(batch)  # None but on the last stage
-            reduced = None if logits is None else reduce(_whole(logits)[:rows, :length])
-            if self.pipeline is not None:
-                reduced = self.pipeline.share_from_last_stage(reduced)
-        return reduced.cpu()
+            if self.pipeline is None:
+                return reduce(_whole(logits)[:rows, :length]).cpu()
+            reduced, failure = None, None
+            if logits is not None:  # the last stage: the others wait for what it sends
+                try:
+                    reduced = reduce(_whole(logits)[:rows, :length])
+                except Exception as err:  # raised on every stage, not only here
+                    failure = err
+            return self.pipeline.share_from_last_stage(reduced, failure).cpu()
 
     def _padded(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` right-padded (with token 0) to a length tp divides, and under a pipeline to

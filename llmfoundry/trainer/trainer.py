@@ -93,7 +93,6 @@ class Trainer:
         load_ignore_keys: Sequence[str] = (),
     ) -> None:
         self.strategy = strategy or SingleDevice()
-        callbacks = _whole_model_callbacks_on_mesh(self.strategy, callbacks)
         if self.strategy.pipeline is not None:
             _check_pipeline_options(precision, device_train_microbatch_size)
         self.strategy.setup()
@@ -603,43 +602,6 @@ def _split_sample_mask(
             f"per sample), got {mask.dtype} of shape {tuple(mask.shape)}"
         )
     return batch, mask
-
-
-def _whole_model_callbacks_on_mesh(
-    strategy: Strategy, callbacks: Sequence[Callback]
-) -> list[Callback]:
-    """`callbacks` less those that call the whole model themselves (generation, scoring), which
-    cannot run under pipeline parallelism (each process holds one stage) nor under tensor
-    parallelism (its sequence parallelism splits each forward's positions over the tp ranks, and
-    a decoding step or a scored continuation has any number of them). One that is only a look at
-    the model (`Callback.skipped_on_mesh`: the default config's `generate` samples) is left out
-    with one warning, so the default config trains on a mesh; one whose results the run reports
-    (`icl_eval`'s scores) is refused before any process waits."""
-    running = [c for c in callbacks if c.runs_the_model]
-    if strategy.pipeline is not None:
-        axis, why = "strategy.pp", "each process holds one stage"
-    elif strategy.tp > 1:
-        axis = "strategy.tp"
-        why = f"sequence parallelism needs a multiple of {strategy.tp} positions in every forward"
-    else:
-        return list(callbacks)
-    refused = [type(c).__name__ for c in running if not c.skipped_on_mesh]
-    if refused:
-        raise UserError(
-            f"callbacks that run the whole model (generation, scoring), here {', '.join(refused)}, "
-            f"cannot run under {axis} > 1 ({why}); leave them out of callbacks= (e.g. "
-            "callbacks=[speed_monitor,lr_monitor,runtime_estimator,nan_detector,run_status]) "
-            f"or use {axis}=1"
-        )
-    if running and strategy.rank == 0:
-        log.warning(
-            "%s left out: it runs the whole model, which %s > 1 cannot (%s); sample from a "
-            "checkpoint with scripts/generate.py instead",
-            ", ".join(type(c).__name__ for c in running),
-            axis,
-            why,
-        )
-    return [c for c in callbacks if not c.runs_the_model]
 
 
 def _check_pipeline_options(precision: str, microbatch_size: int | str | None) -> None:

@@ -12,9 +12,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from llmfoundry.callbacks import Generate
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import Formatter
-from llmfoundry.distributed import unwrap_model
+from llmfoundry.distributed import SingleDevice, unwrap_model
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.trainer import Trainer
+from llmfoundry.utils.errors import UserError
 from tests.callbacks.conftest import make_trainer
 from tests.trainer.conftest import tiny_model
 
@@ -118,3 +119,21 @@ def test_prompts_instruction_data_in_its_finetune_format(tmp_path, caplog):
         trainer.fit()
     assert _sample_prompts(caplog) == ["### User:\nWhat does :wq do?\n\n### Assistant:\n"]
     assert formatter.prompt(messages) == "### User:\nWhat does :wq do?\n\n### Assistant:\n"
+
+
+class _TensorParallel(SingleDevice):
+    """A strategy that says it splits the model (nothing runs before the refusal)."""
+
+    tp = 2
+
+
+def test_sampling_without_a_seed_under_tensor_parallelism_is_refused_at_start(tmp_path):
+    """On a mesh every process draws the samples from its own generator: without a seed they
+    would disagree on the tokens (and feed different ids to one split forward)."""
+    tokenizer = _word_tokenizer(VIM_DOC)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    unseeded = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], seed=None)
+    with pytest.raises(UserError, match=r"callbacks.generate.seed=null under strategy.tp or"):
+        make_trainer(tmp_path, n_batches=1, strategy=_TensorParallel("cpu"), callbacks=[unseeded])
+    greedy = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], temperature=0, seed=None)
+    make_trainer(tmp_path, n_batches=1, strategy=_TensorParallel("cpu"), callbacks=[greedy])

@@ -1,17 +1,19 @@
 """`scripts/train.py` under torchrun: two "nodes" on loopback through the c10d rendezvous, and a
 rank that raises mid-step bringing the whole job down promptly (FSDP, and a pipeline)."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint import read_latest
-from llmfoundry.data.meta import write_meta
 from llmfoundry.trainer import Callback
 from tests.checkpoint.helpers import write_mds
 
@@ -128,41 +130,48 @@ def mds_with_tokenizer(mds):
 
 
 @pytest.fixture(scope="module")
-def mds_without_tokenizer(tmp_path_factory):
-    """MDS converted from token files made elsewhere (nanoGPT's .bin): its meta.json records no
-    tokenizer, and there is no tokenizer.json for the default `tokenizer=` to find."""
-    folder = write_mds(tmp_path_factory.mktemp("bare-mds"), {"train": 32, "val": 8})
-    write_meta(
-        str(folder), {"format": "llmfoundry.mds-tokens", "vocab_size": 64, "tokenizer": None}
-    )
-    return folder
+def icl_task(tmp_path_factory):
+    """A multiple-choice task in `mds_with_tokenizer`'s words."""
+    path = tmp_path_factory.mktemp("icl") / "mc.jsonl"
+    lines = [
+        {"query": f"w{i} w{i + 1}", "choices": [f" w{i + 2}", " w9"], "gold": i % 2}
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
 
 
-def default_callbacks(command):
-    """`command` with the default config's callbacks (generate among them)."""
-    return [arg for arg in command if arg != "callbacks=[]"]
-
-
-# The default config (its callbacks, device_train_microbatch_size=null) on a mesh: generate is
-# left out with one warning, and the pipeline's microbatches default to what 1F1B needs. pp=2 on
-# 4 processes, as the issue ran it: two data-parallel pipelines, whose per-device batch of 2
-# was one microbatch, refused for pp=2. tp=2 on data without a tokenizer: the callback left out
-# never looks for one (it stopped the run with "tokenizer file ... not found").
+# The default config's callbacks on a mesh, as one process runs them: the samples (8 tokens:
+# each is a forward through the mesh) are logged once, and under pp=2 icl_eval's accuracy too
+# (under tp=2 its forward is test_mesh_eval's; the callback is the same). pp=2 on 4 processes, as
+# the issue ran it: two data-parallel pipelines, whose per-device batch of 2 was one
+# microbatch, refused for pp=2 (the default microbatch size now makes what 1F1B needs).
 @pytest.mark.parametrize(
-    ("mesh", "processes", "data"),
-    [("strategy.tp=2", 2, "mds_without_tokenizer"), ("strategy.pp=2", 4, "mds_with_tokenizer")],
+    ("mesh", "processes", "icl"),
+    [("strategy.tp=2", 2, False), ("strategy.pp=2", 4, True)],
     ids=["tp2", "pp2"],
 )
-def test_the_default_config_trains_on_a_mesh(request, tmp_path, mesh, processes, data):
+def test_the_default_config_trains_samples_and_scores_on_a_mesh(
+    mds_with_tokenizer, icl_task, tmp_path, mesh, processes, icl
+):
+    defaults = yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())["defaults"]
+    callbacks = next(d["callbacks"] for d in defaults if isinstance(d, dict) and "callbacks" in d)
+    scoring = [
+        f"callbacks=[{','.join(callbacks)},icl_eval]",
+        f"callbacks.icl_eval.tasks=[{icl_task}]",
+    ]
     command = train_command(
-        request.getfixturevalue(data), tmp_path, "--standalone", f"--nproc_per_node={processes}",
-        overrides=[mesh],
+        mds_with_tokenizer, tmp_path, "--standalone", f"--nproc_per_node={processes}",
+        overrides=[mesh, "callbacks.generate.max_new_tokens=8", *(scoring if icl else [])],
     )  # fmt: skip
-    job = launch(default_callbacks(command), tmp_path)
+    command.remove("callbacks=[]")  # the default config's
+    job = launch(command, tmp_path)
     out = job.communicate(timeout=LIMIT_S)[0]
     assert job.returncode == 0, out
-    assert out.count("Generate left out: it runs the whole model") == 1, out
     assert "loss/train" in out
+    assert out.count("--- sample (prompt ") == 1, out
+    scored = re.findall(r"^mc \(multiple_choice, 0-shot\): \d/4$", out, re.MULTILINE)
+    assert len(scored) == icl, out
     assert "suboptimal" not in out  # DTensor's warning on every tp rank (the gradient norm)
 
 

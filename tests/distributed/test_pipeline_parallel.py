@@ -23,10 +23,7 @@ import pytest
 import torch
 
 from llmfoundry.algorithms import GradientClipping
-from llmfoundry.callbacks.generate import Generate
-from llmfoundry.callbacks.icl_eval import ICLEval
 from llmfoundry.checkpoint import read_latest
-from llmfoundry.core.engine import Callback
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.pipeline import Pipeline, even_microbatches, stage_blocks
 from llmfoundry.models import parallel_plan
@@ -344,22 +341,11 @@ class _PipelineStrategy(SingleDevice):
     pipeline = Pipeline(2, "gpipe")
 
 
-class _Scorer(Callback):
-    runs_the_model = True
-
-
-def test_the_callbacks_that_run_the_model_say_so():
-    """The default config's `generate` (at fit end) and `icl_eval`: refused at start under
-    pp, instead of a traceback after training."""
-    assert Generate.runs_the_model and ICLEval.runs_the_model
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"device_train_microbatch_size": "auto"}, "device_train_microbatch_size=auto"),
         ({"precision": "amp_fp16"}, "precision=amp_fp16"),
-        ({"callbacks": [_Scorer()]}, "run the whole model .*, here _Scorer,"),
     ],
 )
 def test_trainer_refuses_what_pipelining_does_not_support(tmp_path, options, message):

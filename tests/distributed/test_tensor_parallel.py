@@ -17,13 +17,9 @@ moves the loss by 1e-3 or more. Initialization and checkpointed state: bit for b
 import pytest
 import torch
 
-from llmfoundry.callbacks.generate import Generate
-from llmfoundry.callbacks.icl_eval import ICLEval
-from llmfoundry.core.engine import Callback
 from llmfoundry.distributed import SingleDevice
 from llmfoundry.distributed.parallelize import check_tensor_parallel
 from llmfoundry.models import parallel_plan
-from llmfoundry.trainer import Trainer
 from llmfoundry.utils.errors import UserError
 from tests.checkpoint.helpers import write_mds
 from tests.trainer.conftest import tiny_model
@@ -119,47 +115,6 @@ def test_tensor_parallel_refuses_a_sequence_it_cannot_split_on_every_rank(runs):
         assert rank["odd_sequence"]["error"].startswith(
             "strategy.tp=2 splits each sequence over 2 ranks, but this input has 15 positions"
         )
-
-
-class _TensorParallelStrategy(SingleDevice):
-    """A strategy that says it splits the model (the trainer refuses before joining a group)."""
-
-    tp = 2
-
-
-class _Scorer(Callback):
-    runs_the_model = True
-
-
-def test_trainer_refuses_callbacks_that_run_the_whole_model(tmp_path):
-    """Generation (the default config's `generate`) decodes one position at a time, which
-    sequence parallelism cannot split: refused at start, not a collective mismatch at fit end."""
-    with pytest.raises(UserError, match=r"here _Scorer, cannot run under strategy.tp > 1 .*"):
-        Trainer(
-            model=tp_mpt(), strategy=_TensorParallelStrategy("cpu"), train_dataloader=[],
-            max_duration="1ba", optimizer=torch.optim.SGD, run_dir=tmp_path,
-            callbacks=[_Scorer()],
-        )  # fmt: skip
-
-
-class _Sampler(Callback):
-    runs_the_model = True
-    skipped_on_mesh = True
-
-
-def test_trainer_leaves_out_samples_under_tensor_parallelism_with_one_warning(tmp_path, caplog):
-    """The default config's `generate` is only a look at the model: the default config trains
-    under strategy.tp=2 without it (rank 0 says so once) instead of being refused."""
-    sampler, other = _Sampler(), Callback()
-    trainer = Trainer(
-        model=tp_mpt(), strategy=_TensorParallelStrategy("cpu"), train_dataloader=[],
-        max_duration="1ba", optimizer=torch.optim.SGD, run_dir=tmp_path,
-        callbacks=[sampler, other],
-    )  # fmt: skip
-    assert trainer.state.callbacks == [other]
-    warned = [r.getMessage() for r in caplog.records if "_Sampler left out" in r.getMessage()]
-    assert len(warned) == 1 and "strategy.tp > 1" in warned[0]
-    assert Generate.skipped_on_mesh and not ICLEval.skipped_on_mesh
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
