@@ -1,0 +1,153 @@
+"""lm-evaluation-harness in process (llmfoundry/harness.py): the same numbers as lm-eval's own
+transformers model (HFLM) on the exported folder, found by name from lm-eval's command line,
+bad settings refused in one line. The server path: tests/serving/test_server.py."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmfoundry.checkpoint.pretrained import save_weights
+from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.mpt.hf import export_to_hf
+from llmfoundry.tokenizers.tokenizer import EOS_TOKEN, prepare_tokenizer, train_bpe
+from llmfoundry.utils.errors import UserError
+from tests.eval import lm_eval_parity as parity
+
+pytest.importorskip("lm_eval")
+ROOT = Path(__file__).resolve().parents[2]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\n",
+    "the quick brown fox jumps over the lazy dog\n",
+    "hello world, hello server, hello batch\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny MPT checkpoint with its tokenizer (ckpt/), its transformers export (hf/) and the
+    local tasks (tasks/). EOS is never the greedy pick (its embedding row is zero, the tied
+    logit 0 among spread ones), so generations run to a stop string or their length."""
+    tmp = tmp_path_factory.mktemp("harness")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    train_bpe(TEXTS, vocab_size=300).save(str(tmp / "tokenizer.json"))
+    tokenizer = prepare_tokenizer(tmp / "tokenizer.json")
+    torch.manual_seed(0)
+    config = MPTConfig(
+        d_model=64, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=tokenizer.vocab_size
+    )
+    model = MPTForCausalLM(config)
+    with torch.no_grad():
+        model.transformer.wte.weight[tokenizer.eos_id] = 0
+    save_weights(model, str(tmp / "ckpt"), tmp / "tokenizer.json", run_name="tiny")
+    export_to_hf(model, tmp / "hf", tokenizer=tokenizer.tokenizer, eos_token=EOS_TOKEN)
+    parity.check_prompts_fit(tokenizer.encode)
+    parity.write_tasks(tmp)
+    return tmp
+
+
+def test_in_process_equals_hflm_on_the_exported_folder(tiny, monkeypatch):
+    """Multiple choice (loglikelihood), rolling perplexity and generate_until: each sample's
+    responses and each metric equal HFLM's on the transformers export (log-likelihoods to 1e-5,
+    accuracy and generated text exactly). Ours is asked for by name and model_args, as lm-eval's
+    command line asks."""
+    pytest.importorskip("accelerate")  # HFLM's
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tiny / "datasets"))
+    parity.skip_environment_report(monkeypatch)
+    from lm_eval.models.huggingface import HFLM
+
+    from llmfoundry.harness import register
+
+    register()
+    ours = parity.evaluate(
+        "llmfoundry", tiny / "tasks", f"checkpoint={tiny / 'ckpt'},max_seq_len={parity.MAX_LEN}"
+    )
+    hf = HFLM(pretrained=str(tiny / "hf"), max_length=parity.MAX_LEN, batch_size=1, device="cpu")
+    parity.assert_same(ours, parity.evaluate(hf, tiny / "tasks"))
+
+
+def cli_args(tiny: Path, model_args: str) -> list[str]:
+    """lm-eval's command line for --model llmfoundry on two generation samples."""
+    args = ["--model", "llmfoundry", "--model_args", f"checkpoint={tiny / 'ckpt'},{model_args}"]
+    args += ["--tasks", "tiny_gen", "--include_path", str(tiny / "tasks"), "--limit", "2"]
+    return [sys.executable, "-m", "llmfoundry.harness", *args]
+
+
+@pytest.mark.slow  # lm-eval's command line indexes its thousands of task files first
+def test_lm_eval_command_line_runs_model_llmfoundry(tiny):
+    """lm-eval's own command line (`python -m llmfoundry.harness`: lm_eval's CLI with the model
+    registered, while no lm-eval release discovers entry points) finds --model llmfoundry;
+    a bad model arg ends as one line and exit status 2."""
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tiny / "datasets"), "OMP_NUM_THREADS": "1"}
+    command = cli_args(tiny, f"max_seq_len={parity.MAX_LEN}")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "|tiny_gen|" in done.stdout and "exact_match" in done.stdout
+    done = subprocess.run(
+        cli_args(tiny, "dtype=bf16"), env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lm_eval: unknown model_args ['dtype']: llmfoundry takes checkpoint")
+
+
+def test_the_declared_entry_point_is_what_lm_eval_registers(tiny):
+    """pyproject.toml's lm_eval.models entry point (what lm-eval's plugin discovery, after
+    0.4.13, registers) resolves through lm-eval's registry to the model."""
+    from lm_eval.api.registry import Registry
+
+    from llmfoundry.harness import FoundryLM
+
+    tomllib = pytest.importorskip("tomllib")  # 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    registry = Registry("model")
+    for name, value in declared["lm_eval.models"].items():
+        registry.register(name, target=EntryPoint(name, value, "lm_eval.models"))
+    assert registry.get("llmfoundry") is FoundryLM
+
+
+def test_bad_settings_are_refused_in_one_line(tiny):
+    from lm_eval.api.instance import Instance
+
+    from llmfoundry.harness import FoundryLM
+
+    lm = FoundryLM(checkpoint=str(tiny / "ckpt"), max_seq_len=parity.MAX_LEN, device="cpu")
+    tokenizer, model = lm.tokenizer, lm.model
+    with pytest.raises(UserError, match=r"precision='fp64': choose one of"):
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, precision="fp64")
+    with pytest.raises(UserError, match=r"batch_size='auto': give a positive whole number"):
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, batch_size="auto")
+    with pytest.raises(UserError, match="no checkpoint: pass --model_args checkpoint=PATH"):
+        FoundryLM(tokenizer=tokenizer)
+    sampled = Instance("generate_until", {}, ("hello", {"do_sample": True}), 0)
+    with pytest.raises(UserError, match="sampled generation"):
+        lm.generate_until([sampled])
+    beams = Instance("generate_until", {}, ("hello", {"num_beams": 4}), 0)
+    with pytest.raises(UserError, match=r"generation_kwargs \['num_beams'\] are not supported"):
+        lm.generate_until([beams])
+
+
+def test_the_readme_command_is_lm_eval_s_command_line(monkeypatch):
+    """The README block parses with lm-eval's own parser, into model_args the model takes."""
+    from lm_eval._cli import HarnessCLI
+
+    from llmfoundry.harness import FoundryLM
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(python -m llmfoundry\.harness .*?)```", readme, re.S)[1]
+    words = shlex.split(block.replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "llmfoundry.harness"]
+    monkeypatch.setattr(sys, "argv", ["lm_eval", *words[3:]])
+    args = HarnessCLI().parse_args()
+    assert args.model == "llmfoundry"
+    assert set(args.model_args) <= set(inspect.signature(FoundryLM).parameters)
