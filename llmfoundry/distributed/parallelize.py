@@ -120,14 +120,18 @@ def _refuse_unsplittable_sequence(
     """Before a tensor-parallel forward: sequence parallelism splits dim 1 (the sequence of
     token ids [batch, seq], or of a pipeline stage's activations) over the tp ranks, so it must
     be a multiple of tp. Every tp rank has the same input, so all of them refuse it alike,
-    before any collective could wait on a peer's shorter split."""
+    before any collective could wait on a peer's shorter split. A later pipeline stage's input
+    is this rank's split already: its forward's `seq_len` is the whole length."""
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(inputs, Mapping):
         inputs = inputs.get("input_ids")
-    if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] % tp:
+    length = kwargs.get("seq_len")
+    if length is None and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
+        length = inputs.shape[1]
+    if length is not None and length % tp:
         raise UserError(
             f"strategy.tp={tp} splits each sequence over {tp} ranks, but this input has "
-            f"{inputs.shape[1]} positions, not a multiple of {tp}: pad the batches to a multiple "
+            f"{length} positions, not a multiple of {tp}: pad the batches to a multiple "
             f"of {tp} (or max_seq_len), or use strategy.tp=1"
         )
 

@@ -270,6 +270,25 @@ class Pipeline:
         last stage computed (evaluation's metric totals) reaches every stage."""
         dist.all_reduce(tensor, group=self._pp_group)
 
+    def share_from_last_stage(self, result: torch.Tensor | None) -> torch.Tensor:
+        """`result`, computed on the last stage (None on the others), on every stage of this
+        process's column: its shape and dtype first (the other stages do not know them: a
+        reduction of the logits, llmfoundry/eval/forward.py), then the tensor."""
+        last = self.pp - 1
+        meta = [
+            (tuple(result.shape), result.dtype) if self.is_last and result is not None else None
+        ]
+        dist.broadcast_object_list(meta, group=self._pp_group, group_src=last, device=self._device)
+        if meta[0] is None:
+            raise ValueError("share_from_last_stage: the last stage has no result to share")
+        shape, dtype = meta[0]
+        if self.is_last:
+            tensor = result.to(self._device).contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=self._device)
+        dist.broadcast(tensor, group=self._pp_group, group_src=last)
+        return tensor
+
     def microbatches(self, rows: int, microbatch_size: int | None) -> int:
         """How many microbatches a device batch of `rows` makes (`microbatch_size` None: the
         fewest that keep every stage busy, `default_microbatch_size`); refused if too few for the

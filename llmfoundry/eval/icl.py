@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.eval.scoring import Forward
+from llmfoundry.eval.scoring import Forward, greedy_continue
 from llmfoundry.models.family import CausalLM
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.utils.errors import UserError
@@ -143,9 +143,12 @@ def score_example(
     max_seq_len: int,
     model: CausalLM | None = None,
     max_new_tokens: int = 32,
+    forward: Forward | None = None,
 ) -> tuple[bool, Any]:
     """Whether the model answers example `index` of `task` right (module docstring: kinds),
-    and its answer: the chosen index, the predicted token ids, or the generated text."""
+    and its answer: the chosen index, the predicted token ids, or the generated text.
+    `forward`: the model's where it is not whole on this process (questions are answered
+    through it, by recompute)."""
     ex = task.examples[index]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     if task.kind == "multiple_choice":
@@ -168,6 +171,11 @@ def score_example(
         raise ValueError(f"task {task.name}: question answering generates, so it needs the model")
     prompt = encode(f"{prefix}Q: {ex['question']}\nA:")
     prompt = prompt[-(max_seq_len - max_new_tokens) :]
+    if forward is not None:
+        line = lambda new: "\n" in tokenizer.decode(new)  # noqa: E731
+        tokens = greedy_continue(forward, [prompt], max_new_tokens, max_seq_len, line)[0]
+        text = tokenizer.decode(tokens).split("\n")[0].strip()
+        return text in [a.strip() for a in ex["answer"]], text
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",))
     out = generate(model, torch.tensor([prompt]), None, config, decode=tokenizer.decode)
     text = out.texts[0].strip()
@@ -218,6 +226,7 @@ def evaluate_tasks(
                         _prefix(task, i, shots, seed),
                         model.config.max_seq_len,
                         model,
+                        forward=forward,
                     )[0]
                 )
                 for i in range(n)

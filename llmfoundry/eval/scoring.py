@@ -1,6 +1,7 @@
 """The two questions every evaluation asks of a causal LM, batched: how likely is this
 continuation after this context (multiple choice, LAMBADA, lm-eval's ``loglikelihood``), and
-what does the model write after this prompt (question answering, lm-eval's ``generate_until``).
+what does the model write after this prompt (question answering, lm-eval's ``generate_until``,
+samples during training: greedy or sampled, tokens chosen as `generation.generate` chooses them).
 
 Both run on a `Forward`: the model's forward over a batch of right-padded token ids, with a
 reduction applied where the logits are, whose (small) result every process gets. On one process
@@ -20,13 +21,21 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmfoundry.models.generation import (
+    GREEDY_BELOW,
+    GenerationConfig,
+    apply_repetition_penalty,
+    sampling_probs,
+)
 from llmfoundry.utils.errors import UserError
 
 __all__ = [
     "Continuation",
     "Forward",
     "ModelForward",
+    "NextTokens",
     "Scored",
+    "continue_prompts",
     "greedy_continue",
     "score_continuations",
 ]
@@ -107,12 +116,6 @@ def _continuation_scores(
     return torch.stack([logprob.double(), greedy.double()])
 
 
-def _last_argmax(last: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """The most likely next token [B] after each row's position `last` [B] of `logits`."""
-    rows = torch.arange(len(last), device=logits.device)
-    return logits[rows, last.to(logits.device)].float().argmax(dim=-1)
-
-
 def score_continuations(
     forward: Forward,
     requests: Sequence[Continuation],
@@ -156,10 +159,31 @@ def greedy_continue(
     stop: Callable[[list[int]], bool] | None = None,
     batch_size: int = 8,
 ) -> list[list[int]]:
-    """The greedy continuation of each prompt: up to `max_new_tokens` new tokens, or until
-    `stop(new tokens so far)` says the row is done (the tokens that made it stop are kept).
-    Recomputes the whole sequence per token (no KV cache), so it runs on any `Forward`. A prompt
-    longer than `max_seq_len - max_new_tokens` loses its start."""
+    """The greedy continuation of each prompt (`continue_prompts` at temperature 0)."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    return continue_prompts(forward, prompts, config, max_seq_len, stop, batch_size)
+
+
+def continue_prompts(
+    forward: Forward,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    max_seq_len: int,
+    stop: Callable[[list[int]], bool] | None = None,
+    batch_size: int = 8,
+) -> list[list[int]]:
+    """Each prompt's continuation as `generation.generate` chooses it (`config`'s temperature,
+    top-k, top-p, repetition penalty and seed; `NextTokens`): up to `config.max_new_tokens`
+    new tokens, to its `eos_token_id` (kept), or until `stop(new tokens so far)` says the row is
+    done (the tokens that made it stop are kept; stop strings need the text: give `stop`).
+    Recomputes the whole sequence per token (no KV cache), so it runs on any `Forward`. A
+    prompt longer than `max_seq_len - max_new_tokens` loses its start."""
+    if config.stop or config.logprobs is not None or config.prompt_logprobs:
+        raise UserError(
+            "continue_prompts returns tokens only: pass stop strings as stop=, and ask "
+            "generation.generate for log-probabilities"
+        )
+    max_new_tokens = config.max_new_tokens
     if max_new_tokens >= max_seq_len:
         raise UserError(
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt in "
@@ -169,21 +193,67 @@ def greedy_continue(
     rows = [list(p)[-keep:] for p in prompts]
     if any(not row for row in rows):
         raise UserError("an empty prompt cannot be continued")
+    choose = NextTokens(config)
     new: list[list[int]] = [[] for _ in rows]
+
+    def done(i: int) -> bool:
+        tokens = new[i]
+        return len(tokens) >= max_new_tokens or bool(
+            tokens and (tokens[-1] == config.eos_token_id or (stop is not None and stop(tokens)))
+        )
+
     for start in range(0, len(rows), batch_size):
-        batch = list(range(start, min(start + batch_size, len(rows))))
-        for _ in range(max_new_tokens):
-            live = [i for i in batch if not (stop is not None and new[i] and stop(new[i]))]
-            live = [i for i in live if len(new[i]) < max_new_tokens]
-            if not live:
-                break
-            lengths = [len(rows[i]) + len(new[i]) for i in live]
-            ids = torch.zeros(len(live), max(lengths), dtype=torch.long)
-            for b, i in enumerate(live):
-                ids[b, : lengths[b]] = torch.tensor(rows[i] + new[i])
-            last = torch.tensor(lengths) - 1
-            for i, token in zip(
-                live, forward(ids, functools.partial(_last_argmax, last)).tolist(), strict=True
-            ):
+        batch = range(start, min(start + batch_size, len(rows)))
+        while live := [i for i in batch if not done(i)]:
+            sequences = [rows[i] + new[i] for i in live]
+            ids = torch.zeros(len(live), max(map(len, sequences)), dtype=torch.long)
+            for b, sequence in enumerate(sequences):
+                ids[b, : len(sequence)] = torch.tensor(sequence)
+            tokens = forward(ids, functools.partial(choose, live, sequences))
+            for i, token in zip(live, tokens.tolist(), strict=True):
                 new[i].append(int(token))
     return new
+
+
+class NextTokens:
+    """The next token of each row after its sequence, from the logits [B, L, V] of the rows
+    (right-padded), chosen as `generation.Decoder` chooses it: the repetition penalty, then the
+    most likely token (temperature 0) or a draw from `sampling_probs` with the row's own
+    generator seeded with `config.seed` (each row's, as the decoder's rows each have one; None:
+    the global RNG, which differs between processes, so a mesh needs a seed). The generators
+    are made where the logits are, at the first draw: under a pipeline, on the last stage."""
+
+    def __init__(self, config: GenerationConfig) -> None:
+        self.config = config
+        self.generators: dict[int, torch.Generator] = {}
+
+    def __call__(
+        self, rows: Sequence[int], sequences: Sequence[Sequence[int]], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """`rows`: the rows' indices among all prompts (whose generator each draws from);
+        `sequences`: their tokens (prompt and new), whose last position the logits predict."""
+        device, config = logits.device, self.config
+        last = torch.tensor([len(s) - 1 for s in sequences], device=device)
+        picked = logits[torch.arange(len(rows), device=device), last].float()
+        if config.repetition_penalty != 1:
+            seen = torch.zeros_like(picked, dtype=torch.bool)
+            for b, sequence in enumerate(sequences):
+                seen[b, torch.tensor(sequence, device=device)] = True
+            penalty = picked.new_full((len(rows),), config.repetition_penalty)
+            picked = apply_repetition_penalty(picked, seen, penalty)
+        if config.temperature < GREEDY_BELOW:
+            return picked.argmax(dim=-1)
+        probs = sampling_probs(picked, [config] * len(rows))
+        return torch.stack(
+            [
+                torch.multinomial(p, 1, generator=self._generator(row, device))[0]
+                for row, p in zip(rows, probs, strict=True)
+            ]
+        )
+
+    def _generator(self, row: int, device: torch.device) -> torch.Generator | None:
+        if self.config.seed is None:
+            return None
+        if row not in self.generators:
+            self.generators[row] = torch.Generator(device).manual_seed(self.config.seed)
+        return self.generators[row]

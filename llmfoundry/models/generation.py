@@ -306,7 +306,7 @@ class Decoder:
         self._drop_finished()
         # Eager even if the blocks are compiled: every step has new shapes (one more key), and
         # recompiling per step would cost far more than it saves.
-        with torch.no_grad(), _eval_mode(self.model), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad(), eval_mode(self.model), torch.compiler.set_stance("force_eager"):
             every = self._forward()
         if not self._read_prompts:
             self._score_prompts(every)
@@ -587,7 +587,8 @@ def _by_length(
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode (no dropout) inside, put back in its mode after."""
     was_training = model.training
     model.eval()
     try:
@@ -608,7 +609,7 @@ def generate_by_recompute(
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     generator = None if config.seed is None else torch.Generator(device).manual_seed(config.seed)
     new: list[int] = []
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), eval_mode(model):
         for _ in range(config.max_new_tokens):
             logits = model({"input_ids": ids})
             if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or len(logits) != 1:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from llmfoundry.eval.scoring import (
     Continuation,
     ModelForward,
+    continue_prompts,
     greedy_continue,
     score_continuations,
 )
@@ -69,3 +70,29 @@ def test_greedy_continue_equals_the_cached_decoder():
         assert tokens == generate(model, torch.tensor([prompt]), None, config).tokens[0]
     stopped = greedy_continue(ModelForward(model), prompts, 6, 32, stop=lambda new: len(new) == 2)
     assert stopped[0] == got[0][:2]
+
+
+def test_sampled_continuations_equal_the_cached_decoder_for_the_same_seed():
+    """Each row draws from its own generator seeded with the config's seed, as the decoder's
+    rows do, so recomputing gives the KV-cached decoder's tokens (what a mesh generates
+    equals one process's); the repetition penalty and eos act alike too."""
+    model = tiny_model()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
+    configs = [
+        GenerationConfig(max_new_tokens=8, temperature=0.9, top_k=20, seed=5),
+        GenerationConfig(max_new_tokens=8, temperature=1.3, top_p=0.8, seed=11),
+        GenerationConfig(max_new_tokens=8, temperature=0.0, repetition_penalty=1.5),
+    ]
+    for config in configs:
+        got = continue_prompts(ModelForward(model), prompts, config, max_seq_len=32, batch_size=2)
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert tokens == generate(model, torch.tensor([prompt]), None, config).tokens[0]
+    sampled = continue_prompts(ModelForward(model), prompts, configs[0], max_seq_len=32)
+    other_seed = GenerationConfig(max_new_tokens=8, temperature=0.9, top_k=20, seed=6)
+    assert continue_prompts(ModelForward(model), prompts, other_seed, 32) != sampled
+    third = greedy_continue(ModelForward(model), prompts[:1], 8, 32)[0][2]
+    eos = GenerationConfig(max_new_tokens=8, temperature=0.0, eos_token_id=third)
+    greedy_eos = continue_prompts(ModelForward(model), prompts, eos, 32)
+    assert greedy_eos[0][-1] == third and len(greedy_eos[0]) <= 3
+    for prompt, tokens in zip(prompts, greedy_eos, strict=True):
+        assert tokens == generate(model, torch.tensor([prompt]), None, eos).tokens[0]
