@@ -10,10 +10,11 @@ three requests run on llmfoundry/eval/scoring.py, the scorer every evaluation he
   the greedy one;
 - ``loglikelihood_rolling``: HFLM's windows (lm-eval's `get_rolling_token_windows` and
   `make_disjoint_window`, `max_seq_len` + 1 tokens each) scored the same way and summed;
-- ``generate_until``: `greedy_continue` up to ``max_gen_toks`` new tokens, stopping at EOS or
+- ``generate_until``: `continue_prompts` up to ``max_gen_toks`` new tokens, stopping at EOS or
   once the text holds an ``until`` string, then cut as HFLM cuts (lm-eval's
-  `postprocess_generated_text`). Sampling (``do_sample`` or a temperature above 0) is refused:
-  there is no sampled decoding over a `Forward` yet.
+  `postprocess_generated_text`): greedy, or sampled with ``do_sample`` and a temperature (and
+  ``top_k``/``top_p``) as `generation.generate` samples, each prompt's draws seeded by the
+  ``seed`` model arg (so they do not depend on the batch, and every rank of a mesh draws alike).
 Its scores equal lm-eval's `local-completions` against scripts/serve.py and HFLM's on the
 transformers folder scripts/export_hf.py writes (tests/eval/test_harness.py,
 tests/serving/test_server.py).
@@ -22,7 +23,8 @@ Model args: ``checkpoint`` (anything `load_pretrained` takes: a checkpoint, a sa
 Composer checkpoint, a transformers MPT/Llama folder; or, in Python, the model itself),
 ``tokenizer`` (default: the checkpoint's), ``batch_size``, ``max_seq_len`` (default: the
 model's), ``max_gen_toks`` (default 256, as HFLM), ``device`` (lm-eval's CLI passes cuda:0 by
-default; without CUDA the model stays on CPU, logged), ``precision`` (fp32, bf16, fp16).
+default; without CUDA the model stays on CPU, logged), ``precision`` (fp32, bf16, fp16),
+``seed`` (of sampled generation; default 1234, lm-eval's torch seed).
 One process only for now: the mesh `Forward` (llmfoundry/eval/forward.py) and loading a
 sharded checkpoint onto a mesh under torchrun are not in this branch, so a torchrun launch is
 refused. When they are, every rank must run every request (a sharded model needs all ranks in
@@ -58,9 +60,10 @@ from llmfoundry.eval.scoring import (
     Continuation,
     Forward,
     ModelForward,
-    greedy_continue,
+    continue_prompts,
     score_continuations,
 )
+from llmfoundry.models.generation import GenerationConfig
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.errors import MissingPackage, UserError, exit_on_user_error, split_debug_flag
 
@@ -83,9 +86,10 @@ __all__ = ["MODEL_NAME", "FoundryLM", "main", "register"]
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "llmfoundry"  # --model llmfoundry
-# Keys of a task's generation_kwargs that greedy decoding makes moot (HF's generate ignores them
-# too); any other key is refused rather than ignored.
-GREEDY_MOOT = {"do_sample", "temperature", "top_p", "top_k"}
+# The generation_kwargs understood (after lm-eval's normalize_gen_kwargs); any other is refused
+# rather than ignored. top_k and top_p apply to sampling (greedy decoding makes them moot, as in
+# transformers' generate).
+SETTINGS = {"do_sample", "temperature", "top_p", "top_k", "max_gen_toks"}
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -96,6 +100,13 @@ def _positive_int(name: str, value: Any) -> int:
     if number <= 0 or str(number) != str(value).strip():
         raise UserError(f"{name}={value!r}: give a positive whole number")
     return number
+
+
+def _whole_number(name: str, value: Any) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UserError(f"{name}={value!r}: give a whole number") from None
 
 
 def _device(requested: str | None) -> torch.device:
@@ -122,6 +133,7 @@ class FoundryLM(TemplateLM):
         max_gen_toks: int | str = 256,
         device: str | None = None,
         precision: str = "fp32",
+        seed: int | str = 1234,
         forward: Forward | None = None,
         **unknown: Any,
     ) -> None:
@@ -130,7 +142,7 @@ class FoundryLM(TemplateLM):
         if unknown:
             raise UserError(
                 f"unknown model_args {sorted(unknown)}: llmfoundry takes checkpoint, tokenizer, "
-                "batch_size, max_seq_len, max_gen_toks, device, precision"
+                "batch_size, max_seq_len, max_gen_toks, device, precision, seed"
             )
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError(
@@ -154,6 +166,7 @@ class FoundryLM(TemplateLM):
             "max_seq_len", model.config.max_seq_len if max_seq_len is None else max_seq_len
         )
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        self.seed = _whole_number("seed", seed)
 
     @staticmethod
     def _tokenizer(spec: str | Tokenizer | None, model: torch.nn.Module) -> Tokenizer:
@@ -237,32 +250,45 @@ class FoundryLM(TemplateLM):
         for indices in groups.values():
             settings = requests[indices[0]].args[1]
             contexts = [requests[i].args[0] for i in indices]
-            for i, text in zip(indices, self._greedy_texts(contexts, settings), strict=True):
+            for i, text in zip(indices, self._generate(contexts, settings), strict=True):
                 texts[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return texts
 
-    def _greedy_texts(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
+    def _generate(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
+        """The continuation texts of `contexts` under one task's generation settings."""
         kwargs = normalize_gen_kwargs(settings, self.max_gen_toks)
-        if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-            raise UserError(
-                "sampled generation (do_sample or temperature > 0) is not supported in process "
-                "yet: use greedy generation_kwargs, or the server (local-completions)"
-            )
         until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
-        max_new_tokens = kwargs.pop("max_gen_toks")
-        unsupported = set(kwargs) - GREEDY_MOOT
+        unsupported = set(kwargs) - SETTINGS
         if unsupported:
             raise UserError(f"generation_kwargs {sorted(unsupported)} are not supported here")
-        eos = self.tokenizer.eos_id
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs["do_sample"] else 0.0
+        if kwargs["do_sample"] and temperature == 0.0:
+            raise UserError(
+                "generation_kwargs do_sample: true with temperature 0: give a temperature above 0 "
+                "(or do_sample: false for greedy)"
+            )
+        config = GenerationConfig(
+            max_new_tokens=kwargs["max_gen_toks"],
+            temperature=temperature,
+            top_k=kwargs.get("top_k") if temperature else None,
+            top_p=kwargs.get("top_p") if temperature else None,
+            eos_token_id=self.tokenizer.eos_id,
+            seed=self.seed,
+        )
         stops = [term for term in until if term]
 
         def stop(new: list[int]) -> bool:
-            return new[-1] == eos or any(t in self.tokenizer.decode(new) for t in stops)
+            return any(term in self.tokenizer.decode(new) for term in stops)
 
         prompts = [self.tok_encode(context) for context in contexts]
-        new = greedy_continue(
-            self.forward, prompts, max_new_tokens, self.max_seq_len, stop, self.batch_size
+        new = continue_prompts(
+            self.forward,
+            prompts,
+            config,
+            self.max_seq_len,
+            stop if stops else None,
+            self.batch_size,
         )
         return [postprocess_generated_text(self.tokenizer.decode(t), until, None) for t in new]
 

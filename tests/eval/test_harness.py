@@ -130,7 +130,7 @@ def test_bad_settings_are_refused_in_one_line(tiny):
     with pytest.raises(UserError, match="no checkpoint: pass --model_args checkpoint=PATH"):
         FoundryLM(tokenizer=tokenizer)
     sampled = Instance("generate_until", {}, ("hello", {"do_sample": True}), 0)
-    with pytest.raises(UserError, match="sampled generation"):
+    with pytest.raises(UserError, match="do_sample: true with temperature 0: give a temperature"):
         lm.generate_until([sampled])
     beams = Instance("generate_until", {}, ("hello", {"num_beams": 4}), 0)
     with pytest.raises(UserError, match=r"generation_kwargs \['num_beams'\] are not supported"):
@@ -151,3 +151,26 @@ def test_the_readme_command_is_lm_eval_s_command_line(monkeypatch):
     args = HarnessCLI().parse_args()
     assert args.model == "llmfoundry"
     assert set(args.model_args) <= set(inspect.signature(FoundryLM).parameters)
+
+
+def test_sampled_generation_is_seeded_per_prompt(tiny):
+    """do_sample with a temperature samples as `generation.generate` does with the seed model
+    arg: the same text for a prompt whatever is batched with it, another seed another text."""
+    from lm_eval.api.instance import Instance
+
+    from llmfoundry.harness import FoundryLM
+    from llmfoundry.models.generation import GenerationConfig, generate
+
+    lm = FoundryLM(checkpoint=str(tiny / "ckpt"), max_seq_len=parity.MAX_LEN, device="cpu")
+    settings = {"do_sample": True, "temperature": 1.0, "until": ["\n"], "max_gen_toks": 8}
+    prompts = parity.PROMPTS[:3]
+    requests = [Instance("generate_until", {}, (p, settings), i) for i, p in enumerate(prompts)]
+    texts = lm.generate_until(requests)
+    assert lm.generate_until(requests[1:2]) == texts[1:2]
+    for prompt, text in zip(prompts, texts, strict=True):
+        ids = torch.tensor([lm.tok_encode(prompt)])
+        config = GenerationConfig(6, temperature=1.0, seed=1234, stop=("\n",))
+        expected = generate(lm.model, ids, None, config, decode=lm.tokenizer.decode).texts[0]
+        assert text == expected
+    other = FoundryLM(checkpoint=lm.model, tokenizer=lm.tokenizer, seed=7, max_seq_len=16)
+    assert other.generate_until(requests) != texts
