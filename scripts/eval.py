@@ -5,16 +5,28 @@
 Each .jsonl file is one task, named after the file; its kind (multiple choice, LAMBADA-style
 language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). Prints a
 table of per-task accuracy and writes it with the settings to --out as JSON.
+
+Under torchrun the model is split over the processes as training splits it, with the same
+results as one process: --pp stages, --tp tensor-parallel ranks, FSDP over the rest; a sharded
+checkpoint is read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
+
+    torchrun --nproc-per-node 4 scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --tp 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+import torch
+
+from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.eval.forward import mesh_forward
+from llmfoundry.eval.scoring import Forward
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
@@ -38,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
     )
     p.add_argument("--out", help="write the results as JSON here")
+    mesh = p.add_argument_group("under torchrun (the model split over its processes)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    mesh.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
@@ -46,19 +61,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, tokenizer_path = load_pretrained(args.model)
-    tokenizer_path = args.tokenizer or tokenizer_path
-    if tokenizer_path is None:
-        raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
-    tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
-    tasks = [load_task(url) for url in args.tasks]
-    results = evaluate_tasks(model, tokenizer, tasks, args.shots, args.seed, args.limit)
+    if "RANK" in os.environ:  # torchrun's: every process scores, rank 0 reports
+        loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp)
+        try:
+            forward = mesh_forward(loaded.model, loaded.strategy)
+            results = score(args, loaded.model, loaded.tokenizer, forward)
+        finally:
+            loaded.strategy.teardown()
+        if loaded.strategy.rank != 0:
+            return 0
+    else:
+        if args.tp != 1 or args.pp != 1:
+            raise UserError(
+                f"--tp {args.tp} --pp {args.pp} split the model over torchrun's processes: "
+                f"launch with `torchrun --nproc-per-node N scripts/eval.py ...`"
+            )
+        model, tokenizer_path = load_pretrained(args.model)
+        results = score(args, model, tokenizer_path)
     print(summary_table(results))
     if args.out:
         report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}
         atomic_write(args.out, json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def score(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    tokenizer_path: str | None,
+    forward: Forward | None = None,
+) -> dict[str, dict]:
+    """Each task's results (`evaluate_tasks`), the model run through `forward` (None: whole
+    on this process)."""
+    tokenizer_path = args.tokenizer or tokenizer_path
+    if tokenizer_path is None:
+        raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
+    tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
+    tasks = [load_task(url) for url in args.tasks]
+    return evaluate_tasks(
+        model, tokenizer, tasks, args.shots, args.seed, args.limit, forward=forward
+    )
 
 
 if __name__ == "__main__":
