@@ -25,11 +25,13 @@ Composer checkpoint, a transformers MPT/Llama folder; or, in Python, the model i
 model's), ``max_gen_toks`` (default 256, as HFLM), ``device`` (lm-eval's CLI passes cuda:0 by
 default; without CUDA the model stays on CPU, logged), ``precision`` (fp32, bf16, fp16),
 ``seed`` (of sampled generation; default 1234, lm-eval's torch seed).
-One process only for now: the mesh `Forward` (llmfoundry/eval/forward.py) and loading a
-sharded checkpoint onto a mesh under torchrun are not in this branch, so a torchrun launch is
-refused. When they are, every rank must run every request (a sharded model needs all ranks in
-each forward): lm-eval 0.4.13 supports exactly that when each rank reports rank 0 of 1 (its
-evaluator then reports on LOCAL_RANK 0 only), which is what `LM` reports by default.
+Under torchrun (``torchrun --nproc-per-node N -m llmfoundry.harness ... --model_args
+checkpoint=PATH,tp=2``) the model is split over the processes as scripts/eval.py splits it
+(llmfoundry/checkpoint/on_mesh.py: ``pp`` stages, ``tp`` ranks, FSDP over the rest; a sharded
+checkpoint read in parts) and scored through `mesh_forward`. Every rank must run every request
+(a split model needs all ranks in each forward), so every rank reports itself as rank 0 of 1
+(`LM`'s default), lm-eval's way for such launchers: it then reports results on LOCAL_RANK 0
+only (on each node, where there are several).
 
 Registration. lm-eval finds a model by name in its registry. No lm-eval release (0.4.13, nor
 the pre-release 0.5.0.dev1) discovers installed plugins; its main branch does (pull request
@@ -46,6 +48,7 @@ lm-eval stays optional: importing this module without it is one line saying what
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -54,8 +57,11 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.core.tokenizer import Tokenizer
+from llmfoundry.distributed import unwrap_model
+from llmfoundry.eval.forward import mesh_forward
 from llmfoundry.eval.scoring import (
     Continuation,
     Forward,
@@ -121,6 +127,28 @@ def _device(requested: str | None) -> torch.device:
     return device
 
 
+def _on_mesh(
+    checkpoint: str | torch.nn.Module, tp: int, pp: int, precision: str, device: str | None
+) -> tuple[torch.nn.Module, str | None, Forward]:
+    """This rank's part of the checkpoint's model split over torchrun's processes as
+    scripts/eval.py splits it (`load_on_mesh`: `pp` stages, `tp` ranks, FSDP over the rest),
+    where its tokenizer is, and the `Forward` every rank runs together."""
+    if not isinstance(checkpoint, str):
+        raise UserError("under torchrun give checkpoint=PATH: each rank loads its own part")
+    if precision != "fp32":
+        raise UserError(
+            f"precision={precision} under torchrun is not supported yet: the split model runs "
+            "in its checkpoint's dtype"
+        )
+    if device is not None:
+        log.info(
+            "device=%s: under torchrun each rank uses its own (LOCAL_RANK's GPU or CPU)", device
+        )
+    loaded = load_on_mesh(checkpoint, tp=tp, pp=pp)
+    atexit.register(loaded.strategy.teardown)
+    return loaded.model, loaded.tokenizer, mesh_forward(loaded.model, loaded.strategy)
+
+
 class FoundryLM(TemplateLM):
     """An lm-eval model over an llmfoundry model (see the module docstring)."""
 
@@ -134,6 +162,8 @@ class FoundryLM(TemplateLM):
         device: str | None = None,
         precision: str = "fp32",
         seed: int | str = 1234,
+        tp: int | str = 1,
+        pp: int | str = 1,
         forward: Forward | None = None,
         **unknown: Any,
     ) -> None:
@@ -142,41 +172,47 @@ class FoundryLM(TemplateLM):
         if unknown:
             raise UserError(
                 f"unknown model_args {sorted(unknown)}: llmfoundry takes checkpoint, tokenizer, "
-                "batch_size, max_seq_len, max_gen_toks, device, precision, seed"
-            )
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise UserError(
-                "lm-eval in process runs on one process for now (the mesh forward is not in "
-                "yet): launch it without torchrun"
+                "batch_size, max_seq_len, max_gen_toks, device, precision, seed, tp, pp"
             )
         if checkpoint is None:
             raise UserError("no checkpoint: pass --model_args checkpoint=PATH")
         if precision not in WEIGHT_DTYPES:
             raise UserError(f"precision={precision!r}: choose one of {sorted(WEIGHT_DTYPES)}")
-        model, tokenizer_path = (
-            (checkpoint, None)
-            if isinstance(checkpoint, torch.nn.Module)
-            else load_pretrained(checkpoint)
-        )
-        self.tokenizer = self._tokenizer(tokenizer or tokenizer_path, model)
-        self.model = model.to(_device(device), WEIGHT_DTYPES[precision]).eval()
-        self.forward = forward or ModelForward(self.model)
+        tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
+        if "RANK" in os.environ and forward is None:  # torchrun's
+            model, tokenizer_path, forward = _on_mesh(checkpoint, tp, pp, precision, device)
+        elif (tp, pp) != (1, 1):
+            raise UserError(
+                f"tp={tp} pp={pp} split the model over torchrun's processes: launch with "
+                "`torchrun --nproc-per-node N -m llmfoundry.harness ...`"
+            )
+        else:
+            model, tokenizer_path = (
+                (checkpoint, None)
+                if isinstance(checkpoint, torch.nn.Module)
+                else load_pretrained(checkpoint)
+            )
+            model = model.to(_device(device), WEIGHT_DTYPES[precision]).eval()
+        self.model = model
+        config = unwrap_model(model).config
+        self.tokenizer = self._tokenizer(tokenizer or tokenizer_path, config.vocab_size)
+        self.forward = forward or ModelForward(model)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_seq_len = _positive_int(
-            "max_seq_len", model.config.max_seq_len if max_seq_len is None else max_seq_len
+            "max_seq_len", config.max_seq_len if max_seq_len is None else max_seq_len
         )
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         self.seed = _whole_number("seed", seed)
 
     @staticmethod
-    def _tokenizer(spec: str | Tokenizer | None, model: torch.nn.Module) -> Tokenizer:
+    def _tokenizer(spec: str | Tokenizer | None, vocab_size: int) -> Tokenizer:
         if spec is None:
             raise UserError("the checkpoint has no tokenizer: pass --model_args tokenizer=PATH")
         tokenizer = prepare_tokenizer(spec, require_eos=False) if isinstance(spec, str) else spec
-        if tokenizer.vocab_size > model.config.vocab_size:
+        if tokenizer.vocab_size > vocab_size:
             raise UserError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                f"vocab_size {model.config.vocab_size}; give the model's tokenizer"
+                f"vocab_size {vocab_size}; give the model's tokenizer"
             )
         if tokenizer.eos_id is None and tokenizer.bos_id is None:
             raise UserError(

@@ -147,7 +147,11 @@ def assert_same(ours: dict, theirs: dict, greedy: bool = True) -> None:
     """Equal accuracies and generations; log-likelihoods (and what follows from them) within
     1e-5. `greedy=False` leaves out whether each continuation was greedy (local-completions
     tells it from the top log-probability only)."""
-    a, b = numbers(ours), numbers(theirs)
+    assert_same_numbers(numbers(ours), numbers(theirs), greedy)
+
+
+def assert_same_numbers(a: dict[str, Any], b: dict[str, Any], greedy: bool = True) -> None:
+    """`assert_same` of two runs' `numbers`."""
     assert a.keys() == b.keys()
     for key in a:
         if key.startswith("tiny_mc acc") or key.startswith("tiny_gen"):

@@ -5,6 +5,7 @@ bad settings refused in one line. The server path: tests/serving/test_server.py.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import shlex
@@ -127,6 +128,8 @@ def test_bad_settings_are_refused_in_one_line(tiny):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, precision="fp64")
     with pytest.raises(UserError, match=r"batch_size='auto': give a positive whole number"):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, batch_size="auto")
+    with pytest.raises(UserError, match="tp=2 pp=1 split the model over torchrun's processes"):
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, tp=2)
     with pytest.raises(UserError, match="no checkpoint: pass --model_args checkpoint=PATH"):
         FoundryLM(tokenizer=tokenizer)
     sampled = Instance("generate_until", {}, ("hello", {"do_sample": True}), 0)
@@ -174,3 +177,23 @@ def test_sampled_generation_is_seeded_per_prompt(tiny):
         assert text == expected
     other = FoundryLM(checkpoint=lm.model, tokenizer=lm.tokenizer, seed=7, max_seq_len=16)
     assert other.generate_until(requests) != texts
+
+
+@pytest.mark.slow  # two processes, each loading torch and lm-eval
+@pytest.mark.parametrize("mesh", ["tp=2", "pp=2"])
+def test_under_torchrun_the_split_model_scores_as_one_process(tiny, tmp_path, mesh):
+    """Under torchrun the model is split (tensor or pipeline parallel over two processes),
+    every rank runs every request, and LOCAL_RANK 0 reports the one-process numbers."""
+    from llmfoundry.harness import FoundryLM
+
+    one = FoundryLM(checkpoint=str(tiny / "ckpt"), max_seq_len=parity.MAX_LEN, device="cpu")
+    expected = json.loads(json.dumps(parity.numbers(parity.evaluate(one, tiny / "tasks"))))
+    out = tmp_path / "numbers.json"
+    command = [sys.executable, str(ROOT / "scripts" / "torchrun.py"), "--standalone"]
+    command += ["--nproc_per_node=2", str(ROOT / "tests" / "eval" / "harness_mesh_worker.py")]
+    command += [str(tiny / "ckpt"), str(tiny / "tasks"), str(out), mesh]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["HF_DATASETS_CACHE"] = str(tiny / "datasets")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parity.assert_same_numbers(json.loads(out.read_text()), expected)
