@@ -82,10 +82,14 @@ try:
     )
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError:
-    raise MissingPackage(
+    _MISSING = (
         "lm-eval in process needs lm-evaluation-harness 0.4.10 or later: "
         "pip install 'lm_eval>=0.4.10'"
-    ) from None
+    )
+    if __name__ == "__main__":  # python -m llmfoundry.harness: one line, as every script
+        print(f"lm_eval: {_MISSING}", file=sys.stderr)
+        sys.exit(2)
+    raise MissingPackage(_MISSING) from None
 
 __all__ = ["MODEL_NAME", "FoundryLM", "main", "register"]
 
@@ -120,7 +124,10 @@ def _device(requested: str | None) -> torch.device:
     cuda:0 unless told otherwise, as HFLM falls back)."""
     if requested is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise UserError(f"device={requested!r}: not a device (cpu, cuda, cuda:1, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         log.warning("device=%s: no CUDA here, the model runs on CPU", requested)
         return torch.device("cpu")
@@ -150,7 +157,9 @@ def _on_mesh(
 
 
 class FoundryLM(TemplateLM):
-    """An lm-eval model over an llmfoundry model (see the module docstring)."""
+    """An lm-eval model over an llmfoundry model (its model args: the module docstring).
+    In Python, `checkpoint` may be the model itself and `tokenizer` a loaded one, and `forward`
+    the model's `Forward` where it is not whole on this process (llmfoundry/eval/forward.py)."""
 
     def __init__(
         self,

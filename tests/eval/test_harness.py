@@ -130,6 +130,8 @@ def test_bad_settings_are_refused_in_one_line(tiny):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, batch_size="auto")
     with pytest.raises(UserError, match="tp=2 pp=1 split the model over torchrun's processes"):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, tp=2)
+    with pytest.raises(UserError, match="device='gpu0': not a device"):
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, device="gpu0")
     with pytest.raises(UserError, match="no checkpoint: pass --model_args checkpoint=PATH"):
         FoundryLM(tokenizer=tokenizer)
     sampled = Instance("generate_until", {}, ("hello", {"do_sample": True}), 0)
@@ -197,3 +199,14 @@ def test_under_torchrun_the_split_model_scores_as_one_process(tiny, tmp_path, me
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     parity.assert_same_numbers(json.loads(out.read_text()), expected)
+
+
+def test_without_lm_eval_the_import_is_one_line_naming_the_fix(monkeypatch):
+    import importlib
+
+    from llmfoundry.utils.errors import MissingPackage
+
+    monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "llmfoundry.harness", raising=False)
+    with pytest.raises(MissingPackage, match=r"pip install 'lm_eval>=0\.4\.10'"):
+        importlib.import_module("llmfoundry.harness")
