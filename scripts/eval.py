@@ -4,7 +4,9 @@
 
 Each .jsonl file is one task, named after the file; its kind (multiple choice, LAMBADA-style
 language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). Prints a
-table of per-task accuracy and writes it with the settings to --out as JSON.
+table of per-task accuracy, the Eval Gauntlet's categories and averages (--gauntlet) and CORE
+(--core), each with a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them
+with the settings to --out as JSON.
 
 Under torchrun the model is split over the processes as training splits it, with the same
 results as one process: --pp stages, --tp tensor-parallel ranks, FSDP over the rest; a sharded
@@ -24,7 +26,8 @@ import torch
 
 from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.eval import evaluate_tasks, load_task, summary_table
+from llmfoundry.eval import evaluate_tasks, load_task
+from llmfoundry.eval.composite import Composites, report_json, report_table
 from llmfoundry.eval.forward import mesh_forward
 from llmfoundry.eval.scoring import Forward
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
@@ -49,6 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer",
         help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
     )
+    p.add_argument("--gauntlet", help="llm-foundry eval_gauntlet YAML: print its composites")
+    p.add_argument("--core", help="YAML of the same shape: print CORE over its benchmarks")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="resamples of the 95%% intervals (default 1000; 0: none)",
+    )
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="its seed (default 0)")
     p.add_argument("--out", help="write the results as JSON here")
     mesh = p.add_argument_group("under torchrun (the model split over its processes)")
     mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
@@ -61,11 +73,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
     if "RANK" in os.environ:  # torchrun's: every process scores, rank 0 reports
         loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp)
         try:
             forward = mesh_forward(loaded.model, loaded.strategy)
-            results = score(args, loaded.model, loaded.tokenizer, forward)
+            results = score(args, composites, loaded.model, loaded.tokenizer, forward)
         finally:
             loaded.strategy.teardown()
         if loaded.strategy.rank != 0:
@@ -77,28 +90,31 @@ def run(args: argparse.Namespace) -> int:
                 f"launch with `torchrun --nproc-per-node N scripts/eval.py ...`"
             )
         model, tokenizer_path = load_pretrained(args.model)
-        results = score(args, model, tokenizer_path)
-    print(summary_table(results))
+        results = score(args, composites, model, tokenizer_path)
+    report = composites.report(results)
+    print(report_table(results, report))
     if args.out:
-        report = {"model": args.model, "shots": args.shots, "seed": args.seed, "tasks": results}
-        atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+        settings = {"model": args.model, "shots": args.shots, "seed": args.seed}
+        atomic_write(args.out, json.dumps(settings | report_json(results, report), indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 
 
 def score(
     args: argparse.Namespace,
+    composites: Composites,
     model: torch.nn.Module,
     tokenizer_path: str | None,
     forward: Forward | None = None,
 ) -> dict[str, dict]:
     """Each task's results (`evaluate_tasks`), the model run through `forward` (None: whole
-    on this process)."""
+    on this process); the tasks are checked against `composites` first."""
     tokenizer_path = args.tokenizer or tokenizer_path
     if tokenizer_path is None:
         raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
     tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
     tasks = [load_task(url) for url in args.tasks]
+    composites.check({(task.name, args.shots) for task in tasks})
     return evaluate_tasks(
         model, tokenizer, tasks, args.shots, args.seed, args.limit, forward=forward
     )

@@ -6,6 +6,7 @@ from llmfoundry.core.engine import Callback, Logger
 from llmfoundry.core.state import State
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
+from llmfoundry.eval.composite import Composites
 from llmfoundry.eval.icl import evaluate_tasks, load_task
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 
@@ -13,7 +14,10 @@ from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 class ICLEval(Callback):
     """At ``EVAL_BEFORE_ALL`` (model in eval mode; the trainer restores the RNG after
     evaluation), score the .jsonl `tasks` (llmfoundry/eval/icl.py) and log
-    ``icl/<task>/accuracy``. Every rank scores the same examples (a sharded model needs all of
+    ``icl/<task>/accuracy``, and the composites (llmfoundry/eval/composite.py) of `gauntlet`, an
+    llm-foundry ``eval_gauntlet`` YAML (path, URL or its mapping), as
+    ``icl/gauntlet/<category or average>``, and CORE over the benchmarks of `core` (a file of the
+    same shape) as ``icl/core``. Every rank scores the same examples (a sharded model needs all of
     them); `limit` keeps it cheap during training. `tokenizer`: a tokenizer.json path or URL,
     or any `Tokenizer`.
     """
@@ -27,6 +31,8 @@ class ICLEval(Callback):
         shots: int = 0,
         seed: int = 17,
         limit: int | None = 100,
+        gauntlet: str | dict | None = None,
+        core: str | dict | None = None,
     ) -> None:
         self.tokenizer = (
             tokenizer
@@ -35,10 +41,13 @@ class ICLEval(Callback):
         )
         self.tasks = [load_task(url) for url in tasks]
         self.shots, self.seed, self.limit = shots, seed, limit
+        self.composites = Composites.read(gauntlet, core, resamples=0)
+        self.composites.check({(task.name, shots) for task in self.tasks})
 
     def eval_before_all(self, state: State, logger: Logger) -> None:
         model = unwrap_model(state.model)
         results = evaluate_tasks(
             model, self.tokenizer, self.tasks, self.shots, self.seed, self.limit
         )
-        logger.log_metrics({f"icl/{name}/accuracy": r["accuracy"] for name, r in results.items()})
+        metrics = {f"icl/{name}/accuracy": r["accuracy"] for name, r in results.items()}
+        logger.log_metrics(metrics | self.composites.metrics(results, "icl/"))

@@ -112,9 +112,9 @@ class _SafeMetadata:
     per reader: `load_shards_state` checks it before ``dcp.load`` asks again (one GET, not two,
     on an object store). `read_data` reads one shard file at a time, so a file that does not
     parse (or a store that stops answering) is an error naming that file, and counts in
-    `bytes_read` what it read: DCP reads each saved chunk a load plan names whole and keeps the
-    part that overlaps this rank's tensor, so this is what a rank held of the checkpoint while
-    loading (a mesh load reports it: llmfoundry/checkpoint/on_mesh.py)."""
+    `bytes_read` what it read: DCP reads each saved chunk a load plan names whole (one at a
+    time) and keeps the part that overlaps this rank's tensor, so this is how much of the
+    checkpoint a rank read while loading (a mesh load reports it: checkpoint/on_mesh.py)."""
 
     _metadata: dcp_metadata.Metadata | None = None
     bytes_read = 0

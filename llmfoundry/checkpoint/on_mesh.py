@@ -32,7 +32,7 @@ from torch import nn
 from llmfoundry.checkpoint.catalogue import SHARDED_DIR
 from llmfoundry.checkpoint.formats import OurFormat, locate, read_run_together
 from llmfoundry.checkpoint.ours import checkpoint_tokenizer, model_config
-from llmfoundry.checkpoint.pretrained import is_hf_folder, read_pretrained
+from llmfoundry.checkpoint.pretrained import Pretrained, is_hf_folder, read_pretrained
 from llmfoundry.checkpoint.reader import read_state
 from llmfoundry.checkpoint.sharded import DCP_METADATA, load_model_shards
 from llmfoundry.checkpoint.state import load_model_state_dict
@@ -84,15 +84,7 @@ def load_on_mesh(path: str, tp: int = 1, pp: int = 1, device: str = "auto") -> O
         if whole is None:
             _load_shards(shards, model, strategy)
         else:
-            held = model.state_dict().keys()  # a pipeline stage's: its own modules'
-            weights = {k: v for k, v in whole.model.state_dict().items() if k in held}
-            load_model_state_dict(strategy, model, weights)
-            del whole, weights
-            log.info(
-                "%s has no shards: every rank read its weights whole, then kept its part "
-                "(pp=%d x fsdp=%d x tp=%d)",
-                path, strategy.dims.pp, strategy.dims.dp_shard, strategy.dims.tp,
-            )  # fmt: skip
+            _load_whole(whole, model, strategy)
     except BaseException:
         strategy.teardown()
         raise
@@ -142,6 +134,19 @@ def _check_mesh(model: nn.Module, tp: int, pp: int) -> None:
             f"pp={pp} exceeds the model's {len(plan.blocks)} blocks (each pipeline stage holds "
             f"at least one); use at most pp={len(plan.blocks)}"
         )
+
+
+def _load_whole(whole: Pretrained, model: nn.Module, strategy: FSDP) -> None:
+    """This rank's part of the weights of `whole` (read whole on every rank)."""
+    held = model.state_dict().keys()  # a pipeline stage's: its own modules'
+    weights = {k: v for k, v in whole.model.state_dict().items() if k in held}
+    load_model_state_dict(strategy, model, weights)
+    dims = strategy.dims
+    log.info(
+        "the checkpoint has no shards: every rank read its weights whole, then kept its part "
+        "(pp=%d x fsdp=%d x tp=%d)",
+        dims.pp, dims.dp_shard, dims.tp,
+    )  # fmt: skip
 
 
 def _load_shards(checkpoint: str, model: nn.Module, strategy: FSDP) -> None:

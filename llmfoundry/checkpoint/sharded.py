@@ -129,17 +129,11 @@ def load_shards(
 
 
 def load_model_shards(folder: str, model: torch.nn.Module) -> tuple[int, int]:
-    """Load the model weights alone from the DCP shards in `folder` onto `model` as this rank
-    holds it (a collective): its DTensor shards, a pipeline stage's part. No optimizer is
-    needed (an evaluation has none); DCP reads only the saved chunks that overlap what this
-    rank holds. Returns the bytes this rank read from the shard files, and the bytes of the
-    model weights in all of them."""
-    if written_by_deepspeed(folder):
-        raise UserError(
-            f"{folder} holds DeepSpeed's shards (saved with strategy=deepspeed), which only "
-            "DeepSpeed's engine reads: write its whole weights with DeepSpeed's zero_to_fp32.py "
-            "and load those"
-        )
+    """Load the model weights alone from the DCP shards in `folder` (not DeepSpeed's) onto
+    `model` as this rank holds it (a collective): its DTensor shards, a pipeline stage's part.
+    No optimizer is needed (an evaluation has none); DCP reads only the saved chunks that
+    overlap what this rank holds. Returns the bytes this rank read from the shard files, and
+    the bytes of the model weights in all of them."""
     reader = shard_reader(folder)
     total = sum(
         stored.length

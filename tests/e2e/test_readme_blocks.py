@@ -91,6 +91,8 @@ CLAIMS = {
     "python scripts/import_hf.py mpt-hf": VALIDATED + ", tests/models/test_mpt_foundry_folders.py",
     "python scripts/generate.py tests/fixtures/foundry/alibi/ep0-ba4-rank0.pt": VALIDATED
     + ", tests/checkpoint/test_composer.py",
+    "python scripts/eval.py outputs/my-run/checkpoints pick2.jsonl": VALIDATED
+    + ", tests/eval/test_composite.py",
     "python -m llmfoundry.harness --model llmfoundry": "tests/eval/test_harness.py",
 }
 
