@@ -11,18 +11,30 @@ relative dataset_uri paths are read from the current directory). Prints a table 
 accuracy, the Eval Gauntlet's categories and averages (--gauntlet) and CORE (--core), each with
 a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them with the settings to
 --out as JSON.
+
+Under torchrun the model is split over the processes as training splits it, with the same
+results as one process: --pp stages, --tp tensor-parallel ranks, FSDP over the rest; a sharded
+checkpoint is read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
+
+    torchrun --nproc-per-node 4 scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --tp 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+import torch
+
+from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import load_pretrained
 from llmfoundry.eval import evaluate_tasks, load_tasks
 from llmfoundry.eval.composite import Composites, report_json, report_table
+from llmfoundry.eval.forward import mesh_forward
 from llmfoundry.eval.icl import BATCH_SIZE
+from llmfoundry.eval.scoring import Forward
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
 from llmfoundry.utils.errors import UserError
@@ -65,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--bootstrap-seed", type=int, default=0, help="its seed (default 0)")
     p.add_argument("--out", help="write the results as JSON here")
+    mesh = p.add_argument_group("under torchrun (the model split over its processes)")
+    mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    mesh.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
@@ -74,16 +89,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
-    model, tokenizer_path = load_pretrained(args.model)
-    tokenizer_path = args.tokenizer or tokenizer_path
-    if tokenizer_path is None:
-        raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
-    tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
-    tasks = load_tasks(args.tasks)
-    composites.check({task.benchmark(args.shots) for task in tasks})
-    results = evaluate_tasks(
-        model, tokenizer, tasks, args.shots, args.seed, args.limit, batch_size=args.batch_size
-    )
+    if "RANK" in os.environ:  # torchrun's: every process scores, rank 0 reports
+        loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp)
+        try:
+            forward = mesh_forward(loaded.model, loaded.strategy)
+            results = score(args, composites, loaded.model, loaded.tokenizer, forward)
+        finally:
+            loaded.strategy.teardown()
+        if loaded.strategy.rank != 0:
+            return 0
+    else:
+        if args.tp != 1 or args.pp != 1:
+            raise UserError(
+                f"--tp {args.tp} --pp {args.pp} split the model over torchrun's processes: "
+                f"launch with `torchrun --nproc-per-node N scripts/eval.py ...`"
+            )
+        model, tokenizer_path = load_pretrained(args.model)
+        results = score(args, composites, model, tokenizer_path)
     report = composites.report(results)
     print(report_table(results, report))
     if args.out:
@@ -91,6 +113,33 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(args.out, json.dumps(settings | report_json(results, report), indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def score(
+    args: argparse.Namespace,
+    composites: Composites,
+    model: torch.nn.Module,
+    tokenizer_path: str | None,
+    forward: Forward | None = None,
+) -> dict[str, dict]:
+    """Each task's results (`evaluate_tasks`), the model run through `forward` (None: whole
+    on this process); the tasks are checked against `composites` first."""
+    tokenizer_path = args.tokenizer or tokenizer_path
+    if tokenizer_path is None:
+        raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
+    tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
+    tasks = load_tasks(args.tasks)
+    composites.check({task.benchmark(args.shots) for task in tasks})
+    return evaluate_tasks(
+        model,
+        tokenizer,
+        tasks,
+        args.shots,
+        args.seed,
+        args.limit,
+        forward=forward,
+        batch_size=args.batch_size,
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"data", "models", "loggers"},
     {"distributed"},
     {"checkpoint", "optim", "eval"},
-    {"algorithms", "callbacks", "config", "serving", "planning"},
+    {"algorithms", "callbacks", "config", "serving", "planning", "harness"},
     {"trainer", "launch"},
     {"build"},
 ]

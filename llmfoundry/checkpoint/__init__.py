@@ -5,7 +5,8 @@ change on resume (compat.py), one run per folder (lock.py), preemption signals.
 Model and optimizer state is read and written here too, whatever the strategy: whole tensors
 (state.py), each rank's shards through torch.distributed.checkpoint (sharded.py,
 dcp_reader.py), DeepSpeed's engine's own files (deepspeed.py); strategies know nothing of
-checkpoints beyond their `sharded_checkpoints`/`async_save` flags.
+checkpoints beyond their `sharded_checkpoints`/`async_save` flags. A trained model split over
+torchrun's processes for evaluation, each reading only its part of the shards: on_mesh.py.
 
 Settings (top-level keys of conf/train.yaml): save_folder, save_interval,
 num_checkpoints_to_keep, load_path, load_ignore_keys, autoresume, save_overwrite.

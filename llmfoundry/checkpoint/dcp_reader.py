@@ -111,9 +111,13 @@ class _SafeMetadata:
     """`read_metadata` in place of DCP's ``pickle.load`` (mixed into DCP's readers). Read once
     per reader: `load_shards_state` checks it before ``dcp.load`` asks again (one GET, not two,
     on an object store). `read_data` reads one shard file at a time, so a file that does not
-    parse (or a store that stops answering) is an error naming that file."""
+    parse (or a store that stops answering) is an error naming that file, and counts in
+    `bytes_read` what it read: DCP reads each saved chunk a load plan names whole (one at a
+    time) and keeps the part that overlaps this rank's tensor, so this is how much of the
+    checkpoint a rank read while loading (a mesh load reports it: checkpoint/on_mesh.py)."""
 
     _metadata: dcp_metadata.Metadata | None = None
+    bytes_read = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         if self._metadata is None:
@@ -133,6 +137,7 @@ class _SafeMetadata:
                 item
             )
         for relative_path, items in per_file.items():
+            self.bytes_read += sum(self.storage_data[item.storage_index].length for item in items)
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except (CheckpointError, AssertionError):  # (DCP's check that a tensor fits)

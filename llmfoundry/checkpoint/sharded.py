@@ -128,6 +128,24 @@ def load_shards(
         load_sharded_state(model, optimizer, state, by_name)
 
 
+def load_model_shards(folder: str, model: torch.nn.Module) -> tuple[int, int]:
+    """Load the model weights alone from the DCP shards in `folder` (not DeepSpeed's) onto
+    `model` as this rank holds it (a collective): its DTensor shards, a pipeline stage's part.
+    No optimizer is needed (an evaluation has none); DCP reads only the saved chunks that
+    overlap what this rank holds. Returns the bytes this rank read from the shard files, and
+    the bytes of the model weights in all of them."""
+    reader = shard_reader(folder)
+    total = sum(
+        stored.length
+        for index, stored in reader.read_metadata().storage_data.items()
+        if index.fqn.startswith("model.")
+    )
+    state = {"model": get_model_state_dict(model)}
+    load_shards_state(state, folder, reader=reader)
+    set_model_state_dict(model, state["model"])
+    return reader.bytes_read, total
+
+
 def written_by_deepspeed(folder: str) -> bool:
     """Whether the shards folder `folder` holds DeepSpeed's engine files (deepspeed.py) rather
     than torch.distributed.checkpoint's (its `.metadata`): the two formats of our shards."""

@@ -83,22 +83,23 @@ def parallelize(
     return apply_fsdp(model, plan.blocks, mesh.dp_mesh, **settings.fsdp)
 
 
-def check_tensor_parallel(plan: ParallelPlan, tp: int) -> None:
+def check_tensor_parallel(plan: ParallelPlan, tp: int, setting: str = "strategy.tp") -> None:
     """Refuse (one line, on every rank alike, before any collective) a tensor-parallel degree
     the model cannot take: a family without a layout, compiled blocks (torch 2.13's compiled
     backward through DTensor redistributions fails: probed on CPU with MPT's and Llama's
-    layouts), or sizes `tp` does not divide."""
+    layouts), or sizes `tp` does not divide. `setting` names where `tp` came from (the config
+    key, or a script's flag)."""
     if plan.tensor_parallel is None:
-        raise UserError(f"strategy.tp={tp}: {plan.tensor_parallel_refusal}")
+        raise UserError(f"{setting}={tp}: {plan.tensor_parallel_refusal}")
     if plan.compile:  # torch 2.13: a DTensor redistribute's backward gets a plain tensor
         raise UserError(
-            f"strategy.tp={tp} with compiled blocks (model.compile=true): in torch 2.13 their "
+            f"{setting}={tp} with compiled blocks (model.compile=true): in torch 2.13 their "
             "backward fails under tensor parallelism; set model.compile=false"
         )
     uneven = [f"{name}={size}" for name, size in plan.tp_divides.items() if size % tp]
     if uneven:
         raise UserError(
-            f"strategy.tp={tp} does not divide the model's {', '.join(uneven)}: choose a tp "
+            f"{setting}={tp} does not divide the model's {', '.join(uneven)}: choose a tp "
             "that divides each (or a model whose sizes it divides)"
         )
 

@@ -87,11 +87,13 @@ class Scored:
 
 
 def _window(request: Continuation, max_seq_len: int) -> list[int]:
-    """Context and continuation, the context's start cut where both exceed `max_seq_len`."""
+    """Context and continuation, the context's start cut where both exceed `max_seq_len` + 1:
+    the last token is only predicted, never an input, so the model sees `max_seq_len` tokens
+    (as lm-evaluation-harness cuts: its rolling windows are `max_seq_len` + 1 long)."""
     answer = list(request.continuation)
     if not answer:
         raise UserError("a continuation that tokenizes to nothing cannot be scored")
-    ids = (list(request.context) + answer)[-max_seq_len:]
+    ids = (list(request.context) + answer)[-(max_seq_len + 1) :]
     if len(ids) <= len(answer):
         raise UserError(
             f"a continuation of {len(answer)} tokens leaves no room for its context in "
@@ -128,7 +130,7 @@ def score_continuations(
     results: list[Scored | None] = [None] * len(windows)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        width = max(len(windows[i]) for i in rows)
+        width = max(len(windows[i]) for i in rows) - 1  # the last token is not an input
         span = max(answers[i] for i in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         # positions[b, j]: where the logits predicting row b's j-th continuation token are
@@ -136,9 +138,9 @@ def score_continuations(
         targets = torch.zeros(len(rows), span, dtype=torch.long)
         for b, i in enumerate(rows):
             n, a = len(windows[i]), answers[i]
-            ids[b, :n] = torch.tensor(windows[i])
+            ids[b, : n - 1] = torch.tensor(windows[i][:-1])
             positions[b, :a] = torch.arange(n - a - 1, n - 1)
-            targets[b, :a] = ids[b, n - a : n]
+            targets[b, :a] = torch.tensor(windows[i][n - a :])
 
         out = forward(ids, functools.partial(_continuation_scores, positions, targets))
         for b, i in enumerate(rows):

@@ -95,6 +95,7 @@ CLAIMS = {
     + ", tests/checkpoint/test_composer.py",
     "python scripts/eval.py outputs/my-run/checkpoints pick2.jsonl": VALIDATED
     + ", tests/eval/test_composite.py",
+    "python -m llmfoundry.harness --model llmfoundry": "tests/eval/test_harness.py",
 }
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from llmfoundry.eval.composite import (
     Composites,
@@ -210,11 +211,9 @@ def test_eval_script_prints_and_writes_intervals_and_composites(checkpoint, caps
 
 
 def test_callback_logs_the_composites(checkpoint):
-    import torch
-
     from llmfoundry.callbacks.icl_eval import ICLEval
     from llmfoundry.core.precision import Precision
-    from llmfoundry.distributed import SingleDevice
+    from llmfoundry.distributed.single import SingleDevice
 
     folder, mc, lm = checkpoint
     bench = lambda name, b: {"name": name, "num_fewshot": 0, "random_baseline": b}  # noqa: E731

@@ -24,9 +24,9 @@ def tiny_model() -> MPTForCausalLM:
 def by_hand(model: MPTForCausalLM, request: Continuation) -> tuple[float, bool]:
     ids = list(request.context) + list(request.continuation)
     with torch.no_grad():
-        logprobs = F.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+        logprobs = F.log_softmax(model(torch.tensor([ids[:-1]]))[0].float(), dim=-1)
     start = len(request.context)
-    rows = logprobs[start - 1 : len(ids) - 1]
+    rows = logprobs[start - 1 :]
     target = torch.tensor(list(request.continuation))
     return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
 
@@ -48,6 +48,17 @@ def test_batched_scores_equal_one_row_at_a_time():
         logprob, greedy = by_hand(model, request)
         assert abs(got.logprob - logprob) < 1e-4 and got.greedy == greedy
         assert got.tokens == len(request.continuation)
+
+
+def test_a_window_of_max_seq_len_plus_one_keeps_its_context():
+    """lm-eval's rolling windows are max_seq_len + 1 tokens (one of context, max_seq_len
+    predicted): the last is never an input, so the model sees max_seq_len and the one context
+    token stays."""
+    model = tiny_model()
+    request = Continuation([7, 8, 9], list(range(10, 42)))
+    (got,) = score_continuations(ModelForward(model), [request], max_seq_len=32)
+    logprob, greedy = by_hand(model, Continuation([9], request.continuation))
+    assert abs(got.logprob - logprob) < 1e-4 and got.greedy == greedy
 
 
 def test_greedy_continue_equals_the_cached_decoder():

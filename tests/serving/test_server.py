@@ -394,3 +394,48 @@ def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_p
     )
     assert ours == 0.5
     assert results["results"]["tiny_mc"]["acc,none"] == ours
+
+
+def test_lm_eval_in_process_equals_the_server_and_hflm(served_model, server, tmp_path, monkeypatch):
+    """Issue 35: lm-eval in process (llmfoundry/harness.py) scores the three local tasks
+    (multiple choice, rolling perplexity, generate_until) as lm-eval's local-completions client
+    against this server and as HFLM on the transformers export: every sample's responses and
+    metric equal (log-likelihoods to 1e-5, accuracies and generated text exactly)."""
+    pytest.importorskip("accelerate")  # HFLM's
+    from lm_eval.api.registry import get_model
+    from lm_eval.models.huggingface import HFLM
+
+    from llmfoundry.harness import FoundryLM
+    from llmfoundry.models.mpt.hf import export_to_hf
+    from llmfoundry.tokenizers.tokenizer import EOS_TOKEN
+    from tests.eval import lm_eval_parity as parity
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    parity.skip_environment_report(monkeypatch)
+    model, tokenizer_path = load_pretrained(str(served_model / "ckpt"))
+    tokenizer = prepare_tokenizer(tokenizer_path)
+    parity.check_prompts_fit(tokenizer.encode)
+    export_to_hf(model, tmp_path / "hf", tokenizer=tokenizer.tokenizer, eos_token=EOS_TOKEN)
+    tasks = parity.write_tasks(tmp_path)
+
+    ours = parity.evaluate(
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, max_seq_len=parity.MAX_LEN), tasks
+    )
+    client = get_model("local-completions")(
+        model=MODEL,
+        base_url=f"{server}/v1/completions",
+        tokenizer=str(tmp_path / "hf"),
+        tokenizer_backend="huggingface",
+        max_length=parity.api_max_length(),
+        max_retries=1,
+    )
+    served = parity.evaluate(client, tasks)
+    hf = HFLM(
+        pretrained=str(tmp_path / "hf"), max_length=parity.MAX_LEN, batch_size=1, device="cpu"
+    )
+    transformers = parity.evaluate(hf, tasks)
+    print(parity.summary({"in process": ours, "server": served, "HFLM": transformers}))
+    parity.assert_same(ours, transformers)
+    parity.assert_same(ours, served, greedy=False)
