@@ -1,12 +1,16 @@
-"""Score a checkpoint or a transformers (MPT or Llama) folder on in-context-learning tasks (.jsonl files).
+"""Score a checkpoint or a transformers (MPT or Llama) folder on in-context-learning tasks (.jsonl files, or llm-foundry icl_tasks YAMLs).
 
     python scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --shots 3 --out eval.json
+    python scripts/eval.py outputs/my-run/checkpoints tasks_v0.3.yaml --out eval.json
 
 Each .jsonl file is one task, named after the file; its kind (multiple choice, LAMBADA-style
-language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). Prints a
-table of per-task accuracy, the Eval Gauntlet's categories and averages (--gauntlet) and CORE
-(--core), each with a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them
-with the settings to --out as JSON.
+language modelling, exact-match QA) follows from its fields (llmfoundry/eval/icl.py). A .yaml
+or .yml file is an llm-foundry icl_tasks YAML: one task per entry and num_fewshot, named
+<label>/<n>-shot and scored as llm-foundry scores it (llmfoundry/eval/foundry_tasks.py; its
+relative dataset_uri paths are read from the current directory). Prints a table of per-task
+accuracy, the Eval Gauntlet's categories and averages (--gauntlet) and CORE (--core), each with
+a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them with the settings to
+--out as JSON.
 
 Under torchrun the model is split over the processes as training splits it, with the same
 results as one process: --pp stages, --tp tensor-parallel ranks, FSDP over the rest; a sharded
@@ -26,9 +30,10 @@ import torch
 
 from llmfoundry.checkpoint.on_mesh import load_on_mesh
 from llmfoundry.checkpoint.pretrained import load_pretrained
-from llmfoundry.eval import evaluate_tasks, load_task
+from llmfoundry.eval import evaluate_tasks, load_tasks
 from llmfoundry.eval.composite import Composites, report_json, report_table
 from llmfoundry.eval.forward import mesh_forward
+from llmfoundry.eval.icl import BATCH_SIZE
 from llmfoundry.eval.scoring import Forward
 from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from llmfoundry.utils.cli import add_script_arguments, script_errors
@@ -44,10 +49,20 @@ def main(argv: list[str] | None = None) -> int:
         help="checkpoint, save folder (its latest), Composer checkpoint (*-rank0.pt or its sharded "
         "folder) or transformers MPT/Llama folder",
     )
-    p.add_argument("tasks", nargs="+", help=".jsonl task files (local paths or URLs)")
-    p.add_argument("--shots", type=int, default=0, help="examples before each query (default 0)")
+    p.add_argument(
+        "tasks", nargs="+", help=".jsonl task files or icl_tasks .yaml files (paths or URLs)"
+    )
+    p.add_argument(
+        "--shots", type=int, default=0, help="examples before each .jsonl query (default 0)"
+    )
     p.add_argument("--seed", type=int, default=17, help="seed of the shot choice (default 17)")
     p.add_argument("--limit", type=int, help="score only the first N examples of each task")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help=f"rows per forward (default {BATCH_SIZE})",
+    )
     p.add_argument(
         "--tokenizer",
         help="tokenizer.json, folder, .model, .tiktoken or tiktoken:NAME (default: the model's)",
@@ -113,10 +128,17 @@ def score(
     if tokenizer_path is None:
         raise UserError(f"{args.model} has no tokenizer; pass --tokenizer tokenizer.json")
     tokenizer = prepare_tokenizer(tokenizer_path, require_eos=False)
-    tasks = [load_task(url) for url in args.tasks]
-    composites.check({(task.name, args.shots) for task in tasks})
+    tasks = load_tasks(args.tasks)
+    composites.check({task.benchmark(args.shots) for task in tasks})
     return evaluate_tasks(
-        model, tokenizer, tasks, args.shots, args.seed, args.limit, forward=forward
+        model,
+        tokenizer,
+        tasks,
+        args.shots,
+        args.seed,
+        args.limit,
+        forward=forward,
+        batch_size=args.batch_size,
     )
 
 

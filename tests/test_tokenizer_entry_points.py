@@ -80,7 +80,9 @@ def test_eval_script(kind, files, model, tmp_path, capsys):
         script("eval")([str(files["ckpt"]), str(task), "--tokenizer", spec, "--out", str(out)]) == 0
     )
     want = evaluate_tasks(model, prepare_tokenizer(spec, require_eos=False), [load_task(str(task))])
-    assert json.loads(out.read_text())["tasks"] == json.loads(json.dumps(want))
+    got = json.loads(out.read_text())["tasks"]
+    got = {name: {k: v for k, v in r.items() if k != "ci95"} for name, r in got.items()}
+    assert got == json.loads(json.dumps(want))
 
 
 @pytest.mark.parametrize("kind", ["model", "tiktoken"])

@@ -94,7 +94,9 @@ def test_icl_evaluation_scores_every_kind_with_any_tokenizer(model, tmp_path):
     # A bigram "model" (logits depend on the current byte only) that follows x with y.
     table = torch.zeros(257, 257)
     table[ord("x"), ord("y")] = 5.0
-    scored = evaluate_tasks(model, ByteTokenizer(), tasks[1:], logits_fn=lambda ids: table[ids])
+    scored = evaluate_tasks(
+        model, ByteTokenizer(), tasks[1:], forward=lambda ids, reduce: reduce(table[ids])
+    )
     assert scored["mc"]["accuracy"] == 1.0 and scored["lm"]["accuracy"] == 1.0
     small = MPTForCausalLM(MPTConfig(d_model=32, n_heads=2, n_layers=1, vocab_size=200))
     with pytest.raises(ValueError, match="the tokenizer has 257 tokens, more than"):

@@ -1,64 +1,190 @@
-"""In-context-learning evaluation: accuracy of a causal LM on .jsonl tasks, n-shot, seeded.
+"""In-context-learning evaluation: accuracy of a causal LM on tasks, batched, on any mesh.
 
-A task is one .jsonl file; its kind follows from the fields of its lines:
+Tasks come in two formats, each prepared into the same tokenized `Question`s:
 
-- multiple choice, ``{"query": str, "choices": [str, ...], "gold": int}``: the prediction is
-  the choice whose tokens, after the prompt, have the lowest mean loss per token (length
-  normalised, so a long choice is not penalised for being long);
-- language modelling (LAMBADA style), ``{"context": str, "continuation": str}`` (the passage and
-  its last word, e.g. " dog"): correct when the most likely token at every position of the
-  continuation (teacher forcing) is the continuation's token;
-- question answering, ``{"question": str, "answer": str | [str, ...]}``: the model continues
-  ``"Q: {question}\\nA:"`` greedily (``generation.generate``) to a newline or
-  ``max_new_tokens``; correct when the stripped line equals an answer exactly.
+- ours, one .jsonl file per task (`load_task`), its kind following from its lines' fields:
 
-n-shot prompts put ``shots`` other examples of the same task (with their answers) before each
-query, chosen by a generator seeded with ``(seed, task name, example index)``, so results do not
-depend on the order or the number of tasks. Prompt and answer are tokenized separately (as the
-answer is scored on its own tokens); a prompt longer than the model's context loses its start.
+  - multiple choice, ``{"query": str, "choices": [str, ...], "gold": int}``: the prediction is
+    the choice whose tokens, after the prompt, have the lowest mean loss per token (length
+    normalised, so a long choice is not penalised for being long);
+  - language modelling (LAMBADA style), ``{"context": str, "continuation": str}`` (the passage
+    and its last word, e.g. " dog"): correct when the most likely token at every position of
+    the continuation (teacher forcing) is the continuation's token;
+  - question answering, ``{"question": str, "answer": str | [str, ...]}``: the model continues
+    ``"Q: {question}\\nA:"`` greedily to a newline or ``max_new_tokens``; correct when the
+    stripped line equals an answer exactly.
 
-Scoring only needs ``logits_fn(input_ids [1, L]) -> logits [1, L, V]``, so the same code scores
-our model and transformers' (tests compare the two on an exported model).
+  n-shot prompts put ``shots`` other examples of the same task (with their answers) before each
+  query, chosen by a generator seeded with ``(seed, task name, example index)``, so results do
+  not depend on the order or the number of tasks. Prompt and answer are tokenized separately
+  (the answer is scored on its own tokens); a prompt longer than the model's context loses its
+  start.
+- llm-foundry's ``icl_tasks`` YAML entries and task files (llmfoundry/eval/foundry_tasks.py),
+  scored as llm-foundry scores them.
+
+Scoring runs on llmfoundry/eval/scoring.py: all of a task's ranked continuations in one
+`score_continuations` call and all its prompts to answer in one `greedy_continue` call,
+`batch_size` rows per forward, through a `Forward` (the whole model on this process by default;
+a mesh's runs it where the model is sharded), so the same code scores any model on any mesh.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import Any, Literal, Protocol
 
 from llmfoundry.core.tokenizer import Tokenizer
-from llmfoundry.eval.scoring import Forward, greedy_continue
+from llmfoundry.eval.scoring import (
+    Continuation,
+    Forward,
+    ModelForward,
+    greedy_continue,
+    score_continuations,
+)
 from llmfoundry.models.family import CausalLM
-from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.jsonl import read_jsonl
 
-__all__ = ["KINDS", "Task", "evaluate_tasks", "load_task", "score_example", "summary_table"]
+__all__ = [
+    "BATCH_SIZE",
+    "KINDS",
+    "EvalTask",
+    "Generation",
+    "Prepared",
+    "Question",
+    "Task",
+    "evaluate_tasks",
+    "load_task",
+    "summary_table",
+]
 
 log = logging.getLogger(__name__)
 
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 KINDS = {
     "multiple_choice": ("query", "choices", "gold"),
     "language_modeling": ("context", "continuation"),
     "qa": ("question", "answer"),
 }
 SEPARATOR = "\n\n"
+# Rows per forward: enough that an accelerator is not left idle by one-row forwards, few enough
+# that the [batch, length, vocab] logits of 2k-token rows and a 50k vocabulary (6.5 GB in fp32)
+# fit. On a CPU 4, 16 and 64 cost the same (bench/RESULTS.md).
+BATCH_SIZE = 16
+QA_MAX_NEW_TOKENS = 32
+
+# How a prepared task's questions are answered: "choice", the choice of lowest mean loss per
+# token; "greedy", the one continuation right when each of its tokens is the most likely;
+# "generate", the greedy continuation of the prompt, judged against the answers.
+Rule = Literal["choice", "greedy", "generate"]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One example with its shots, tokenized: the `choices` (continuations after their
+    contexts) that the "choice" and "greedy" rules score, `gold` the right one; or the `prompt`
+    that the "generate" rule continues, and the `answers` it is judged against."""
+
+    choices: tuple[Continuation, ...] = ()
+    gold: int = 0
+    prompt: tuple[int, ...] = ()
+    answers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How a task's prompts are continued and judged: greedily, up to `max_new_tokens`, to
+    `eos_id` or the first of the `stop` strings; the text, cut before a stop string, is right
+    when `judge(text, answers)`."""
+
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    eos_id: int | None
+    judge: Callable[[str, Sequence[str]], bool]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A task ready to score: `name` keys its results, `label` is the task without its shots
+    (llm-foundry's ``label``), `categories` each question's category where the task has them."""
+
+    name: str
+    label: str
+    kind: str
+    rule: Rule
+    shots: int
+    max_seq_len: int
+    questions: list[Question]
+    generation: Generation | None = None
+    categories: list[str] | None = None
+
+
+class EvalTask(Protocol):
+    """A task `evaluate_tasks` scores: ours (`Task`) or llm-foundry's (`FoundryTask`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def benchmark(self, shots: int) -> tuple[str, int]:
+        """The ``(label, shots)`` its results carry (composites find benchmarks by it), when
+        our .jsonl tasks are given `shots`."""
+
+    def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
+        """Raise `UserError` for what would fail `prepare`, cheaply (before any is scored)."""
+
+    def prepare(
+        self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
+    ) -> Prepared: ...
+
+
+def _exact_line(text: str, answers: Sequence[str]) -> bool:
+    return text.strip() in [a.strip() for a in answers]
 
 
 @dataclass(frozen=True)
 class Task:
+    """One of our .jsonl tasks (module docstring)."""
+
     name: str
     kind: str
     examples: list[dict[str, Any]]
+
+    def benchmark(self, shots: int) -> tuple[str, int]:
+        return self.name, shots
+
+    def check(self, tokenizer: Tokenizer, max_seq_len: int, shots: int) -> None:
+        _check_shots(self, shots)
+
+    def prepare(
+        self, tokenizer: Tokenizer, max_seq_len: int, shots: int, seed: int, limit: int | None
+    ) -> Prepared:
+        _check_shots(self, shots)
+        n = len(self.examples) if limit is None else min(limit, len(self.examples))
+        questions = [self._question(tokenizer, i, _prefix(self, i, shots, seed)) for i in range(n)]
+        rule: Rule = {"multiple_choice": "choice", "language_modeling": "greedy"}.get(
+            self.kind, "generate"
+        )
+        qa = Generation(QA_MAX_NEW_TOKENS, ("\n",), None, _exact_line)
+        return Prepared(
+            self.name, self.name, self.kind, rule, shots, max_seq_len, questions,
+            qa if rule == "generate" else None,
+        )  # fmt: skip
+
+    def _question(self, tokenizer: Tokenizer, index: int, prefix: str) -> Question:
+        ex = self.examples[index]
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        if self.kind == "multiple_choice":
+            prompt = encode(prefix + ex["query"])
+            choices = tuple(Continuation(prompt, encode(c)) for c in ex["choices"])
+            return Question(choices, ex["gold"])
+        if self.kind == "language_modeling":
+            context = encode(prefix + ex["context"])
+            return Question((Continuation(context, encode(ex["continuation"])),))
+        prompt = encode(f"{prefix}Q: {ex['question']}\nA:")
+        return Question(prompt=tuple(prompt), answers=tuple(ex["answer"]))
 
 
 def _kind(example: dict[str, Any], where: str) -> str:
@@ -119,128 +245,138 @@ def _prefix(task: Task, index: int, shots: int, seed: int) -> str:
     return "".join(_shot(task, task.examples[i]) for i in chosen)
 
 
-def _continuation_logprobs(
-    logits_fn: LogitsFn, prompt: list[int], answer: list[int], max_seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probabilities [A, V] at the positions predicting `answer`'s A tokens, and `answer`."""
-    if not answer:
-        raise UserError("an answer that tokenizes to nothing cannot be scored")
-    ids = (prompt + answer)[-max_seq_len:]
-    if len(ids) <= len(answer):
-        raise UserError(f"an answer of {len(answer)} tokens leaves no room for its prompt")
-    with torch.no_grad():
-        logits = logits_fn(torch.tensor([ids]))[0].float()
-    start = len(ids) - len(answer)
-    return F.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1), torch.tensor(answer)
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` before the first of the `stop` strings it holds (all of it when none)."""
+    hits = [text.find(s) for s in stop if s in text]
+    return text[: min(hits)] if hits else text
 
 
-def score_example(
-    logits_fn: LogitsFn,
-    tokenizer: Tokenizer,
-    task: Task,
-    index: int,
-    prefix: str,
-    max_seq_len: int,
-    model: CausalLM | None = None,
-    max_new_tokens: int = 32,
-    forward: Forward | None = None,
-) -> tuple[bool, Any]:
-    """Whether the model answers example `index` of `task` right (module docstring: kinds),
-    and its answer: the chosen index, the predicted token ids, or the generated text.
-    `forward`: the model's where it is not whole on this process (questions are answered
-    through it, by recompute)."""
-    ex = task.examples[index]
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    if task.kind == "multiple_choice":
-        prompt = encode(prefix + ex["query"])
-        losses = []
-        for choice in ex["choices"]:
-            logprobs, answer = _continuation_logprobs(
-                logits_fn, prompt, encode(choice), max_seq_len
-            )
-            losses.append(-logprobs.gather(1, answer[:, None]).mean().item())
-        choice = min(range(len(losses)), key=losses.__getitem__)
-        return choice == ex["gold"], choice
-    if task.kind == "language_modeling":
-        logprobs, answer = _continuation_logprobs(
-            logits_fn, encode(prefix + ex["context"]), encode(ex["continuation"]), max_seq_len
-        )
-        predicted = logprobs.argmax(dim=-1)
-        return bool((predicted == answer).all()), predicted.tolist()
-    if model is None:
-        raise ValueError(f"task {task.name}: question answering generates, so it needs the model")
-    prompt = encode(f"{prefix}Q: {ex['question']}\nA:")
-    prompt = prompt[-(max_seq_len - max_new_tokens) :]
-    if forward is not None:
-        line = lambda new: "\n" in tokenizer.decode(new)  # noqa: E731
-        tokens = greedy_continue(forward, [prompt], max_new_tokens, max_seq_len, line)[0]
-        text = tokenizer.decode(tokens).split("\n")[0].strip()
-        return text in [a.strip() for a in ex["answer"]], text
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop=("\n",))
-    out = generate(model, torch.tensor([prompt]), None, config, decode=tokenizer.decode)
-    text = out.texts[0].strip()
-    return text in [a.strip() for a in ex["answer"]], text
+def score_prepared(
+    forward: Forward, tokenizer: Tokenizer, task: Prepared, batch_size: int = BATCH_SIZE
+) -> list[float]:
+    """Each question's score (1.0 right, 0.0 wrong, in order) by its task's rule: one
+    `score_continuations` call for all choices, or one `greedy_continue` for all prompts."""
+    if task.rule == "generate":
+        return _score_generated(forward, tokenizer, task, batch_size)
+    flat = [c for q in task.questions for c in q.choices]
+    scored = iter(score_continuations(forward, flat, task.max_seq_len, batch_size))
+    scores = []
+    for question in task.questions:
+        mine = [next(scored) for _ in question.choices]
+        if task.rule == "greedy":
+            right = all(s.greedy for s in mine)
+        else:  # the first of equal losses wins, as min() and llm-foundry's index(min) pick
+            losses = [s.mean_loss for s in mine]
+            right = losses.index(min(losses)) == question.gold
+        scores.append(float(right))
+    return scores
+
+
+def _score_generated(
+    forward: Forward, tokenizer: Tokenizer, task: Prepared, batch_size: int
+) -> list[float]:
+    generation = task.generation
+    if generation is None:
+        raise ValueError(f"task {task.name}: a generated task needs its Generation")
+
+    def done(new: list[int]) -> bool:
+        if generation.eos_id is not None and new[-1] == generation.eos_id:
+            return True
+        return bool(generation.stop) and any(s in tokenizer.decode(new) for s in generation.stop)
+
+    outputs = greedy_continue(
+        forward,
+        [q.prompt for q in task.questions],
+        generation.max_new_tokens,
+        task.max_seq_len,
+        stop=done,
+        batch_size=batch_size,
+    )
+    return [
+        float(generation.judge(cut_at_stop(tokenizer.decode(new), generation.stop), q.answers))
+        for q, new in zip(task.questions, outputs, strict=True)
+    ]
+
+
+def _results(task: Prepared, scores: list[float]) -> dict[str, dict[str, Any]]:
+    """The task's result, or with categories one per category, ``<task>/<category>`` with the
+    task's label and shots, as llm-foundry reports them (its gauntlet, and ours in
+    llmfoundry/eval/composite.py, average them into the task)."""
+    head = {"kind": task.kind, "label": task.label, "shots": task.shots}
+    if task.categories is None:
+        return {task.name: head | _counts(scores)}
+    return {
+        f"{task.name}/{name}": head
+        | {"category": name}
+        | _counts([s for s, c in zip(scores, task.categories, strict=True) if c == name])
+        for name in sorted(set(task.categories))
+    }
+
+
+def _counts(scores: list[float]) -> dict[str, Any]:
+    correct = int(sum(scores))
+    return {
+        "accuracy": correct / len(scores),
+        "correct": correct,
+        "examples": len(scores),
+        "scores": scores,
+    }
 
 
 def evaluate_tasks(
     model: CausalLM,
     tokenizer: Tokenizer,
-    tasks: Sequence[Task],
+    tasks: Sequence[EvalTask],
     shots: int = 0,
     seed: int = 17,
     limit: int | None = None,
-    logits_fn: LogitsFn | None = None,
     forward: Forward | None = None,
+    batch_size: int = BATCH_SIZE,
 ) -> dict[str, dict[str, Any]]:
-    """Accuracy per task: ``{name: {kind, accuracy, correct, examples, shots, scores}}``,
-    `scores` each example's (1.0 right, 0.0 wrong, in order: what intervals resample).
+    """Accuracy per task: ``{name: {kind, label, accuracy, correct, examples, shots, scores}}``,
+    `scores` each example's (1.0 right, 0.0 wrong, in order: what intervals resample); a task
+    with categories gives one result per category (``<name>/<category>``, with ``category``).
 
-    `limit` scores only the first examples of each task (shots still come from all of them).
-    `forward` (llmfoundry/eval/scoring.py) runs the model where it is not whole on this process.
+    `shots` and `seed` apply to our .jsonl tasks (llm-foundry's set their own). `limit` scores
+    only the first examples of each task (shots still come from all of them). `forward`
+    (llmfoundry/eval/scoring.py) runs the model where it is not whole on this process.
     """
     if shots < 0:
         raise UserError(f"shots must be >= 0, got {shots}")
+    if batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {batch_size}")
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens, more "
             f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
         )
+    names = [task.name for task in tasks]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise UserError(f"two tasks are named {twice}; their results would overwrite each other")
+    max_seq_len = model.config.max_seq_len
     for task in tasks:  # before scoring any: a short task would otherwise fail after the others
-        _check_shots(task, shots)
-    if forward is not None:
-        logits_fn = functools.partial(forward, reduce=lambda logits: logits)
-    logits_fn = logits_fn or model
+        task.check(tokenizer, max_seq_len, shots)
+    forward = forward or ModelForward(model)
     was_training = model.training
     model.eval()
     results = {}
     try:
-        for task in tasks:
-            n = len(task.examples) if limit is None else min(limit, len(task.examples))
-            scores = [
-                float(
-                    score_example(
-                        logits_fn,
-                        tokenizer,
-                        task,
-                        i,
-                        _prefix(task, i, shots, seed),
-                        model.config.max_seq_len,
-                        model,
-                        forward=forward,
-                    )[0]
-                )
-                for i in range(n)
-            ]
-            correct = int(sum(scores))
-            results[task.name] = {
-                "kind": task.kind,
-                "accuracy": correct / n,
-                "correct": correct,
-                "examples": n,
-                "shots": shots,
-                "scores": scores,
-            }
-            log.info("%s (%s, %d-shot): %d/%d", task.name, task.kind, shots, correct, n)
+        for one in tasks:  # prepared one at a time: a task's tokens are held while it is scored
+            task = one.prepare(tokenizer, max_seq_len, shots, seed, limit)
+            try:
+                scores = score_prepared(forward, tokenizer, task, batch_size)
+            except UserError as err:
+                raise UserError(f"task {task.name}: {err}") from None
+            results |= _results(task, scores)
+            log.info(
+                "%s (%s, %d-shot): %d/%d",
+                task.name,
+                task.kind,
+                task.shots,
+                sum(scores),
+                len(scores),
+            )
     finally:
         model.train(was_training)
     return results

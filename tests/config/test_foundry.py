@@ -279,7 +279,7 @@ def _with(path: str, value):
         ("optimizer.name", "adamw", "optimizer.name", "decoupled_adamw"),
         ("optimizer.amsgrad", True, "optimizer.amsgrad", "supported keys"),
         ("scheduler.t_max", "0.5dur", "scheduler.t_max", "max_duration"),
-        ("icl_tasks", [{"label": "x"}], "icl_tasks", "icl_eval"),
+        ("icl_subset_num_batches", 2, "icl_subset_num_batches", "callbacks.icl_eval.limit"),
         ("save_weights_only", True, "save_weights_only", "export_hf"),
         ("load_ignore_keys", ["state/optimizers"], "load_ignore_keys", "load_weights_only"),
         ("fsdp_config.activation_cpu_offload", True, None, None),
@@ -598,3 +598,25 @@ def test_readme_block_runs_as_written(foundry_dir, capsys):
         ran.append(script)
     assert ran == ["scripts/train.py"] * 2 + ["scripts/from_foundry.py", "scripts/train.py"]
     assert (foundry_dir / "conf" / "experiment" / "mine.yaml").is_file()
+
+
+def test_their_icl_tasks_become_the_icl_eval_callback_on_every_example(foundry_dir):
+    from hydra.utils import instantiate
+
+    from tests.eval.test_icl_eval import word_tokenizer, write
+
+    (foundry_dir / "my-mds" / "tokenizer.json").write_text(word_tokenizer().json)
+    (foundry_dir / "data").mkdir()
+    write(foundry_dir / "data" / "lm.jsonl", [{"context": "a", "continuation": "b"}] * 3)
+    task = {"label": "lm", "dataset_uri": "data/lm.jsonl", "num_fewshot": [0, 1],
+            "icl_task_type": "language_modeling", "continuation_delimiter": "\nAnswer: "}  # fmt: skip
+    native = translate({**base(), "icl_tasks": [task], "icl_seq_len": 32}, {})
+    assert native.groups["callbacks"][-1] == "icl_eval"
+    callback = instantiate(composed(native).callbacks.icl_eval)  # through Hydra's overrides
+    assert [t.name for t in callback.tasks] == ["lm/0-shot", "lm/1-shot"]
+    assert callback.limit is None
+    assert callback.tasks[0].options.continuation_delimiter == "\nAnswer: "
+    native = translate({**base(), "icl_tasks_str": "tasks.yaml"}, {})
+    assert native.get("callbacks.icl_eval.icl_tasks") == "tasks.yaml"
+    with pytest.raises(UserError, match="llm-foundry key icl_seq_len: set max_seq_len in each"):
+        translate({**base(), "icl_tasks": [task], "icl_seq_len": 16}, {})

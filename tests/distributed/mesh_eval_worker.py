@@ -14,12 +14,13 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from llmfoundry.distributed import FSDP, SingleDevice, Strategy, unwrap_model
 from llmfoundry.eval.forward import mesh_forward
-from llmfoundry.eval.icl import evaluate_tasks, load_task, score_example
+from llmfoundry.eval.icl import Question, evaluate_tasks, load_task
 from llmfoundry.eval.scoring import (
     Continuation,
     Forward,
     ModelForward,
     continue_prompts,
+    greedy_continue,
     score_continuations,
 )
 from llmfoundry.models.generation import GenerationConfig, generate
@@ -96,10 +97,9 @@ def write_tasks(folder: Path) -> None:
     for name, examples in drafts.items():
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
         task = load_task(str(folder / f"{name}.jsonl"))
+        questions = task.prepare(_tokenizer(folder), MAX_SEQ_LEN, 0, 0, None).questions
         for index in range(0, len(examples), 2):
-            answer = score_example(model, _tokenizer(folder), task, index, "", MAX_SEQ_LEN, model)[
-                1
-            ]
+            answer = _one_process_answer(model, _tokenizer(folder), questions[index])
             if name == "mc":
                 examples[index]["gold"] = answer
             elif name == "lambada":
@@ -107,6 +107,25 @@ def write_tasks(folder: Path) -> None:
             else:
                 examples[index]["answer"] = answer
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+
+
+def _one_process_answer(model: torch.nn.Module, tokenizer, question: Question) -> Any:
+    """What one process answers: the chosen index (lowest mean loss), the predicted tokens of
+    the one continuation, or the generated line."""
+    forward = ModelForward(model)
+    if not question.choices:
+        line = lambda new: "\n" in tokenizer.decode(new)  # noqa: E731
+        tokens = greedy_continue(forward, [question.prompt], 32, MAX_SEQ_LEN, line)[0]
+        return tokenizer.decode(tokens).split("\n")[0].strip()
+    if len(question.choices) > 1:
+        losses = [s.mean_loss for s in score_continuations(forward, question.choices, MAX_SEQ_LEN)]
+        return losses.index(min(losses))
+    (choice,) = question.choices
+    ids = torch.tensor([list(choice.context) + list(choice.continuation)])
+    with torch.no_grad():
+        logits = model(ids)[0]
+    n = len(choice.continuation)
+    return logits[-n - 1 : -1].argmax(dim=-1).tolist()
 
 
 def _tokenizer(folder: Path):

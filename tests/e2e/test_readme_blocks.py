@@ -80,6 +80,8 @@ CLAIMS = {
     "python scripts/train.py -m optimizer.lr=1e-3,3e-3": VALIDATED,
     "python scripts/train.py data=memmap": VALIDATED,
     "python scripts/train.py mpt-small-cpu.yaml": "tests/config/test_foundry.py",
+    "python scripts/eval.py outputs/my-run/checkpoints tasks_v0.3.yaml": VALIDATED
+    + ", tests/eval/test_foundry_tasks.py",
     "python data_prep/adopt_tokens.py": VALIDATED + ", tests/data/test_adopt_tokens.py",
     "python scripts/plan.py model=llama3-70b": VALIDATED + ", tests/planning/test_mesh_planning.py",
     "class RandomTokenReplacement(Algorithm):": "test_algorithm_excerpt_is_the_shipped_code",

@@ -8,7 +8,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
-from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, score_example, summary_table
+from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, summary_table
+from llmfoundry.eval.scoring import ModelForward
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from llmfoundry.tokenizers.tokenizer import prepare
@@ -23,8 +24,15 @@ def word_tokenizer() -> PreparedTokenizer:
 
 
 def bigram(table: torch.Tensor):
-    """A 'model' whose next-token logits depend only on the current token: table[token]."""
-    return lambda ids: table[ids]
+    """A `Forward` whose next-token logits depend only on the current token: table[token]."""
+    return lambda ids, reduce: reduce(table[ids])
+
+
+def scores(table: torch.Tensor, task, shots: int = 0) -> list[float]:
+    """Each example's score under the bigram `table` (the model only sets the vocabulary and
+    context size; the bigram forward replaces it)."""
+    results = evaluate_tasks(tiny_model(), word_tokenizer(), [task], shots, forward=bigram(table))
+    return results[task.name]["scores"]
 
 
 def write(path, rows):
@@ -49,8 +57,7 @@ def test_multiple_choice_takes_the_lowest_mean_loss_per_token(tmp_path):
         write(tmp_path / "mc.jsonl", [{"query": "a b", "choices": [" c", " d d"], "gold": 0}])
     )
     assert task.kind == "multiple_choice"
-    correct, choice = score_example(bigram(table), word_tokenizer(), task, 0, "", 16)
-    assert (correct, choice) == (False, 1)
+    assert scores(table, task) == [0.0]  # choice 1 picked
 
 
 def test_language_modelling_needs_every_token_greedy(tmp_path):
@@ -62,9 +69,7 @@ def test_language_modelling_needs_every_token_greedy(tmp_path):
             [{"context": "a", "continuation": " b c"}, {"context": "a", "continuation": " b d"}],
         )
     )
-    tok = word_tokenizer()
-    assert score_example(bigram(table), tok, task, 0, "", 16) == (True, [1, 2])
-    assert score_example(bigram(table), tok, task, 1, "", 16) == (False, [1, 2])
+    assert scores(table, task) == [1.0, 0.0]
 
 
 def test_shots_are_seeded_per_example_and_never_the_query(tmp_path):
@@ -86,14 +91,14 @@ def test_a_task_too_short_for_the_shots_is_refused_before_any_is_scored(tmp_path
     short = load_task(write(tmp_path / "short.jsonl", [{"context": "a", "continuation": " b"}] * 2))
     calls = []
 
-    def logits_fn(ids):
+    def forward(ids, reduce):
         calls.append(ids)
-        return torch.zeros(*ids.shape, len(WORDS))
+        return reduce(torch.zeros(*ids.shape, len(WORDS)))
 
     with pytest.raises(
         ValueError, match="short has 2 examples, too few for 3 shots.*--shots 1 or fewer"
     ):
-        evaluate_tasks(tiny_model(), word_tokenizer(), [long, short], 3, logits_fn=logits_fn)
+        evaluate_tasks(tiny_model(), word_tokenizer(), [long, short], 3, forward=forward)
     assert calls == []
 
 
@@ -152,13 +157,15 @@ def test_same_choices_as_transformers_on_the_exported_model(tmp_path):
         load_task(write(tmp_path / "mc.jsonl", mc)),
         load_task(write(tmp_path / "lm.jsonl", lm)),
     ]
-    hf_logits = lambda ids: hf(ids).logits  # noqa: E731
-    for task in tasks:
-        for i in range(len(task.examples)):
-            prefix = _prefix(task, i, 2, seed=17)
-            ours = score_example(model, tok, task, i, prefix, 64)
-            theirs = score_example(hf_logits, tok, task, i, prefix, 64)
-            assert ours == theirs
+
+    def hf_forward(ids, reduce):
+        with torch.no_grad():
+            return reduce(hf(ids).logits)
+
+    ours = evaluate_tasks(model, tok, tasks, 2, forward=ModelForward(model), batch_size=3)
+    theirs = evaluate_tasks(model, tok, tasks, 2, forward=hf_forward, batch_size=5)
+    assert ours == theirs
+    assert 0 < sum(r["correct"] for r in ours.values()) < sum(len(t.examples) for t in tasks)
 
 
 def test_bad_task_lines_name_the_problem(tmp_path):

@@ -345,7 +345,8 @@ def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_p
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from llmfoundry.eval.icl import Task, score_example
+    from llmfoundry.eval.icl import Task
+    from llmfoundry.eval.scoring import ModelForward, score_continuations
 
     model, tokenizer_path = load_pretrained(str(served_model / "ckpt"))
     tokenizer = prepare_tokenizer(tokenizer_path)
@@ -355,9 +356,12 @@ def test_lm_eval_local_completions_scores_as_eval_py(server, served_model, tmp_p
         {"query": q, "choices": MC_CHOICES[i % 5 : i % 5 + 4], "gold": 0}
         for i, q in enumerate(MC_QUERIES)
     ]
-    task = Task("tiny_mc", "multiple_choice", examples)
-    for i, example in enumerate(examples):
-        _, picked = score_example(lambda ids: model(ids), tokenizer, task, i, "", CONTEXT)
+    questions = Task("tiny_mc", "multiple_choice", examples).prepare(tokenizer, CONTEXT, 0, 0, None)
+    for i, (example, question) in enumerate(zip(examples, questions.questions, strict=True)):
+        losses = [
+            s.mean_loss for s in score_continuations(ModelForward(model), question.choices, CONTEXT)
+        ]
+        picked = losses.index(min(losses))
         example["gold"] = picked if i % 2 == 0 else (picked + 1) % 4
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(e) + "\n" for e in examples))

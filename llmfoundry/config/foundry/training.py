@@ -165,6 +165,29 @@ def callbacks(cfg: dict[str, Any], out: Native) -> None:
     out.groups["callbacks"] = chosen
 
 
+def icl_tasks(cfg: dict[str, Any], out: Native) -> None:
+    """Their in-training ICL evaluation is our icl_eval callback on the same tasks
+    (llmfoundry/eval/foundry_tasks.py), every example at every evaluation, as theirs."""
+    if cfg.get("icl_tasks") is not None and cfg.get("icl_tasks_str") is not None:
+        raise refuse("icl_tasks_str", "give icl_tasks or icl_tasks_str, not both")
+    only(
+        "icl_subset_num_batches",
+        cfg.get("icl_subset_num_batches"),
+        None,
+        "it counts their batches per rank; set callbacks.icl_eval.limit (examples per task)",
+    )
+    if cfg.get("icl_seq_len") not in (None, cfg.get("max_seq_len")):
+        raise refuse("icl_seq_len", "set max_seq_len in each icl_tasks entry instead")
+    tasks = cfg.get("icl_tasks", cfg.get("icl_tasks_str"))
+    if tasks is None:
+        return
+    if not isinstance(tasks, str | list):
+        raise refuse("icl_tasks", f"a list of task entries or a YAML path, got {tasks!r}")
+    out.groups["callbacks"] = [*out.groups.get("callbacks", []), "icl_eval"]
+    out.set("callbacks.icl_eval.icl_tasks", tasks)
+    out.set("callbacks.icl_eval.limit", None)
+
+
 def _hf_checkpointer(node: dict[str, Any], out: Native, model_name: Any) -> None:
     """Ours writes the same folders (`<save_folder>/huggingface/ba<N>`) in the same layout: for
     an `mpt_causal_lm` llm-foundry's MPT layout (`layout: foundry`), for an `hf_causal_lm` the

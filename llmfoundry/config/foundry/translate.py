@@ -66,6 +66,7 @@ def translate(cfg: Mapping[str, Any], env: Mapping[str, str], prep_root: str = P
     training.scheduler(cfg, out)
     training.algorithms(cfg, out)
     training.callbacks(cfg, out)
+    training.icl_tasks(cfg, out)
     training.loggers(cfg, out)
     parallel.precision(cfg, out)
     parallel.strategy(cfg, env, out)
@@ -141,6 +142,7 @@ HANDLED: tuple[str, ...] = (
     "device_train_microbatch_size", "device_eval_batch_size", "save_folder", "save_interval",
     "save_num_checkpoints_to_keep", "save_overwrite", "autoresume", "load_path",
     "load_weights_only", "log_to_console", "console_log_interval", "progress_bar", "variables",
+    "icl_tasks", "icl_tasks_str", "icl_subset_num_batches", "icl_seq_len",
 )  # fmt: skip
 # TrainConfig keys that change nothing here, and why.
 NOTED: dict[str, str] = {
@@ -157,12 +159,8 @@ REFUSED_UNLESS: dict[str, tuple[Any, str]] = {
     "max_split_size_mb": (None, "set PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:N instead"),
     "cuda_load_lazy": (False, "set CUDA_MODULE_LOADING=LAZY in the environment instead"),
     "accumulate_train_batch_on_tokens": (True, "microbatch losses are weighted by tokens here"),
-    "icl_tasks": (None, "in-context evaluation during training: callbacks=[icl_eval] (ours)"),
-    "icl_tasks_str": (None, "in-context evaluation during training: callbacks=[icl_eval]"),
     "eval_gauntlet": (None, "callbacks.icl_eval.gauntlet=FILE, or scripts/eval.py --gauntlet"),
     "eval_gauntlet_str": (None, "callbacks.icl_eval.gauntlet=FILE, or scripts/eval.py --gauntlet"),
-    "icl_subset_num_batches": (None, "in-context evaluation: callbacks=[icl_eval] (limit)"),
-    "icl_seq_len": (None, "in-context evaluation: callbacks=[icl_eval]"),
     "save_latest_filename": (None, "checkpoints are folders here, `latest` names the last"),
     "save_filename": (None, "checkpoints are folders named ep<E>-ba<B> here"),
     "save_weights_only": (False, "checkpoints hold the full state; scripts/export_hf.py "
