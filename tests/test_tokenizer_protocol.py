@@ -14,6 +14,7 @@ import torch
 from llmfoundry.callbacks import Generate
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
+from llmfoundry.distributed.single import SingleDevice
 from llmfoundry.eval.icl import evaluate_tasks, load_task
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -68,7 +69,8 @@ def test_the_generate_callback_samples_with_any_tokenizer(model, caplog):
     prompts = ["ab", "héllo"]
     callback = Generate(ByteTokenizer(), prompts, max_new_tokens=4, temperature=0)
     with caplog.at_level(logging.INFO, logger="llmfoundry.callbacks.generate"):
-        callback.fit_end(types.SimpleNamespace(model=model), logger=None)
+        state = types.SimpleNamespace(model=model, strategy=SingleDevice("cpu"))
+        callback.fit_end(state, logger=None)
     logged = "\n".join(r.getMessage() for r in caplog.records) + "\n"
     ids, mask = left_pad([ByteTokenizer().encode(p) for p in prompts])
     out = generate(model, ids, mask, GenerationConfig(max_new_tokens=4, temperature=0))
