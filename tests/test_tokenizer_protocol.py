@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmfoundry.callbacks import Generate
+from llmfoundry.core.precision import Precision
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
 from llmfoundry.distributed.single import SingleDevice
@@ -69,7 +70,10 @@ def test_the_generate_callback_samples_with_any_tokenizer(model, caplog):
     prompts = ["ab", "héllo"]
     callback = Generate(ByteTokenizer(), prompts, max_new_tokens=4, temperature=0)
     with caplog.at_level(logging.INFO, logger="llmfoundry.callbacks.generate"):
-        state = types.SimpleNamespace(model=model, strategy=SingleDevice("cpu"))
+        cpu = torch.device("cpu")
+        state = types.SimpleNamespace(
+            model=model, strategy=SingleDevice("cpu"), precision=Precision("fp32", cpu)
+        )
         callback.fit_end(state, logger=None)
     logged = "\n".join(r.getMessage() for r in caplog.records) + "\n"
     ids, mask = left_pad([ByteTokenizer().encode(p) for p in prompts])
