@@ -21,10 +21,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from llmfoundry.models.families import family_of, find_family
 from llmfoundry.models.generation import (
     GREEDY_BELOW,
+    Decoder,
     GenerationConfig,
     apply_repetition_penalty,
+    left_pad,
     sampling_probs,
 )
 from llmfoundry.utils.errors import UserError
@@ -176,8 +179,10 @@ def continue_prompts(
     top-k, top-p, repetition penalty and seed; `NextTokens`): up to `config.max_new_tokens`
     new tokens, to its `eos_token_id` (kept), or until `stop(new tokens so far)` says the row is
     done (the tokens that made it stop are kept; stop strings need the text: give `stop`).
-    Recomputes the whole sequence per token (no KV cache), so it runs on any `Forward`. A
-    prompt longer than `max_seq_len - max_new_tokens` loses its start."""
+    Recomputes the whole sequence per token (no KV cache), so it runs on any `Forward`; a whole
+    model of a family on this process (`ModelForward`) decodes with `generation.Decoder`'s KV
+    cache instead, choosing the same tokens. A prompt longer than
+    `max_seq_len - max_new_tokens` loses its start."""
     if config.stop or config.logprobs is not None or config.prompt_logprobs:
         raise UserError(
             "continue_prompts returns tokens only: pass stop strings as stop=, and ask "
@@ -193,6 +198,8 @@ def continue_prompts(
     rows = [list(p)[-keep:] for p in prompts]
     if any(not row for row in rows):
         raise UserError("an empty prompt cannot be continued")
+    if _decodes_with_a_cache(forward):
+        return _continue_cached(forward.model, rows, config, stop, batch_size)
     choose = NextTokens(config)
     new: list[list[int]] = [[] for _ in rows]
 
@@ -212,6 +219,35 @@ def continue_prompts(
             tokens = forward(ids, functools.partial(choose, live, sequences))
             for i, token in zip(live, tokens.tolist(), strict=True):
                 new[i].append(int(token))
+    return new
+
+
+def _decodes_with_a_cache(forward: Forward) -> bool:
+    """Whether `forward` is a whole family model's on this process whose rows may be padded
+    (infini-attention's may not), so `generation.Decoder` can continue prompts with its cache."""
+    if not isinstance(forward, ModelForward) or find_family(forward.model) is None:
+        return False
+    return not family_of(forward.model).recurrent_memory(forward.model.config)
+
+
+def _continue_cached(
+    model: torch.nn.Module,
+    rows: list[list[int]],
+    config: GenerationConfig,
+    stop: Callable[[list[int]], bool] | None,
+    batch_size: int,
+) -> list[list[int]]:
+    """`continue_prompts` by `generation.Decoder` (left-padded batches, a KV cache): a row that
+    `stop` ends is cancelled, which the decoder leaves out of its next step."""
+    new: list[list[int]] = []
+    for start in range(0, len(rows), batch_size):
+        ids, mask = left_pad(rows[start : start + batch_size])
+        decoder = Decoder(model, ids, mask, config)
+        while not decoder.done:
+            for row, token in enumerate(decoder.step()):
+                if token is not None and stop is not None and stop(decoder.tokens[row]):
+                    decoder.cancel(row)
+        new += decoder.output().tokens
     return new
 
 

@@ -1,11 +1,13 @@
 """Batched scoring and greedy continuing (llmfoundry/eval/scoring.py): the same answers as
 one row at a time, and as the KV-cached decoder."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from llmfoundry.eval.scoring import (
     Continuation,
+    Forward,
     ModelForward,
     continue_prompts,
     greedy_continue,
@@ -61,22 +63,32 @@ def test_a_window_of_max_seq_len_plus_one_keeps_its_context():
     assert abs(got.logprob - logprob) < 1e-4 and got.greedy == greedy
 
 
-def test_greedy_continue_equals_the_cached_decoder():
+def recomputing(model: MPTForCausalLM) -> Forward:
+    """The model's `Forward` as a mesh's is: not a `ModelForward`, so continuing recomputes
+    every sequence per token rather than decoding with the KV cache."""
+    return lambda ids, reduce: ModelForward(model)(ids, reduce)
+
+
+@pytest.mark.parametrize("by", ["cache", "recompute"])
+def test_greedy_continue_equals_the_cached_decoder(by):
     model = tiny_model()
+    forward = ModelForward(model) if by == "cache" else recomputing(model)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
-    got = greedy_continue(ModelForward(model), prompts, max_new_tokens=6, max_seq_len=32)
+    got = greedy_continue(forward, prompts, max_new_tokens=6, max_seq_len=32)
     for prompt, tokens in zip(prompts, got, strict=True):
         config = GenerationConfig(max_new_tokens=6, temperature=0.0)
         assert tokens == generate(model, torch.tensor([prompt]), None, config).tokens[0]
-    stopped = greedy_continue(ModelForward(model), prompts, 6, 32, stop=lambda new: len(new) == 2)
-    assert stopped[0] == got[0][:2]
+    stopped = greedy_continue(forward, prompts, 6, 32, stop=lambda new: len(new) == 2)
+    assert stopped == [tokens[:2] for tokens in got]
 
 
-def test_sampled_continuations_equal_the_cached_decoder_for_the_same_seed():
+@pytest.mark.parametrize("by", ["cache", "recompute"])
+def test_sampled_continuations_equal_the_cached_decoder_for_the_same_seed(by):
     """Each row draws from its own generator seeded with the config's seed, as the decoder's
     rows do, so recomputing gives the KV-cached decoder's tokens (what a mesh generates
     equals one process's); the repetition penalty and eos act alike too."""
     model = tiny_model()
+    forward = ModelForward(model) if by == "cache" else recomputing(model)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
     configs = [
         GenerationConfig(max_new_tokens=8, temperature=0.9, top_k=20, seed=5),
@@ -84,15 +96,15 @@ def test_sampled_continuations_equal_the_cached_decoder_for_the_same_seed():
         GenerationConfig(max_new_tokens=8, temperature=0.0, repetition_penalty=1.5),
     ]
     for config in configs:
-        got = continue_prompts(ModelForward(model), prompts, config, max_seq_len=32, batch_size=2)
+        got = continue_prompts(forward, prompts, config, max_seq_len=32, batch_size=2)
         for prompt, tokens in zip(prompts, got, strict=True):
             assert tokens == generate(model, torch.tensor([prompt]), None, config).tokens[0]
-    sampled = continue_prompts(ModelForward(model), prompts, configs[0], max_seq_len=32)
+    sampled = continue_prompts(forward, prompts, configs[0], max_seq_len=32)
     other_seed = GenerationConfig(max_new_tokens=8, temperature=0.9, top_k=20, seed=6)
-    assert continue_prompts(ModelForward(model), prompts, other_seed, 32) != sampled
-    third = greedy_continue(ModelForward(model), prompts[:1], 8, 32)[0][2]
+    assert continue_prompts(forward, prompts, other_seed, 32) != sampled
+    third = greedy_continue(forward, prompts[:1], 8, 32)[0][2]
     eos = GenerationConfig(max_new_tokens=8, temperature=0.0, eos_token_id=third)
-    greedy_eos = continue_prompts(ModelForward(model), prompts, eos, 32)
+    greedy_eos = continue_prompts(forward, prompts, eos, 32)
     assert greedy_eos[0][-1] == third and len(greedy_eos[0]) <= 3
     for prompt, tokens in zip(prompts, greedy_eos, strict=True):
         assert tokens == generate(model, torch.tensor([prompt]), None, eos).tokens[0]
