@@ -4,6 +4,7 @@ process-wide settings (logging handlers, storage options, Ctrl-C) as every test 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import signal
@@ -19,6 +20,13 @@ from pathlib import Path
 import pytest
 
 from llmfoundry.utils import storage
+
+# One OpenMP thread per test process (and per process a test starts, which inherit it), unless
+# the environment says otherwise: `make test` runs two test processes beside the floor's on two
+# cores, and torch's default of a thread per core then has threads spin-waiting for each other
+# at every op of the tiny models tests use (a test of KV-cache generation: 130 s with two
+# threads, 9 s with one, on a busy machine). Set here, before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

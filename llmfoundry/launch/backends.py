@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmfoundry.callbacks.run_status import KUBERNETES_JOB_ENV
 from llmfoundry.config import ConfigError
 from llmfoundry.launch.command import (
     RESUME_EXIT,
@@ -43,6 +42,7 @@ from llmfoundry.launch.command import (
 from llmfoundry.launch.job import Job
 from llmfoundry.launch.layout import Layout, plan
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.status_file import KUBERNETES_JOB_ENV
 
 _CONTROL_OR_BACKSLASH = re.compile(r"[\x00-\x1f\x7f\\]")
 

@@ -30,12 +30,12 @@ from typing import Any
 import fsspec
 from omegaconf import OmegaConf
 
-from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.config.run_files import CONFIG_DIR
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import MissingInput, UserError, printable
 from llmfoundry.utils.secrets import redact_urls
+from llmfoundry.utils.status_file import read_status
 from llmfoundry.utils.storage import url_to_fs
 from llmfoundry.utils.yaml_guard import safe_load
 

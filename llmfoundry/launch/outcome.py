@@ -21,8 +21,8 @@ import logging
 import sys
 import time
 
-from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.launch.command import RESUME_EXIT
+from llmfoundry.utils.status_file import read_status
 
 log = logging.getLogger(__name__)
 

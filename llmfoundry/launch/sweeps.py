@@ -16,10 +16,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from llmfoundry.callbacks.run_status import read_status
 from llmfoundry.core.state import State
 from llmfoundry.loggers.plot import Series, read_metrics
 from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.status_file import read_status
 
 
 def objective(state: State) -> float:

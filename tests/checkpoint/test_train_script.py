@@ -8,7 +8,6 @@ of the same command bit for bit, and reads the same samples; its metrics file mi
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -120,65 +119,3 @@ def test_preempt_crash_and_autoresume_match_a_straight_run(tmp_path, mds):
     straight = read_metrics(tmp_path / "outputs" / "straight" / "metrics.jsonl")
     assert metrics["loss/train"][0] == list(range(1, 11))
     assert metrics["loss/train"] == straight["loss/train"]
-
-
-def test_a_rerun_or_a_second_launch_never_writes_over_a_run(tmp_path, mds):
-    """Rerunning a run_name without autoresume is refused; so is a launch while it runs."""
-    status = "+callbacks.run_status._target_=llmfoundry.callbacks.RunStatus"
-    fresh = ("autoresume=false", "max_duration=3ba", status)
-    code, _, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
-    assert code == 0, err
-    folder = tmp_path / "mine" / "ckpt"
-    saved = (folder / "ep0-ba3" / "manifest.json").read_bytes()
-    status_file = tmp_path / "outputs" / "mine" / "status.json"
-    finished = status_file.read_bytes()
-
-    code, out, err = finish(launch(tmp_path, mds, "mine", overrides=fresh))
-    assert code != 0
-    assert f"save_folder {folder} already holds checkpoints up to ep0-ba3" in err
-    assert "autoresume=true" in err and "save_overwrite=true" in err
-    assert "loaded checkpoint" not in out
-    assert (folder / "ep0-ba3" / "manifest.json").read_bytes() == saved
-    assert read_latest(str(folder)) == "ep0-ba3"
-    # The refused relaunch never started: the run's status still says it finished (runs.py).
-    assert status_file.read_bytes() == finished
-
-    # While the run continues (held at batch 4), a second launch of it stops at once.
-    running = launch(tmp_path, mds, "mine", interrupt="SIGTERM@4")
-    at, deadline = tmp_path / "mine" / "steps.jsonl.at", time.monotonic() + TIMEOUT
-    while not at.exists() and running.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert at.exists(), running.communicate()[1]
-    code, _, err = finish(launch(tmp_path, mds, "mine"))
-    assert code != 0
-    assert f"is in use by another run (host {socket.gethostname()}, pid {running.pid}" in err
-    running.send_signal(signal.SIGTERM)
-    (tmp_path / "mine" / "steps.jsonl.sent").touch()
-    code, _, err = finish(running)
-    assert code == 0, err
-    assert read_latest(str(folder)) == "ep0-ba4"
-
-
-def test_an_s3_save_folder_is_probed_at_start_and_locked_while_the_run_lives(tmp_path, mds, s3_env):
-    """On a real S3 API (moto): a bucket that is not there fails before training; a good one
-    gets the checkpoints, and the run's lease is gone when it ends."""
-    pytest.importorskip("s3fs")
-    import fsspec
-
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    bucket = f"runs-{time.monotonic_ns()}"
-    started = time.monotonic()
-    missing = f"save_folder=s3://{bucket}-missing/ckpt"
-    code, out, err = finish(launch(tmp_path, mds, "s3", overrides=(missing,)))
-    assert code != 0
-    assert f"save_folder s3://{bucket}-missing/ckpt is not writable" in err
-    assert "step" not in out and not (tmp_path / "s3" / "steps.jsonl").exists()
-    assert time.monotonic() - started < TIMEOUT
-
-    fs.mkdir(bucket)
-    url = f"s3://{bucket}/ckpt"
-    code, _, err = finish(launch(tmp_path, mds, "s3", overrides=(f"save_folder={url}",)))
-    assert code == 0, err
-    fs.invalidate_cache()
-    assert read_latest(url) == "ep1-ba10"
-    assert not fs.exists(f"{url}/.lock")

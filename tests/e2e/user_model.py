@@ -80,23 +80,24 @@ def train(overrides: list[str], run_dir: Path):
     return build_trainer(compose_config(CONF, overrides), run_dir).fit()
 
 
-def fsdp_rank(rank: int, world: int, port: int, folder: str, resume: bool) -> None:
+def fsdp_rank(rank: int, world: int, ports: tuple[int, int], folder: str) -> None:
     """Train 4 batches with FSDP saving shards at 2 and 4 (rank 0 records whether the blocks
-    were FSDP units), or (`resume`) continue from the shards at 2 to 4."""
+    were FSDP units), then continue from the shards at 2 to 4: two runs in one spawn, each
+    trainer with its own process group (the first is gone with its trainer; the second meets
+    on a port of its own)."""
     from torch.distributed.fsdp import FSDPModule
 
     from llmfoundry.distributed import unwrap_model
     from tests.distributed.spawn import join_env
 
-    join_env(rank, world, port)
+    join_env(rank, world, ports[0])
     sys.path.insert(0, folder)
     root = Path(folder)
     common = [*USER_MODEL, f"data.remote={root / 'data'}", "strategy=fsdp",
               "strategy.device=cpu", "max_duration=4ba"]  # fmt: skip
-    if resume:
-        load = f"load_path={root / 'ckpt' / 'ep0-ba2'}"
-        train([*common, f"save_folder={root / 'resumed'}", load], root / "run2")
-        return
     model = unwrap_model(train([*common, f"save_folder={root / 'ckpt'}"], root / "run1").model)
     if rank == 0:
         torch.save([isinstance(block, FSDPModule) for block in model.blocks], root / "units.pt")
+    join_env(rank, world, ports[1])
+    load = f"load_path={root / 'ckpt' / 'ep0-ba2'}"
+    train([*common, f"save_folder={root / 'resumed'}", load], root / "run2")

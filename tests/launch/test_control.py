@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmfoundry.callbacks.run_status import KUBERNETES_JOB_ENV, write_status
 from llmfoundry.launch import load_job
 from llmfoundry.launch.backends import kubernetes_objects, submit_local
+from llmfoundry.utils.status_file import KUBERNETES_JOB_ENV, write_status
 from tests.launch.test_status import _runs_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -285,7 +285,7 @@ def test_submit_local_of_an_mcli_run_file_trains(tmp_path):
     the command passing it to their train.py), submitted here: a real (tiny) training through
     the translator, its status file finished and `runs.py` listing it."""
     from llmfoundry.models.mpt.hf import from_hf
-    from tests.launch.test_local_and_sweeps import run
+    from tests.launch.test_local import run
 
     fixtures = ROOT / "tests" / "fixtures" / "foundry"
     parameters = yaml.safe_load((fixtures / "alibi" / "train.yaml").read_text())

@@ -209,6 +209,28 @@ def test_launch_cli_renders_and_reports_errors_in_one_line(tmp_path, capsys):
     )
 
 
+# In a fresh interpreter: what runs.py and the command ending every launched run's script
+# (llmfoundry.launch.outcome) import.
+_WITHOUT_TORCH = r"""
+import importlib, runpy, sys
+runpy.run_path("scripts/runs.py")
+importlib.import_module("llmfoundry.launch.outcome")
+print("torch" in sys.modules)
+"""
+
+
+def test_runs_and_the_end_of_a_launched_run_do_not_import_torch():
+    """The status file is read without the trainer: a launched run does not end with seconds of
+    importing torch, nor does each `runs.py` command start with them."""
+    result = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"
+
+
 def test_launch_cli_refuses_credentials_in_a_train_override_without_showing_them(tmp_path, capsys):
     launch = load_script("launch")
     for override in ("load_path=s3://AKIA:SUPERSECRET@bucket/x", "hf_token=SUPERSECRET"):

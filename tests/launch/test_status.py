@@ -17,12 +17,12 @@ import pytest
 import yaml
 
 from llmfoundry.callbacks import RunStatus
-from llmfoundry.callbacks.run_status import read_status, write_status
 from llmfoundry.launch.command import RESUME_EXIT
 from llmfoundry.launch.monitor import find_run, find_runs, follow, log_file, table
 from llmfoundry.launch.outcome import outcome
 from llmfoundry.trainer import Callback
 from llmfoundry.utils.errors import MissingInput
+from llmfoundry.utils.status_file import read_status, write_status
 from tests.callbacks.conftest import make_trainer
 
 

@@ -1,5 +1,6 @@
-"""End to end on CPU: the local backend trains with 2 processes; Hydra sweeps (grid and Optuna)
-give every trial its own folder and name, and sweep_report.py tabulates and plots them."""
+"""End to end on CPU: the local backend trains with 2 processes, stops on Ctrl-C or `runs.py stop`
+with a checkpoint, and the same command continues the run. Sweeps: test_sweeps.py (a file of its
+own, so that `make test`'s two workers share these slow runs)."""
 
 import importlib.util
 import json
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from llmfoundry.launch.command import RESUME_EXIT
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB, write_mds
@@ -54,105 +54,10 @@ def load_script(name):
 
 
 @pytest.mark.slow
-def test_local_backend_trains_with_two_processes(tmp_path, mds, capsys):
-    outputs = tmp_path / "outputs"
-    train = [
-        f"--train={o}"
-        for o in [f"data.remote={mds}", *TINY, "callbacks=[]", "loggers=[console,jsonl]"]
-    ]
-    result = run(
-        [
-            str(ROOT / "scripts/launch.py"),
-            "submit",
-            "local",
-            str(ROOT / "conf/job/tiny.yaml"),
-            "name=two-procs",
-            f"outputs={outputs}",
-            "--out",
-            str(tmp_path / "rendered"),
-            *train,
-        ],
-        cwd=tmp_path,
-    )
-    assert "local: 1 node(s) x 2 CPU processes" in result.stdout
-    folder = outputs / "two-procs"
-    status = json.loads((folder / "status.json").read_text())
-    assert (status["status"], status["step"], status["world_size"]) == ("finished", 4, 2)
-    assert (folder / "checkpoints" / "latest").read_text().strip() == "ep0-ba4"
-    assert "eval/val/loss: first" in (folder / "launch.log").read_text()
-    assert load_script("runs").main([str(outputs)]) == 0
-    row = next(
-        line for line in capsys.readouterr().out.splitlines() if line.startswith("two-procs")
-    )
-    assert row.split()[1:3] == ["finished", "4/4"]
-
-
-@pytest.mark.slow
-def test_grid_sweep_gives_each_run_its_folder_and_name(tmp_path, mds):
-    run(
-        [
-            str(ROOT / "scripts/train.py"),
-            "-m",
-            "optimizer.lr=1e-3,3e-3",
-            "model.n_layers=1,2",
-            f"data.remote={mds}",
-            *TINY[:4],
-            *TINY[5:],
-            "max_duration=2ba",
-            "eval_interval=2ba",
-            "callbacks=[run_status]",
-            "loggers=[jsonl]",
-        ],
-        cwd=tmp_path,
-    )
-    (sweep,) = (tmp_path / "outputs").glob("sweep-*")
-    names = set()
-    for number in range(4):
-        folder = sweep / str(number)
-        status = json.loads((folder / "status.json").read_text())
-        assert status["status"] == "finished"
-        names.add(status["run_name"])
-        assert status["save_folder"] == str(folder / "checkpoints")
-        assert (folder / "checkpoints" / "latest").is_file()
-    assert names == {f"{sweep.name}/{n}" for n in range(4)}
-
-
-@pytest.mark.slow
-def test_optuna_sweep_of_three_trials_and_its_report(tmp_path, mds, capsys):
-    pytest.importorskip(
-        "hydra_plugins.hydra_optuna_sweeper", reason="pip install 'llmfoundry[sweep]'"
-    )
-    run(
-        [
-            str(ROOT / "scripts/train.py"),
-            "-m",
-            "+sweep=lr",
-            "hydra.sweeper.n_trials=3",
-            f"data.remote={mds}",
-            *TINY,
-            "callbacks=[speed_monitor,run_status]",
-            "loggers=[jsonl]",
-        ],
-        cwd=tmp_path,
-    )
-    (sweep,) = (tmp_path / "outputs").glob("sweep-*")
-    best = OmegaConf.load(sweep / "optimization_results.yaml").best_value
-    assert load_script("sweep_report").main([str(sweep)]) == 0
-    out = capsys.readouterr().out
-    print(out)  # the table, for the record (pytest -s)
-    lines = out.splitlines()
-    assert lines[0].split() == ["TRIAL", "STATUS", "FINAL", "LOSS", "TOKENS/S", "OVERRIDES"]
-    rows = [line.split() for line in lines[1:4]]
-    assert [row[0] for row in sorted(rows)] == [f"{sweep.name}/{n}" for n in range(3)]
-    assert all(row[1] == "finished" and row[4].startswith("optimizer.lr=") for row in rows)
-    # Sorted by final loss; the best is what the sweeper minimised (scripts/train.py's return).
-    assert float(rows[0][2]) == pytest.approx(best, abs=1e-4)
-    assert [float(r[2]) for r in rows] == sorted(float(r[2]) for r in rows)
-    assert (sweep / "plots" / "loss.png").stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds):
+def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds, capsys):
+    """Stopped by Ctrl-C, continued by the same command: the continuation is also the end to
+    end check of a whole local run (2 processes, its eval, status file and `runs.py` row), which
+    needs no launch of its own."""
     outputs = tmp_path / "outputs"
     train = [
         f"data.remote={mds}",
@@ -160,7 +65,7 @@ def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds):
         "max_duration=80ba",
         "eval_interval=40ba",
         "callbacks=[]",
-        "loggers=[console]",
+        "loggers=[console,jsonl]",
         "++callbacks.run_status.interval_s=0.2",
     ]
     command = [
@@ -199,12 +104,19 @@ def test_local_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path, mds):
             process.wait(30)
     stopped = json.loads(status_file.read_text())
     assert stopped["status"] == "preempted" and 10 <= stopped["step"] < 80
-    run(command[1:], cwd=tmp_path)
-    assert json.loads(status_file.read_text())["status"] == "finished"
-    assert (
-        f"loaded checkpoint {outputs}/ctrl-c/checkpoints/ep"
-        in (outputs / "ctrl-c" / "launch.log").read_text()
-    )
+    result = run(command[1:], cwd=tmp_path)
+    assert "local: 1 node(s) x 2 CPU processes" in result.stdout
+    folder = outputs / "ctrl-c"
+    status = json.loads(status_file.read_text())
+    assert (status["status"], status["step"], status["world_size"]) == ("finished", 80, 2)
+    latest = (folder / "checkpoints" / "latest").read_text().strip()
+    assert latest == "ep10-ba80"  # 8 batches an epoch
+    log = (folder / "launch.log").read_text()
+    _, loaded, continued = log.partition(f"loaded checkpoint {outputs}/ctrl-c/checkpoints/ep")
+    assert loaded and "eval/val/loss: first" in continued
+    assert load_script("runs").main([str(outputs)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ctrl-c"))
+    assert row.split()[1:3] == ["finished", "80/80"]
 
 
 @pytest.mark.slow
