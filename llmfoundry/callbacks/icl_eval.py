@@ -33,7 +33,7 @@ class ICLEval(Callback):
     def __init__(
         self,
         tokenizer: str | Tokenizer,
-        tasks: list[str] = (),
+        tasks: list[str] | None = None,
         shots: int = 0,
         seed: int = 17,
         limit: int | None = 100,
@@ -47,7 +47,7 @@ class ICLEval(Callback):
             if isinstance(tokenizer, Tokenizer)
             else prepare_tokenizer(tokenizer, require_eos=False)
         )
-        self.tasks: list[EvalTask] = load_tasks(list(tasks))
+        self.tasks: list[EvalTask] = load_tasks(list(tasks or []))
         if icl_tasks is not None:
             self.tasks += load_icl_tasks(icl_tasks)
         if not self.tasks:

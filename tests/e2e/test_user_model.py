@@ -140,14 +140,17 @@ class Letters:
 def test_generate_callback_samples_a_user_module_or_says_why_not(tiny_gpt, caplog):
     from types import SimpleNamespace
 
+    from llmfoundry.distributed.single import SingleDevice
+
+    state = lambda model: SimpleNamespace(model=model, strategy=SingleDevice("cpu"))  # noqa: E731
     callback = Generate(Letters(), ["ab"], max_new_tokens=2)
     with caplog.at_level(logging.INFO, logger="llmfoundry"):
-        callback.fit_end(SimpleNamespace(model=tiny_gpt.build()), None)
+        callback.fit_end(state(tiny_gpt.build()), None)
         assert "--- sample (prompt 'ab') ---" in caplog.text
 
         class Scalar(torch.nn.Linear):
             def forward(self, batch):
                 return self.weight.sum()
 
-        callback.fit_end(SimpleNamespace(model=Scalar(1, 1)), None)
+        callback.fit_end(state(Scalar(1, 1)), None)
     assert "no samples, Scalar's forward(batch) returns no logits" in caplog.text
