@@ -138,9 +138,7 @@ def _check_mesh(model: nn.Module, tp: int, pp: int) -> None:
 
 def _load_whole(whole: Pretrained, model: nn.Module, strategy: FSDP) -> None:
     """This rank's part of the weights of `whole` (read whole on every rank)."""
-    held = model.state_dict().keys()  # a pipeline stage's: its own modules'
-    weights = {k: v for k, v in whole.model.state_dict().items() if k in held}
-    load_model_state_dict(strategy, model, weights)
+    load_model_state_dict(strategy, model, whole.model.state_dict())
     dims = strategy.dims
     log.info(
         "the checkpoint has no shards: every rank read its weights whole, then kept its part "

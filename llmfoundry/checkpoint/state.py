@@ -56,10 +56,16 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_model_state_dict(
     strategy: Strategy, model: torch.nn.Module, state: dict[str, Any]
 ) -> None:
-    """Load whole weights (every rank passes them); sharded models keep their own shard."""
+    """Load whole weights (every rank passes them); sharded models keep their own shard, and a
+    pipeline stage its own modules' weights (the other stages' are theirs; any other key is
+    still refused, as for a whole model)."""
     if isinstance(strategy, DeepSpeed):
         deepspeed.load_model_state_dict(strategy, state)
         return
+    if strategy.pipeline is not None:
+        held = model.state_dict().keys()
+        others = strategy.pipeline.with_other_stages({}).keys() - held
+        state = {k: v for k, v in state.items() if k not in others}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
