@@ -63,8 +63,7 @@ def load_model_state_dict(
         deepspeed.load_model_state_dict(strategy, state)
         return
     if strategy.pipeline is not None:
-        held = model.state_dict().keys()
-        others = strategy.pipeline.with_other_stages({}).keys() - held
+        others = _other_stages(strategy, model)
         state = {k: v for k, v in state.items() if k not in others}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
@@ -86,9 +85,34 @@ def load_optimizer_state_dict(
     """Load the optimizer state `optimizer_state_dict` returned (every rank passes it)."""
     if isinstance(strategy, DeepSpeed):
         deepspeed.refuse_full_optimizer_state(strategy)
+    if strategy.pipeline is not None:  # a stage steps its own parameters only
+        state = _stage_optimizer_state(state, _other_stages(strategy, model))
     # A stateless optimizer (SGD without momentum) has only hyperparameters, which torch
     # refuses to distribute as "full" state: they load as they are.
     full = bool(state.get("state"))
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=full)
     )
+
+
+def _other_stages(strategy: Strategy, model: torch.nn.Module) -> set[str]:
+    """The names of the weights other pipeline stages hold, not this one (a tied embedding
+    held by two stages is this one's too)."""
+    return set(strategy.pipeline.with_other_stages({})) - set(model.state_dict())
+
+
+def _stage_optimizer_state(state: dict[str, Any], others: set[str]) -> dict[str, Any]:
+    """A whole model's optimizer state (by parameter name) less the parameters in `others`."""
+    groups = [
+        {
+            **group,
+            **{
+                k: [n for n in group[k] if n not in others]
+                for k in ("params", "param_names")
+                if k in group
+            },
+        }
+        for group in state.get("param_groups", [])
+    ]
+    kept = {name: value for name, value in state.get("state", {}).items() if name not in others}
+    return {**state, "state": kept, "param_groups": groups}

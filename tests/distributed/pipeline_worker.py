@@ -34,7 +34,13 @@ CLIP = 0.05
 TP_X_PP = {"llama": tp_llama, "mpt": tp_mpt}
 
 # name -> the checkpoint it resumes (None: uninterrupted), at pp=2 x dp=2 (`resumed_by_pp`).
-RESUMED_BY_PP = {"pp2_from_pp2": "pp2_fsdp2_saved", "pp2_fsdp2_straight": None}
+RESUMED_BY_PP = {
+    "pp2_from_pp2": "pp2_fsdp2_saved",
+    "pp2_fsdp2_straight": None,
+    # The one-process run's whole checkpoint (model.safetensors) after STOP_AT: each stage
+    # loads its own modules' weights and optimizer state.
+    "pp2_from_single": f"single_straight/ep0-ba{STOP_AT}",
+}
 # Runs killed (every rank, SIGKILL) at the end of batch KILL_AT, saving every 2 batches (so the
 # kill loses batch 3), then resumed from their save folder: name -> FSDP options.
 CRASHED = {"pp2": {"pp": 2}, "tp2_pp2": {"tp": 2, "pp": 2}}

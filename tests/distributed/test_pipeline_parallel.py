@@ -82,7 +82,9 @@ def runs(out):
             )
             for family, build in TP_X_PP.items()
         },
-        "straight": resume_run(SingleDevice("cpu"), mds, str(out / "single_straight")),
+        "straight": resume_run(
+            SingleDevice("cpu"), mds, str(out / "single_straight"), save_interval=f"{STOP_AT}ba"
+        ),
     }
     ports = [free_port() for _ in range(len(PARITY) + len(TP_X_PP) + 4 + len(RESUMED_BY_PP))]
     run_ranks(rank_main, WORLD, ports, str(out), mds, limit_s=LIMIT_S)
@@ -161,6 +163,7 @@ def test_stages_hold_their_blocks_and_initialize_as_one_process(runs):
 
 @pytest.mark.parametrize("resumed", ["fsdp4_from_pp2", "single_from_pp"])
 def test_checkpoint_saved_at_pp2_x_dp2_resumes_at_dp4_and_one_process(runs, resumed):
+    """And the other way: test_a_whole_checkpoint_resumes_at_pp2."""
     single, _, ranks = runs
     straight = single["straight"]
     assert ranks[0]["pp2_fsdp2_saved"]["losses"] == pytest.approx(
@@ -200,6 +203,18 @@ def test_a_pipeline_run_resumes_from_its_own_checkpoint_bitwise(runs, out):
         assert resumed["losses"] == straight["losses"][STOP_AT:]
         assert resumed["ids"] == straight["ids"][STOP_AT:]
     assert_bitwise(final_shards(out / "pp2_from_pp2"), final_shards(out / "pp2_fsdp2_straight"))
+
+
+def test_a_whole_checkpoint_resumes_at_pp2(runs):
+    """A one-process run's whole checkpoint (weights and optimizer state of every parameter,
+    by name) resumed at pp=2 x dp=2: each stage takes its own parameters' (before, the other
+    stages' weights were refused as unexpected keys), and the losses go on as one process's."""
+    single, _, ranks = runs
+    straight = single["straight"]
+    for rank in ranks:
+        losses = rank["pp2_from_single"]["losses"]
+        assert len(losses) == RESUME_BATCHES - STOP_AT
+        assert losses == pytest.approx(straight.losses[STOP_AT:], rel=RTOL)
 
 
 @pytest.fixture(scope="module")
