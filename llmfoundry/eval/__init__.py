@@ -2,7 +2,7 @@
 icl_tasks (foundry_tasks.py), scored through scoring.py."""
 
 from llmfoundry.eval.foundry_tasks import FoundryTask, load_icl_tasks, load_tasks
-from llmfoundry.eval.icl import KINDS, Task, evaluate_tasks, load_task, summary_table
+from llmfoundry.eval.icl import KINDS, Task, evaluate_tasks, load_task
 
 __all__ = [
     "KINDS",
@@ -12,5 +12,4 @@ __all__ = [
     "load_icl_tasks",
     "load_task",
     "load_tasks",
-    "summary_table",
 ]

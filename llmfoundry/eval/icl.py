@@ -59,7 +59,6 @@ __all__ = [
     "Task",
     "evaluate_tasks",
     "load_task",
-    "summary_table",
 ]
 
 log = logging.getLogger(__name__)
@@ -380,18 +379,3 @@ def evaluate_tasks(
     finally:
         model.train(was_training)
     return results
-
-
-def summary_table(results: dict[str, dict[str, Any]]) -> str:
-    """The results as a fixed-width text table, one task per line and the mean accuracy."""
-    width = max([len("task"), *map(len, results)])
-    lines = [f"{'task':<{width}}  {'kind':<17}  shots  examples  accuracy"]
-    for name, r in results.items():
-        lines.append(
-            f"{name:<{width}}  {r['kind']:<17}  {r['shots']:>5}  {r['examples']:>8}  "
-            f"{r['accuracy']:>8.4f}"
-        )
-    if results:
-        mean = sum(r["accuracy"] for r in results.values()) / len(results)
-        lines.append(f"{'mean':<{width}}  {'':<17}  {'':>5}  {'':>8}  {mean:>8.4f}")
-    return "\n".join(lines)

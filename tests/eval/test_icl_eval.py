@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.data.prep import PreparedTokenizer, train_bpe
-from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task, summary_table
+from llmfoundry.eval.icl import _prefix, evaluate_tasks, load_task
 from llmfoundry.eval.scoring import ModelForward
 from llmfoundry.models.generation import GenerationConfig, generate
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
@@ -131,7 +131,6 @@ def test_qa_is_exact_match_on_the_greedy_line(tmp_path):
     )
     results = evaluate_tasks(model, tok, [task])
     assert results["qa"]["correct"] == 1 and results["qa"]["accuracy"] == 0.5
-    assert "qa" in summary_table(results) and "0.5000" in summary_table(results)
 
 
 def test_same_choices_as_transformers_on_the_exported_model(tmp_path):
