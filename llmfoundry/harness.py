@@ -62,6 +62,7 @@ from llmfoundry.checkpoint.pretrained import WEIGHT_DTYPES, load_pretrained
 from llmfoundry.core.tokenizer import Tokenizer
 from llmfoundry.distributed import unwrap_model
 from llmfoundry.eval.forward import mesh_forward
+from llmfoundry.eval.icl import check_tokenizer_fits
 from llmfoundry.eval.scoring import (
     Continuation,
     Forward,
@@ -218,11 +219,7 @@ class FoundryLM(TemplateLM):
         if spec is None:
             raise UserError("the checkpoint has no tokenizer: pass --model_args tokenizer=PATH")
         tokenizer = prepare_tokenizer(spec, require_eos=False) if isinstance(spec, str) else spec
-        if tokenizer.vocab_size > vocab_size:
-            raise UserError(
-                f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                f"vocab_size {vocab_size}; give the model's tokenizer"
-            )
+        check_tokenizer_fits(tokenizer, vocab_size)
         if tokenizer.eos_id is None and tokenizer.bos_id is None:
             raise UserError(
                 "the tokenizer has neither an EOS nor a BOS token, which lm-eval conditions an "

@@ -57,6 +57,7 @@ __all__ = [
     "Prepared",
     "Question",
     "Task",
+    "check_tokenizer_fits",
     "evaluate_tasks",
     "load_task",
 ]
@@ -322,6 +323,16 @@ def _counts(scores: list[float]) -> dict[str, Any]:
     }
 
 
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer of more tokens than the model's vocabulary: another model's, whose
+    ids past it would index no embedding."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, more "
+            f"than the model's vocab_size {vocab_size}; give the model's tokenizer"
+        )
+
+
 def evaluate_tasks(
     model: CausalLM,
     tokenizer: Tokenizer,
@@ -344,11 +355,7 @@ def evaluate_tasks(
         raise UserError(f"shots must be >= 0, got {shots}")
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens, more "
-            f"than the model's vocab_size {model.config.vocab_size}; give the model's tokenizer"
-        )
+    check_tokenizer_fits(tokenizer, model.config.vocab_size)
     names = [task.name for task in tasks]
     if len(set(names)) < len(names):
         twice = next(name for name in names if names.count(name) > 1)
