@@ -23,15 +23,10 @@ from llmfoundry.models.mpt.hf import export_to_hf
 from llmfoundry.tokenizers.tokenizer import EOS_TOKEN, prepare_tokenizer, train_bpe
 from llmfoundry.utils.errors import UserError
 from tests.eval import lm_eval_parity as parity
+from tests.serving.conftest import TEXTS  # the served model's: one tokenizer corpus
 
 pytest.importorskip("lm_eval")
 ROOT = Path(__file__).resolve().parents[2]
-TEXTS = [
-    "def add(a, b):\n    return a + b\n",
-    "import os\nimport sys\n",
-    "the quick brown fox jumps over the lazy dog\n",
-    "hello world, hello server, hello batch\n",
-] * 20
 
 
 @pytest.fixture(scope="module")
