@@ -1,15 +1,18 @@
 """The device mesh: how the training processes divide the work, one axis per kind of parallelism.
 
 As torchtitan's ``ParallelDims``: `ParallelDims` says how many processes each axis spans
-(data-parallel replicas `dp_replicate`, data-parallel shards `dp_shard`, and, for what comes
-next, tensor `tp` and pipeline `pp` parallelism), and `build_mesh` lays them out as one
-``DeviceMesh`` in the order pp, dp_replicate, dp_shard, tp (the innermost axis the fastest
-links). The strategies (DDP, FSDP) are settings of these numbers, not separate worlds: DDP is
+(data-parallel replicas `dp_replicate`, data-parallel shards `dp_shard`, context `cp`, tensor
+`tp` and pipeline `pp` parallelism), and `build_mesh` lays them out as one ``DeviceMesh`` in the
+order pp, dp_replicate, dp_shard, cp, tp (the innermost axis the fastest links). The strategies (DDP, FSDP) are settings of these numbers, not separate worlds: DDP is
 dp_replicate = world size, FSDP dp_shard = world size, hybrid sharding both.
 
 Data-parallel ranks read different data; the other axes' ranks of one data-parallel rank read
-the same batch. So the trainer counts tokens, reduces losses and weights microbatches over the
-data-parallel group (`Mesh.dp_group`, `ParallelDims.dp_size`), not over the world.
+the same batch. So the trainer counts samples and tokens over the data-parallel group
+(`Mesh.dp_group`, `ParallelDims.dp_size`), not over the world. Context-parallel ranks read the
+same batch too, but each computes the loss of its own part of every sequence: losses and
+gradients are reduced over data-parallel x context-parallel ranks (`Mesh.loss_group`,
+`ParallelDims.loss_size`), and FSDP shards parameters over dp_shard x cp (`Mesh.fsdp_mesh`), as
+torchtitan does.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from llmfoundry.utils.errors import UserError
 
 # Outermost first: a pipeline stage spans nodes, tensor parallelism stays within one.
-_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -33,21 +36,22 @@ class ParallelDims:
     world_size: int
     dp_replicate: int = 1
     dp_shard: int = -1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise UserError(f"world size {self.world_size} must be at least 1")
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be at least 1")
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise UserError(
-                    f"dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {others} "
-                    f"does not divide the {self.world_size} processes"
+                    f"dp_replicate={self.dp_replicate} x cp={self.cp} x tp={self.tp} x "
+                    f"pp={self.pp} = {others} does not divide the {self.world_size} processes"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:
@@ -55,8 +59,9 @@ class ParallelDims:
         product = others * self.dp_shard
         if product != self.world_size:
             raise UserError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
-                f"pp={self.pp} = {product}, but there are {self.world_size} processes"
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"tp={self.tp} x pp={self.pp} = {product}, but there are {self.world_size} "
+                "processes"
             )
 
     @property
@@ -66,11 +71,17 @@ class ParallelDims:
 
     @property
     def dp_is_world(self) -> bool:
-        """Whether every process is a data-parallel rank of its own (no tp or pp axis)."""
+        """Whether every process is a data-parallel rank of its own (no cp, tp or pp axis)."""
         return self.dp_size == self.world_size
 
+    @property
+    def loss_size(self) -> int:
+        """Ranks whose losses cover different tokens of each global batch: the data-parallel
+        ranks times the context-parallel ranks of each (the gradient averages over them)."""
+        return self.dp_size * self.cp
+
     def shape(self) -> dict[str, int]:
-        """The mesh's axes and sizes, outermost first. tp and pp only when used; dp_shard always
+        """The mesh's axes and sizes, outermost first. cp, tp and pp only when used; dp_shard always
         and dp_replicate whenever it replicates (FSDP shards over a one-axis mesh and replicates
         across the first axis of a two-axis one, so replicas of unsharded models stay 2-D)."""
         return {n: getattr(self, n) for n in _ORDER if n == "dp_shard" or getattr(self, n) > 1}
@@ -89,25 +100,47 @@ class ParallelDims:
         at = self.coordinates(rank)
         return at.get("dp_replicate", 0) * self.dp_shard + at["dp_shard"]
 
+    def cp_rank(self, rank: int) -> int:
+        """Which part of each sequence the process `rank` computes (0 without context
+        parallelism; `llmfoundry.distributed.context`)."""
+        return self.coordinates(rank).get("cp", 0)
+
     def dp_axes(self) -> tuple[str, ...]:
-        """The mesh axes data parallelism spans (FSDP's mesh: replicate across, shard within)."""
+        """The mesh axes data parallelism spans (replicate across, shard within)."""
         return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.shape())
 
 
 @dataclass(frozen=True)
 class Mesh:
     """`dims` laid out over the joined process group (`build_mesh`). `dp_group`: the processes
-    this one reduces counts, losses and gradients with; None when that is every process (the
-    default group, so nothing new is created)."""
+    this one counts samples and tokens with; `loss_group`: those it reduces losses and
+    gradients with (the data-parallel x context-parallel ranks: different tokens); None when
+    that is every process (the default group, so nothing new is created)."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh
     dp_group: dist.ProcessGroup | None
+    loss_group: dist.ProcessGroup | None = None
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel axes alone: what FSDP shards and replicates over."""
+        """The data-parallel axes alone: what DDP replicates over, and what reads the data."""
         return self.device_mesh[self.dims.dp_axes()]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards and replicates parameters over: the data-parallel axes, with the
+        context-parallel axis joined to dp_shard (`dp_shard_cp`) when there is one, since those
+        ranks' gradients (of different tokens) are averaged as data-parallel ranks' are."""
+        if self.dims.cp == 1:
+            return self.dp_mesh
+        axes = ("dp_replicate", "dp_shard_cp") if self.dims.dp_replicate > 1 else ("dp_shard_cp",)
+        return self.device_mesh[axes]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The context-parallel axis: the ranks that split each sequence; None without one."""
+        return self.device_mesh["cp"] if self.dims.cp > 1 else None
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
@@ -125,10 +158,21 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
         # them (the gradient norm) runs as one all-reduce where DTensor finds this flattened
         # mesh; without it, one per axis, and every rank warns that this is "suboptimal".
         device_mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    if dims.dp_is_world:
-        return Mesh(dims, device_mesh, None)
-    axes = dims.dp_axes()
-    dp_mesh = device_mesh[axes]
+    if "cp" in shape:
+        device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp_group = None if dims.dp_is_world else _flat_group(device_mesh, dims.dp_axes(), "dp")
+    if dims.cp == 1:
+        return Mesh(dims, device_mesh, dp_group, dp_group)
+    loss_group = None
+    if dims.loss_size != dims.world_size:
+        axes = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
+        loss_group = _flat_group(device_mesh, axes, "dp_cp")
+    return Mesh(dims, device_mesh, dp_group, loss_group)
+
+
+def _flat_group(device_mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> dist.ProcessGroup:
+    """The process group of `axes` of `device_mesh` taken as one (flattened as `name`)."""
+    mesh = device_mesh[axes]
     if len(axes) > 1:
-        dp_mesh = dp_mesh._flatten("dp")  # torch has no public flatten (2.13)
-    return Mesh(dims, device_mesh, dp_mesh.get_group())
+        mesh = mesh._flatten(name)  # torch has no public flatten (2.13)
+    return mesh.get_group()

@@ -13,10 +13,12 @@ from llmfoundry.utils.errors import UserError
 @pytest.mark.parametrize(
     ("dims", "message"),
     [
-        ({"world_size": 4, "dp_replicate": 3}, "dp_replicate=3 x tp=1 x pp=1 = 3 does not divide"),
+        ({"world_size": 4, "dp_replicate": 3}, "dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not divide"),
         ({"world_size": 4, "dp_shard": 3}, "= 3, but there are 4 processes"),
         ({"world_size": 8, "dp_shard": 2, "tp": 2}, "= 4, but there are 8 processes"),
         ({"world_size": 4, "tp": 0}, "tp=0 must be at least 1"),
+        ({"world_size": 4, "cp": 0}, "cp=0 must be at least 1"),
+        ({"world_size": 8, "cp": 3}, "cp=3 x tp=1 x pp=1 = 3 does not divide"),
         ({"world_size": 4, "dp_shard": 0}, r"dp_shard=0 must be at least 1, or -1"),
     ],
 )
@@ -55,6 +57,27 @@ def test_the_mesh_gives_the_data_parallel_group_across_the_other_axes(fake_world
     assert mesh.dp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert dist.get_process_group_ranks(mesh.dp_group) == [1, 3, 5, 7]
     assert dist.get_rank(mesh.dp_group) == ParallelDims(8, dp_replicate=2, tp=2).dp_rank(5)
+
+
+def test_context_parallel_ranks_read_one_batch_but_reduce_losses_and_shard_parameters(fake_world):
+    dims = ParallelDims(8, dp_replicate=2, cp=2)  # cp inside dp_shard: ranks 2k, 2k+1 split one
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [dims.cp_rank(r) for r in range(8)] == [0, 1] * 4
+    assert (dims.dp_size, dims.loss_size) == (4, 8)
+    mesh = build_mesh(dims, "cpu")
+    assert mesh.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp")
+    assert dist.get_process_group_ranks(mesh.dp_group) == [1, 3, 5, 7]
+    assert mesh.loss_group is None  # every process holds different tokens
+    assert mesh.fsdp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert mesh.fsdp_mesh.shape == (2, 4)
+    assert dist.get_process_group_ranks(mesh.cp_mesh.get_group()) == [4, 5]
+
+
+def test_with_tensor_parallelism_the_loss_group_leaves_out_the_tp_ranks(fake_world):
+    mesh = build_mesh(ParallelDims(8, cp=2, tp=2), "cpu")
+    assert mesh.device_mesh.mesh_dim_names == ("dp_shard", "cp", "tp")
+    assert dist.get_process_group_ranks(mesh.loss_group) == [1, 3, 5, 7]
+    assert dist.get_process_group_ranks(mesh.dp_group) == [1, 5]
 
 
 def test_without_other_axes_the_data_parallel_group_is_the_world(fake_world):
