@@ -10,7 +10,8 @@ forward's mask without building or looking anything up by length: a second seque
 compiles the blocks once more, with dynamic shapes, and a third does not (tests/models/
 test_mpt_kernels.py; on the H200, torch 2.11: 1, 2, 2 graphs over three lengths, then
 documents once and once more at their second length). The dense [B, H, L, L] bias is never
-built.
+built. A context-parallel rank's queries are not the last of the keys: its mask_mod and
+score_mod read each query's position through the index of `query_positions`.
 
 PyTorch has no CPU backward for FlexAttention: on CPU it runs inference only (training there
 raises an error that says to use sdpa, which takes the same weights). On CPU, torch 2.13's
@@ -64,10 +65,23 @@ def _padded(q_len: int, k_len: int, device: torch.device) -> tuple[int, int] | N
     return (-(-q_len // _CPU_BLOCK) * _CPU_BLOCK, -(-k_len // _CPU_BLOCK) * _CPU_BLOCK)
 
 
+def _query_index(
+    mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, int] | None
+) -> torch.Tensor | None:
+    """The queries' positions among the keys (`AttentionMask.query_positions`, a
+    context-parallel rank's), padding queries placed past the last key; None when the queries
+    are the last q_len (their position is q_idx + offset)."""
+    positions = mask.query_positions
+    if positions is None or padded is None:
+        return positions
+    return F.pad(positions, (0, padded[0] - q_len), value=k_len)
+
+
 def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, int] | None):
-    """The BlockMask of `mask` for queries at the last `q_len` of `k_len` key positions, over
-    `padded` (queries, keys) positions when given: padding keys are masked out, padding queries
-    attend to nothing (their rows are cut off). One per row with documents, else one for all.
+    """The BlockMask of `mask` for queries at the last `q_len` of `k_len` key positions (or at
+    its `query_positions`), over `padded` (queries, keys) positions when given: padding keys
+    are masked out, padding queries attend to nothing (their rows are cut off). One per row
+    with documents, else one for all.
 
     The length-dependent scalars are captured as tensors, not ints: torch.compile guards on a
     captured int, so every new offset or length would compile FlexAttention again.
@@ -76,9 +90,10 @@ def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, i
 
     window, sid, pad = mask.source.window, mask.sequence_id, padded is not None
     offset, last = (torch.tensor(n, device=mask.device) for n in (k_len - q_len, k_len - 1))
+    index = _query_index(mask, q_len, k_len, padded)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_pos = q_idx + offset
+        q_pos = q_idx + offset if index is None else index[q_idx]
         keep = q_pos >= kv_idx
         if pad:
             keep = keep & (q_pos <= last)
@@ -94,12 +109,15 @@ def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, i
     return create_block_mask(mask_mod, rows, None, q_size, k_size, device=mask.device)
 
 
-def alibi_score_mod(slopes: torch.Tensor, offset: torch.Tensor) -> Callable:
+def alibi_score_mod(
+    slopes: torch.Tensor, offset: torch.Tensor, index: torch.Tensor | None = None
+) -> Callable:
     """score - slope_h * (i - j), the relative ALiBi bias, for queries offset by `offset` (a
-    tensor, as `block_mask`'s scalars)."""
+    tensor, as `block_mask`'s scalars), or at positions `index` (`_query_index`)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx + offset - kv_idx)
+        q_pos = q_idx + offset if index is None else index[q_idx]
+        return score - slopes[h] * (q_pos - kv_idx)
 
     return score_mod
 
@@ -117,17 +135,21 @@ def _products(mask: AttentionMask, q_len: int, k_len: int) -> tuple[object, Call
 
     def build() -> tuple[object, Callable | None]:
         padded = _padded(q_len, k_len, device)
+        # Queries at given positions (a context-parallel rank's, the same every step) are
+        # told apart by their runs (one host sync of the positions per forward).
+        at = None if mask.query_positions is None else tuple(mask.query_runs())
         if mask.sequence_id is None:
-            key = ("flex", q_len, k_len, device)
+            key = ("flex", q_len, k_len, at, device)
             blocks = source.shared_cached(key, lambda: block_mask(mask, q_len, k_len, padded))
         else:
             blocks = block_mask(mask, q_len, k_len, padded)
         slopes, offset = mask.alibi_slopes, k_len - q_len
         score_mod = None
         if slopes is not None:
+            index = _query_index(mask, q_len, k_len, padded)
             score_mod = source.shared_cached(
-                ("flex_alibi", offset, device),
-                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device)),
+                ("flex_alibi", offset, at, device),
+                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device), index),
             )
         return blocks, score_mod
 
