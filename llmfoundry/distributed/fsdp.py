@@ -7,12 +7,15 @@ keeps the averaged gradient of its own shard, and its optimizer steps only that 
 blocks come from the model's parallelization plan (llmfoundry/models/plan.py); the root module
 (embeddings, final norm) is sharded last.
 
-Hybrid sharding (`replicate=R`): a 2-D device mesh (llmfoundry/distributed/mesh.py:
-dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
+The mesh comes from `parallelism` (the config's `parallelism:` block, llmfoundry/distributed/
+mesh.py `parallel_dims`); FSDP takes every axis of it.
+
+Hybrid sharding (`dp_replicate=R`): a 2-D device mesh (dp_replicate=R,
+dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
-Tensor parallelism (`tp=T`): the innermost mesh axis splits each block's matrices across T
+Tensor parallelism (`parallelism.tp=T`): the innermost mesh axis splits each block's matrices across T
 ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
 result over the data-parallel axes (world_size / T ranks read different data, the T ranks of a
 tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
@@ -24,13 +27,14 @@ from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sh
 initialization equals the one-process initialization for the same seed, parameter by
 parameter; only one parameter is ever whole at a time.
 
-Pipeline parallelism (`pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
+Pipeline parallelism (`parallelism.pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
 stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
 layout (what it holds of it) and sharded over the data-parallel axes as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -55,7 +59,7 @@ from llmfoundry.distributed.torch_compat import fsdp_param_groups, reset_fsdp_it
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
 
-# Context parallel (strategy.cp) is refused. bench/context_parallel_probe.py ran torch 2.13's
+# Context parallel (parallelism.cp) is refused. bench/context_parallel_probe.py ran torch 2.13's
 # context_parallel against our attention on 2 CPU ranks (gloo): causal SDPA fails (the CPU flash
 # kernel has no sharding strategy), the math backend fails (DTensor mixed with plain tensors),
 # an additive bias (MPT's ALiBi, document masks) gives a wrong result (max error 3.6), and a
@@ -64,8 +68,8 @@ from llmfoundry.utils.errors import UserError
 # sequence: run the probe with --device cuda first.
 CONTEXT_PARALLEL_REFUSAL = (
     "context parallel is not supported (torch's ring attention does not run our attention: "
-    "bench/context_parallel_probe.py); use strategy.cp=1, and for long sequences strategy.tp=T "
-    "(sequence parallel) with strategy.activation_checkpointing=full"
+    "bench/context_parallel_probe.py); use parallelism.cp=1, and for long sequences "
+    "parallelism.tp=T (sequence parallel) with strategy.activation_checkpointing=full"
 )
 
 _MIXED_PRECISION = {
@@ -115,7 +119,13 @@ class FSDP(ProcessGroupStrategy):
 
     Args:
         device, backend, timeout_s: as for DDP.
-        replicate: replicas of the hybrid-sharding mesh (1: shard over all ranks).
+        parallelism: the mesh, every axis of it (mesh.py `parallel_dims`: the config's
+            `parallelism:` block or a ParallelDims; None: shard over all ranks). dp_replicate:
+            replicas of the hybrid-sharding mesh; tp: tensor-parallel ranks per data-parallel
+            rank (the mesh's innermost axis; it must divide the model's head counts and widths,
+            checked when the model is prepared); pp: pipeline stages (pipeline.py), each
+            sharded over world_size / pp processes, run by pp_schedule ("1f1b": at least pp
+            microbatches per step, or "gpipe"); cp: only 1 (`CONTEXT_PARALLEL_REFUSAL`).
         reshard_after_forward: free gathered block weights after forward (and gather them again
             for backward): less memory, one more all-gather per block.
         mixed_precision: None (parameters and gradients in their own dtype) or "bf16"
@@ -131,13 +141,6 @@ class FSDP(ProcessGroupStrategy):
             memory first (one more copy of the rank's model and optimizer state there). The
             checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
             saver waits for before the next save and at the end of the run.
-        pp: pipeline stages (pipeline.py); each is sharded over world_size / pp processes.
-        pp_schedule: the pipeline schedule, "1f1b" (at least pp microbatches per step) or
-            "gpipe".
-        tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
-            It must divide the world size (with `replicate`), and the model's head counts
-            and widths (checked when the model is prepared).
-        cp: context-parallel ranks; only 1 (`CONTEXT_PARALLEL_REFUSAL`).
     """
 
     name = "fsdp"
@@ -148,47 +151,33 @@ class FSDP(ProcessGroupStrategy):
         device: str = "auto",
         backend: str | None = None,
         timeout_s: float = 1800.0,
-        replicate: int = 1,
         reshard_after_forward: bool = True,
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
         async_save: bool = False,
-        pp: int = 1,
-        pp_schedule: str = "1f1b",
-        tp: int = 1,
-        cp: int = 1,
+        parallelism: Mapping[str, Any] | ParallelDims | None = None,
     ) -> None:
-        if cp != 1:
-            raise UserError(f"strategy.cp={cp}: {CONTEXT_PARALLEL_REFUSAL}")
-        super().__init__(device, backend, timeout_s)
-        self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
-        if replicate < 1 or self.world_size % replicate:
-            raise UserError(
-                f"strategy.replicate={replicate} must be a positive divisor of the "
-                f"{self.world_size} processes (replicas x shards = world size)"
-            )
+        super().__init__(device, backend, timeout_s, parallelism)
+        if self.dims.cp != 1:
+            raise UserError(f"parallelism.cp={self.dims.cp}: {CONTEXT_PARALLEL_REFUSAL}")
+        dims = self.dims
+        self.pipeline = Pipeline(dims.pp, dims.pp_schedule) if dims.pp != 1 else None
         if mixed_precision not in _MIXED_PRECISION:
             raise UserError(
                 f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
             )
         _checkpointing(activation_checkpointing)  # refused here, before any process waits
         self.activation_checkpointing = activation_checkpointing
-        self.replicate = replicate
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._auto_microbatching = False
         self._guarded = False  # (`guard_collectives`)
         self._guards: list[RemovableHandle] = []
-
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
 
     def setup(self) -> None:
         super().setup()
@@ -246,7 +235,7 @@ class FSDP(ProcessGroupStrategy):
         batch or fragmentation, rare against a sync per block on every step."""
         if self.tp > 1:
             raise UserError(
-                f"device_train_microbatch_size=auto with strategy.tp={self.tp}: an "
+                f"device_train_microbatch_size=auto with parallelism.tp={self.tp}: an "
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
