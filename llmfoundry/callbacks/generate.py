@@ -100,7 +100,7 @@ class Generate(Callback):
             and splits_the_model(state.strategy)
         ):
             raise UserError(
-                "callbacks.generate.seed=null under parallelism.tp or parallelism.pp: every process "
+                "callbacks.generate.seed=null under parallelism.tp or pp: every process "
                 "draws the samples, so they need the same seed; set callbacks.generate.seed"
             )
         if self.tokenizer is not None:

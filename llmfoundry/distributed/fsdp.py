@@ -15,8 +15,8 @@ dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
-Tensor parallelism (`parallelism.tp=T`): the innermost mesh axis splits each block's matrices across T
-ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
+Tensor parallelism (`parallelism.tp=T`): the innermost mesh axis splits each block's matrices
+across T ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
 result over the data-parallel axes (world_size / T ranks read different data, the T ranks of a
 tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
 both, with activation checkpointing and compile between them.
@@ -27,8 +27,8 @@ from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sh
 initialization equals the one-process initialization for the same seed, parameter by
 parameter; only one parameter is ever whole at a time.
 
-Pipeline parallelism (`parallelism.pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
-stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
+Pipeline parallelism (`parallelism.pp=P`, llmfoundry/distributed/pipeline.py) splits the model
+into P stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
 layout (what it holds of it) and sharded over the data-parallel axes as above.
 """
 

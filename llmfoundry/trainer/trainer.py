@@ -613,7 +613,8 @@ def _check_pipeline_options(precision: str, microbatch_size: int | str | None) -
         )
     if precision == "amp_fp16":
         raise UserError(
-            "precision=amp_fp16 (loss scaling) is not supported with parallelism.pp > 1; use amp_bf16"
+            "precision=amp_fp16 (loss scaling) is not supported with parallelism.pp > 1; use "
+            "amp_bf16"
         )
 
 
