@@ -21,7 +21,7 @@ On CPU (torch 2.13.0+cpu, gloo, 2026-12-03): causal and llama fail with "Operato
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
 registered", math with "aten.add.Tensor got mixed torch.Tensor and DTensor", and bias gave a
 WRONG result (max difference 3.59) in one run and did not return in 400 s in another. That is
-why `strategy.cp` is refused (llmfoundry/distributed/fsdp.py).
+why `parallelism.cp` is refused (llmfoundry/distributed/fsdp.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # datasheet peak, peak memory. A few minutes on one H100/H200. Extra arguments go to the script,
 # e.g. bench/gpu.sh --gpu-models mpt-1b --compile on --steps 20
 # Then the tensor-parallel rows (bench/tensor_parallel.py: llama3-1b and mpt-1b, seq 2048,
-# strategy.tp=2 beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
+# parallelism.tp=2 beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
 # Then the fp8 row: mpt-1b, sdpa, compile on, amp_bf16 beside amp_fp8 (torchao Float8Linear), on a
 # GPU of compute capability 8.9+ (H100/H200/B200; it says so and skips otherwise).
 set -euo pipefail
