@@ -204,8 +204,6 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
         )
 
 
-
-
 def _check_mesh(cfg: DictConfig, settings: TrainSettings, parallelism: dict[str, Any]) -> None:
     """What the mesh refuses whatever the world size, before any process starts: an axis the
     strategy cannot take (DDP and DeepSpeed: data parallelism only), and a training length the
