@@ -27,11 +27,11 @@ default; without CUDA the model stays on CPU, logged), ``precision`` (fp32, bf16
 ``seed`` (of sampled generation; default 1234, lm-eval's torch seed).
 Under torchrun (``torchrun --nproc-per-node N -m llmfoundry.harness ... --model_args
 checkpoint=PATH,tp=2``) the model is split over the processes as scripts/eval.py splits it
-(llmfoundry/checkpoint/on_mesh.py: ``pp`` stages, ``tp`` ranks, FSDP over the rest; a sharded
-checkpoint read in parts) and scored through `mesh_forward`. Every rank must run every request
-(a split model needs all ranks in each forward), so every rank reports itself as rank 0 of 1
-(`LM`'s default), lm-eval's way for such launchers: it then reports results on LOCAL_RANK 0
-only (on each node, where there are several).
+(llmfoundry/checkpoint/on_mesh.py: ``pp`` stages, ``tp`` ranks, ``cp`` context-parallel ranks,
+FSDP over the rest; a sharded checkpoint read in parts) and scored through `mesh_forward`.
+Every rank must run every request (a split model needs all ranks in each forward), so every
+rank reports itself as rank 0 of 1 (`LM`'s default), lm-eval's way for such launchers: it then
+reports results on LOCAL_RANK 0 only (on each node, where there are several).
 
 Registration. lm-eval finds a model by name in its registry. No lm-eval release (0.4.13, nor
 the pre-release 0.5.0.dev1) discovers installed plugins; its main branch does (pull request
@@ -136,11 +136,17 @@ def _device(requested: str | None) -> torch.device:
 
 
 def _on_mesh(
-    checkpoint: str | torch.nn.Module, tp: int, pp: int, precision: str, device: str | None
+    checkpoint: str | torch.nn.Module,
+    tp: int,
+    pp: int,
+    cp: int,
+    precision: str,
+    device: str | None,
 ) -> tuple[torch.nn.Module, str | None, Forward]:
     """This rank's part of the checkpoint's model split over torchrun's processes as
-    scripts/eval.py splits it (`load_on_mesh`: `pp` stages, `tp` ranks, FSDP over the rest),
-    where its tokenizer is, and the `Forward` every rank runs together."""
+    scripts/eval.py splits it (`load_on_mesh`: `pp` stages, `tp` ranks, `cp` context-parallel
+    ranks, FSDP over the rest), where its tokenizer is, and the `Forward` every rank runs
+    together."""
     if not isinstance(checkpoint, str):
         raise UserError("under torchrun give checkpoint=PATH: each rank loads its own part")
     if precision != "fp32":
@@ -152,7 +158,7 @@ def _on_mesh(
         log.info(
             "device=%s: under torchrun each rank uses its own (LOCAL_RANK's GPU or CPU)", device
         )
-    loaded = load_on_mesh(checkpoint, tp=tp, pp=pp)
+    loaded = load_on_mesh(checkpoint, tp=tp, pp=pp, cp=cp)
     atexit.register(loaded.strategy.teardown)
     return loaded.model, loaded.tokenizer, mesh_forward(loaded.model, loaded.strategy)
 
@@ -174,6 +180,7 @@ class FoundryLM(TemplateLM):
         seed: int | str = 1234,
         tp: int | str = 1,
         pp: int | str = 1,
+        cp: int | str = 1,
         forward: Forward | None = None,
         **unknown: Any,
     ) -> None:
@@ -182,18 +189,18 @@ class FoundryLM(TemplateLM):
         if unknown:
             raise UserError(
                 f"unknown model_args {sorted(unknown)}: llmfoundry takes checkpoint, tokenizer, "
-                "batch_size, max_seq_len, max_gen_toks, device, precision, seed, tp, pp"
+                "batch_size, max_seq_len, max_gen_toks, device, precision, seed, tp, pp, cp"
             )
         if checkpoint is None:
             raise UserError("no checkpoint: pass --model_args checkpoint=PATH")
         if precision not in WEIGHT_DTYPES:
             raise UserError(f"precision={precision!r}: choose one of {sorted(WEIGHT_DTYPES)}")
-        tp, pp = _positive_int("tp", tp), _positive_int("pp", pp)
+        tp, pp, cp = _positive_int("tp", tp), _positive_int("pp", pp), _positive_int("cp", cp)
         if "RANK" in os.environ and forward is None:  # torchrun's
-            model, tokenizer_path, forward = _on_mesh(checkpoint, tp, pp, precision, device)
-        elif (tp, pp) != (1, 1):
+            model, tokenizer_path, forward = _on_mesh(checkpoint, tp, pp, cp, precision, device)
+        elif (tp, pp, cp) != (1, 1, 1):
             raise UserError(
-                f"tp={tp} pp={pp} split the model over torchrun's processes: launch with "
+                f"tp={tp} pp={pp} cp={cp} split the model over torchrun's processes: launch with "
                 "`torchrun --nproc-per-node N -m llmfoundry.harness ...`"
             )
         else:

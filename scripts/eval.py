@@ -13,8 +13,8 @@ a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them with th
 --out as JSON.
 
 Under torchrun the model is split over the processes as training splits it, with the same
-results as one process: --pp stages, --tp tensor-parallel ranks, FSDP over the rest; a sharded
-checkpoint is read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
+results as one process: --pp stages, --tp tensor-parallel ranks, --cp context-parallel ranks
+(each sequence split over them: long contexts), FSDP over the rest; a sharded checkpoint is read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
 
     torchrun --nproc-per-node 4 scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --tp 2
 """
@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     mesh = p.add_argument_group("under torchrun (the model split over its processes)")
     mesh.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     mesh.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    mesh.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks: each sequence split over them (default 1)",
+    )
     add_script_arguments(p)
     args = p.parse_args(argv)
     configure_logging()
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     composites = Composites.read(args.gauntlet, args.core, args.bootstrap, args.bootstrap_seed)
     if "RANK" in os.environ:  # torchrun's: every process scores, rank 0 reports
-        loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp)
+        loaded = load_on_mesh(args.model, tp=args.tp, pp=args.pp, cp=args.cp)
         try:
             forward = mesh_forward(loaded.model, loaded.strategy)
             results = score(args, composites, loaded.model, loaded.tokenizer, forward)
@@ -99,10 +105,10 @@ def run(args: argparse.Namespace) -> int:
         if loaded.strategy.rank != 0:
             return 0
     else:
-        if args.tp != 1 or args.pp != 1:
+        if (args.tp, args.pp, args.cp) != (1, 1, 1):
             raise UserError(
-                f"--tp {args.tp} --pp {args.pp} split the model over torchrun's processes: "
-                f"launch with `torchrun --nproc-per-node N scripts/eval.py ...`"
+                f"--tp {args.tp} --pp {args.pp} --cp {args.cp} split the model over torchrun's "
+                "processes: launch with `torchrun --nproc-per-node N scripts/eval.py ...`"
             )
         model, tokenizer_path = load_pretrained(args.model)
         results = score(args, composites, model, tokenizer_path)

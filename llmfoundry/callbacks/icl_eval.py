@@ -24,8 +24,9 @@ class ICLEval(Callback):
     llm-foundry ``eval_gauntlet`` YAML (path, URL or its mapping), as
     ``icl/gauntlet/<category or average>``, and CORE over the benchmarks of `core` (a file of the
     same shape) as ``icl/core``. Every rank scores the same examples (a sharded model needs all of
-    them), under the trainer's autocast, as its evaluation runs; under tensor or pipeline
-    parallelism through the mesh (llmfoundry/eval/forward.py), with one process's answers.
+    them), under the trainer's autocast, as its evaluation runs; under tensor, pipeline or
+    context parallelism through the mesh (llmfoundry/eval/forward.py), with one process's
+    answers.
     `limit` keeps it cheap during training; `batch_size`: rows per forward. `tokenizer`: a
     tokenizer.json path or URL, or any `Tokenizer`.
     """

@@ -1,9 +1,10 @@
 """A trained model split over torchrun's processes as training splits it, to evaluate a model
 too large for one process in place (scripts/eval.py under torchrun).
 
-`load_on_mesh(path, tp, pp)` lays the processes out as `strategy=fsdp` does: `pp` pipeline
-stages, `tp` tensor-parallel ranks, FSDP over the rest (the FSDP strategy itself, so the model is
-split exactly as in training). Each rank builds the model of the checkpoint's recorded config
+`load_on_mesh(path, tp, pp, cp)` lays the processes out as `strategy=fsdp` does: `pp` pipeline
+stages, `tp` tensor-parallel ranks, `cp` context-parallel ranks (each sequence split over them,
+llmfoundry/distributed/context.py), FSDP over the rest (the FSDP strategy itself, so the model
+is split exactly as in training). Each rank builds the model of the checkpoint's recorded config
 (as `model=from_checkpoint` takes it) on the meta device, and the strategy materializes its
 part. The weights then come:
 
@@ -16,7 +17,7 @@ part. The weights then come:
   holds the whole model, as one process would.
 
 Every refusal a user can fix (a world the mesh does not divide, a tp the heads do not divide, a
-pp beyond the blocks) comes on every rank alike before any process waits on another.
+pp beyond the blocks, a cp the model cannot take) comes on every rank alike before any process waits on another.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from llmfoundry.checkpoint.reader import read_state
 from llmfoundry.checkpoint.sharded import DCP_METADATA, load_model_shards
 from llmfoundry.checkpoint.state import load_model_state_dict
 from llmfoundry.distributed import FSDP
+from llmfoundry.distributed.context import check_context_parallel
 from llmfoundry.distributed.parallelize import check_tensor_parallel
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import build_model
@@ -59,12 +61,13 @@ class OnMesh:
     tokenizer: str | None
 
 
-def load_on_mesh(path: str, tp: int = 1, pp: int = 1, device: str = "auto") -> OnMesh:
+def load_on_mesh(path: str, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto") -> OnMesh:
     """The model at `path` (a checkpoint, save folder or transformers folder, as
     `load_pretrained` takes it) split over this torchrun job's processes: `pp` stages, `tp`
-    tensor-parallel ranks, FSDP over the rest (module docstring). Every rank calls it."""
-    _check_world(tp, pp)
-    strategy = FSDP(device=device, parallelism={"tp": tp, "pp": pp})
+    tensor-parallel ranks, `cp` context-parallel ranks, FSDP over the rest (module docstring).
+    Every rank calls it."""
+    _check_world(tp, pp, cp)
+    strategy = FSDP(device=device, parallelism={"tp": tp, "pp": pp, "cp": cp})
     shards = _dcp_checkpoint(path)
     whole = None
     if shards is not None:  # the run state alone: the weights stay in the shards
@@ -75,7 +78,7 @@ def load_on_mesh(path: str, tp: int = 1, pp: int = 1, device: str = "auto") -> O
         whole = read_pretrained(path)
         config, tokenizer = whole.model.config, whole.tokenizer
         model = build_model(config, init_device="meta").to(_dtype_of(whole.model))
-    _check_mesh(model, tp, pp)
+    _check_mesh(model, tp, pp, cp)
     strategy.setup()
     try:
         if shards is not None:  # every file checked against the manifest, shared out
@@ -112,23 +115,25 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def _check_world(tp: int, pp: int) -> None:
+def _check_world(tp: int, pp: int, cp: int) -> None:
     """A world the mesh does not divide, refused in the terms of `load_on_mesh` (the strategy's
     own refusal names training's settings)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tp >= 1 and pp >= 1 and world % (tp * pp):
+    world, split = int(os.environ.get("WORLD_SIZE", "1")), tp * pp * cp
+    if min(tp, pp, cp) >= 1 and world % split:
         raise UserError(
-            f"tp={tp} x pp={pp} = {tp * pp} does not divide the {world} processes: launch a "
-            f"multiple of {tp * pp} (torchrun --nproc-per-node)"
+            f"tp={tp} x pp={pp} x cp={cp} = {split} does not divide the {world} processes: "
+            f"launch a multiple of {split} (torchrun --nproc-per-node)"
         )
 
 
-def _check_mesh(model: nn.Module, tp: int, pp: int) -> None:
+def _check_mesh(model: nn.Module, tp: int, pp: int, cp: int) -> None:
     """What the model cannot be split by, refused before the ranks join (the strategy would
     refuse it too, after)."""
     plan = parallel_plan(model)
     if tp > 1:
         check_tensor_parallel(plan, tp, setting="tp")
+    if cp > 1:
+        check_context_parallel(plan, cp, setting="cp")
     if pp > len(plan.blocks):
         raise UserError(
             f"pp={pp} exceeds the model's {len(plan.blocks)} blocks (each pipeline stage holds "

@@ -10,6 +10,11 @@ Every process calls it with the same right-padded ids [B, L] and gets the same r
   ranks, so the ids are right-padded to a multiple of tp (a causal model's earlier positions do
   not see later ones: the real positions' logits are unchanged); a vocabulary-sharded head's
   logits (a DTensor) are gathered whole, then cut back to [B, L] and reduced;
+- context parallelism (`strategy.context`): each rank runs its part of the positions
+  (`ContextParallel.shard`: two chunks of 2 cp, with the keys and values of the others gathered
+  in each layer), so the ids are right-padded to a multiple of 2 cp (times tp, with both); the
+  ranks' logits are all-gathered over the cp group and put back at their positions, whole on
+  every rank (the reductions pick positions anywhere: the last of each row, a continuation);
 - pipeline parallelism (`strategy.pipeline`): the stages run `Pipeline.forward_only`, the last
   one reduces its logits and sends the result to the other stages of its column (or its
   error, which every stage then raises: a sampling of non-finite scores, say). A pipeline
@@ -20,8 +25,8 @@ Every process calls it with the same right-padded ids [B, L] and gets the same r
 The forward runs in eval mode, without gradients, under the trainer's autocast when given its
 `precision` (as its evaluation runs); `reduce` runs outside autocast, on the logits as the model
 gave them, so it sees the numbers the trainer's metrics see. Gathering the whole logits on each
-tp rank costs [B, L, vocab] per rank for the one forward: what the reductions (a softmax over
-the vocabulary, sampling) need.
+tp rank (or over the cp ranks) costs [B, L, vocab] per rank for the one forward: what the
+reductions (a softmax over the vocabulary, sampling) need.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from llmfoundry.core.loss import IGNORE_INDEX
 from llmfoundry.core.precision import Precision
 from llmfoundry.distributed import Strategy, unwrap_model
+from llmfoundry.distributed.context import ContextParallel, load_balanced_index
 from llmfoundry.eval.scoring import Forward, Reduce
 from llmfoundry.models.generation import eval_mode
 
@@ -41,9 +49,12 @@ __all__ = ["mesh_forward", "splits_the_model"]
 
 
 def splits_the_model(strategy: Strategy | None) -> bool:
-    """Whether no process holds the whole model (tensor or pipeline parallelism): its forward
-    is then `mesh_forward`'s, not the model's own on each process."""
-    return strategy is not None and (strategy.pipeline is not None or strategy.tp > 1)
+    """Whether no process holds the whole model or runs it over whole sequences (tensor,
+    pipeline or context parallelism): its forward is then `mesh_forward`'s, not the model's own
+    on each process."""
+    return strategy is not None and (
+        strategy.pipeline is not None or strategy.tp > 1 or strategy.context is not None
+    )
 
 
 def mesh_forward(
@@ -62,7 +73,11 @@ class MeshForward:
         self, model: torch.nn.Module, strategy: Strategy, precision: Precision | None = None
     ) -> None:
         self.model, self.inner = model, unwrap_model(model)
-        self.pipeline, self.tp, self.device = strategy.pipeline, strategy.tp, strategy.device
+        self.pipeline, self.context = strategy.pipeline, strategy.context
+        self.device = strategy.device
+        # What the padded length must be a multiple of: sequence parallelism's tp ranks each
+        # take a part of the positions (of the cp rank's part, with both).
+        self.multiple = strategy.tp * (1 if self.context is None else 2 * self.context.cp)
         self.autocast: Callable[[], contextlib.AbstractContextManager] = (
             contextlib.nullcontext if precision is None else precision.autocast
         )
@@ -74,6 +89,10 @@ class MeshForward:
     def __call__(self, ids: torch.Tensor, reduce: Reduce) -> torch.Tensor:
         rows, length = ids.shape
         batch = {"input_ids": self._padded(ids).to(self.device)}
+        if self.context is not None:  # this rank's positions; no loss, so no targets
+            batch = self.context.shard(
+                batch | {"targets": torch.full_like(batch["input_ids"], IGNORE_INDEX)}
+            )
         with torch.no_grad(), eval_mode(self.inner):
             with self.autocast():
                 if self.pipeline is None:
@@ -81,23 +100,30 @@ class MeshForward:
                 else:
                     logits = self.pipeline.forward_only(batch)  # None but on the last stage
             if self.pipeline is None:
-                return reduce(_whole(logits)[:rows, :length]).cpu()
+                return reduce(self._whole(logits)[:rows, :length]).cpu()
             reduced, failure = None, None
             if logits is not None:  # the last stage: the others wait for what it sends
                 try:
-                    reduced = reduce(_whole(logits)[:rows, :length])
+                    reduced = reduce(self._whole(logits)[:rows, :length])
                 except Exception as err:  # raised on every stage, not only here
                     failure = err
             return self.pipeline.share_from_last_stage(reduced, failure).cpu()
 
+    def _whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of every position as one plain tensor on every rank: a tensor-parallel
+        head's are a DTensor sharded over the vocabulary, a context-parallel rank's are of its
+        own positions."""
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return logits if self.context is None else _gather_positions(logits, self.context)
+
     def _padded(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` right-padded (with token 0) to a length tp divides, and under a pipeline to
-        one of its few shapes."""
+        """`ids` right-padded (with token 0) to a length tp and 2 cp divide, and under a
+        pipeline to one of its few shapes."""
         rows, length = ids.shape
         if self.pipeline is None:
-            width, height = _round_up(length, self.tp), rows
+            width, height = _round_up(length, self.multiple), rows
         else:
-            width, height = _bucket(length, self.tp, self.max_seq_len), _power_of_two(rows)
+            width, height = _bucket(length, self.multiple, self.max_seq_len), _power_of_two(rows)
         if (height, width) == (rows, length):
             return ids
         padded = ids.new_zeros(height, width)
@@ -105,10 +131,16 @@ class MeshForward:
         return padded
 
 
-def _whole(logits: torch.Tensor) -> torch.Tensor:
-    """The logits as one plain tensor on every rank (a tensor-parallel head's are a DTensor,
-    sharded over the vocabulary)."""
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+def _gather_positions(logits: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """[B, L, V]: every cp rank's logits [B, L / cp, V] (of its `load_balanced_index`
+    positions) all-gathered over the group and put at their positions."""
+    parts = [torch.empty_like(logits) for _ in range(context.cp)]
+    dist.all_gather(parts, logits.contiguous(), group=context.group)
+    rows, local, vocab = logits.shape
+    whole = logits.new_empty(rows, local * context.cp, vocab)
+    for rank, part in enumerate(parts):
+        whole[:, load_balanced_index(whole.shape[1], context.cp, rank, logits.device)] = part
+    return whole
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -119,10 +151,10 @@ def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _bucket(length: int, tp: int, cap: int | None) -> int:
-    """The padded length of `length` positions: the next power of two, a multiple of `tp`, but
-    not past `cap` (the position table) where `length` fits in it."""
-    size = _round_up(_power_of_two(length), tp)
+def _bucket(length: int, multiple: int, cap: int | None) -> int:
+    """The padded length of `length` positions: the next power of two, a multiple of
+    `multiple`, but not past `cap` (the position table) where `length` fits in it."""
+    size = _round_up(_power_of_two(length), multiple)
     if cap is not None and length <= cap < size:
-        size = max(cap - cap % tp, _round_up(length, tp))
+        size = max(cap - cap % multiple, _round_up(length, multiple))
     return size

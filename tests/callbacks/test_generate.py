@@ -13,6 +13,7 @@ from llmfoundry.callbacks import Generate
 from llmfoundry.data.prep import train_bpe
 from llmfoundry.data.prep.instructions import Formatter
 from llmfoundry.distributed import SingleDevice, unwrap_model
+from llmfoundry.distributed.context import ContextParallel
 from llmfoundry.models.generation import GenerationConfig, generate, left_pad
 from llmfoundry.trainer import Trainer
 from llmfoundry.utils.errors import UserError
@@ -127,13 +128,20 @@ class _TensorParallel(SingleDevice):
     tp = 2
 
 
-def test_sampling_without_a_seed_under_tensor_parallelism_is_refused_at_start(tmp_path):
+class _ContextParallel(SingleDevice):
+    """A strategy that says it splits each sequence (nothing runs before the refusal)."""
+
+    cp, context = 2, ContextParallel(2, 0, group=None)
+
+
+@pytest.mark.parametrize("mesh", [_TensorParallel, _ContextParallel], ids=["tp", "cp"])
+def test_sampling_without_a_seed_on_a_mesh_is_refused_at_start(tmp_path, mesh):
     """On a mesh every process draws the samples from its own generator: without a seed they
     would disagree on the tokens (and feed different ids to one split forward)."""
     tokenizer = _word_tokenizer(VIM_DOC)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     unseeded = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], seed=None)
-    with pytest.raises(UserError, match=r"callbacks.generate.seed=null under parallelism.tp or pp"):
-        make_trainer(tmp_path, n_batches=1, strategy=_TensorParallel("cpu"), callbacks=[unseeded])
+    with pytest.raises(UserError, match=r"callbacks.generate.seed=null under parallelism.tp, pp or"):
+        make_trainer(tmp_path, n_batches=1, strategy=mesh("cpu"), callbacks=[unseeded])
     greedy = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], temperature=0, seed=None)
-    make_trainer(tmp_path, n_batches=1, strategy=_TensorParallel("cpu"), callbacks=[greedy])
+    make_trainer(tmp_path, n_batches=1, strategy=mesh("cpu"), callbacks=[greedy])

@@ -35,11 +35,12 @@ MESHES = {
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
     "tp2_pp2": {"tp": 2, "pp": 2},
+    "cp2": {"cp": 2},
     "fsdp": {},
 }
 SEED, VOCAB, MAX_SEQ_LEN = 3, 64, 64
-# Continuations of odd and even lengths (tp=2 pads the odd ones), in batches of 2 rows and a
-# last one of 1 (the pipeline pads rows too).
+# Continuations of odd and even lengths (tp=2 pads the odd ones, cp=2 all but multiples of
+# 4), in batches of 2 rows and a last one of 1 (the pipeline pads rows too).
 REQUESTS = [
     Continuation([1, 2, 3, 4, 5], [6, 7]),
     Continuation([9] * 11, [3]),

@@ -20,7 +20,7 @@ def main(checkpoint: str, tasks: str, out: str, mesh: str) -> None:
     name, _, size = mesh.partition("=")
     lm = FoundryLM(checkpoint=checkpoint, max_seq_len=parity.MAX_LEN, **{name: size})
     assert isinstance(lm.forward, MeshForward)
-    assert lm.forward.tp == int(size) if name == "tp" else lm.forward.pipeline is not None
+    assert lm.forward.multiple == int(size) if name == "tp" else lm.forward.pipeline is not None
     results = parity.evaluate(lm, Path(tasks))
     if results is not None:  # lm-eval's reporting rank (LOCAL_RANK 0)
         Path(out).write_text(json.dumps(parity.numbers(results)))

@@ -1,6 +1,6 @@
 """scripts/eval.py under torchrun on a sharded checkpoint, without merging it: the model split as
-training splits it (tensor or pipeline parallel, FSDP over the rest), each rank reading only
-its part of the shards, and the same results as one process, example by example.
+training splits it (tensor, pipeline or context parallel, FSDP over the rest), each rank
+reading only its part of the shards, and the same results as one process, example by example.
 
 The ranks are two processes spawned once with the environment torchrun gives each of its
 processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), running the script's `main`
@@ -37,6 +37,7 @@ LIMIT_S = 180
 RUNS = {
     "tp2": (SHARDED, ("--tp", "2")),
     "pp2": (SHARDED, ("--pp", "2")),
+    "cp2": (SHARDED, ("--cp", "2")),
     "pp2_whole": (WHOLE, ("--pp", "2")),
 }
 READ = re.compile(r"each rank read at most ([\d.]+)% of the \d+ bytes of weights")
@@ -130,7 +131,7 @@ def said(meshes: Path, run: str) -> list[str]:
     return [output(str(meshes), run, rank).read_text() for rank in (0, 1)]
 
 
-@pytest.mark.parametrize("run", ["tp2", "pp2"])
+@pytest.mark.parametrize("run", ["tp2", "pp2", "cp2"])
 def test_eval_on_a_mesh_reads_only_its_shards_and_equals_one_process(meshes, one_process, run):
     assert json.loads((meshes / f"{run}.json").read_text()) == one_process[SHARDED]
     rank0, rank1 = said(meshes, run)
@@ -157,14 +158,14 @@ TORCHRUN_ENV = dict(LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
         (
             None,
             ("--tp", "2"),
-            "error: --tp 2 --pp 1 split the model over torchrun's processes: "
+            "error: --tp 2 --pp 1 --cp 1 split the model over torchrun's processes: "
             "launch with `torchrun --nproc-per-node N scripts/eval.py ...`",
         ),
         (
             "3",
             ("--tp", "2"),
-            "error: tp=2 x pp=1 = 2 does not divide the 3 processes: launch a multiple of 2 "
-            "(torchrun --nproc-per-node)",
+            "error: tp=2 x pp=1 x cp=1 = 2 does not divide the 3 processes: launch a multiple "
+            "of 2 (torchrun --nproc-per-node)",
         ),
         (
             "4",

@@ -118,8 +118,10 @@ def test_bad_settings_are_refused_in_one_line(tiny):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, precision="fp64")
     with pytest.raises(UserError, match=r"batch_size='auto': give a positive whole number"):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, batch_size="auto")
-    with pytest.raises(UserError, match="tp=2 pp=1 split the model over torchrun's processes"):
+    with pytest.raises(UserError, match="tp=2 pp=1 cp=1 split the model over torchrun's"):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, tp=2)
+    with pytest.raises(UserError, match="tp=1 pp=1 cp=2 split the model over torchrun's"):
+        FoundryLM(checkpoint=model, tokenizer=tokenizer, cp=2)
     with pytest.raises(UserError, match="device='gpu0': not a device"):
         FoundryLM(checkpoint=model, tokenizer=tokenizer, device="gpu0")
     with pytest.raises(UserError, match=r"unknown model_args \['dtype'\]: llmfoundry takes"):
