@@ -141,7 +141,9 @@ def test_sampling_without_a_seed_on_a_mesh_is_refused_at_start(tmp_path, mesh):
     tokenizer = _word_tokenizer(VIM_DOC)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     unseeded = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], seed=None)
-    with pytest.raises(UserError, match=r"callbacks.generate.seed=null under parallelism.tp, pp or"):
+    with pytest.raises(
+        UserError, match=r"callbacks.generate.seed=null under parallelism.tp, pp or"
+    ):
         make_trainer(tmp_path, n_batches=1, strategy=mesh("cpu"), callbacks=[unseeded])
     greedy = Generate(str(tmp_path / "tokenizer.json"), ["Vim"], temperature=0, seed=None)
     make_trainer(tmp_path, n_batches=1, strategy=mesh("cpu"), callbacks=[greedy])
