@@ -353,11 +353,14 @@ def _metric(ctx: Context, run: str, name: str) -> dict[int, float]:
 
 def fsdp_resume(ctx: Context) -> dict:
     """An uninterrupted run of 2N batches against N batches, then a resume to 2N."""
-    n = 4 if ctx.tiny else 10
+    # The dry run proves the wiring (torchrun, FSDP, async saves, autoresume) on a few batches of
+    # a few rows: its steps are most of its time on a CPU.
+    n, batch = (2, 4) if ctx.tiny else (10, 8)
     log = ctx.logs / "fsdp_resume.log"
     common = [
         *f"strategy=fsdp strategy.async_save=true save_interval={n}ba".split(),
-        *"global_train_batch_size=8 eval_interval=null".split(),
+        f"global_train_batch_size={batch}",
+        "eval_interval=null",
         "callbacks=[speed_monitor,memory_monitor,nan_detector]",
     ]
     if not ctx.tiny:
