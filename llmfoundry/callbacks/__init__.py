@@ -1,29 +1,26 @@
-"""Callbacks: observe training events and act around them."""
+"""Callbacks: observe training events and act around them.
 
-from llmfoundry.callbacks.checkpoint_saver import CheckpointSaver
-from llmfoundry.callbacks.early_stopper import EarlyStopper
-from llmfoundry.callbacks.generate import Generate
-from llmfoundry.callbacks.hf_checkpointer import HFCheckpointer
-from llmfoundry.callbacks.icl_eval import ICLEval
-from llmfoundry.callbacks.lr_monitor import LRMonitor
-from llmfoundry.callbacks.memory_monitor import MemoryMonitor
-from llmfoundry.callbacks.nan_detector import NaNDetector
-from llmfoundry.callbacks.run_status import RunStatus
-from llmfoundry.callbacks.runtime_estimator import RuntimeEstimator
-from llmfoundry.callbacks.speed_monitor import SpeedMonitor
-from llmfoundry.callbacks.token_id_check import TokenIdCheck
+Names are imported on first use (`llmfoundry.utils.lazy`): a run imports the callbacks its
+config names, not all of them (`HFCheckpointer` alone brings in transformers, a second or more
+of every script's start that most runs never use).
+"""
 
-__all__ = [
-    "CheckpointSaver",
-    "EarlyStopper",
-    "Generate",
-    "HFCheckpointer",
-    "ICLEval",
-    "LRMonitor",
-    "MemoryMonitor",
-    "NaNDetector",
-    "RunStatus",
-    "RuntimeEstimator",
-    "SpeedMonitor",
-    "TokenIdCheck",
-]
+from llmfoundry.utils.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".checkpoint_saver": ("CheckpointSaver",),
+        ".early_stopper": ("EarlyStopper",),
+        ".generate": ("Generate",),
+        ".hf_checkpointer": ("HFCheckpointer",),
+        ".icl_eval": ("ICLEval",),
+        ".lr_monitor": ("LRMonitor",),
+        ".memory_monitor": ("MemoryMonitor",),
+        ".nan_detector": ("NaNDetector",),
+        ".run_status": ("RunStatus",),
+        ".runtime_estimator": ("RuntimeEstimator",),
+        ".speed_monitor": ("SpeedMonitor",),
+        ".token_id_check": ("TokenIdCheck",),
+    },
+)

@@ -40,12 +40,14 @@ _GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 # small enough to take well under a second in fp32 on a laptop. A format the CPU has no fast
 # kernel for (bf16 without AVX512-BF16/AMX runs ~40x slower than fp32) would take a minute at that
 # size, so the size doubles from _CPU_BENCH_MIN_SIZE only while one matmul is quicker than
-# _CPU_BENCH_SLOW_S: a matmul that slow is already at its steady state. The best of at least
-# _CPU_BENCH_REPEATS runs and _CPU_BENCH_SECONDS of runs counts: fast formats (bf16 on AMX) get
-# more tries, so a moment of contention from another process does not set the peak.
+# _CPU_BENCH_SLOW_S: a matmul that slow is already at its steady state (fp32 on one core: 1024
+# read 98 GFLOP/s, 2048 read 94; stopping at 1024 takes 0.4 s of CPU at the start of every CPU
+# run, going on to 2048 took 1.05 s). The best of at least _CPU_BENCH_REPEATS runs and
+# _CPU_BENCH_SECONDS of runs counts: fast formats (bf16 on AMX) get more tries, so a moment of
+# contention from another process does not set the peak.
 _CPU_BENCH_SIZE = 2048
 _CPU_BENCH_MIN_SIZE = 256
-_CPU_BENCH_SLOW_S = 0.05
+_CPU_BENCH_SLOW_S = 0.02
 _CPU_BENCH_REPEATS = 3
 _CPU_BENCH_SECONDS = 0.3
 

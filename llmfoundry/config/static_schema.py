@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import importlib.util
 import sys
 import typing
 from functools import cache
@@ -63,17 +64,41 @@ def _module(name: str) -> _Module | None:
 
 
 def _imported_from(module: _Module, name: str) -> str | None:
-    """The absolute module that `module`'s top level imports `name` from, if it does."""
+    """The absolute module that `module`'s top level imports `name` from, if it does: by
+    ``from x import name``, or by a package's ``lazy_exports`` table (`llmfoundry.utils.lazy`)."""
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
     for node in module.tree.body:
         if isinstance(node, ast.ImportFrom) and any(
             (alias.asname or alias.name) == name and alias.name == name for alias in node.names
         ):
             if node.level == 0:
                 return node.module
-            package = module.name if module.is_package else module.name.rpartition(".")[0]
-            if node.level > 1:
-                package = package.rsplit(".", node.level - 1)[0]
-            return f"{package}.{node.module}" if node.module else package
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            return f"{base}.{node.module}" if node.module else base
+        if (source := _lazy_export(node, name)) is not None:
+            return importlib.util.resolve_name(source, package)  # as lazy_exports imports it
+    return None
+
+
+def _lazy_export(node: ast.stmt, name: str) -> str | None:
+    """The module that ``... = lazy_exports(__name__, {module: (names, ...), ...})`` names for
+    `name` (as written: relative modules start with a dot), if `node` is that statement."""
+    call = node.value if isinstance(node, ast.Assign) else None
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "lazy_exports"
+        and len(call.args) == 2
+        and isinstance(call.args[1], ast.Dict)
+    ):
+        return None
+    for key, names in zip(call.args[1].keys, call.args[1].values, strict=True):
+        if (
+            isinstance(key, ast.Constant)
+            and isinstance(names, (ast.Tuple, ast.List))
+            and any(isinstance(n, ast.Constant) and n.value == name for n in names.elts)
+        ):
+            return key.value
     return None
 
 

@@ -1,9 +1,19 @@
 """Data: the MDS format (mds), streaming datasets (streaming), data_prep library code (prep),
 the trainer's datasets (text.py: MDS token rows; memmap.py: a token file) and the one builder
-that turns the ``data`` config group into loaders (builder.py)."""
+that turns the ``data`` config group into loaders (builder.py).
 
-from llmfoundry.data.builder import DataLoaders, DataSplits, build_loaders
-from llmfoundry.data.memmap import MemmapTokens
-from llmfoundry.data.text import StreamingTextDataset
+Names are imported on first use (`llmfoundry.utils.lazy`): data_prep's scripts read and write
+token files and MDS shards without torch, which the loaders here need (a second or more of
+every data_prep command's start).
+"""
 
-__all__ = ["DataLoaders", "DataSplits", "MemmapTokens", "StreamingTextDataset", "build_loaders"]
+from llmfoundry.utils.lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".builder": ("DataLoaders", "DataSplits", "build_loaders"),
+        ".memmap": ("MemmapTokens",),
+        ".text": ("StreamingTextDataset",),
+    },
+)

@@ -1,5 +1,8 @@
 """Every callback and logger in conf/ composes, validates and builds from its yaml."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -37,3 +40,32 @@ def test_every_callback_and_logger_config_builds():
         assert isinstance(instantiate(cfg.loggers[name]), LoggerDestination), name
     assert cfg.callbacks.early_stopper.monitor == "eval/val/loss"
     assert cfg.loggers.wandb.name == "test"
+
+
+# In a fresh interpreter: the trainer and the classes of the default config's callbacks (what
+# scripts/train.py imports for `make demo`), then HFCheckpointer; whether transformers was
+# imported after each.
+_DEFAULT_RUN_IMPORTS = r"""
+import sys
+from pathlib import Path
+from hydra.utils import get_class
+import llmfoundry.build
+from llmfoundry.config.preflight import compose_config
+cfg = compose_config(Path("conf").resolve(), [])
+for node in cfg.callbacks.values():
+    get_class(node._target_)
+print("transformers" in sys.modules)
+from llmfoundry.callbacks import HFCheckpointer
+print("transformers" in sys.modules)
+"""
+
+
+def test_a_default_run_does_not_import_transformers():
+    """Only HFCheckpointer needs transformers (a second or more of every run's start)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_RUN_IMPORTS],
+        cwd=CONF.parent, env={**os.environ, "PYTHONPATH": str(CONF.parent)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]

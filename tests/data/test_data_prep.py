@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -511,3 +514,38 @@ def test_previous_output_reuses_refuses_or_clears_meta(tmp_path):
     assert previous_output(str(tmp_path), "a", overwrite=True) is None
     assert not meta.exists()  # must not describe the splits about to be rewritten
     assert previous_output(str(tmp_path), "a", overwrite=False) is None
+
+
+# In a fresh interpreter: both scripts of the text -> MDS path, run as a user runs them; then
+# whether torch was imported (seconds of every data_prep command's start, for nothing).
+_PREP_WITHOUT_TORCH = r"""
+import runpy, sys
+corpus, out = sys.argv[1:]
+for argv in (
+    ["data_prep/text_to_tokens.py", corpus, "--train-tokenizer", "--vocab-size", "300",
+     "--out", f"{out}/tokens.bin", "--no-progress"],
+    ["data_prep/tokens_to_mds.py", f"{out}/tokens.bin", "--seq-len", "16", "--val-rows", "2",
+     "--out", f"{out}/mds", "--no-progress"],
+):
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exit:
+        assert not exit.code, exit.code
+print("torch" in sys.modules)
+"""
+
+
+def test_text_to_mds_scripts_do_not_import_torch(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 40)
+    result = subprocess.run(
+        [sys.executable, "-c", _PREP_WITHOUT_TORCH, str(corpus), str(tmp_path)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "mds" / "meta.json").is_file()
+    assert result.stdout.splitlines()[-1] == "False"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.algorithms import EMA
@@ -32,7 +30,7 @@ from tests.trainer.conftest import tiny_model
 
 from .sharded_worker import STOP_AT, Recorder, diverged_run, resume_run
 from .spawn import join_env
-from .workers import global_batches, rank_slice
+from .workers import KillAt, global_batches, rank_slice
 
 # tiny_model()'s config as a training config records it (what load_pretrained rebuilds).
 MODEL = {
@@ -167,18 +165,6 @@ def slow_background_saves() -> None:
         return slow
 
     sharded.save_shards = slow_save_shards
-
-
-class KillAt(Callback):
-    """Both ranks SIGKILL themselves at the end of a batch (together, after a barrier)."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-
-    def batch_end(self, state, logger) -> None:
-        if state.timestamp.batch == self.batch:
-            dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def killed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:

@@ -15,11 +15,10 @@ from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import FSDP, Strategy, unwrap_model
 from llmfoundry.trainer import Callback
 
-from .checkpoint_worker import KillAt
 from .sharded_worker import STOP_AT, parity_run, resume_run, tiny_llama
 from .spawn import join_env
 from .tensor_parallel_worker import tp_llama, tp_mpt
-from .workers import global_batches, rank_slice, uneven_eval_set
+from .workers import KillAt, global_batches, rank_slice, uneven_eval_set
 
 WORLD = 4
 # name -> the parallelism (mesh) of the parity runs: two stages, each sharded over two processes.

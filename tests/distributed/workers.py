@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from llmfoundry.distributed import DDP, unwrap_model
-from llmfoundry.trainer import Algorithm, Event, Trainer
+from llmfoundry.trainer import Algorithm, Callback, Event, Trainer
 from tests.distributed.spawn import join_env
 from tests.trainer.conftest import tiny_model, token_batches
 
@@ -83,3 +85,15 @@ def train_rank(
         "group_destroyed": torch.tensor(not dist.is_initialized()),
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+class KillAt(Callback):
+    """Both ranks SIGKILL themselves at the end of a batch (together, after a barrier)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def batch_end(self, state, logger) -> None:
+        if state.timestamp.batch == self.batch:
+            dist.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
