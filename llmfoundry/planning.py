@@ -91,9 +91,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.parallelize import check_tensor_parallel
+from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
 from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
+from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
@@ -150,11 +153,14 @@ class ModelCounts:
     block (input to output) and of the edges (`first`: the embeddings, on the first pipeline
     stage; `last`: the final norm and an untied head, on the last; `tied`: the embedding again
     when the head is tied to it, which the last stage holds when it is not also the first).
-    `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
-    its plan), None when it has one; `tp_all_to_all`: its layout's all-to-all volume per
-    block forward, in block inputs (`ParallelPlan.tp_all_to_all`); `attn_bias`: the heads
-    (1: one mask for every head) and side of the causal bias its attention kernel keeps
-    cached, (0, 0) when it builds none (module docstring)."""
+    `plan`: the family's parallel plan, which training's checks of a mesh read (the planner
+    asks the same ones: `Setup`); `tp_all_to_all`: its layout's all-to-all volume per block
+    forward, in block inputs (`ParallelPlan.tp_all_to_all`); `attn_bias`: the heads (1: one
+    mask for every head) and side of the causal bias its attention kernel keeps cached, (0, 0)
+    when it builds none; `cp_bias_heads`: the heads of the dense bias rows a dense-bias kernel
+    builds per forward under context parallelism (its queries' rows only: ALiBi's per head,
+    else one mask), 0 for flex and flash; `cp_refusal`: why the model cannot take cp > 1, ""
+    when it can (module docstring)."""
 
     n_params: int
     flops_per_token: int
@@ -167,9 +173,16 @@ class ModelCounts:
     vocab_size: int
     n_heads: int
     n_kv_heads: int
-    tp_refusal: str | None = None
+    plan: ParallelPlan = dataclasses.field(repr=False, compare=False)
     tp_all_to_all: float = 0.0
     attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
+    cp_bias_heads: int = 0
+    cp_refusal: str = ""
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values): the key/value heads' (GQA: fewer)."""
+        return self.n_kv_heads * (self.d_model // self.n_heads)
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -196,10 +209,12 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
     # The config field is kv_n_heads in MPT's config and n_kv_heads in Llama's.
     kv_heads = getattr(config, "n_kv_heads", None) or getattr(config, "kv_n_heads", None)
     masks = model.transformer.masks  # every family's AttentionMasks
-    attn_bias = (0, 0)
+    attn_bias, cp_bias_heads = (0, 0), 0
     builds = masks.alibi is not None or masks.window is not None
-    if config.attn_impl in DENSE_BIAS_IMPLS and builds:
-        attn_bias = masks.causal_bias_shape(seq_len)[1:3]
+    if config.attn_impl in DENSE_BIAS_IMPLS:
+        cp_bias_heads = masks.causal_bias_shape(seq_len)[1]
+        if builds:
+            attn_bias = masks.causal_bias_shape(seq_len)[1:3]
     return ModelCounts(
         n_params=model.num_params(),
         flops_per_token=model.flops_per_token(seq_len),
@@ -212,10 +227,21 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         vocab_size=config.vocab_size,
         n_heads=config.n_heads,
         n_kv_heads=kv_heads or config.n_heads,
-        tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
+        plan=plan,
         tp_all_to_all=plan.tp_all_to_all,
         attn_bias=attn_bias,
+        cp_bias_heads=cp_bias_heads,
+        cp_refusal=_context_parallel_refusal(config),
     )
+
+
+def _context_parallel_refusal(config: Any) -> str:
+    """Why training refuses cp > 1 for this model, "" when it does not: infini-attention
+    carries a memory from one segment of a sequence to the next, in order, which a sequence
+    split across ranks cannot."""
+    if getattr(config, "infini", None) is not None:
+        return "model.infini (infini-attention's memory runs through each sequence in order)"
+    return ""
 
 
 @dataclass
@@ -232,6 +258,7 @@ class MemoryPlan:
     activations: float
     logits: float
     attn_bias: float = 0.0
+    gathered_kv: float = 0.0
     stage: int = 0
 
     @property
@@ -244,6 +271,7 @@ class MemoryPlan:
             + self.activations
             + self.logits
             + self.attn_bias
+            + self.gathered_kv
         )
 
 
@@ -252,12 +280,15 @@ class CommunicationPlan:
     """Bytes one device sends per optimizer step, by collective (the module docstring says
     which): data parallelism's `all_gather` / `reduce_scatter` (FSDP, ZeRO) and `all_reduce`
     (DDP, hybrid replicas), tensor parallelism's activation all-gathers and reduce-scatters
-    `tensor_parallel`, and the pipeline's activation and gradient sends `pipeline`."""
+    `tensor_parallel`, context parallelism's key/value all-gathers and their gradients'
+    reduce-scatters `context_parallel`, and the pipeline's activation and gradient sends
+    `pipeline`."""
 
     all_gather: float = 0.0
     reduce_scatter: float = 0.0
     all_reduce: float = 0.0
     tensor_parallel: float = 0.0
+    context_parallel: float = 0.0
     pipeline: float = 0.0
 
     @property
@@ -267,6 +298,7 @@ class CommunicationPlan:
             + self.reduce_scatter
             + self.all_reduce
             + self.tensor_parallel
+            + self.context_parallel
             + self.pipeline
         )
 
@@ -288,12 +320,19 @@ def planned_precision(precision: str, has_bf16: bool) -> str:
 class Setup:
     """The run being planned: everything that changes memory per device.
 
-    The mesh: `tp` tensor-parallel and `pp` pipeline-parallel ways; the data-parallel ranks
-    world_size / (tp * pp) are laid out by `strategy` (DDP: replicas; ZeRO and FSDP: shards;
-    FSDP hybrid: shards within a node, replicas across) or, for FSDP, by `dp_replicate` and
-    `dp_shard` as `ParallelDims` takes them (-1: the rest). `schedule` and `stages_per_rank` (v,
-    interleaved only) are the pipeline's; `global_batch` (sequences per step) sets the
-    microbatches per step, which the pipeline keeps in flight and which repeat the gathers."""
+    The mesh: `tp` tensor-parallel, `cp` context-parallel and `pp` pipeline-parallel ways;
+    the data-parallel ranks world_size / (tp * cp * pp) are laid out by `strategy` (DDP:
+    replicas; ZeRO and FSDP: shards; FSDP hybrid: shards within a node, replicas across) or,
+    for FSDP, by `dp_replicate` and `dp_shard` as `ParallelDims` takes them (-1: the rest).
+    `schedule` and `stages_per_rank` (v, interleaved only) are the pipeline's; `global_batch`
+    (sequences per step) sets the microbatches per step, which the pipeline keeps in flight
+    and which repeat the gathers.
+
+    Construction refuses, in one line, every mesh training would refuse: with training's own
+    checks where they are functions of the model's plan (`check_tensor_parallel`,
+    `check_pipeline_split`), and as `ParallelDims` and FSDP take the axes (tp, cp and pp only
+    under FSDP: DDP and DeepSpeed take none; sequence lengths a multiple of
+    `ParallelDims.sequence_multiple`; infini-attention without cp)."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int
@@ -306,6 +345,7 @@ class Setup:
     optimizer_bytes: int = 8
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     dp_replicate: int = 1
@@ -321,9 +361,10 @@ class Setup:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.schedule not in SCHEDULES:
             raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if min(self.world_size, self.gpus_per_node, self.tp, self.pp, self.stages_per_rank) < 1:
+        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp)
+        if min(*sizes, self.stages_per_rank) < 1:
             raise UserError(
-                "world_size, gpus_per_node, tp, pp and stages_per_rank must be positive"
+                "world_size, gpus_per_node, tp, pp, cp and stages_per_rank must be positive"
             )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
@@ -339,48 +380,60 @@ class Setup:
         self._check_model_fits_mesh()
         self._check_world()
         self.dims = self._mesh()
+        self._check_sequence()
+
+    @property
+    def model_ways(self) -> int:
+        """Devices that hold one data-parallel rank's share: tp x cp x pp."""
+        return self.tp * self.cp * self.pp
 
     def _check_world(self) -> None:
-        world, model_ways = self.world_size, self.tp * self.pp
+        world, model_ways = self.world_size, self.model_ways
+        axes = f"tp={self.tp}{f' x cp={self.cp}' * (self.cp > 1)} x pp={self.pp}"
         if world % model_ways:
             raise UserError(
-                f"tp={self.tp} x pp={self.pp} = {model_ways} does not divide the {world} devices: "
-                f"use a --world-size that is a multiple of {model_ways}, or a tp and pp whose "
-                f"product divides {world}"
+                f"{axes} = {model_ways} does not divide the {world} devices: use a --world-size "
+                f"that is a multiple of {model_ways}, or axes whose product divides {world}"
             )
-        if self.strategy == "single" and world != model_ways:
-            if model_ways == 1:
-                raise UserError(
-                    "strategy single runs on one device: use --world-size 1 or ddp/fsdp"
-                )
+        if self.strategy not in ("fsdp", "fsdp-hybrid") and model_ways > 1:
             raise UserError(
-                f"strategy single has no data parallelism: use --world-size {model_ways} "
-                f"(tp x pp) or ddp/fsdp"
+                f"strategy {self.strategy} takes no tp, cp or pp axis (in training only FSDP "
+                "does): use --strategy fsdp, or leave --tp, --cp and --pp out"
             )
+        if self.strategy == "single" and world != 1:
+            raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
 
     def _check_model_fits_mesh(self) -> None:
+        """The model's own refusals of the axes: training's checks, on the family's plan."""
         counts = self.counts
-        # What training would refuse (distributed/parallelize.py).
-        if self.tp > 1 and counts.tp_refusal:
-            raise UserError(f"--tp {self.tp}: {counts.tp_refusal}")
-        heads, kv = counts.n_heads, counts.n_kv_heads
-        if heads % self.tp or kv % self.tp:
-            choices = [str(t) for t in _divisors(math.gcd(heads, kv)) if t <= self.gpus_per_node]
-            raise UserError(
-                f"tp={self.tp} does not divide the model's {heads} attention heads and {kv} "
-                f"key/value heads: use --tp {' or '.join(choices)}"
-            )
+        if self.tp > 1:
+            check_tensor_parallel(counts.plan, self.tp, setting="--tp")
+        check_pipeline_split(counts.plan, self.pp, setting="--pp")
         v = self.stages_per_rank if self.schedule == "interleaved" else 1
         layers = len(counts.blocks)
-        if self.pp * v > layers:
-            stages = f"pp={self.pp}" + f" x {v} stages per rank" * (v > 1)
+        if self.pp * v > layers:  # (training runs no interleaved schedule yet: the plan's own)
             raise UserError(
-                f"{stages} = {self.pp * v} stages, more than the model's {layers} layers: use "
-                f"--pp {layers // v} or fewer"
+                f"pp={self.pp} x {v} stages per rank = {self.pp * v} stages, more than the "
+                f"model's {layers} layers: use --pp {layers // v} or fewer"
+            )
+        if self.cp > 1 and counts.cp_refusal:
+            raise UserError(f"--cp={self.cp}: the model cannot split its sequences: "
+                            f"{counts.cp_refusal}; use --cp 1")  # fmt: skip
+
+    def _check_sequence(self) -> None:
+        """Sequence and context parallelism cut every sequence into equal parts: its length
+        must be a multiple of `ParallelDims.sequence_multiple`, as training's data requires."""
+        multiple = self.dims.sequence_multiple
+        if self.seq_len % multiple:
+            what = "2 x cp x tp" if self.cp > 1 else "tp"
+            raise UserError(
+                f"max_seq_len={self.seq_len} is not a multiple of {what} = {multiple} (each "
+                f"sequence is cut into equal parts): use a max_seq_len that is, or a smaller "
+                f"{'--cp' if self.cp > 1 else '--tp'}"
             )
 
     def _mesh(self) -> ParallelDims:
-        world, model_ways = self.world_size, self.tp * self.pp
+        world, model_ways = self.world_size, self.model_ways
         dp = world // model_ways
         if self.strategy != "fsdp" and (self.dp_replicate != 1 or self.dp_shard != -1):
             raise UserError(
@@ -390,9 +443,9 @@ class Setup:
         product = self.dp_replicate * self.dp_shard * model_ways
         if self.dp_shard != -1 and product != world:
             raise UserError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
-                f"pp={self.pp} = {product}, but there are {world} devices: use --world-size "
-                f"{product} or leave --dp-shard out (the rest)"
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"tp={self.tp} x pp={self.pp} = {product}, but there are {world} devices: use "
+                f"--world-size {product} or leave --dp-shard out (the rest)"
             )
         replicate, shard = self.dp_replicate, self.dp_shard
         if self.strategy in ("single", "ddp"):
@@ -400,7 +453,7 @@ class Setup:
         elif self.strategy in ("zero1", "zero2", "zero3"):
             replicate, shard = 1, dp
         elif self.strategy == "fsdp-hybrid":
-            shard = min(dp, max(1, self.gpus_per_node // self.tp))
+            shard = min(dp, max(1, self.gpus_per_node // (self.tp * self.cp)))
             if dp % shard:
                 raise UserError(
                     f"fsdp-hybrid shards within a node's {shard} data-parallel ranks, which do "
@@ -408,7 +461,9 @@ class Setup:
                     f"{shard * model_ways}"
                 )
             replicate = dp // shard
-        return ParallelDims(world, dp_replicate=replicate, dp_shard=shard, tp=self.tp, pp=self.pp)
+        return ParallelDims(
+            world, dp_replicate=replicate, dp_shard=shard, cp=self.cp, tp=self.tp, pp=self.pp
+        )
 
     @property
     def n_params(self) -> int:
@@ -477,8 +532,8 @@ class Setup:
 
 def _shards(setup: Setup) -> tuple[int, int, int]:
     """How many ways parameters, gradients and optimizer state are split across the
-    data-parallel ranks."""
-    dp, shard = setup.dp_size, setup.dims.dp_shard
+    data-parallel ranks (FSDP: and the context-parallel ranks of each, `Mesh.fsdp_mesh`)."""
+    dp, shard = setup.dp_size, setup.dims.dp_shard * setup.cp
     return {
         "single": (1, 1, 1),
         "ddp": (1, 1, 1),
@@ -505,7 +560,7 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     working = 2 * unit * PARAM_BYTES if sharded_params and p_shards > 1 else 0.0
     d = counts.d_model
     compute_bytes = 4 if setup.precision == "fp32" else 2
-    tokens = microbatch * setup.seq_len
+    tokens = microbatch * setup.seq_len / setup.cp  # this rank's part of each sequence
     # One block's saved activations per device; sequence parallel splits all but the gathered
     # inputs of the two column-wise projections.
     per_block = counts.block_activation_bytes * tokens / tp
@@ -523,7 +578,10 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     if stage == setup.pp - 1:
         logits = held * 2 * tokens * counts.vocab_size * compute_bytes / tp
     heads, side = counts.attn_bias  # ALiBi's heads split by tp; one mask for all heads is whole
-    attn_bias = (heads if heads == 1 else heads // tp) * side * side * compute_bytes
+    rows = side
+    if setup.cp > 1:  # the bias rows of this rank's queries, against every key, per forward
+        heads, side, rows = counts.cp_bias_heads, setup.seq_len, setup.seq_len / setup.cp
+    attn_bias = (heads if heads == 1 else heads // tp) * rows * side * compute_bytes
     return MemoryPlan(
         n_params=counts.n_params,
         flops_per_token=counts.flops_per_token,
@@ -534,8 +592,28 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
         activations=blocks + edges_bytes,
         logits=logits,
         attn_bias=attn_bias,
+        gathered_kv=_gathered_kv(setup, microbatch, layer_microbatches),
         stage=stage,
     )
+
+
+def _layer_kv_bytes(setup: Setup, microbatch: int) -> float:
+    """One layer's keys and values over whole sequences, [microbatch, seq, kv_dim] each, in the
+    compute dtype, the key/value heads split by tp: what context parallelism all-gathers."""
+    compute_bytes = 4 if setup.precision == "fp32" else 2
+    kv = 2 * microbatch * setup.seq_len * setup.counts.kv_dim * compute_bytes
+    return kv / setup.tp
+
+
+def _gathered_kv(setup: Setup, microbatch: int, layer_microbatches: float) -> float:
+    """The all-gathered keys and values a context-parallel rank holds at its peak: attention
+    keeps each layer's for its backward (every layer-microbatch in flight; with activation
+    checkpointing only the recomputed layer's), plus one layer's gradients of them, dK and dV,
+    in backward before their reduce-scatter."""
+    if setup.cp == 1:
+        return 0.0
+    kept = 1 if setup.activation_checkpointing else layer_microbatches
+    return (kept + 1) * _layer_kv_bytes(setup, microbatch)
 
 
 def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
@@ -554,7 +632,7 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     m = setup.microbatches(microbatch) or 1
     ring = lambda n: (n - 1) / n  # noqa: E731 (fraction of a buffer a ring collective sends)
     plan = CommunicationPlan()
-    n = setup.dims.dp_shard
+    n = setup.dims.dp_shard * setup.cp
     if setup.strategy in _SHARDED_PARAMS:
         plan.all_gather = 2 * m * weights * ring(n)
         plan.reduce_scatter = weights * ring(n)
@@ -565,13 +643,18 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
         plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
     counts = setup.counts
     compute_bytes = 4 if setup.precision == "fp32" else 2
-    activation = microbatch * setup.seq_len * counts.d_model
+    activation = microbatch * setup.seq_len / setup.cp * counts.d_model  # this rank's tokens
     layers = len(setup.stage_layers[stage])
     collectives = 8 + 4 * setup.activation_checkpointing
     exchanges = (2 + setup.activation_checkpointing) * counts.tp_all_to_all / setup.tp
     plan.tensor_parallel = (
         m * layers * (collectives + exchanges) * ring(setup.tp) * activation * compute_bytes
     )
+    # Context parallelism: per layer and microbatch, keys and values all-gathered in forward
+    # (again in a recomputed forward), their gradients reduce-scattered in backward.
+    passes = 2 + setup.activation_checkpointing
+    kv = _layer_kv_bytes(setup, microbatch)
+    plan.context_parallel = m * layers * passes * ring(setup.cp) * kv
     if setup.pp > 1:
         v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
         plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp
@@ -622,36 +705,47 @@ class MeshChoice:
 
 def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
     """The smallest mesh of `setup.world_size` devices that fits `device_memory`: the fewest
-    model-parallel ways tp * pp, then the least pipeline bubble (the fastest step), then the
-    larger tp (within a node: tp <= gpus_per_node, pp across nodes); None if none fits.
+    model-parallel ways tp * cp * pp, then the least pipeline bubble (the fastest step), then
+    the fewest bytes sent per step (so, for long sequences, context parallelism's key/value
+    gathers over tensor parallelism's activation collectives), then the larger tp (within a
+    node: tp <= gpus_per_node; pp and cp may span nodes); None if none fits. Only meshes
+    training takes are tried (`Setup` refuses the rest with training's checks).
     `setup.global_batch` must be set (the data-parallel ranks must divide it); its strategy,
-    schedule and checkpointing are kept, its tp, pp and dp layout are searched."""
-    counts, world = setup.counts, setup.world_size
-    # tp only for a family with a tensor-parallel layout (training refuses it otherwise).
-    heads = 1 if counts.tp_refusal else math.gcd(counts.n_heads, counts.n_kv_heads)
-    v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    schedule and checkpointing are kept, its tp, cp, pp and dp layout are searched."""
     choices = []
-    for tp in _divisors(heads):
-        if tp > setup.gpus_per_node or world % tp:
+    for mesh in _meshes(setup):
+        dp = mesh.dp_size
+        if setup.global_batch % dp:
             continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp * v > len(counts.blocks) or setup.global_batch % dp:
-                continue
-            if setup.strategy == "single" and dp > 1:
-                continue
-            if v > 1 and pp == 1:
-                continue
-            if setup.strategy == "fsdp-hybrid" and dp % min(dp, max(1, setup.gpus_per_node // tp)):
-                continue
-            mesh = dataclasses.replace(setup, tp=tp, pp=pp, dp_replicate=1, dp_shard=-1)
-            fits = largest_microbatch(mesh, device_memory, limit=setup.global_batch // dp)
-            if not fits:
-                continue
-            microbatch = fits if pp == 1 else 1
-            bubble = bubble_fraction(pp, mesh.microbatches(microbatch), setup.schedule, v)
-            choices.append(((tp * pp, bubble, -tp), MeshChoice(mesh, fits, microbatch, bubble)))
+        fits = largest_microbatch(mesh, device_memory, limit=setup.global_batch // dp)
+        if not fits:
+            continue
+        microbatch = fits if mesh.pp == 1 else 1
+        bubble = bubble_fraction(mesh.pp, mesh.microbatches(microbatch), mesh.schedule,
+                                 mesh.stages_per_rank)  # fmt: skip
+        sent = plan_communication(mesh, microbatch).total
+        key = (mesh.model_ways, bubble, sent, -mesh.tp)
+        choices.append((key, MeshChoice(mesh, fits, microbatch, bubble)))
     return min(choices, key=lambda c: c[0])[1] if choices else None
+
+
+def _meshes(setup: Setup) -> list[Setup]:
+    """Every tp x cp x pp layout of `setup.world_size` devices that training takes (tp within
+    a node), FSDP sharding the rest (dp_shard -1)."""
+    world, meshes = setup.world_size, []
+    v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    for tp in _divisors(math.gcd(world, setup.gpus_per_node)):
+        for cp in _divisors(world // tp):
+            for pp in _divisors(world // (tp * cp)):
+                if v > 1 and pp == 1:
+                    continue
+                try:
+                    meshes.append(dataclasses.replace(
+                        setup, tp=tp, cp=cp, pp=pp, dp_replicate=1, dp_shard=-1
+                    ))  # fmt: skip
+                except UserError:
+                    continue
+    return meshes
 
 
 def device_counts(gpus_per_node: int, limit: int) -> list[int]:

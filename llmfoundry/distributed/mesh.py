@@ -80,6 +80,13 @@ class ParallelDims:
         ranks times the context-parallel ranks of each (the gradient averages over them)."""
         return self.dp_size * self.cp
 
+    @property
+    def sequence_multiple(self) -> int:
+        """What every training sequence's length must be a multiple of: tp (sequence parallelism
+        gives each tp rank a slice), or 2 * cp * tp with context parallelism (each cp rank holds
+        2 of 2 * cp equal chunks, each chunk sliced over tp); the data collator pads to it."""
+        return 2 * self.cp * self.tp if self.cp > 1 else self.tp
+
     def shape(self) -> dict[str, int]:
         """The mesh's axes and sizes, outermost first. cp, tp and pp only when used; dp_shard always
         and dp_replicate whenever it replicates (FSDP shards over a one-axis mesh and replicates

@@ -203,11 +203,12 @@ def test_plan_script_input_errors_are_one_line(capsys):
     "flags, message",
     [
         (["--tp", "3", "--world-size", "8"],
-         "error: tp=3 does not divide the model's 4 attention heads and 4 key/value heads: use "
-         "--tp 1 or 2 or 4\n"),
+         "error: --tp=3 does not divide the model's n_heads=4, kv_n_heads=4, expansion_ratio * "
+         "d_model=1024, vocab_size=8192: choose a tp that divides each (or a model whose sizes "
+         "it divides)\n"),
         (["--tp", "2", "--world-size", "3"],
          "error: tp=2 x pp=1 = 2 does not divide the 3 devices: use a --world-size that is a "
-         "multiple of 2, or a tp and pp whose product divides 3\n"),
+         "multiple of 2, or axes whose product divides 3\n"),
     ],
 )  # fmt: skip
 def test_plan_script_names_the_mesh_problem_not_the_strategy(flags, message, capsys):
