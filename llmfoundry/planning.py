@@ -2,8 +2,9 @@
 
 Answers "does this config fit, on which mesh, with how large a microbatch, and how long is a
 step" for a device count and a parallel strategy laid out on the mesh of
-llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x tp x pp). Parameter
-count and flops per token come from the model itself (any family's `num_params` and
+llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp), built and
+checked as training builds and checks it (`Setup`), so a planned mesh is one training takes.
+Parameter count and flops per token come from the model itself (any family's `num_params` and
 `flops_per_token`, built on the meta device, so nothing is allocated), the same numbers the speed
 monitor's MFU uses; the family's spec gives the activation bytes its blocks keep
 (`ModelFamily.activation_bytes`), its parallel plan the blocks (the units sharded, split across
@@ -20,9 +21,10 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   L mod pp stages one more) and its edge's, divided by tp (Megatron-LM's tensor parallelism:
   every block matrix, the embedding and the head split column- or row-wise; norms, a few
   d_model each, are counted as split too);
-- data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * pp):
+- data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * cp * pp):
   DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients; FSDP full shard / ZeRO-3
-  all three over dp_shard; FSDP hybrid all three within the dp ranks of a node
+  all three over dp_shard (FSDP: x cp, whose ranks average gradients as data-parallel ranks
+  do: `Mesh.fsdp_mesh`); FSDP hybrid all three within the dp x cp ranks of a node
   (gpus_per_node // tp of them), replicated across nodes. Sharded strategies add the working
   copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
   the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
@@ -36,7 +38,13 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   by tp (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 2: sbh(34 + 5as/h)/t per layer), except the inputs of the two column-wise
   projections (attention's q/k/v, the MLP's up/gate), which the DTensor linear keeps as
-  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more;
+  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. Context
+  parallelism (cp = C, llmfoundry/distributed/context.py) gives each rank L / C tokens of
+  every sequence, so all of these (and the logits below) are those of L / C tokens;
+- gathered keys and values (cp > 1): attention all-gathers each layer's K and V over the cp
+  ranks, [microbatch, L, kv_heads * head_dim] each in the compute dtype (kv heads split by tp),
+  and keeps them for its backward: every layer-microbatch in flight, or only the recomputed
+  layer's with activation checkpointing; plus one layer's dK and dV in backward;
 - microbatches in flight under pipeline parallelism (Narayanan et al. 2021, "Efficient
   Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sections 2.2.1-2.2.2,
   and torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B):
@@ -50,7 +58,9 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   cached, in the compute dtype, when the model has ALiBi (a row per head, each tp rank
   building its own heads) or a sliding window (one mask for every head), L the longer of the
   sequence and max_seq_len (`AttentionMasks.causal_bias_shape`); flex and flash build none. A
-  per-batch document mask (sequence_id) is not counted.
+  per-batch document mask (sequence_id) is not counted. Under context parallelism the dense
+  kernels build, per forward and not cached, the rows of the rank's queries only: [heads (ALiBi)
+  or 1, L / C, L] (a mask is needed even without ALiBi: the queries are not the last ones).
 
 Communication per device per step (bytes sent by one device, ring collectives over n ranks
 moving (n - 1) / n of the buffer: Patarasuk and Yuan 2009; all-reduce = reduce-scatter +
@@ -68,11 +78,16 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
   also exchanges activations in all-to-alls (MPT's fused Wqkv: its output, (n_heads + 2
   kv_n_heads) / n_heads block inputs' worth, split by tp, `ParallelPlan.tp_all_to_all`) sends
   (tp - 1) / tp of each such buffer in forward, in backward and in a recomputed forward;
+- CP: per layer and microbatch, the all-gather of K and V in forward (again in a forward
+  recomputed under activation checkpointing) and the reduce-scatter of dK and dV in backward,
+  each sending (C - 1) / C of one layer's gathered K and V (above);
 - PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
-  tp under sequence parallelism) sent forward and its gradient sent back.
+  tp under sequence parallelism, by cp with context parallelism) sent forward and its gradient
+  sent back.
 
 Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
-axis divides the work evenly), divided by 1 - the pipeline bubble, the fraction of a step the
+axis divides the work evenly; cp's causal load balance, chunks r and 2C-1-r on rank r, gives
+every cp rank the same attention work), divided by 1 - the pipeline bubble, the fraction of a step the
 schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m microbatches,
 (pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al. 2021, sections
 2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it overlapped.
