@@ -415,6 +415,11 @@ class Setup:
                 f"strategy {self.strategy} takes no tp, cp or pp axis (in training only FSDP "
                 "does): use --strategy fsdp, or leave --tp, --cp and --pp out"
             )
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # (as FSDP refuses it: fsdp.py)
+            raise UserError(
+                f"cp={self.cp} with tp={self.tp} or pp={self.pp}: context parallelism is not "
+                "combined with tensor or pipeline parallelism in training yet; use one"
+            )
         if self.strategy == "single" and world != 1:
             raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
 

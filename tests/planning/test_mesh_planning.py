@@ -133,8 +133,10 @@ def test_communication_bubble_and_step_time():
         ({"schedule": "interleaved"}, "use --schedule interleaved with --stages-per-rank 2"),
         ({"strategy": "zero3"}, "strategy zero3 takes no tp, cp or pp axis (in training only "
          "FSDP does)"),
-        ({"cp": 2}, "max_seq_len=4 is not a multiple of 2 x cp x tp = 8 (each sequence is cut "
-         "into equal parts): use a max_seq_len that is, or a smaller --cp"),
+        ({"cp": 2, "world_size": 32}, "cp=2 with tp=2 or pp=2: context parallelism is not "
+         "combined with tensor or pipeline parallelism in training yet"),
+        ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 2 x cp x tp = 8 "
+         "(each sequence is cut into equal parts): use a max_seq_len that is, or a smaller --cp"),
         ({"cp": 2, "counts": dataclasses.replace(COUNTS, cp_refusal="model.infini (why)")},
          "--cp=2: the model cannot split its sequences: model.infini (why); use --cp 1"),
     ],
