@@ -1,0 +1,244 @@
+"""Context parallelism (`strategy.cp=C`): activation memory per rank and step time against
+sequence length at cp = 1, 2, 4, with the ratios against cp=1 measured in the same run.
+
+Each cp runs as its own torchrun job of C processes (one data-parallel rank: the C ranks share
+every sequence), training a model of conf/model (default mpt-tiny: ALiBi, sdpa, float32) under
+`FSDP(cp=C)` with a bare loop (forward on this rank's part of each sequence, the loss on its
+targets, backward, AdamW) on random tokens, one batch of --batch sequences per step, the lengths
+ascending. Rank 0 of each job prints one JSON line per length; this script, run without
+torchrun, starts the jobs and prints the table:
+
+    python bench/context_parallel.py                         # CPU, gloo: cp 1, 2, 4 at 512-4096
+    python bench/context_parallel.py --cps 1 2 --lengths 256 512 --steps 1     # a smoke run
+    python bench/context_parallel.py --device cuda --cps 1 2 --model mpt-125m \\
+        --lengths 8192 16384 32768 --precision amp_bf16         # GPU rows (bench/gpu.sh)
+
+Activation memory of a step = the peak memory during the step minus what the rank held just
+before it (the model's and the optimizer's state, and nothing else: the previous length's
+cached attention bias is dropped first, so a length's own bias is counted). On a GPU the peak
+is torch's allocator peak (`max_memory_allocated`). On CPU it is the process's resident peak
+(VmHWM, reset through /proc/self/clear_refs before the step), with MALLOC_MMAP_THRESHOLD_ low so
+every large tensor is its own mapping, returned to the system when freed, so resident memory
+follows the live tensors (as tests/planning/peak_worker.py measures the planner's peaks):
+tracemalloc sees only Python's own allocations, not torch's, and torch 2.13 keeps no allocator
+statistics for CPU tensors. The step's gradients (and FSDP's gathered layer) are inside that
+peak too; for the default tiny model they are a few MiB, printed as `state` beside it.
+
+The targets (issue 36): activation memory per rank at cp=C within 1.25 x (cp=1's) / C at the
+longest length, and the longest length that trains in cp=1's memory at length L growing about
+C-fold (here: the longest length measured whose activation memory is at most cp=1's at the
+longest length / the largest C). Step time per length: the mean of the steps after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+
+from llmfoundry.config.preflight import compose_config
+from llmfoundry.distributed import FSDP
+from llmfoundry.models.families import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_RATIO = 1.25  # activation memory at cp=C within this x (cp=1's) / C
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--model", default="mpt-tiny", help="a conf/model name")
+    parser.add_argument("--layers", type=int, default=None, help="override n_layers")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=2, help="per length (the first untimed)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "amp_bf16"])
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cp job")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "WORLD_SIZE" in os.environ:  # a rank of one cp job
+        return run_rank(args)
+    rows: dict[int, dict[int, dict]] = {}
+    for cp in args.cps:
+        rows[cp] = run_job(cp, argv if argv is not None else sys.argv[1:], args.timeout)
+    print(report(rows, args))
+    return 0
+
+
+def run_job(cp: int, argv: Sequence[str], timeout: float) -> dict[int, dict]:
+    """One torchrun job of `cp` processes; rank 0's rows by length."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "MALLOC_MMAP_THRESHOLD_": "65536",  # (module docstring: freed tensors leave RSS)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cp}", __file__, *argv]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        raise SystemExit(f"cp={cp} job failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {row["seq_len"]: row for row in rows}
+
+
+class Peak:
+    """Peak memory of this process above its level at `start` (module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.base = device, 0
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        self.base = _status("VmRSS:")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the current resident size
+
+    def read(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        return _status("VmHWM:") - self.base
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """This rank's rows: for each length, its activation memory and step time (the maxima over
+    the cp ranks, printed by rank 0)."""
+    cp = int(os.environ["WORLD_SIZE"])
+    strategy = FSDP(device=args.device, cp=cp)
+    strategy.setup()
+    device = strategy.device
+    torch.manual_seed(0)
+    overrides = [f"model={args.model}", f"model.max_seq_len={max(args.lengths)}"]
+    if args.layers:
+        overrides.append(f"model.n_layers={args.layers}")
+    config = instantiate(compose_config(ROOT / "conf", overrides).model)
+    model = strategy.prepare(build_model(config, init_device="meta"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) * 4
+    generator = torch.Generator().manual_seed(0)  # every cp rank reads the same batch
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "amp_bf16")
+
+    def step(ids: torch.Tensor) -> None:
+        batch = {"input_ids": ids, "labels": ids}
+        local = strategy.context.shard(batch) if strategy.context else batch
+        with autocast:
+            logits = model(local) if strategy.context else model(ids)
+            loss = model.loss(logits, local if strategy.context else ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def new_batch(seq_len: int) -> torch.Tensor:
+        ids = torch.randint(0, config.vocab_size, (args.batch, seq_len), generator=generator)
+        return ids.to(device)
+
+    step(new_batch(min(args.lengths)))  # loads every kernel, creates the optimizer state
+    peak = Peak(device)
+    for seq_len in sorted(args.lengths):
+        ids = new_batch(seq_len)
+        _drop_cached_bias(model)
+        peak.start()
+        seconds = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        measured = torch.tensor([float(peak.read()), max(seconds[1:] or seconds)], device=device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        if strategy.rank == 0:
+            row = {"cp": cp, "seq_len": seq_len, "activation_bytes": measured[0].item(),
+                   "step_s": measured[1].item(), "state_bytes": state}  # fmt: skip
+            print(json.dumps(row), flush=True)
+    strategy.teardown()
+    return 0
+
+
+def _drop_cached_bias(model: torch.nn.Module) -> None:
+    """Forget the attention bias cp=1's dense kernels keep cached (AttentionMasks), so each
+    length's step builds, and is charged for, its own."""
+    masks = getattr(getattr(model, "transformer", None), "masks", None)
+    if masks is not None and hasattr(masks, "cached"):
+        masks.cached = None
+
+
+def report(rows: dict[int, dict[int, dict]], args: argparse.Namespace) -> str:
+    """The table (one row per length, one column pair per cp), the ratios against cp=1, and
+    the targets."""
+    mib = 2**20
+    lengths = sorted(args.lengths)
+    cps = sorted(rows)
+    lines = [f"{args.model} {args.precision} batch {args.batch} on {args.device}: activation "
+             "memory per rank (MiB) and step time (s); ratio = cp=1's / this"]  # fmt: skip
+    header = f"{'seq':>7}" + "".join(f" | cp={c}: {'MiB':>8} {'s':>7} {'ratio':>5}" for c in cps)
+    lines += [header, "-" * len(header)]
+    for seq in lengths:
+        line = f"{seq:>7}"
+        for c in cps:
+            row = rows[c].get(seq)
+            base = rows.get(1, {}).get(seq)
+            ratio = base["activation_bytes"] / row["activation_bytes"] if base and row else None
+            mem = f"{row['activation_bytes'] / mib:8.1f} {row['step_s']:7.2f}" if row else " " * 16
+            line += f" | cp={c}: {mem} {ratio or 0:5.2f}"
+        lines.append(line)
+    state = rows[cps[0]][lengths[0]]["state_bytes"] if rows[cps[0]] else 0
+    lines.append(
+        f"state (parameters, gradients, Adam) per rank at cp={cps[0]}: {state / mib:.1f} MiB"
+    )
+    lines += targets(rows, lengths)
+    return "\n".join(lines)
+
+
+def targets(rows: dict[int, dict[int, dict]], lengths: list[int]) -> list[str]:
+    """The two targets (module docstring), against cp=1 of the same run."""
+    if 1 not in rows:
+        return ["targets: not checked (no cp=1 rows)"]
+    longest, out = lengths[-1], []
+    one = rows[1][longest]["activation_bytes"]
+    for c in sorted(rows):
+        if c == 1:
+            continue
+        mem = rows[c][longest]["activation_bytes"]
+        bound = TARGET_RATIO * one / c
+        verdict = "met" if mem <= bound else "MISSED"
+        out.append(f"target cp={c} at {longest}: {mem / 2**20:.1f} MiB <= 1.25 x {one / 2**20:.1f} "
+                   f"/ {c} = {bound / 2**20:.1f} MiB: {verdict}")  # fmt: skip
+    cmax = max(rows)
+    at = next((n for n in lengths if n * cmax >= longest), lengths[0])
+    budget = rows[1][at]["activation_bytes"]
+    for c in sorted(rows):
+        fits = [n for n in lengths if rows[c][n]["activation_bytes"] <= budget]
+        reach = max(fits) if fits else 0
+        out.append(f"longest length in cp=1's memory at {at} ({budget / 2**20:.1f} MiB): cp={c}: "
+                   f"{reach} ({reach / at:.1f}x)")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
