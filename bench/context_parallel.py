@@ -13,16 +13,18 @@ torchrun, starts the jobs and prints the table:
     python bench/context_parallel.py --device cuda --cps 1 2 --model mpt-125m \\
         --lengths 8192 16384 32768 --precision amp_bf16         # GPU rows (bench/gpu.sh)
 
-Activation memory of a step = the peak memory during the step minus what the rank held just
-before it (the model's and the optimizer's state, and nothing else: the previous length's
-cached attention bias is dropped first, so a length's own bias is counted). On a GPU the peak
+Activation memory of a length = the largest peak memory during a step's forward and backward
+minus what the rank held just before them (the model's and the optimizer's state; cp=1's
+cached ALiBi bias, which training keeps, is dropped before the first step and sized as for
+max_seq_len = the length, so each length is charged for its own: `_bias_for`); the optimizer's
+update after them allocates only state-sized temporaries, not activations. On a GPU the peak
 is torch's allocator peak (`max_memory_allocated`). On CPU it is the process's resident peak
 (VmHWM, reset through /proc/self/clear_refs before the step), with MALLOC_MMAP_THRESHOLD_ low so
 every large tensor is its own mapping, returned to the system when freed, so resident memory
 follows the live tensors (as tests/planning/peak_worker.py measures the planner's peaks):
 tracemalloc sees only Python's own allocations, not torch's, and torch 2.13 keeps no allocator
-statistics for CPU tensors. The step's gradients (and FSDP's gathered layer) are inside that
-peak too; for the default tiny model they are a few MiB, printed as `state` beside it.
+statistics for CPU tensors. The gradients (sharded over the cp ranks as the parameters are) and
+FSDP's gathered layer are inside that peak too: the state per rank is printed beside it.
 
 The targets (issue 36): activation memory per rank at cp=C within 1.25 x (cp=1's) / C at the
 longest length, and the longest length that trains in cp=1's memory at length L growing about
@@ -143,13 +145,15 @@ def run_rank(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(0)  # every cp rank reads the same batch
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "amp_bf16")
 
-    def step(ids: torch.Tensor) -> None:
+    def forward_backward(ids: torch.Tensor) -> None:
         batch = {"input_ids": ids, "labels": ids}
         local = strategy.context.shard(batch) if strategy.context else batch
         with autocast:
             logits = model(local) if strategy.context else model(ids)
-            loss = model.loss(logits, local if strategy.context else ids)
+            loss = model.loss(logits, local)
         loss.backward()
+
+    def update() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -157,20 +161,25 @@ def run_rank(args: argparse.Namespace) -> int:
         ids = torch.randint(0, config.vocab_size, (args.batch, seq_len), generator=generator)
         return ids.to(device)
 
-    step(new_batch(min(args.lengths)))  # loads every kernel, creates the optimizer state
+    forward_backward(new_batch(min(args.lengths)))  # loads every kernel
+    update()  # creates the optimizer state
     peak = Peak(device)
     for seq_len in sorted(args.lengths):
         ids = new_batch(seq_len)
-        _drop_cached_bias(model)
-        peak.start()
-        seconds = []
-        for _ in range(args.steps):
+        peaks, seconds = [], []
+        for index in range(args.steps):
+            if index == 0:
+                _bias_for(model, seq_len)
+            peak.start()
             start = time.perf_counter()
-            step(ids)
+            forward_backward(ids)
+            peaks.append(peak.read())
+            update()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
-        measured = torch.tensor([float(peak.read()), max(seconds[1:] or seconds)], device=device)
+        timed = seconds[1:] or seconds
+        measured = torch.tensor([float(max(peaks)), sum(timed) / len(timed)], device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         if strategy.rank == 0:
             row = {"cp": cp, "seq_len": seq_len, "activation_bytes": measured[0].item(),
@@ -180,12 +189,13 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _drop_cached_bias(model: torch.nn.Module) -> None:
-    """Forget the attention bias cp=1's dense kernels keep cached (AttentionMasks), so each
-    length's step builds, and is charged for, its own."""
-    masks = getattr(getattr(model, "transformer", None), "masks", None)
-    if masks is not None and hasattr(masks, "cached"):
-        masks.cached = None
+def _bias_for(model: torch.nn.Module, seq_len: int) -> None:
+    """cp=1's dense kernels keep the causal (ALiBi) bias cached, sized by the model's
+    max_seq_len (`AttentionMasks`): size it as for a model of max_seq_len=`seq_len` and drop
+    the cache, so the length's first step builds, and is charged for, the bias its training
+    would keep (the later steps reuse it, as training does)."""
+    masks = model.transformer.masks
+    masks.max_seq_len, masks.cached = seq_len, None
 
 
 def report(rows: dict[int, dict[int, dict]], args: argparse.Namespace) -> str:
@@ -233,11 +243,27 @@ def targets(rows: dict[int, dict[int, dict]], lengths: list[int]) -> list[str]:
     at = next((n for n in lengths if n * cmax >= longest), lengths[0])
     budget = rows[1][at]["activation_bytes"]
     for c in sorted(rows):
-        fits = [n for n in lengths if rows[c][n]["activation_bytes"] <= budget]
-        reach = max(fits) if fits else 0
-        out.append(f"longest length in cp=1's memory at {at} ({budget / 2**20:.1f} MiB): cp={c}: "
-                   f"{reach} ({reach / at:.1f}x)")  # fmt: skip
+        reach = reach_at(budget, [(n, rows[c][n]["activation_bytes"]) for n in lengths])
+        shown = f"{reach:.0f} ({reach / at:.1f}x)" if reach else "none measured"
+        if reach == lengths[-1] and rows[c][lengths[-1]]["activation_bytes"] < budget:
+            shown = f"more than {lengths[-1]} (>{lengths[-1] / at:.1f}x)"
+        out.append(f"longest length in cp=1's memory at {at} ({budget / 2**20:.1f} MiB): "
+                   f"cp={c}: {shown}")  # fmt: skip
     return out
+
+
+def reach_at(budget: float, measured: list[tuple[int, float]]) -> float:
+    """The length whose activation memory is `budget`, interpolated linearly between the two
+    measured (length, bytes) points around it (memory rises with length); the longest measured
+    length if all are under it, 0 if none is."""
+    under = [(n, m) for n, m in measured if m <= budget]
+    if not under:
+        return 0.0
+    (n0, m0), above = under[-1], [(n, m) for n, m in measured if m > budget and n > under[-1][0]]
+    if not above:
+        return float(n0)
+    n1, m1 = above[0]
+    return n0 + (budget - m0) / (m1 - m0) * (n1 - n0)
 
 
 if __name__ == "__main__":

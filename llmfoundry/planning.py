@@ -105,6 +105,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmfoundry.distributed.context import check_context_parallel
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import check_tensor_parallel
 from llmfoundry.distributed.pipeline import check_pipeline_split
@@ -174,8 +175,7 @@ class ModelCounts:
     mask for every head) and side of the causal bias its attention kernel keeps cached, (0, 0)
     when it builds none; `cp_bias_heads`: the heads of the dense bias rows a dense-bias kernel
     builds per forward under context parallelism (its queries' rows only: ALiBi's per head,
-    else one mask), 0 for flex and flash; `cp_refusal`: why the model cannot take cp > 1, ""
-    when it can (module docstring)."""
+    else one mask), 0 for flex and flash (module docstring)."""
 
     n_params: int
     flops_per_token: int
@@ -192,7 +192,6 @@ class ModelCounts:
     tp_all_to_all: float = 0.0
     attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
     cp_bias_heads: int = 0
-    cp_refusal: str = ""
 
     @property
     def kv_dim(self) -> int:
@@ -246,17 +245,7 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         tp_all_to_all=plan.tp_all_to_all,
         attn_bias=attn_bias,
         cp_bias_heads=cp_bias_heads,
-        cp_refusal=_context_parallel_refusal(config),
     )
-
-
-def _context_parallel_refusal(config: Any) -> str:
-    """Why training refuses cp > 1 for this model, "" when it does not: infini-attention
-    carries a memory from one segment of a sequence to the next, in order, which a sequence
-    split across ranks cannot."""
-    if getattr(config, "infini", None) is not None:
-        return "model.infini (infini-attention's memory runs through each sequence in order)"
-    return ""
 
 
 @dataclass
@@ -436,9 +425,8 @@ class Setup:
                 f"pp={self.pp} x {v} stages per rank = {self.pp * v} stages, more than the "
                 f"model's {layers} layers: use --pp {layers // v} or fewer"
             )
-        if self.cp > 1 and counts.cp_refusal:
-            raise UserError(f"--cp={self.cp}: the model cannot split its sequences: "
-                            f"{counts.cp_refusal}; use --cp 1")  # fmt: skip
+        if self.cp > 1:
+            check_context_parallel(counts.plan, self.cp, setting="--cp")
 
     def _check_sequence(self) -> None:
         """Sequence and context parallelism cut every sequence into equal parts: its length

@@ -137,8 +137,6 @@ def test_communication_bubble_and_step_time():
          "combined with tensor or pipeline parallelism in training yet"),
         ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 2 x cp x tp = 8 "
          "(each sequence is cut into equal parts): use a max_seq_len that is, or a smaller --cp"),
-        ({"cp": 2, "counts": dataclasses.replace(COUNTS, cp_refusal="model.infini (why)")},
-         "--cp=2: the model cannot split its sequences: model.infini (why); use --cp 1"),
     ],
 )  # fmt: skip
 def test_impossible_meshes_are_refused(options, message):
@@ -263,6 +261,13 @@ def test_a_mesh_training_refuses_is_refused_by_the_planner_too():
     assert plan_memory(two, 1).total > budget  # pure FSDP does not fit; tp 2 is refused
     choice = recommend(two, budget)
     assert (choice.setup.tp, choice.setup.cp) == (1, 2)
+
+
+def test_infini_attention_refuses_cp_as_training_does():
+    infini = MPTConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64,
+                       infini={"segment_len": 8})  # fmt: skip
+    with pytest.raises(ValueError, match="^--cp=2: model.infini's memory runs through each"):
+        Setup(infini, 16, "fp32", strategy="fsdp", world_size=2, cp=2)
 
 
 def test_context_parallelism_divides_activations_and_gathers_keys_and_values():
