@@ -24,8 +24,8 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
 - data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * cp * pp):
   DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients; FSDP full shard / ZeRO-3
   all three over dp_shard (FSDP: x cp, whose ranks average gradients as data-parallel ranks
-  do: `Mesh.fsdp_mesh`); FSDP hybrid all three within the dp x cp ranks of a node
-  (gpus_per_node // tp of them), replicated across nodes. Sharded strategies add the working
+  do: `Mesh.fsdp_mesh`); FSDP hybrid (dp_replicate > 1) all three within each replica's
+  dp_shard x cp ranks, replicated across the replicas. Sharded strategies add the working
   copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
   the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
   in use and the one prefetched);
@@ -106,7 +106,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfoundry.distributed.context import check_context_parallel
-from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.mesh import (
+    PIPELINE_SCHEDULES,
+    STRATEGY_AXES,
+    ParallelDims,
+    check_sequence_length,
+    parallel_dims,
+)
 from llmfoundry.distributed.parallelize import check_tensor_parallel
 from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
@@ -115,7 +121,8 @@ from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
+# Training's strategy names (conf/strategy/<name>.yaml) and the mesh axes each takes.
+STRATEGIES = tuple(STRATEGY_AXES)
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
@@ -124,7 +131,7 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 CHECKPOINT_BYTES = 4
 PARAM_BYTES = GRAD_BYTES = 4
 _UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SHARDED_PARAMS = ("fsdp", "fsdp-hybrid", "zero3")
+_SHARDED_PARAMS = ("fsdp", "deepspeed_zero3")
 
 
 def parse_bytes(text: str) -> int:
@@ -325,18 +332,20 @@ class Setup:
     """The run being planned: everything that changes memory per device.
 
     The mesh: `tp` tensor-parallel, `cp` context-parallel and `pp` pipeline-parallel ways;
-    the data-parallel ranks world_size / (tp * cp * pp) are laid out by `strategy` (DDP:
-    replicas; ZeRO and FSDP: shards; FSDP hybrid: shards within a node, replicas across) or,
-    for FSDP, by `dp_replicate` and `dp_shard` as `ParallelDims` takes them (-1: the rest).
+    the data-parallel ranks world_size / (tp * cp * pp) are laid out by `strategy`, a
+    conf/strategy name (DDP: replicas; DeepSpeed ZeRO and FSDP: shards) or, for FSDP, by
+    `dp_replicate` and `dp_shard` as `ParallelDims` takes them (-1: the rest; dp_replicate > 1:
+    hybrid sharding).
     `schedule` and `stages_per_rank` (v, interleaved only) are the pipeline's; `global_batch`
     (sequences per step) sets the microbatches per step, which the pipeline keeps in flight
     and which repeat the gathers.
 
     Construction refuses, in one line, every mesh training would refuse: with training's own
     checks where they are functions of the model's plan (`check_tensor_parallel`,
-    `check_pipeline_split`), and as `ParallelDims` and FSDP take the axes (tp, cp and pp only
-    under FSDP: DDP and DeepSpeed take none; sequence lengths a multiple of
-    `ParallelDims.sequence_multiple`; infini-attention without cp)."""
+    `check_pipeline_split`, `check_context_parallel`) and of the mesh (`parallel_dims`: tp, cp
+    and pp only under FSDP; `check_sequence_length`), and cp not with tp or pp (FSDP's own
+    refusal, for now). The interleaved schedule, which training does not run yet, can be planned
+    (a forecast), not recommended."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int
@@ -371,7 +380,7 @@ class Setup:
                 "world_size, gpus_per_node, tp, pp, cp and stages_per_rank must be positive"
             )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
-            raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
+            raise UserError("CPU offload needs a sharded strategy: fsdp or deepspeed_zero1-3")
         if (self.schedule == "interleaved") != (self.stages_per_rank > 1) and self.pp > 1:
             raise UserError(
                 "the interleaved schedule takes 2 or more stages per rank and the others 1: "
@@ -399,18 +408,11 @@ class Setup:
                 f"{axes} = {model_ways} does not divide the {world} devices: use a --world-size "
                 f"that is a multiple of {model_ways}, or axes whose product divides {world}"
             )
-        if self.strategy not in ("fsdp", "fsdp-hybrid") and model_ways > 1:
-            raise UserError(
-                f"strategy {self.strategy} takes no tp, cp or pp axis (in training only FSDP "
-                "does): use --strategy fsdp, or leave --tp, --cp and --pp out"
-            )
         if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # (as FSDP refuses it: fsdp.py)
             raise UserError(
                 f"cp={self.cp} with tp={self.tp} or pp={self.pp}: context parallelism is not "
                 "combined with tensor or pipeline parallelism in training yet; use one"
             )
-        if self.strategy == "single" and world != 1:
-            raise UserError("strategy single runs on one device: use --world-size 1 or ddp/fsdp")
 
     def _check_model_fits_mesh(self) -> None:
         """The model's own refusals of the axes: training's checks, on the family's plan."""
@@ -429,20 +431,16 @@ class Setup:
             check_context_parallel(counts.plan, self.cp, setting="--cp")
 
     def _check_sequence(self) -> None:
-        """Sequence and context parallelism cut every sequence into equal parts: its length
-        must be a multiple of `ParallelDims.sequence_multiple`, as training's data requires."""
-        multiple = self.dims.sequence_multiple
-        if self.seq_len % multiple:
-            what = "2 x cp x tp" if self.cp > 1 else "tp"
-            raise UserError(
-                f"max_seq_len={self.seq_len} is not a multiple of {what} = {multiple} (each "
-                f"sequence is cut into equal parts): use a max_seq_len that is, or a smaller "
-                f"{'--cp' if self.cp > 1 else '--tp'}"
-            )
+        """Sequence and context parallelism cut every sequence into equal parts, as training's
+        data requires (`check_sequence_length`)."""
+        check_sequence_length(self.dims, self.seq_len)
 
     def _mesh(self) -> ParallelDims:
+        """The mesh as training builds it from the config's parallelism block
+        (`parallel_dims`, which refuses the axes a strategy cannot take). DDP replicates over
+        the data-parallel ranks and DeepSpeed shards over them; FSDP takes --dp-replicate and
+        --dp-shard (hybrid sharding: replicas of shards)."""
         world, model_ways = self.world_size, self.model_ways
-        dp = world // model_ways
         if self.strategy != "fsdp" and (self.dp_replicate != 1 or self.dp_shard != -1):
             raise UserError(
                 f"--dp-replicate and --dp-shard lay out FSDP's mesh; strategy {self.strategy} "
@@ -455,23 +453,11 @@ class Setup:
                 f"tp={self.tp} x pp={self.pp} = {product}, but there are {world} devices: use "
                 f"--world-size {product} or leave --dp-shard out (the rest)"
             )
-        replicate, shard = self.dp_replicate, self.dp_shard
-        if self.strategy in ("single", "ddp"):
-            replicate, shard = dp, 1
-        elif self.strategy in ("zero1", "zero2", "zero3"):
-            replicate, shard = 1, dp
-        elif self.strategy == "fsdp-hybrid":
-            shard = min(dp, max(1, self.gpus_per_node // (self.tp * self.cp)))
-            if dp % shard:
-                raise UserError(
-                    f"fsdp-hybrid shards within a node's {shard} data-parallel ranks, which do "
-                    f"not divide the {dp}: use a --world-size that is a multiple of "
-                    f"{shard * model_ways}"
-                )
-            replicate = dp // shard
-        return ParallelDims(
-            world, dp_replicate=replicate, dp_shard=shard, cp=self.cp, tp=self.tp, pp=self.pp
-        )
+        layout = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        if self.strategy == "ddp":
+            layout = {"dp_replicate": world // model_ways, "dp_shard": 1}
+        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp}
+        return parallel_dims({**layout, **axes}, world, strategy=self.strategy)
 
     @property
     def n_params(self) -> int:
@@ -545,11 +531,10 @@ def _shards(setup: Setup) -> tuple[int, int, int]:
     return {
         "single": (1, 1, 1),
         "ddp": (1, 1, 1),
-        "zero1": (1, 1, dp),
-        "zero2": (1, dp, dp),
-        "zero3": (dp, dp, dp),
+        "deepspeed_zero1": (1, 1, dp),
+        "deepspeed_zero2": (1, dp, dp),
+        "deepspeed_zero3": (dp, dp, dp),
         "fsdp": (shard, shard, shard),
-        "fsdp-hybrid": (shard, shard, shard),
     }[setup.strategy]
 
 
@@ -645,7 +630,7 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
         plan.all_gather = 2 * m * weights * ring(n)
         plan.reduce_scatter = weights * ring(n)
         plan.all_reduce = 2 * weights / n * ring(setup.dims.dp_replicate)
-    elif setup.strategy in ("zero1", "zero2"):
+    elif setup.strategy in ("deepspeed_zero1", "deepspeed_zero2"):
         plan.all_gather = plan.reduce_scatter = weights * ring(n)
     else:
         plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
@@ -720,6 +705,11 @@ def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
     training takes are tried (`Setup` refuses the rest with training's checks).
     `setup.global_batch` must be set (the data-parallel ranks must divide it); its strategy,
     schedule and checkpointing are kept, its tp, cp, pp and dp layout are searched."""
+    if setup.schedule not in PIPELINE_SCHEDULES:
+        raise UserError(
+            f"--recommend plans meshes training takes, and training runs no {setup.schedule} "
+            f"schedule yet: use --schedule {' or '.join(PIPELINE_SCHEDULES)}"
+        )
     choices = []
     for mesh in _meshes(setup):
         dp = mesh.dp_size
@@ -739,7 +729,7 @@ def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
 
 def _meshes(setup: Setup) -> list[Setup]:
     """Every tp x cp x pp layout of `setup.world_size` devices that training takes (tp within
-    a node), FSDP sharding the rest (dp_shard -1)."""
+    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards."""
     world, meshes = setup.world_size, []
     v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
     for tp in _divisors(math.gcd(world, setup.gpus_per_node)):
@@ -748,9 +738,7 @@ def _meshes(setup: Setup) -> list[Setup]:
                 if v > 1 and pp == 1:
                     continue
                 try:
-                    meshes.append(dataclasses.replace(
-                        setup, tp=tp, cp=cp, pp=pp, dp_replicate=1, dp_shard=-1
-                    ))  # fmt: skip
+                    meshes.append(dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, dp_shard=-1))
                 except UserError:
                     continue
     return meshes

@@ -2,7 +2,7 @@
 
     python scripts/plan.py model=mpt-7b precision=amp_bf16 --strategy fsdp --world-size 8 \\
         --activation-checkpointing --device-memory 80GB
-    python scripts/plan.py model=mpt-30b --strategy zero3 --world-size 64 --cpu-offload
+    python scripts/plan.py model=mpt-30b --strategy deepspeed_zero3 --world-size 64 --cpu-offload
     python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
         global_train_batch_size=512 --strategy fsdp --world-size 64 --tp 8 --pp 2 \\
         --activation-checkpointing --device-memory 80GB --device-name H100
@@ -65,13 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=STRATEGIES, help="default single (fsdp with --recommend)")
     p.add_argument("--world-size", type=int, help="devices in the run (default 1; --recommend: "
                    "the fewest that fit)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=8, help="for fsdp-hybrid and --recommend "
-                   "(tp stays within a node; default 8)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=8, help="for --recommend (tp stays "
+                   "within a node; default 8)")  # fmt: skip
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ways (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ways: each sequence "
                    "split over them (default 1)")  # fmt: skip
-    p.add_argument("--dp-replicate", type=int, default=1, help="fsdp: replicas of the shards")
+    p.add_argument("--dp-replicate", type=int, default=1, help="fsdp: replicas of the shards "
+                   "(hybrid sharding; kept by --recommend)")  # fmt: skip
     p.add_argument("--dp-shard", type=int, default=-1, help="fsdp: shards (default: the rest)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--stages-per-rank", type=int, default=1, help="interleaved: stages per rank")
@@ -106,8 +107,8 @@ def gib(n: float) -> str:
 def _what_would_fit(args: argparse.Namespace) -> str:
     """The changes of the run that shrink memory per device and that this plan did not use."""
     options = []
-    if args.strategy in ("single", "ddp", "zero1", "zero2"):
-        options.append("shard the weights (--strategy fsdp or zero3) over more devices")
+    if args.strategy in ("single", "ddp", "deepspeed_zero1", "deepspeed_zero2"):
+        options.append("shard the weights (--strategy fsdp or deepspeed_zero3) over more devices")
     elif args.recommend:
         options.append(
             "more devices" + (f" than --world-size {args.world_size}" * bool(args.world_size))
@@ -158,14 +159,8 @@ def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -
     """The recommended mesh, or the UserError saying why there is none."""
     if memory is None:
         raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
-    if (
-        args.tp != 1
-        or args.pp != 1
-        or args.cp != 1
-        or args.dp_replicate != 1
-        or args.dp_shard != -1
-    ):
-        raise UserError("--recommend chooses tp, cp, pp and the dp layout: leave those flags out")
+    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.dp_shard != -1:
+        raise UserError("--recommend chooses tp, cp, pp and dp_shard: leave those flags out")
     if args.world_size:
         choice = recommend(setup, memory)
         where = f"{args.world_size} devices"

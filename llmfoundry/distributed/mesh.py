@@ -3,8 +3,14 @@
 As torchtitan's ``ParallelDims``: `ParallelDims` says how many processes each axis spans
 (data-parallel replicas `dp_replicate`, data-parallel shards `dp_shard`, context `cp`, tensor
 `tp` and pipeline `pp` parallelism), and `build_mesh` lays them out as one ``DeviceMesh`` in the
-order pp, dp_replicate, dp_shard, cp, tp (the innermost axis the fastest links). The strategies (DDP, FSDP) are settings of these numbers, not separate worlds: DDP is
-dp_replicate = world size, FSDP dp_shard = world size, hybrid sharding both.
+order pp, dp_replicate, dp_shard, cp, tp (the innermost axis the fastest links).
+
+The mesh is the parallelism config: the `parallelism:` block of conf/train.yaml holds these
+numbers, and `parallel_dims` turns it into the one ParallelDims that training (build.py), the
+scripts and the planner all use. The strategies wrap the data-parallel axes of that mesh: DDP
+replicates over them, FSDP shards (and, with dp_replicate > 1, replicates) over them and also
+takes the cp, tp and pp axes; DDP and DeepSpeed hold the whole model, so they refuse those
+(`STRATEGY_AXES`).
 
 Data-parallel ranks read different data; the other axes' ranks of one data-parallel rank read
 the same batch. So the trainer counts samples and tokens over the data-parallel group
@@ -17,7 +23,10 @@ torchtitan does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,12 +35,26 @@ from llmfoundry.utils.errors import UserError
 
 # Outermost first: a pipeline stage spans nodes, tensor parallelism stays within one.
 _ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# `parallelism.pp_schedule` names (llmfoundry/distributed/pipeline.py runs them).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+_DATA_PARALLEL = ("dp_replicate", "dp_shard")
+# The mesh axes each strategy (conf/strategy/<name>.yaml) lays processes out on; the others
+# must be 1. DDP and DeepSpeed hold the whole model on every process: only data parallelism.
+STRATEGY_AXES: dict[str, tuple[str, ...]] = {
+    "single": (),
+    "ddp": _DATA_PARALLEL,
+    "deepspeed_zero1": _DATA_PARALLEL,
+    "deepspeed_zero2": _DATA_PARALLEL,
+    "deepspeed_zero3": _DATA_PARALLEL,
+    "fsdp": _ORDER,
+}
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Processes per axis; their product is the world size. `dp_shard=-1`: what the other axes
-    leave of the world. Validated on construction (one-line UserErrors)."""
+    leave of the world. `pp_schedule`: how the pipeline axis runs its microbatches (with
+    pp > 1). Validated on construction (one-line UserErrors)."""
 
     world_size: int
     dp_replicate: int = 1
@@ -39,8 +62,10 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pp_schedule", check_schedule(self.pp_schedule))
         if self.world_size < 1:
             raise UserError(f"world size {self.world_size} must be at least 1")
         for name in ("dp_replicate", "cp", "tp", "pp"):
@@ -80,13 +105,6 @@ class ParallelDims:
         ranks times the context-parallel ranks of each (the gradient averages over them)."""
         return self.dp_size * self.cp
 
-    @property
-    def sequence_multiple(self) -> int:
-        """What every training sequence's length must be a multiple of: tp (sequence parallelism
-        gives each tp rank a slice), or 2 * cp * tp with context parallelism (each cp rank holds
-        2 of 2 * cp equal chunks, each chunk sliced over tp); the data collator pads to it."""
-        return 2 * self.cp * self.tp if self.cp > 1 else self.tp
-
     def shape(self) -> dict[str, int]:
         """The mesh's axes and sizes, outermost first. cp, tp and pp only when used; dp_shard always
         and dp_replicate whenever it replicates (FSDP shards over a one-axis mesh and replicates
@@ -115,6 +133,101 @@ class ParallelDims:
     def dp_axes(self) -> tuple[str, ...]:
         """The mesh axes data parallelism spans (replicate across, shard within)."""
         return tuple(n for n in ("dp_replicate", "dp_shard") if n in self.shape())
+
+
+def check_schedule(name: str) -> str:
+    """`name` as `PIPELINE_SCHEDULES` spells it, or a UserError naming the ones there are."""
+    if str(name).lower() == "interleaved":  # the planner's name (llmfoundry/planning.py)
+        raise UserError(
+            "parallelism.pp_schedule=interleaved (1F1B over several stages per process) is not "
+            f"supported in training yet; use one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if str(name).lower() not in PIPELINE_SCHEDULES:
+        raise UserError(
+            f"parallelism.pp_schedule={name!r}: use one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    return str(name).lower()
+
+
+# The keys of the config's `parallelism:` block (conf/train.yaml): ParallelDims' fields.
+PARALLELISM_KEYS = tuple(f.name for f in fields(ParallelDims) if f.name != "world_size")
+
+
+def parallel_dims(
+    parallelism: Mapping[str, Any] | ParallelDims | None, world_size: int, strategy: str = "fsdp"
+) -> ParallelDims:
+    """The mesh of the config's `parallelism:` block (None: the defaults, every process a
+    data-parallel rank) over `world_size` processes, refused in one line where `strategy` (a
+    conf/strategy name) cannot lay it out. The one way training, scripts and the planner turn
+    the block into dims, so none of them accepts a mesh another refuses. A ParallelDims is
+    taken as it is (laid out for `world_size` processes)."""
+    if isinstance(parallelism, ParallelDims):
+        refuse_axes(dataclasses.asdict(parallelism), strategy, world_size)
+        if parallelism.world_size != world_size:
+            raise UserError(
+                f"the parallelism is laid out for {parallelism.world_size} processes, but there "
+                f"are {world_size}"
+            )
+        return parallelism
+    given = dict(parallelism or {})
+    unknown = sorted(set(given) - set(PARALLELISM_KEYS))
+    if unknown:
+        raise UserError(f"parallelism.{unknown[0]}: unknown key; use {', '.join(PARALLELISM_KEYS)}")
+    for key, value in given.items():
+        if key != "pp_schedule" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserError(f"parallelism.{key}={value!r} must be an integer")
+    refuse_axes(given, strategy, world_size)
+    try:
+        return ParallelDims(world_size, **given)
+    except UserError as err:
+        raise UserError(f"parallelism: {err}") from None
+
+
+def refuse_axes(sizes: Mapping[str, Any], strategy: str, world_size: int | None = None) -> None:
+    """A UserError naming the first axis of `sizes` (the parallelism block's) that `strategy`
+    cannot lay processes out on (`STRATEGY_AXES`), and the strategy that can; `world_size`
+    (None: not known yet, as when a config is checked before launch) for what depends on it."""
+    axes = STRATEGY_AXES.get(strategy, _ORDER)
+    kinds = {"cp": "context", "tp": "tensor", "pp": "pipeline"}
+    for axis, kind in kinds.items():
+        size = sizes.get(axis, 1)
+        if size != 1 and axis not in axes:
+            raise UserError(
+                f"parallelism.{axis}={size}: strategy={strategy} holds the whole model on every "
+                f"process, without {kind} parallelism; use strategy=fsdp, or {axis}=1"
+            )
+    if not axes and world_size is not None and world_size > 1:
+        raise UserError(
+            f"strategy={strategy} runs one process, but there are {world_size}: use "
+            "strategy=ddp or strategy=fsdp"
+        )
+    replicate = sizes.get("dp_replicate", 1)
+    hybrid = world_size is not None and replicate not in (1, world_size)
+    if axes and strategy != "fsdp" and hybrid:
+        raise UserError(
+            f"parallelism.dp_replicate={replicate}: strategy={strategy} lays its data-parallel "
+            "ranks out on one axis (hybrid sharding is FSDP's); use strategy=fsdp, or leave "
+            "dp_replicate at 1"
+        )
+
+
+def sequence_multiple(dims: ParallelDims) -> int:
+    """What every training sequence's length must be a multiple of: tensor (sequence)
+    parallelism splits it over tp ranks, context parallelism into 2 x cp chunks (each cp rank
+    holds two: llmfoundry/distributed/context.py), and each of those over the tp ranks."""
+    return dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+
+
+def check_sequence_length(dims: ParallelDims, seq_len: int, setting: str = "max_seq_len") -> None:
+    """Refuse, before any process waits on another, a training length the mesh cannot split
+    (`sequence_multiple`)."""
+    multiple = sequence_multiple(dims)
+    if seq_len % multiple:
+        parts = [f"tp={dims.tp}"] * (dims.tp > 1) + [f"2 x cp={dims.cp}"] * (dims.cp > 1)
+        raise UserError(
+            f"{setting}={seq_len} is not a multiple of {multiple} ({' x '.join(parts)}): the "
+            f"mesh splits every sequence into that many parts; choose a {setting} that is one"
+        )
 
 
 @dataclass(frozen=True)

@@ -131,12 +131,14 @@ def test_communication_bubble_and_step_time():
         ({"cp": 3}, "tp=2 x cp=3 x pp=2 = 12 does not divide the 16 devices"),
         ({"dp_shard": 2}, "= 8, but there are 16 devices: use --world-size 8 or leave"),
         ({"schedule": "interleaved"}, "use --schedule interleaved with --stages-per-rank 2"),
-        ({"strategy": "zero3"}, "strategy zero3 takes no tp, cp or pp axis (in training only "
-         "FSDP does)"),
+        ({"strategy": "deepspeed_zero3"}, "parallelism.tp=2: strategy=deepspeed_zero3 holds the "
+         "whole model on every process, without tensor parallelism; use strategy=fsdp, or tp=1"),
+        ({"strategy": "fsdp-hybrid"}, "strategy 'fsdp-hybrid': use one of single, ddp, "
+         "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, fsdp"),
         ({"cp": 2, "world_size": 32}, "cp=2 with tp=2 or pp=2: context parallelism is not "
          "combined with tensor or pipeline parallelism in training yet"),
-        ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 2 x cp x tp = 8 "
-         "(each sequence is cut into equal parts): use a max_seq_len that is, or a smaller --cp"),
+        ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 8 (2 x cp=4): the mesh "
+         "splits every sequence into that many parts"),
     ],
 )  # fmt: skip
 def test_impossible_meshes_are_refused(options, message):
