@@ -307,7 +307,8 @@ def test_recommends_context_parallelism_for_mpt_7b_at_64k_on_8_gpus(capsys):
     plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
     argv = ["model=mpt-7b", "model.max_seq_len=65536", "max_seq_len=65536", "precision=amp_bf16",
             "global_train_batch_size=8", "--recommend", "--world-size", "8",
-            "--activation-checkpointing", "--device-memory", "80GB", "--device-name", "H100"]  # fmt: skip
+            "--activation-checkpointing", "--device-memory", "80GB",
+            "--device-name", "H100"]  # fmt: skip
     assert plan_script["main"](argv) == 0
     out = capsys.readouterr().out
     mesh_line = re.search(r"recommended : tp (\d+) x cp (\d+) x pp (\d+)", out)
