@@ -1,12 +1,11 @@
 """Context parallelism (`strategy.cp=C`): activation memory per rank and step time against
 sequence length at cp = 1, 2, 4, with the ratios against cp=1 measured in the same run.
 
-Each cp runs as its own torchrun job of C processes (one data-parallel rank: the C ranks share
-every sequence), training a model of conf/model (default mpt-tiny: ALiBi, sdpa, float32) under
-`FSDP(cp=C)` with a bare loop (forward on this rank's part of each sequence, the loss on its
-targets, backward, AdamW) on random tokens, one batch of --batch sequences per step, the lengths
-ascending. Rank 0 of each job prints one JSON line per length; this script, run without
-torchrun, starts the jobs and prints the table:
+Each cp runs as its own job of C spawned processes (gloo on CPU, nccl on GPUs; one
+data-parallel rank: the C ranks share every sequence), training a model of conf/model (default
+mpt-tiny: ALiBi, sdpa, float32) under `FSDP(cp=C)` with a bare loop (forward on this rank's part
+of each sequence, the loss on its targets, backward, AdamW) on random tokens, one batch of
+--batch sequences per step, the lengths ascending; then the table:
 
     python bench/context_parallel.py                         # CPU, gloo: cp 1, 2, 4 at 512-4096
     python bench/context_parallel.py --cps 1 2 --lengths 256 512 --steps 1     # a smoke run
@@ -38,14 +37,15 @@ import argparse
 import gc
 import json
 import os
-import subprocess
-import sys
+import socket
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from hydra.utils import instantiate
 
 from llmfoundry.config.preflight import compose_config
@@ -66,36 +66,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="per length (the first untimed)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "amp_bf16"])
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per cp job")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if "WORLD_SIZE" in os.environ:  # a rank of one cp job
-        return run_rank(args)
-    rows: dict[int, dict[int, dict]] = {}
-    for cp in args.cps:
-        rows[cp] = run_job(cp, argv if argv is not None else sys.argv[1:], args.timeout)
+    # Read by each spawned process as it starts (module docstring: freed tensors leave RSS).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    rows = {cp: run_job(cp, args) for cp in args.cps}
     print(report(rows, args))
     return 0
 
 
-def run_job(cp: int, argv: Sequence[str], timeout: float) -> dict[int, dict]:
-    """One torchrun job of `cp` processes; rank 0's rows by length."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "MALLOC_MMAP_THRESHOLD_": "65536",  # (module docstring: freed tensors leave RSS)
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cp}", __file__, *argv]  # fmt: skip
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode:
-        raise SystemExit(f"cp={cp} job failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {row["seq_len"]: row for row in rows}
+def run_job(cp: int, args: argparse.Namespace) -> dict[int, dict]:
+    """One job of `cp` spawned processes; rank 0's rows by length."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rows.json"
+        mp.start_processes(_rank, args=(cp, args, port, str(out)), nprocs=cp, start_method="spawn")
+        return {row["seq_len"]: row for row in json.loads(out.read_text())}
+
+
+def _rank(rank: int, cp: int, args: argparse.Namespace, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    rows = run_rank(args)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
 
 
 class Peak:
@@ -127,9 +127,8 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def run_rank(args: argparse.Namespace) -> int:
-    """This rank's rows: for each length, its activation memory and step time (the maxima over
-    the cp ranks, printed by rank 0)."""
+def run_rank(args: argparse.Namespace) -> list[dict]:
+    """For each length, the activation memory and step time (each the most of any cp rank)."""
     cp = int(os.environ["WORLD_SIZE"])
     strategy = FSDP(device=args.device, cp=cp)
     strategy.setup()
@@ -163,7 +162,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     forward_backward(new_batch(min(args.lengths)))  # loads every kernel
     update()  # creates the optimizer state
-    peak = Peak(device)
+    peak, rows = Peak(device), []
     for seq_len in sorted(args.lengths):
         ids = new_batch(seq_len)
         peaks, seconds = [], []
@@ -181,12 +180,10 @@ def run_rank(args: argparse.Namespace) -> int:
         timed = seconds[1:] or seconds
         measured = torch.tensor([float(max(peaks)), sum(timed) / len(timed)], device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        if strategy.rank == 0:
-            row = {"cp": cp, "seq_len": seq_len, "activation_bytes": measured[0].item(),
-                   "step_s": measured[1].item(), "state_bytes": state}  # fmt: skip
-            print(json.dumps(row), flush=True)
+        rows.append({"cp": cp, "seq_len": seq_len, "activation_bytes": measured[0].item(),
+                     "step_s": measured[1].item(), "state_bytes": state})  # fmt: skip
     strategy.teardown()
-    return 0
+    return rows
 
 
 def _bias_for(model: torch.nn.Module, seq_len: int) -> None:
