@@ -27,8 +27,9 @@ FSDP's gathered layer are inside that peak too: the state per rank is printed be
 
 The targets (issue 36): activation memory per rank at cp=C within 1.25 x (cp=1's) / C at the
 longest length, and the longest length that trains in cp=1's memory at length L growing about
-C-fold (here: the longest length measured whose activation memory is at most cp=1's at the
-longest length / the largest C). Step time per length: the mean of the steps after the first.
+C-fold (here L = the longest length / the largest C, and the length whose activation memory is
+cp=1's at L interpolated between the two measured around it: `reach_at`). Step time per length:
+the mean of the steps after the first.
 """
 
 from __future__ import annotations
