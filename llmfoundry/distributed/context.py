@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from llmfoundry.core.loss import targets_of
 from llmfoundry.models.plan import ParallelPlan
@@ -158,9 +158,9 @@ class ContextKeys:
         backward reduce-scatters dK and dV back to their owners (the gradients of every rank's
         queries), then put in position order."""
         heads = k.shape[1]
-        both = torch.cat([k, v], dim=1)
-        gathered = all_gather_tensor_autograd(both, gather_dim=2, group=self.context.group)
-        ordered = gathered.index_select(2, self.order(gathered.device))
+        both = torch.cat([k, v], dim=1).movedim(2, 0).contiguous()  # positions first
+        gathered = all_gather_single_autograd(both, gather_dim=0, group=self.context.group)
+        ordered = gathered.index_select(0, self.order(gathered.device)).movedim(0, 2)
         return ordered[:, :heads], ordered[:, heads:]
 
     def order(self, device: torch.device) -> torch.Tensor:
