@@ -1,6 +1,6 @@
 """Chaos resume: a pipeline-parallel run killed with SIGKILL N times ends as an uninterrupted one.
 
-A 4-process ``scripts/train.py`` run under torchrun (``strategy=fsdp strategy.pp=2``, gloo on
+A 4-process ``scripts/train.py`` run under torchrun (``strategy=fsdp parallelism.pp=2``, gloo on
 CPU, a tiny MPT) saves a checkpoint after every batch to a local moto S3 server
 (``moto_server``, 127.0.0.1). Each launch is killed: once it has logged 1 to 3 batches, after a
 random further delay of up to 1.5 batch times (so the kill lands during a step, a save, or the
@@ -15,7 +15,7 @@ last launch runs to the end. An uninterrupted run of the same command is the ref
 
 Exit 0 only if both hold, every kill was followed by a resume, and no launch hung.
 
-    nice python bench/chaos_resume.py                    # 20 kills, strategy.pp=2
+    nice python bench/chaos_resume.py                    # 20 kills, parallelism.pp=2
     nice python bench/chaos_resume.py --tp 2 --kills 5   # tp=2 x pp=2
 """
 
@@ -112,7 +112,7 @@ def command(mds: Path, endpoint: str, name: str, batches: int, tp: int) -> list[
         f"run_name={name}", f"data.remote={mds}", "data.shuffle_block_size=8",
         "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
         f"model.max_seq_len={SEQ_LEN}", f"model.vocab_size={VOCAB}", "model.resid_pdrop=0.1",
-        "strategy=fsdp", "strategy.pp=2", f"strategy.tp={tp}", "strategy.timeout_s=60",
+        "strategy=fsdp", "parallelism.pp=2", f"parallelism.tp={tp}", "strategy.timeout_s=60",
         "device_train_microbatch_size=2", "global_train_batch_size=8",
         f"max_duration={batches}ba", "scheduler.t_warmup=2ba",
         "eval_interval=null", "eval_first=false", "callbacks=[]",

@@ -1,11 +1,11 @@
-"""Context parallelism (`strategy.cp=C`): activation memory per rank and step time against
+"""Context parallelism (`parallelism.cp=C`): activation memory per rank and step time against
 sequence length at cp = 1, 2, 4, with the ratios against cp=1 measured in the same run.
 
 Each cp runs as its own job of C spawned processes (gloo on CPU, nccl on GPUs; one
 data-parallel rank: the C ranks share every sequence), training a model of conf/model (default
-mpt-tiny: ALiBi, sdpa, float32) under `FSDP(cp=C)` with a bare loop (forward on this rank's part
-of each sequence, the loss on its targets, backward, AdamW) on random tokens, one batch of
---batch sequences per step, the lengths ascending; then the table:
+mpt-tiny: ALiBi, sdpa, float32) under `FSDP(parallelism={"cp": C})` with a bare loop (forward on
+this rank's part of each sequence, the loss on its targets, backward, AdamW) on random tokens,
+one batch of --batch sequences per step, the lengths ascending; then the table:
 
     python bench/context_parallel.py                         # CPU, gloo: cp 1, 2, 4 at 512-4096
     python bench/context_parallel.py --cps 1 2 --lengths 256 512 --steps 1     # a smoke run
@@ -131,7 +131,7 @@ def _status(key: str) -> int:
 def run_rank(args: argparse.Namespace) -> list[dict]:
     """For each length, the activation memory and step time (each the most of any cp rank)."""
     cp = int(os.environ["WORLD_SIZE"])
-    strategy = FSDP(device=args.device, cp=cp)
+    strategy = FSDP(device=args.device, parallelism={"cp": cp})
     strategy.setup()
     device = strategy.device
     torch.manual_seed(0)

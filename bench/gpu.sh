@@ -4,7 +4,7 @@
 # datasheet peak, peak memory. A few minutes on one H100/H200. Extra arguments go to the script,
 # e.g. bench/gpu.sh --gpu-models mpt-1b --compile on --steps 20
 # Then the tensor-parallel rows (bench/tensor_parallel.py: llama3-1b and mpt-1b, seq 2048,
-# strategy.tp=2 beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
+# parallelism.tp=2 beside FSDP alone on the same two GPUs), when at least two GPUs are visible.
 # Then the context-parallel rows (bench/context_parallel.py: mpt-125m in bf16 at 8k-32k tokens,
 # cp=1 beside cp=2, and cp=4 with four GPUs: activation memory per GPU, step time, the ratios),
 # when at least two GPUs are visible.

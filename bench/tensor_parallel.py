@@ -1,5 +1,5 @@
 """Tensor-parallel throughput: a model (any conf/model: Llama, or MPT with its fused Wqkv
-exchanged by head) trained under `strategy=fsdp strategy.tp=T` on the processes torchrun
+exchanged by head) trained under `strategy=fsdp parallelism.tp=T` on the processes torchrun
 started (bench/gpu.sh's tp rows, beside a tp=1 row on the same GPUs).
 
 A bare loop (forward, the chunked loss on vocabulary-sharded logits, backward, AdamW) over the
@@ -49,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    strategy = FSDP(device=args.device, tp=args.tp, mixed_precision="bf16")
+    strategy = FSDP(device=args.device, mixed_precision="bf16", parallelism={"tp": args.tp})
     strategy.setup()
     device = strategy.device
     overrides = [f"model={args.model}", f"max_seq_len={args.seq_len}"]

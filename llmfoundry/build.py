@@ -7,6 +7,8 @@ tests both go through it.
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,18 +21,24 @@ from llmfoundry.callbacks import CheckpointSaver
 from llmfoundry.checkpoint import CheckpointError, latest_checkpoint, locate, newest_damage
 from llmfoundry.checkpoint.lock import lock_run_folders
 from llmfoundry.config import TrainSettings, validate_config
+from llmfoundry.config.parallelism import parallelism_of, resolve_aliases
 from llmfoundry.core.metrics import LanguageMetrics
 from llmfoundry.core.precision import resolve_auto
 from llmfoundry.data import build_loaders
 from llmfoundry.data.meta import bytes_per_token
 from llmfoundry.data.streaming import StreamingDataLoader
 from llmfoundry.data.text import check_vocab
+from llmfoundry.distributed import Strategy
+from llmfoundry.distributed.mesh import sequence_multiple
 from llmfoundry.models.converters import ConversionContext, convert_model, resolve_precision
 from llmfoundry.models.custom import set_fsdp_blocks
 from llmfoundry.models.families import build_model
 from llmfoundry.trainer import EvalSet, Trainer
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.logs import SAME_ON_EVERY_RANK
+
+log = logging.getLogger(__name__)
 
 
 def build_trainer(
@@ -39,10 +47,11 @@ def build_trainer(
     """The run's Trainer; ``write_run_files`` (scripts/train.py's saved config) runs on rank 0
     once the run folder is locked, so a launch refused because another run holds the folder
     leaves that run's files as they are."""
+    resolve_parallelism(cfg)  # first: validate_config would move strategy.tp=2 without a word
     settings = validate_config(cfg)
     # First: everything below (data, tokenizer, checkpoints, load_path) may open remote URLs.
     storage.configure_settings(settings.storage)
-    strategy = instantiate(cfg.strategy)
+    strategy = build_strategy(cfg)
     # Before anything is built: the save folder takes writes, no other run uses these folders.
     locks = lock_run_folders(str(run_dir), settings.save_folder) if strategy.rank == 0 else []
     if locks and write_run_files is not None:
@@ -98,9 +107,7 @@ def build_trainer(
         eval_batch_size=settings.device_eval_batch_size or device_batch,
         max_seq_len=seq_len,
         data_parallel=data_parallel,
-        # Sequence parallelism splits each sequence over tp ranks, context parallelism into
-        # 2 x cp chunks (and each chunk over tp when both).
-        pad_to_multiple_of=strategy.tp * (2 * strategy.cp if strategy.cp > 1 else 1),
+        pad_to_multiple_of=sequence_multiple(strategy.dims),
     )
     # Every dataset's ids must fit the embedding, eval sets' too; each meta.json checked once.
     datasets = [data.train_dataset, *(loader.streaming_dataset for loader in data.evals.values())]
@@ -149,6 +156,31 @@ def build_trainer(
         load_path=load_path,
         load_ignore_keys=load_ignore_keys,
     )
+
+
+def resolve_parallelism(cfg: DictConfig) -> None:
+    """Move the strategy group's old mesh keys (`strategy.tp=2`, ...) into the `parallelism:`
+    block, in place, with a notice naming each new key (config/parallelism.py)."""
+    for notice in resolve_aliases(cfg):
+        log.warning(notice, extra=SAME_ON_EVERY_RANK)
+
+
+def build_strategy(cfg: DictConfig) -> Strategy:
+    """The strategy group's object, laid out on the mesh of the `parallelism:` block (the
+    strategy turns it into its `dims` with mesh.py's `parallel_dims`, against the processes it
+    finds: one, or torchrun's). A strategy of your own whose class takes no `parallelism`
+    argument gets none, and runs only the default mesh."""
+    resolve_parallelism(cfg)
+    parallelism = parallelism_of(cfg)
+    if "parallelism" in inspect.signature(get_class(cfg.strategy._target_)).parameters:
+        return instantiate(cfg.strategy, parallelism=parallelism)
+    if any(parallelism.get(k, 1) != 1 for k in ("dp_replicate", "cp", "tp", "pp")):
+        raise UserError(
+            f"strategy._target_={cfg.strategy._target_} takes no parallelism argument, so it "
+            "cannot lay processes out on the parallelism block's mesh; leave parallelism at "
+            "its defaults, or use strategy=fsdp"
+        )
+    return instantiate(cfg.strategy)
 
 
 def build_user_model(node: DictConfig, seed: int) -> nn.Module:

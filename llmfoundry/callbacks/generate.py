@@ -52,7 +52,7 @@ class Generate(Callback):
     config's), or any `Tokenizer`.
 
     On one process, DDP and FSDP the prompts are decoded with a KV cache; under tensor or
-    pipeline parallelism (`strategy.tp`, `strategy.pp`), where no process holds the whole
+    pipeline parallelism (`parallelism.tp`, `parallelism.pp`), where no process holds the whole
     model, by recompute through the mesh (llmfoundry/eval/forward.py: `continue_prompts`), the
     same tokens for the same seed. There a seed is required (`seed=null` draws from each
     process's own RNG, and the processes would disagree on the tokens): refused at start.
@@ -100,7 +100,7 @@ class Generate(Callback):
             and splits_the_model(state.strategy)
         ):
             raise UserError(
-                "callbacks.generate.seed=null under strategy.tp or strategy.pp: every process "
+                "callbacks.generate.seed=null under parallelism.tp or pp: every process "
                 "draws the samples, so they need the same seed; set callbacks.generate.seed"
             )
         if self.tokenizer is not None:

@@ -28,7 +28,7 @@ from llmfoundry.checkpoint.state import model_state_dict
 from llmfoundry.core.engine import Logger
 from llmfoundry.core.state import State
 from llmfoundry.data.prep.instructions import trained_chat_template
-from llmfoundry.distributed import DeepSpeed, unwrap_model
+from llmfoundry.distributed import unwrap_model
 from llmfoundry.models.families import family_of
 from llmfoundry.models.hf_folder import hf_tokenizer
 from llmfoundry.utils.errors import UserError
@@ -80,7 +80,7 @@ class HFCheckpointer(SavesEvery):
 
     def fit_start(self, state: State, logger: Logger) -> None:
         strategy = state.strategy
-        if isinstance(strategy, DeepSpeed) or strategy.pipeline is not None:
+        if strategy.saves_own_checkpoints or strategy.pipeline is not None:
             raise UserError(
                 "hf_checkpointer: not under DeepSpeed or pipeline parallelism (no whole weights "
                 "to gather); save checkpoints and export one: python scripts/export_hf.py CKPT OUT"

@@ -136,6 +136,8 @@ def local_weights(strategy: DeepSpeed) -> dict[str, torch.Tensor]:
     """ZeRO-3 keeps each parameter's partition of this rank in ``ds_tensor`` (the parameter
     itself is an empty placeholder outside a gather); stages 1-2 hold whole parameters."""
     module = strategy.engine.module
+    if strategy.stage != 3:
+        return module.state_dict()
     return {
         **{name: param.ds_tensor for name, param in module.named_parameters()},
         **dict(module.named_buffers()),

@@ -65,7 +65,7 @@ def load_on_mesh(path: str, tp: int = 1, pp: int = 1, device: str = "auto") -> O
     `load_pretrained` takes it) split over this torchrun job's processes: `pp` stages, `tp`
     tensor-parallel ranks, FSDP over the rest (module docstring). Every rank calls it."""
     _check_world(tp, pp)
-    strategy = FSDP(device=device, tp=tp, pp=pp)
+    strategy = FSDP(device=device, parallelism={"tp": tp, "pp": pp})
     shards = _dcp_checkpoint(path)
     whole = None
     if shards is not None:  # the run state alone: the weights stay in the shards

@@ -45,7 +45,7 @@ from llmfoundry.checkpoint.dcp_reader import load_shards_state, shard_reader
 from llmfoundry.checkpoint.finite import refuse_non_finite
 from llmfoundry.checkpoint.reader import read_checkpoint
 from llmfoundry.checkpoint.writer import write_tensors
-from llmfoundry.distributed import DeepSpeed, Strategy
+from llmfoundry.distributed import Strategy
 from llmfoundry.utils import storage
 from llmfoundry.utils.errors import UserError
 from llmfoundry.utils.files import FileWriter, join_url
@@ -81,7 +81,7 @@ def save_shards(
     its parameters are not DTensors, state.pt has all). With ``strategy.async_save`` it
     returns, once the state is copied, a Future of the write going on in the background (over
     ``strategy.save_group``)."""
-    if isinstance(strategy, DeepSpeed):
+    if strategy.saves_own_checkpoints:
         deepspeed.save_shards(strategy, path)
         return None
     state = _dcp_state(model, optimizer, objects)
@@ -105,12 +105,12 @@ def load_shards(
     `objects` (as for `save_shards`, this run's tensors in its own layout) are filled in
     place."""
     by_deepspeed = written_by_deepspeed(path)
-    if by_deepspeed and not isinstance(strategy, DeepSpeed):
+    if by_deepspeed and not strategy.saves_own_checkpoints:
         raise UserError(
             f"{path} holds DeepSpeed's shards (saved with strategy=deepspeed), which only "
             "strategy=deepspeed reads: resume with it, at the ZeRO stage that saved them"
         )
-    if isinstance(strategy, DeepSpeed) and not by_deepspeed:
+    if strategy.saves_own_checkpoints and not by_deepspeed:
         raise UserError(
             f"{path} holds torch.distributed.checkpoint shards, which strategy=deepspeed does "
             "not read: resume with the strategy that saved them (fsdp, ddp, single), or write "

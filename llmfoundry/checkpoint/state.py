@@ -1,11 +1,12 @@
 """Model and optimizer state as a strategy holds it, for checkpoints: whole tensors for full
 (single-file) checkpoints, this rank's part for the finiteness check before a save.
 
-These were `Strategy` methods; they take the strategy (for its wrapper: DeepSpeed's engine) and
-the model and optimizer as the strategy prepared them. By the model's own names (no wrapper
-prefixes) and the optimizer's state keyed by parameter name, so a checkpoint saved by one
-strategy loads into any other, at any world size. DeepSpeed's engine owns its parameters and
-optimizer partitions: its variants are in deepspeed.py.
+These were `Strategy` methods; they take the strategy (for what it can do: its flags, and
+DeepSpeed's engine) and the model and optimizer as the strategy prepared them. By the model's
+own names (no wrapper prefixes) and the optimizer's state keyed by parameter name, so a
+checkpoint saved by one strategy loads into any other, at any world size. A strategy whose
+engine saves and loads its own state (`Strategy.saves_own_checkpoints`: DeepSpeed's, which owns
+its parameters and optimizer partitions) has its variants in deepspeed.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.checkpoint import deepspeed
-from llmfoundry.distributed import DeepSpeed, Strategy, unwrap_model
+from llmfoundry.distributed import Strategy, unwrap_model
 
 # Whole tensors on the CPU: what full (single-file) checkpoints hold. With a sharded model,
 # torch gathers them on rank 0 only; the other ranks get an empty dict.
@@ -36,7 +37,7 @@ def local_weights(strategy: Strategy, model: torch.nn.Module) -> dict[str, torch
     same names in the same order on every rank (under pipeline parallelism other stages'
     weights are empty). What a save checks for NaN on all ranks
     before anything is written (finite.py)."""
-    if isinstance(strategy, DeepSpeed) and strategy.stage == 3:
+    if strategy.saves_own_checkpoints:
         return deepspeed.local_weights(strategy)
     weights = {
         name: tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -59,7 +60,7 @@ def load_model_state_dict(
     """Load whole weights (every rank passes them); sharded models keep their own shard, and a
     pipeline stage its own modules' weights (the other stages' are theirs; any other key is
     still refused, as for a whole model)."""
-    if isinstance(strategy, DeepSpeed):
+    if strategy.saves_own_checkpoints:
         deepspeed.load_model_state_dict(strategy, state)
         return
     if strategy.pipeline is not None:
@@ -83,7 +84,7 @@ def load_optimizer_state_dict(
     state: dict[str, Any],
 ) -> None:
     """Load the optimizer state `optimizer_state_dict` returned (every rank passes it)."""
-    if isinstance(strategy, DeepSpeed):
+    if strategy.saves_own_checkpoints:
         deepspeed.refuse_full_optimizer_state(strategy)
     if strategy.pipeline is not None:  # a stage steps its own parameters only
         state = _stage_optimizer_state(state, _other_stages(strategy, model))

@@ -16,6 +16,7 @@ from hydra.errors import HydraException
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
+from llmfoundry.config.parallelism import ALIASES
 from llmfoundry.config.schema import HYDRA_KEYS, ConfigError, suggest, target_schema
 from llmfoundry.config.static_schema import static_schema
 from llmfoundry.config.train_config import register_resolvers, validate_config
@@ -80,10 +81,15 @@ def _explain(
         schema = static_schema(parent["_target_"])
         hints = schema.hints if schema else target_schema(get_object(parent["_target_"]))[0]
         allowed |= set(hints)
-    # DDP and DeepSpeed hold whole models; the mesh's tp and pp axes are FSDP's.
-    if key in ("strategy.tp", "strategy.pp", "strategy.pp_schedule", "strategy.cp"):
-        kind = {"strategy.tp": "tensor", "strategy.cp": "context"}.get(key, "pipeline")
-        return ConfigError(key, f"{kind} parallelism runs on strategy=fsdp ({key}=... there)")
+    # The strategy group's old mesh keys (only FSDP's config keeps them, as aliases): DDP and
+    # DeepSpeed hold whole models, and the mesh is the parallelism block's.
+    if parent_key == "strategy" and name in ALIASES:
+        kind = {"tp": "tensor", "cp": "context", "replicate": "hybrid sharded data"}
+        return ConfigError(
+            key,
+            f"{kind.get(name, 'pipeline')} parallelism runs on strategy=fsdp, and the mesh is "
+            f"parallelism.{ALIASES[name]} now (strategy=fsdp parallelism.{ALIASES[name]}=...)",
+        )
     return ConfigError(key, f"unknown key; {suggest(name, sorted(allowed))}")
 
 

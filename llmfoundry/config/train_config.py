@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from llmfoundry.config.parallelism import KEY as PARALLELISM
+from llmfoundry.config.parallelism import parallelism_of, resolve_aliases, strategy_name
 from llmfoundry.config.run_name import check_run_name, default_run_name
 from llmfoundry.config.schema import (
     ConfigError,
@@ -47,13 +50,17 @@ def settings_from(cfg: DictConfig) -> TrainSettings:
 
 
 def validate_config(cfg: DictConfig) -> TrainSettings:
-    """Raise ConfigError for the first problem found; return the top-level settings."""
+    """Raise ConfigError for the first problem found; return the top-level settings.
+
+    The strategy group's old mesh keys (`strategy.tp`, ...) are moved into `parallelism:` in
+    place first (`resolve_aliases`; build.py logs its notices)."""
+    resolve_aliases(cfg)
     try:
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(getattr(err, "full_key", "") or "", str(err).splitlines()[0]) from None
     hints = typing.get_type_hints(TrainSettings)
-    allowed = [*hints, *GROUPS, "hydra"]
+    allowed = [*hints, *GROUPS, PARALLELISM, "hydra"]
     check_keys("", [str(k) for k in cfg.keys()], allowed)
     for key, annotation in hints.items():
         if key in cfg:
@@ -92,8 +99,8 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
         )
     _check_autoresume(cfg, settings)
     _check_precision(cfg, settings)
-    _check_context_parallel(cfg, settings)
-    _check_tensor_parallel(cfg, settings)
+    parallelism = parallelism_of(cfg)
+    _check_mesh(cfg, settings, parallelism)
     micro = settings.device_train_microbatch_size
     if isinstance(micro, int) and micro > settings.global_train_batch_size:
         raise ConfigError(
@@ -197,32 +204,26 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
         )
 
 
-def _check_context_parallel(cfg: DictConfig, settings: TrainSettings) -> None:
-    """strategy.cp=C splits every sequence into 2C chunks (llmfoundry/distributed/context.py):
-    the training length must be a multiple of 2C, said before any process starts."""
-    cp = OmegaConf.select(cfg, "strategy.cp", default=1)
-    length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
-    if isinstance(cp, int) and cp > 1 and isinstance(length, int) and length % (2 * cp):
-        raise ConfigError(
-            "strategy.cp",
-            f"{cp} splits each sequence into {2 * cp} chunks (two per context-parallel rank), "
-            f"which max_seq_len={length} is not a multiple of; choose a max_seq_len that is a "
-            f"multiple of {2 * cp}",
-        )
+def _check_mesh(cfg: DictConfig, settings: TrainSettings, parallelism: dict[str, Any]) -> None:
+    """What the mesh refuses whatever the world size, before any process starts: an axis the
+    strategy cannot take (DDP and DeepSpeed: data parallelism only), and a training length the
+    tensor- and context-parallel ranks cannot split (llmfoundry/distributed/mesh.py). The
+    default mesh needs neither check (nor torch, which they import)."""
+    axes = {k: v for k, v in parallelism.items() if k in ("dp_replicate", "cp", "tp", "pp")}
+    if all(size == 1 for size in axes.values()):
+        return
+    from llmfoundry.distributed.mesh import ParallelDims, check_sequence_length, refuse_axes
 
-
-def _check_tensor_parallel(cfg: DictConfig, settings: TrainSettings) -> None:
-    """strategy.tp=T splits every sequence over T ranks (sequence parallelism): the training
-    length must be a multiple of T (a shorter last split would desynchronise their collectives)."""
-    tp = OmegaConf.select(cfg, "strategy.tp", default=1)
-    length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
-    if isinstance(tp, int) and tp > 1 and isinstance(length, int) and length % tp:
-        raise ConfigError(
-            "strategy.tp",
-            f"{tp} does not divide max_seq_len={length}: sequence parallelism splits each "
-            f"sequence over the {tp} tensor-parallel ranks; choose a max_seq_len that is a "
-            "multiple of strategy.tp",
-        )
+    name = strategy_name(cfg)
+    try:
+        if name is not None:
+            refuse_axes(axes, name)
+        length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
+        if isinstance(length, int):
+            dims = ParallelDims(world_size=math.prod(axes.values()), **axes)
+            check_sequence_length(dims, length)
+    except UserError as err:  # (its message names the key)
+        raise ConfigError("", str(err)) from None
 
 
 def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:

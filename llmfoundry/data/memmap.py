@@ -64,7 +64,7 @@ class MemmapTokens(EpochDataset):
             max_seq_len).
         max_seq_len: tokens per window (the builder passes the model's).
         pad_to_multiple_of: what max_seq_len must be a multiple of (the builder passes
-            strategy.tp; windows are never padded).
+            parallelism.tp; windows are never padded).
         sequence_id_from_eos: batches get ``sequence_id`` (document index of each token) from
             this eos id, or ``auto`` (the sidecar's eos_id).
         dtype, vocab_size, eos_id: what a token file without a ``.json`` sidecar holds
@@ -119,7 +119,7 @@ class MemmapTokens(EpochDataset):
         if max_seq_len % pad_to_multiple_of:
             raise UserError(
                 f"memmap windows are max_seq_len={max_seq_len} tokens, never padded: make it a "
-                f"multiple of {pad_to_multiple_of} (strategy.tp splits every sequence)"
+                f"multiple of {pad_to_multiple_of} (parallelism.tp splits every sequence)"
             )
         path, part = _split_file(local_path(remote), split, file, split_files, val_fraction)
         self.path, self.split, self.max_seq_len = path, split, max_seq_len

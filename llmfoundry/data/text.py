@@ -68,7 +68,7 @@ class StreamingTextDataset(StreamingDataset):
             numbers and the fix); None keeps rows whole.
         pad_to_multiple_of: batches are right-padded to a width that is a multiple of this
             (labels -100, documents apart): tensor parallelism splits every sequence over its
-            ranks, so the builder passes strategy.tp. Padding on the right changes no loss.
+            ranks, so the builder passes parallelism.tp. Padding on the right changes no loss.
         sequence_id_from_eos: document masking: mark each token's document (batches get
             ``sequence_id``) from the eos token data_prep ends every document with; a token
             id, or ``"auto"`` for meta.json's eos_id. Shards with their own sequence_id column

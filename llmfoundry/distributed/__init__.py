@@ -1,7 +1,8 @@
 """Distributed strategies: applied to a model from outside; model code knows nothing of them.
 
-Each lays the processes out on one device mesh (mesh.py: data-parallel replicas and shards, room
-for tensor and pipeline axes) and applies parallelism with the functions of parallelize.py.
+Each lays the processes out on one device mesh (mesh.py: data-parallel replicas and shards,
+context, tensor and pipeline axes), the config's `parallelism:` block (`parallel_dims`), and
+applies parallelism with the functions of parallelize.py.
 """
 
 from llmfoundry.distributed.base import (

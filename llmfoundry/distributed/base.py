@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmfoundry.core.precision import Precision
+from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -78,20 +79,24 @@ class OutOfMemoryElsewhere(RuntimeError):
 class Strategy:
     """How one training process relates to the others. Subclasses override what differs.
 
-    `rank`/`world_size` place this process among all processes; `dp_rank`/`dp_size` say which
-    part of the data it reads and among how many data-parallel readers: the same numbers for
-    data parallelism and sharding, but not once a tensor- or pipeline-parallel dimension makes
-    several processes read the same batch.
+    `rank`/`world_size` place this process among all processes; `dims` lays them out on the
+    mesh (llmfoundry/distributed/mesh.py, from the config's `parallelism:` block), and what a
+    strategy knows of the other axes it reads there: `tp`, `cp`, `pp`, and `dp_rank`/`dp_size`,
+    which part of the data it reads and among how many data-parallel readers (the same numbers
+    as rank and world size for data parallelism and sharding, but not once a tensor-, context-
+    or pipeline-parallel axis makes several processes read the same batch). One process: every
+    axis 1.
 
-    `sharded_checkpoints`: whether checkpoints hold each rank's shard (torch.distributed.checkpoint)
-    rather than one file of whole tensors written by rank 0. `async_save`: whether a save of the
-    shards returns while its files are still being written (a Future the checkpoint waits for;
-    llmfoundry/checkpoint/sharded.py).
+    What checkpoints ask of it (llmfoundry/checkpoint/), by what it can do, never its type:
+    `sharded_checkpoints`: whether checkpoints hold each rank's shard rather than one file of
+    whole tensors written by rank 0. `saves_own_checkpoints`: whether its engine saves and
+    loads the model and optimizer state itself, in its own files (DeepSpeed), rather than
+    torch.distributed.checkpoint or whole state dicts (and so whether whole weights can be
+    gathered through torch). `async_save`: whether a save of the shards returns while its files
+    are still being written (a Future the checkpoint waits for; checkpoint/sharded.py).
 
     `pipeline`: this process's pipeline stage and schedule (pipeline.py), which then runs the
-    step's microbatches instead of the trainer's loop; None without pipeline parallelism.
-    `tp`: how many processes split each block's matrices and each sequence (tensor and
-    sequence parallelism; 1: none).
+    step's microbatches instead of the trainer's loop; None while `pp` is 1.
     `scales_loss`: whether the engine `wrap_optimizer` hands the optimizer to scales fp16 losses
     itself (DeepSpeed), so the trainer's `Precision` must not.
     `context`: this process's part of context parallelism (context.py: it takes its part of
@@ -104,24 +109,40 @@ class Strategy:
     rank: int = 0
     world_size: int = 1
     device: torch.device
+    dims: ParallelDims = ParallelDims(1)
     sharded_checkpoints: bool = False
+    saves_own_checkpoints: bool = False
     async_save: bool = False
     # The background saves' own process group, so their collectives never interleave with
     # training's (gloo: async DCP needs a CPU backend, also when training uses nccl).
     save_group: Any = None
     pipeline: Pipeline | None = None
-    tp: int = 1
-    cp: int = 1
     context: ContextParallel | None = None
     scales_loss: bool = False
 
     @property
+    def tp(self) -> int:
+        """Processes that split each block's matrices and each sequence (tensor and sequence
+        parallelism; 1: none)."""
+        return self.dims.tp
+
+    @property
+    def cp(self) -> int:
+        """Processes that split each sequence's tokens (context parallelism; 1: none)."""
+        return self.dims.cp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages the model is split into (1: none)."""
+        return self.dims.pp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.dims.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        return self.dims.dp_size
 
     @property
     def dp_group(self) -> Any:

@@ -73,7 +73,7 @@ class ContextParallel:
     `setting` names the config key the degree came from, for messages."""
 
     def __init__(
-        self, cp: int, rank: int, group: dist.ProcessGroup, setting: str = "strategy.cp"
+        self, cp: int, rank: int, group: dist.ProcessGroup, setting: str = "parallelism.cp"
     ) -> None:
         if not 0 <= rank < cp:
             raise ValueError(f"cp rank {rank} is outside the {cp} context-parallel ranks")
@@ -173,7 +173,7 @@ class ContextKeys:
         return self._order
 
 
-def check_context_parallel(plan: ParallelPlan, cp: int, setting: str = "strategy.cp") -> None:
+def check_context_parallel(plan: ParallelPlan, cp: int, setting: str = "parallelism.cp") -> None:
     """Refuse (one line, every rank alike, before any collective) a model context parallelism
     cannot split: a family whose plan says why (infini-attention's memory runs through the
     sequence in order)."""

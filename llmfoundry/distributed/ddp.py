@@ -19,8 +19,10 @@ they still overlap the backward).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,8 @@ class DDP(ProcessGroupStrategy):
 
     `backend` defaults to nccl on CUDA and gloo on CPU. `timeout_s` bounds how long a collective
     waits for a missing rank before failing, instead of hanging a crashed job forever.
+    `parallelism`: the mesh (mesh.py `parallel_dims`); only its data-parallel axes, every rank a
+    replica (`dp_replicate` = the data-parallel size).
     """
 
     name = "ddp"
@@ -52,10 +56,11 @@ class DDP(ProcessGroupStrategy):
         backend: str | None = None,
         timeout_s: float = 1800.0,
         find_unused_parameters: bool = False,
+        parallelism: Mapping[str, Any] | ParallelDims | None = None,
     ) -> None:
-        super().__init__(device, backend, timeout_s)
+        super().__init__(device, backend, timeout_s, parallelism)
         self.find_unused_parameters = find_unused_parameters
-        self.dims = ParallelDims(self.world_size, dp_replicate=self.world_size, dp_shard=1)
+        self.dims = dataclasses.replace(self.dims, dp_replicate=self.dims.dp_size, dp_shard=1)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Materialize on this rank's device and replicate over the data-parallel group."""

@@ -32,12 +32,14 @@ way to abandon that mid-step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from llmfoundry.distributed.base import materialize
+from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import apply_plan
 from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.utils.errors import MissingPackage, UserError
@@ -75,9 +77,11 @@ def _import_deepspeed() -> Any:
 
 
 class DeepSpeed(ProcessGroupStrategy):
-    """ZeRO `stage` 1, 2 or 3 through DeepSpeed's engine (see the module docstring)."""
+    """ZeRO `stage` 1, 2 or 3 through DeepSpeed's engine (see the module docstring), over the
+    data-parallel axes of `parallelism` (mesh.py `parallel_dims`: no cp, tp or pp)."""
 
     sharded_checkpoints = True
+    saves_own_checkpoints = True
     scales_loss = True
 
     def __init__(
@@ -89,11 +93,12 @@ class DeepSpeed(ProcessGroupStrategy):
         gradient_clipping: float | None = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
+        parallelism: Mapping[str, Any] | ParallelDims | None = None,
     ) -> None:
         if stage not in (1, 2, 3):
             raise UserError(f"strategy.stage={stage!r}: DeepSpeed ZeRO stages are 1, 2 and 3")
         self.name = f"deepspeed_zero{stage}"
-        super().__init__(device, backend, timeout_s)
+        super().__init__(device, backend, timeout_s, parallelism)
         if offload_params and stage != 3:
             raise UserError(
                 f"strategy.offload_params needs ZeRO stage 3 (parameters are only partitioned "

@@ -7,13 +7,16 @@ keeps the averaged gradient of its own shard, and its optimizer steps only that 
 blocks come from the model's parallelization plan (llmfoundry/models/plan.py); the root module
 (embeddings, final norm) is sharded last.
 
-Hybrid sharding (`replicate=R`): a 2-D device mesh (llmfoundry/distributed/mesh.py:
-dp_replicate=R, dp_shard=world_size/R) of R replicas of world_size/R ranks each;
+The mesh comes from `parallelism` (the config's `parallelism:` block, llmfoundry/distributed/
+mesh.py `parallel_dims`); FSDP takes every axis of it.
+
+Hybrid sharding (`dp_replicate=R`): a 2-D device mesh (dp_replicate=R,
+dp_shard=world_size/R) of R replicas of world_size/R ranks each;
 parameters are sharded within a replica and gradients averaged across replicas, so all-gathers
 stay within a replica (a node, typically) and only gradient averaging crosses replicas.
 
-Tensor parallelism (`tp=T`): the innermost mesh axis splits each block's matrices across T
-ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
+Tensor parallelism (`parallelism.tp=T`): the innermost mesh axis splits each block's matrices
+across T ranks by the family's layout (llmfoundry/models/<family>/parallelize.py); FSDP shards the
 result over the data-parallel axes (world_size / T ranks read different data, the T ranks of a
 tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
 both, with activation checkpointing and compile between them.
@@ -29,13 +32,14 @@ from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sh
 initialization equals the one-process initialization for the same seed, parameter by
 parameter; only one parameter is ever whole at a time.
 
-Pipeline parallelism (`pp=P`, llmfoundry/distributed/pipeline.py) splits the model into P
-stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
+Pipeline parallelism (`parallelism.pp=P`, llmfoundry/distributed/pipeline.py) splits the model
+into P stages along the mesh's outermost axis first; each stage is then split by its tensor-parallel
 layout (what it holds of it) and sharded over the data-parallel axes as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -108,7 +112,14 @@ class FSDP(ProcessGroupStrategy):
 
     Args:
         device, backend, timeout_s: as for DDP.
-        replicate: replicas of the hybrid-sharding mesh (1: shard over all ranks).
+        parallelism: the mesh, every axis of it (mesh.py `parallel_dims`: the config's
+            `parallelism:` block or a ParallelDims; None: shard over all ranks). dp_replicate:
+            replicas of the hybrid-sharding mesh; tp: tensor-parallel ranks per data-parallel
+            rank (the mesh's innermost axis; it must divide the model's head counts and widths,
+            checked when the model is prepared); pp: pipeline stages (pipeline.py), each
+            sharded over world_size / pp processes, run by pp_schedule ("1f1b": at least pp
+            microbatches per step, or "gpipe"); cp: each sequence split over cp ranks
+            (context.py), parameters sharded over dp_shard x cp.
         reshard_after_forward: free gathered block weights after forward (and gather them again
             for backward): less memory, one more all-gather per block.
         mixed_precision: None (parameters and gradients in their own dtype) or "bf16"
@@ -124,14 +135,6 @@ class FSDP(ProcessGroupStrategy):
             memory first (one more copy of the rank's model and optimizer state there). The
             checkpoint counts (manifest, `latest`) once the write is done, which the checkpoint
             saver waits for before the next save and at the end of the run.
-        pp: pipeline stages (pipeline.py); each is sharded over world_size / pp processes.
-        pp_schedule: the pipeline schedule, "1f1b" (at least pp microbatches per step) or
-            "gpipe".
-        tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
-            It must divide the world size (with `replicate`), and the model's head counts
-            and widths (checked when the model is prepared).
-        cp: context-parallel ranks per data-parallel rank: each sequence split over them
-            (llmfoundry/distributed/context.py), parameters sharded over dp_shard x cp.
     """
 
     name = "fsdp"
@@ -142,54 +145,36 @@ class FSDP(ProcessGroupStrategy):
         device: str = "auto",
         backend: str | None = None,
         timeout_s: float = 1800.0,
-        replicate: int = 1,
         reshard_after_forward: bool = True,
         mixed_precision: str | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: str | int = "none",
         async_save: bool = False,
-        pp: int = 1,
-        pp_schedule: str = "1f1b",
-        tp: int = 1,
-        cp: int = 1,
+        parallelism: Mapping[str, Any] | ParallelDims | None = None,
     ) -> None:
-        if cp > 1 and (tp > 1 or pp > 1):
+        super().__init__(device, backend, timeout_s, parallelism)
+        dims = self.dims
+        if dims.cp > 1 and (dims.tp > 1 or dims.pp > 1):
             raise UserError(
-                f"strategy.cp={cp} with strategy.tp={tp} or strategy.pp={pp}: context "
+                f"parallelism.cp={dims.cp} with tp={dims.tp} or pp={dims.pp}: context "
                 "parallelism is not combined with tensor or pipeline parallelism yet; use one"
             )
-        super().__init__(device, backend, timeout_s)
-        self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
-        if replicate < 1 or self.world_size % replicate:
-            raise UserError(
-                f"strategy.replicate={replicate} must be a positive divisor of the "
-                f"{self.world_size} processes (replicas x shards = world size)"
-            )
+        self.pipeline = Pipeline(dims.pp, dims.pp_schedule) if dims.pp != 1 else None
         if mixed_precision not in _MIXED_PRECISION:
             raise UserError(
                 f"strategy.mixed_precision={mixed_precision!r}: use null (no cast) or 'bf16'"
             )
         _checkpointing(activation_checkpointing)  # refused here, before any process waits
         self.activation_checkpointing = activation_checkpointing
-        self.replicate = replicate
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, cp=cp, tp=tp, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._auto_microbatching = False
         self._guarded = False  # (`guard_collectives`)
         self._guards: list[RemovableHandle] = []
-
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
-
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
 
     def setup(self) -> None:
         super().setup()
@@ -254,13 +239,13 @@ class FSDP(ProcessGroupStrategy):
         batch or fragmentation, rare against a sync per block on every step."""
         if self.tp > 1:
             raise UserError(
-                f"device_train_microbatch_size=auto with strategy.tp={self.tp}: an "
+                f"device_train_microbatch_size=auto with parallelism.tp={self.tp}: an "
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
         if self.cp > 1:
             raise UserError(
-                f"device_train_microbatch_size=auto with strategy.cp={self.cp}: an "
+                f"device_train_microbatch_size=auto with parallelism.cp={self.cp}: an "
                 "out-of-memory error inside a block would leave its context-parallel peers "
                 "waiting in the keys' all-gather; set a fixed device_train_microbatch_size"
             )

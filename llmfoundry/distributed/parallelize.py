@@ -84,7 +84,7 @@ def parallelize(
     return apply_fsdp(model, plan.blocks, mesh.fsdp_mesh, **settings.fsdp)
 
 
-def check_tensor_parallel(plan: ParallelPlan, tp: int, setting: str = "strategy.tp") -> None:
+def check_tensor_parallel(plan: ParallelPlan, tp: int, setting: str = "parallelism.tp") -> None:
     """Refuse (one line, on every rank alike, before any collective) a tensor-parallel degree
     the model cannot take: a family without a layout, compiled blocks (torch 2.13's compiled
     backward through DTensor redistributions fails: probed on CPU with MPT's and Llama's
@@ -132,9 +132,9 @@ def _refuse_unsplittable_sequence(
         length = inputs.shape[1]
     if length is not None and length % tp:
         raise UserError(
-            f"strategy.tp={tp} splits each sequence over {tp} ranks, but this input has "
+            f"parallelism.tp={tp} splits each sequence over {tp} ranks, but this input has "
             f"{length} positions, not a multiple of {tp}: pad the batches to a multiple "
-            f"of {tp} (or max_seq_len), or use strategy.tp=1"
+            f"of {tp} (or max_seq_len), or use parallelism.tp=1"
         )
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (`strategy.pp=P`): each process along the mesh's pp axis holds one stage
+"""Pipeline parallelism (`parallelism.pp=P`): each process along the mesh's pp axis holds one stage
 of the model, a contiguous run of its blocks, and a schedule (torch.distributed.pipelining)
 runs the step's microbatches through the stages, sending activations forward and their
 gradients back.
@@ -39,11 +39,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from llmfoundry.core.metrics import loss_token_count
-from llmfoundry.distributed.mesh import Mesh
+from llmfoundry.distributed.mesh import Mesh, check_schedule
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
-# `strategy.pp_schedule` -> the schedule; 1F1B keeps at most pp microbatches' activations alive.
+# `parallelism.pp_schedule` -> the schedule; 1F1B keeps at most pp microbatches' activations
+# alive. The names are mesh.py's PIPELINE_SCHEDULES (ParallelDims checks them).
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 # Schedules that need at least pp microbatches per step (to keep every stage busy).
 _NEED_PP_MICROBATCHES = ("1f1b",)
@@ -67,21 +68,16 @@ def stage_blocks(n_blocks: int, stages: int, stage: int) -> range:
     return range(start, start + per_stage + (stage < extra))
 
 
-def check_pipeline(pp: int, schedule: str) -> None:
-    """Refuse a pipeline setting before any process waits on another."""
-    if schedule.lower() == "interleaved":  # the planner's name (llmfoundry/planning.py)
-        raise UserError(
-            "strategy.pp_schedule=interleaved (1F1B over several stages per process) is not "
-            f"supported in training yet; use one of {', '.join(SCHEDULES)}"
-        )
-    if schedule.lower() not in SCHEDULES:
-        raise UserError(f"strategy.pp_schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+def check_pipeline(pp: int, schedule: str) -> str:
+    """Refuse a pipeline setting before any process waits on another; the schedule's name as
+    `SCHEDULES` spells it."""
     if pp < 1:
-        raise UserError(f"strategy.pp={pp} must be at least 1")
+        raise UserError(f"parallelism.pp={pp} must be at least 1")
+    return check_schedule(schedule)
 
 
 def check_pipeline_split(
-    plan: ParallelPlan, pp: int, setting: str = "strategy.pp", name: str = "this model"
+    plan: ParallelPlan, pp: int, setting: str = "parallelism.pp", name: str = "this model"
 ) -> None:
     """Refuse `pp` stages of a model (its family's `plan`) that cannot be split so: a family
     without a pipeline split, or more stages than blocks (each stage holds at least one).
@@ -102,8 +98,7 @@ class Pipeline:
     """This process's pipeline stage and the schedule that runs it (`split`, `build`, `step`)."""
 
     def __init__(self, pp: int, schedule: str) -> None:
-        check_pipeline(pp, schedule)
-        self.pp, self.schedule_name = pp, schedule.lower()
+        self.pp, self.schedule_name = pp, check_pipeline(pp, schedule)
         self.stage_index = 0
         self._absent: dict[str, nn.Module] = {}  # module name -> the meta module it replaced
         self._tied_modules: tuple[str, ...] = ()  # held by the first and the last stage
@@ -313,12 +308,12 @@ class Pipeline:
         if microbatch_size and rows % microbatch_size:  # buffers: laid out for the first's shape
             raise UserError(
                 f"device_train_microbatch_size={microbatch_size} does not divide the {rows} "
-                f"samples per device: with strategy.pp={self.pp} every microbatch must have "
+                f"samples per device: with parallelism.pp={self.pp} every microbatch must have "
                 "the same number of samples; use a divisor of the per-device batch"
             )
         if n_microbatches < self.pp and self.schedule_name in _NEED_PP_MICROBATCHES:
             raise UserError(
-                f"strategy.pp_schedule={self.schedule_name} needs at least pp={self.pp} "
+                f"parallelism.pp_schedule={self.schedule_name} needs at least pp={self.pp} "
                 f"microbatches per step, got {n_microbatches} ({rows} samples per device in "
                 f"microbatches of {microbatch_size or rows}): lower "
                 "device_train_microbatch_size, raise the batch, or use pp_schedule=gpipe"

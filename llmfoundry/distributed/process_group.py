@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from llmfoundry.distributed.base import Strategy, resolve_device
-from llmfoundry.distributed.mesh import Mesh, ParallelDims, build_mesh
+from llmfoundry.distributed.mesh import Mesh, ParallelDims, build_mesh, parallel_dims
 from llmfoundry.utils.errors import UserError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -27,13 +28,21 @@ _GLOO_DRAIN_S = 0.1
 
 class ProcessGroupStrategy(Strategy):
     """A strategy over the processes `torchrun` started (subclasses say how the model is
-    wrapped, and lay the processes out on the mesh: `dims`, by default all sharding one
-    batch). `timeout_s` bounds how long a collective waits for a missing rank before failing,
-    instead of hanging a crashed job forever."""
+    wrapped). `parallelism` lays them out on the mesh (`dims`): the config's `parallelism:`
+    block, or a ParallelDims, refused in one line where this strategy cannot take an axis
+    (mesh.py `parallel_dims`); None: every process a data-parallel rank. `timeout_s` bounds how
+    long a collective waits for a missing rank before failing, instead of hanging a crashed job
+    forever."""
 
     name = "ddp"  # as in `strategy=<name>`, for messages
 
-    def __init__(self, device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        device: str = "auto",
+        backend: str | None = None,
+        timeout_s: float = 1800.0,
+        parallelism: Mapping[str, Any] | ParallelDims | None = None,
+    ):
         missing = [key for key in _ENV if key not in os.environ]
         if missing:
             raise UserError(
@@ -55,16 +64,8 @@ class ProcessGroupStrategy(Strategy):
             raise UserError(f"strategy.timeout_s must be positive, got {timeout_s}")
         self.timeout = timedelta(seconds=timeout_s)
         self._owns_group = False
-        self.dims = ParallelDims(self.world_size)
+        self.dims = parallel_dims(parallelism, self.world_size, self.name)
         self.mesh: Mesh | None = None  # built by `setup`, once the process group exists
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dims.dp_rank(self.rank)
-
-    @property
-    def dp_size(self) -> int:
-        return self.dims.dp_size
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:

@@ -6,7 +6,7 @@ Every process calls it with the same right-padded ids [B, L] and gets the same r
 - one process, DDP, FSDP, DeepSpeed: every rank runs the whole forward, as the trainer's
   evaluation does (`model(batch)`; FSDP gathers each block's weights from all ranks, so all of
   them must run it);
-- tensor parallelism (`strategy.tp` > 1): sequence parallelism splits the positions over the tp
+- tensor parallelism (`parallelism.tp` > 1): sequence parallelism splits the positions over the tp
   ranks, so the ids are right-padded to a multiple of tp (a causal model's earlier positions do
   not see later ones: the real positions' logits are unchanged); a vocabulary-sharded head's
   logits (a DTensor) are gathered whole, then cut back to [B, L] and reduced;

@@ -45,8 +45,8 @@ SUMMARY_KEYS = (
     "global_train_batch_size",
     "precision",
     "optimizer.lr",
-    "strategy.tp",
-    "strategy.pp",
+    "parallelism.tp",
+    "parallelism.pp",
     "data.remote",
     "save_folder",
 )

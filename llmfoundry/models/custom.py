@@ -49,5 +49,5 @@ def user_plan(model: nn.Module) -> ParallelPlan | None:
     return ParallelPlan(
         blocks=blocks,
         tensor_parallel_refusal=f"{type(model).__name__} (your own module) has no "
-        "tensor-parallel plan; train it with strategy.tp=1",
+        "tensor-parallel plan; train it with parallelism.tp=1",
     )

@@ -56,7 +56,7 @@ class ParallelPlan:
 
     `tensor_parallel`: the tensor-parallel layout, submodule name (relative to the model, as
     `parallelize_module` takes it) -> torch's style (ColwiseParallel, RowwiseParallel,
-    SequenceParallel, PrepareModuleInput, ...); None: the family has none, and `strategy.tp>1`
+    SequenceParallel, PrepareModuleInput, ...); None: the family has none, and `parallelism.tp>1`
     is refused with `tensor_parallel_refusal`. `tp_divides`: the sizes the tensor-parallel
     degree must divide (head counts, widths), by config name, checked before it is applied.
     `tp_all_to_all`: the activations the layout exchanges in all-to-alls per block forward

@@ -615,12 +615,13 @@ def _check_pipeline_options(precision: str, microbatch_size: int | str | None) -
     """Refuse, before any process waits, what pipeline parallelism does not support yet."""
     if microbatch_size == "auto":
         raise UserError(
-            "device_train_microbatch_size=auto is not supported with strategy.pp > 1 (the "
+            "device_train_microbatch_size=auto is not supported with parallelism.pp > 1 (the "
             "schedule's microbatches are fixed); set an integer"
         )
     if precision == "amp_fp16":
         raise UserError(
-            "precision=amp_fp16 (loss scaling) is not supported with strategy.pp > 1; use amp_bf16"
+            "precision=amp_fp16 (loss scaling) is not supported with parallelism.pp > 1; use "
+            "amp_bf16"
         )
 
 

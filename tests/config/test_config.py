@@ -11,6 +11,7 @@ from hydra.utils import get_object
 from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError, default_run_name, validate_config
+from llmfoundry.config.parallelism import resolve_aliases
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.config.run_name import check_run_name
 
@@ -87,24 +88,53 @@ def test_misspelt_override_names_key_and_suggests():
 
 
 def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_them():
+    assert error_for("strategy=ddp", "parallelism.tp=2") == (
+        "parallelism.tp=2: strategy=ddp holds the whole model on every process, without tensor "
+        "parallelism; use strategy=fsdp, or tp=1"
+    )
+    assert error_for("strategy=deepspeed_zero3", "parallelism.pp=2") == (
+        "parallelism.pp=2: strategy=deepspeed_zero3 holds the whole model on every process, "
+        "without pipeline parallelism; use strategy=fsdp, or pp=1"
+    )
+    # The old keys are FSDP's aliases only (conf/strategy/fsdp.yaml): elsewhere, the new key.
     assert error_for("strategy=ddp", "strategy.tp=2") == (
-        "strategy.tp: tensor parallelism runs on strategy=fsdp (strategy.tp=... there)"
+        "strategy.tp: tensor parallelism runs on strategy=fsdp, and the mesh is parallelism.tp "
+        "now (strategy=fsdp parallelism.tp=...)"
     )
-    assert error_for("strategy=deepspeed_zero3", "strategy.pp=2") == (
-        "strategy.pp: pipeline parallelism runs on strategy=fsdp (strategy.pp=... there)"
+    assert error_for("strategy=ddp", "strategy.cp=1").startswith(
+        "strategy.cp: context parallelism runs on strategy=fsdp"
     )
-    assert error_for("strategy=ddp", "strategy.cp=1") == (
-        "strategy.cp: context parallelism runs on strategy=fsdp (strategy.cp=... there)"
+    check(CONF, ["strategy=fsdp", "parallelism.tp=2", "parallelism.pp=2"])
+
+
+def test_old_strategy_mesh_keys_are_aliases_of_the_parallelism_block():
+    cfg = compose_config(CONF, ["strategy=fsdp", "strategy.tp=2", "strategy.replicate=3"])
+    assert resolve_aliases(cfg) == [
+        "strategy.replicate=3 is parallelism.dp_replicate=3 now; use the new key",
+        "strategy.tp=2 is parallelism.tp=2 now; use the new key",
+    ]
+    assert (cfg.parallelism.tp, cfg.parallelism.dp_replicate) == (2, 3)
+    assert "tp" not in cfg.strategy and "replicate" not in cfg.strategy  # FSDP takes neither
+    validate_config(cfg)
+    # Saying the same thing twice is no contradiction; saying two things is refused.
+    check(CONF, ["strategy=fsdp", "parallelism.pp=2", "strategy.pp=2"])
+    assert error_for("strategy=fsdp", "parallelism.tp=2", "strategy.tp=4") == (
+        "strategy.tp: 4 contradicts parallelism.tp=2; strategy.tp is the old name of "
+        "parallelism.tp: set only parallelism.tp"
     )
-    check(CONF, ["strategy=fsdp", "strategy.tp=2", "strategy.pp=2"])
+
+
+def test_parallelism_block_keys_and_types_are_checked():
+    assert error_for("parallelism.tpp=2").startswith("parallelism.tpp: unknown key; did you mean")
+    assert error_for("parallelism.tp=two") == "parallelism.tp: expected int, got 'two' (str)"
 
 
 def test_tensor_parallel_needs_a_sequence_length_it_divides():
-    assert error_for("strategy=fsdp", "strategy.tp=4", "max_seq_len=126").startswith(
-        "strategy.tp: 4 does not divide max_seq_len=126: sequence parallelism splits each "
-        "sequence over the 4 tensor-parallel ranks"
+    assert error_for("strategy=fsdp", "parallelism.tp=4", "max_seq_len=126") == (
+        "max_seq_len=126 is not a multiple of 4 (tp=4): the mesh splits every sequence into "
+        "that many parts; choose a max_seq_len that is one"
     )
-    check(CONF, ["strategy=fsdp", "strategy.tp=4", "max_seq_len=128"])
+    check(CONF, ["strategy=fsdp", "parallelism.tp=4", "max_seq_len=128"])
 
 
 def test_misspelt_key_added_with_plus_is_caught_too():
@@ -233,12 +263,12 @@ def test_amp_fp16_on_cpu_is_a_config_error(monkeypatch):
 
 
 def test_context_parallel_needs_a_sequence_length_its_chunks_divide():
-    message = error_for("strategy=fsdp", "strategy.cp=4", "max_seq_len=132")
+    message = error_for("strategy=fsdp", "parallelism.cp=4", "max_seq_len=132")
     assert message == (
-        "strategy.cp: 4 splits each sequence into 8 chunks (two per context-parallel rank), "
-        "which max_seq_len=132 is not a multiple of; choose a max_seq_len that is a multiple of 8"
+        "max_seq_len=132 is not a multiple of 8 (2 x cp=4): the mesh splits every sequence into "
+        "that many parts; choose a max_seq_len that is one"
     )
-    check(CONF, ["strategy=fsdp", "strategy.cp=4", "max_seq_len=128"])
+    check(CONF, ["strategy=fsdp", "parallelism.cp=4", "max_seq_len=128"])
 
 
 def test_enum_lists_allowed_values():

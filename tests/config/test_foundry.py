@@ -337,7 +337,7 @@ def test_fsdp_config_under_torchrun_is_our_fsdp_strategy(foundry_dir):
     out = composed(translate(cfg, env))
     assert not out.strategy.reshard_after_forward and out.strategy.mixed_precision is None
     cfg["fsdp_config"]["sharding_strategy"] = "HYBRID_SHARD"
-    assert composed(translate(cfg, env)).strategy.replicate == 2  # 2 nodes of 4
+    assert composed(translate(cfg, env)).parallelism.dp_replicate == 2  # 2 nodes of 4
     cfg["fsdp_config"]["sharding_strategy"] = "NO_SHARD"
     assert composed(translate(cfg, env)).strategy._target_ == "llmfoundry.distributed.DDP"
 

@@ -230,7 +230,7 @@ def test_misspelt_data_keys_get_suggestions():
 
 
 def test_tensor_parallelism_pads_every_split_to_a_multiple_of_tp(root: Path):
-    """build_trainer passes strategy.tp: the train and eval batches' widths are multiples."""
+    """build_trainer passes parallelism.tp: the train and eval batches' widths are multiples."""
     data = build_loaders(
         group(remote=str(root)), batch_size=8, eval_batch_size=4, max_seq_len=15,
         pad_to_multiple_of=4,

@@ -104,7 +104,7 @@ def test_variable_length_rows_are_padded_with_ignored_labels(tmp_path: Path):
 
 
 def test_batches_are_padded_to_a_multiple_for_tensor_parallelism(tmp_path: Path):
-    """Sequence parallelism splits every row over the tp ranks (the builder passes strategy.tp):
+    """Sequence parallelism splits every row over the tp ranks (the builder passes parallelism.tp):
     variable-length batches and fixed rows of another width are right-padded to a multiple,
     with ignored labels and the padding a document of its own."""
     rows = [np.arange(n, dtype=np.uint16) + 1 for n in (5, 3)]

@@ -120,7 +120,7 @@ def _refusal(rank: int, world: int, port: int, strategy_options: dict, model: An
     """The UserError a context-parallel strategy raises preparing `model` and running it on
     this rank's part of `ids` ("" if none)."""
     join_env(rank, world, port)
-    strategy = FSDP("cpu", timeout_s=60, **strategy_options)
+    strategy = FSDP("cpu", timeout_s=60, parallelism=strategy_options)
     try:
         strategy.setup()
         prepared = strategy.prepare(model)
@@ -137,7 +137,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str) -> None:
     result: dict[str, Any] = {}
     for name, (cp, model) in PARITY.items():
         join_env(rank, world, next(ports))
-        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, cp=cp), model)
+        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, parallelism={"cp": cp}), model)
         result[name] = {"losses": recorder.losses, "grad_norms": recorder.grad_norms}
         result[name]["eval"] = metrics
     # A length 2 cp does not divide (14 at cp=2), and infini-attention: refused on every rank.
@@ -148,7 +148,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str) -> None:
     result["infini"] = _refusal(rank, world, next(ports), {"cp": 2}, infini, even)
     # Auto-microbatching: an out-of-memory error inside a block would strand its cp peers.
     try:
-        FSDP("cpu", timeout_s=60, cp=2).guard_collectives(None)
+        FSDP("cpu", timeout_s=60, parallelism={"cp": 2}).guard_collectives(None)
         result["auto_microbatching"] = ""
     except UserError as err:
         result["auto_microbatching"] = str(err)

@@ -30,7 +30,7 @@ from llmfoundry.tokenizers.tokenizer import prepare_tokenizer
 from .spawn import join_env
 
 WORLD = 4
-# name -> FSDP options; every mesh is 4 processes (the rest of them data-parallel).
+# name -> the parallelism (mesh); every mesh is 4 processes (the rest of them data-parallel).
 MESHES = {
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
@@ -179,7 +179,7 @@ def rank_main(rank: int, world: int, ports: list[int], folder: str) -> None:
     result = {}
     for (name, options), port in zip(MESHES.items(), ports, strict=True):
         join_env(rank, world, port)
-        strategy = FSDP("cpu", timeout_s=60, **options)
+        strategy = FSDP("cpu", timeout_s=60, parallelism=options)
         strategy.setup()
         try:
             model = prepared(strategy)

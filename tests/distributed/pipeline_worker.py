@@ -22,7 +22,7 @@ from .tensor_parallel_worker import tp_llama, tp_mpt
 from .workers import global_batches, rank_slice, uneven_eval_set
 
 WORLD = 4
-# name -> FSDP options of the parity runs: two stages, each sharded over two processes.
+# name -> the parallelism (mesh) of the parity runs: two stages, each sharded over two processes.
 PARITY = {
     "pp2_fsdp2_1f1b": {"pp": 2, "pp_schedule": "1f1b"},
     "pp2_fsdp2_gpipe": {"pp": 2, "pp_schedule": "gpipe"},
@@ -42,7 +42,7 @@ RESUMED_BY_PP = {
     "pp2_from_single": f"single_straight/ep0-ba{STOP_AT}",
 }
 # Runs killed (every rank, SIGKILL) at the end of batch KILL_AT, saving every 2 batches (so the
-# kill loses batch 3), then resumed from their save folder: name -> FSDP options.
+# kill loses batch 3), then resumed from their save folder: name -> their parallelism (mesh).
 CRASHED = {"pp2": {"pp": 2}, "tp2_pp2": {"tp": 2, "pp": 2}}
 KILL_AT = 3
 MICROBATCH = 1  # 1F1B: at least pp microbatches of each rank's 2 (pp2) or 4 (tp2 x pp2) samples
@@ -78,7 +78,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     result: dict[str, dict] = {}
     for name, options in PARITY.items():
         join_env(rank, world, next(ports))
-        strategy = FSDP("cpu", timeout_s=60, **options)
+        strategy = FSDP("cpu", timeout_s=60, parallelism=options)
         weights = StageWeights()
         # One sample per microbatch: each data-parallel rank's two samples are two microbatches.
         recorder = parity_run(
@@ -89,14 +89,14 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
             "losses": recorder.losses, "initial": weights.initial, "eval": recorder.eval_metrics
         }  # fmt: skip
     join_env(rank, world, next(ports))
-    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    strategy = FSDP("cpu", timeout_s=60, parallelism={"pp": 2})
     recorder = parity_run(
         strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
         algorithms=[GradientClipping(threshold=CLIP)],
     )  # fmt: skip
     result["pp2_fsdp2_clipped"] = {"losses": recorder.losses}
     join_env(rank, world, next(ports))  # Llama: an untied head, on the last stage only
-    strategy = FSDP("cpu", timeout_s=60, pp=2)
+    strategy = FSDP("cpu", timeout_s=60, parallelism={"pp": 2})
     recorder = parity_run(
         strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
         model=tiny_llama(),
@@ -104,7 +104,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     result["llama_pp2_fsdp2"] = {"losses": recorder.losses}
     for family, build in TP_X_PP.items():  # two stages, each split over two processes
         join_env(rank, world, next(ports))
-        strategy = FSDP("cpu", timeout_s=60, tp=2, pp=2)
+        strategy = FSDP("cpu", timeout_s=60, parallelism={"tp": 2, "pp": 2})
         recorder = parity_run(
             strategy, strategy.dp_rank, strategy.dp_size, device_train_microbatch_size=1,
             model=build(), eval_dataloaders=eval_sets(strategy),
@@ -115,7 +115,9 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("fsdp4_from_pp2", {}, {"load": f"{out}/pp2_fsdp2_saved"}),
     ):
         join_env(rank, world, next(ports))
-        recorder = resume_run(FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{name}", **kwargs)
+        recorder = resume_run(
+            FSDP("cpu", timeout_s=60, parallelism=options), mds, f"{out}/{name}", **kwargs
+        )
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
     result |= resumed_by_pp(rank, world, ports, out, mds)
     torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -127,7 +129,7 @@ def resumed_by_pp(rank: int, world: int, ports: Iterator[int], out: str, mds: st
     result = {}
     for name, load in RESUMED_BY_PP.items():
         join_env(rank, world, next(ports))
-        strategy = FSDP("cpu", timeout_s=60, pp=2, pp_schedule="gpipe")
+        strategy = FSDP("cpu", timeout_s=60, parallelism={"pp": 2, "pp_schedule": "gpipe"})
         recorder = resume_run(strategy, mds, f"{out}/{name}", load=load and f"{out}/{load}")
         result[name] = {"losses": recorder.losses, "ids": recorder.ids}
     return result
@@ -137,7 +139,7 @@ def crashed_rank_main(rank: int, world: int, port: int, out: str, mds: str, name
     """Run `name` of CRASHED, saving every 2 batches, until every rank kills itself (SIGKILL)
     at the end of batch KILL_AT: a crash, its batch 3 lost."""
     join_env(rank, world, port)
-    strategy = FSDP("cpu", timeout_s=60, **CRASHED[name])
+    strategy = FSDP("cpu", timeout_s=60, parallelism=CRASHED[name])
     resume_run(
         strategy, mds, f"{out}/{name}_crashed", save_interval="2ba",
         callbacks=(KillAt(KILL_AT),), device_train_microbatch_size=MICROBATCH,
@@ -152,7 +154,7 @@ def resumed_rank_main(rank: int, world: int, ports: list[int], out: str, mds: st
         for run, load in ((f"{name}_crashed", f"{out}/{name}_crashed"), (f"{name}_straight", None)):
             join_env(rank, world, next(ports))
             recorder = resume_run(
-                FSDP("cpu", timeout_s=60, **options), mds, f"{out}/{run}", load=load,
+                FSDP("cpu", timeout_s=60, parallelism=options), mds, f"{out}/{run}", load=load,
                 save_interval="2ba", device_train_microbatch_size=MICROBATCH,
             )  # fmt: skip
             result[run] = {"losses": recorder.losses, "ids": recorder.ids}
@@ -165,7 +167,7 @@ def damaged_rank_main(rank: int, world: int, ports: list[int], out: str, mds: st
     for damage, port in zip(DAMAGED, ports, strict=True):
         join_env(rank, world, port)
         folder = f"{out}/damaged_{damage}"
-        strategy = FSDP("cpu", timeout_s=60, pp=2, pp_schedule="gpipe")
+        strategy = FSDP("cpu", timeout_s=60, parallelism={"pp": 2, "pp_schedule": "gpipe"})
         try:
             resume_run(strategy, mds, folder, load=folder)
             result[damage] = ""

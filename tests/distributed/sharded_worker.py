@@ -36,7 +36,7 @@ from .workers import global_batches, rank_slice
 PARITY = {
     "ddp": None,
     "fsdp": {},
-    "fsdp_hybrid": {"replicate": 2},
+    "fsdp_hybrid": {"parallelism": {"dp_replicate": 2}},
     "fsdp_activation_checkpointing": {"activation_checkpointing": "full"},
     "fsdp_selective_activation_checkpointing": {"activation_checkpointing": "selective"},
     "fsdp_every_2nd_block_no_reshard": {

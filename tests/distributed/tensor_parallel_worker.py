@@ -63,14 +63,17 @@ MODELS = {
 }
 # The parity runs: name -> (FSDP options, model).
 PARITY = {
-    "tp2_dp2": ({"tp": TP}, "llama"),
+    "tp2_dp2": ({"parallelism": {"tp": TP}}, "llama"),
     "tp2_dp2_tied_activation_checkpointing": (
-        {"tp": TP, "activation_checkpointing": "full"},
+        {"parallelism": {"tp": TP}, "activation_checkpointing": "full"},
         "llama_tied",
     ),
     # The Wqkv exchange runs again in the recomputed forward.
-    "mpt_tp2_dp2_activation_checkpointing": ({"tp": TP, "activation_checkpointing": "full"}, "mpt"),
-    "mpt_rope_rmsnorm_glu_untied_tp2_dp2": ({"tp": TP}, "mpt_llama_like"),
+    "mpt_tp2_dp2_activation_checkpointing": (
+        {"parallelism": {"tp": TP}, "activation_checkpointing": "full"},
+        "mpt",
+    ),
+    "mpt_rope_rmsnorm_glu_untied_tp2_dp2": ({"parallelism": {"tp": TP}}, "mpt_llama_like"),
 }
 # The models whose tp=2 x dp=2 checkpoint is resumed on other meshes.
 RESUMED = {"llama": tp_llama, "mpt": tp_mpt}
@@ -113,7 +116,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         result[name] = {"losses": recorder.losses, "initial": recorder.initial, "eval": metrics}
     for family, build in RESUMED.items():
         for name, options, kwargs in (
-            (f"{family}_tp2_dp2_saved", {"tp": TP}, {"stop_at": STOP_AT}),
+            (f"{family}_tp2_dp2_saved", {"parallelism": {"tp": TP}}, {"stop_at": STOP_AT}),
             (f"{family}_dp4_from_tp2_dp2", {}, {"load": f"{out}/{family}_tp2_dp2_saved"}),
         ):
             join_env(rank, world, next(ports))
@@ -123,7 +126,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
             result[name] = {"losses": recorder.losses, "ids": recorder.ids}
     # Auto-microbatching is refused (an OOM inside a block would strand its tp peers).
     join_env(rank, world, next(ports))
-    strategy = FSDP("cpu", timeout_s=60, tp=TP)
+    strategy = FSDP("cpu", timeout_s=60, parallelism={"tp": TP})
     try:
         parity_run(strategy, "llama", device_train_microbatch_size="auto")
         result["auto_microbatching"] = {"error": ""}
@@ -133,7 +136,7 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         strategy.teardown()
     # A sequence tp does not divide is refused on every rank before any collective.
     join_env(rank, world, next(ports))
-    strategy = FSDP("cpu", timeout_s=60, tp=TP)
+    strategy = FSDP("cpu", timeout_s=60, parallelism={"tp": TP})
     try:
         strategy.setup()
         model = strategy.prepare(tp_mpt())

@@ -73,7 +73,7 @@ def test_shard_splits_ids_and_targets_shifted_over_the_whole_sequence():
 def test_shard_refuses_what_it_cannot_split():
     context = ContextParallel(2, 1, None)
     ids = torch.zeros(2, 14, dtype=torch.long)
-    with pytest.raises(UserError, match=r"^strategy.cp=2 splits each sequence into 4 chunks"):
+    with pytest.raises(UserError, match=r"^parallelism.cp=2 splits each sequence into 4 chunks"):
         context.shard({"input_ids": ids, "labels": ids})
     ids = torch.zeros(2, 16, dtype=torch.long)
     with pytest.raises(UserError, match=r"but the batch also has attention_mask; drop them"):
@@ -201,7 +201,7 @@ def test_a_pipeline_stage_takes_positions_and_mask_from_the_keys(monkeypatch, na
 def test_infini_attention_refuses_context_parallelism():
     check_context_parallel(parallel_plan(_mpt()), 2)
     infini = MPTForCausalLM(MPTConfig(d_model=32, n_heads=4, n_layers=1, infini={"segment_len": 8}))
-    with pytest.raises(UserError, match=r"^strategy.cp=2: model.infini's memory runs through"):
+    with pytest.raises(UserError, match=r"^parallelism.cp=2: model.infini's memory runs through"):
         check_context_parallel(parallel_plan(infini), 2)
 
 

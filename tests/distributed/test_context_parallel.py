@@ -54,10 +54,10 @@ def test_context_parallel_refuses_on_every_rank(runs):
     _, ranks = runs
     for rank in ranks:
         assert rank["odd_length"].startswith(
-            "strategy.cp=2 splits each sequence into 4 chunks (two per rank), but this batch's "
+            "parallelism.cp=2 splits each sequence into 4 chunks (two per rank), but this batch's "
             "sequences have 14 positions, not a multiple of 4"
         )
-        assert rank["infini"].startswith("strategy.cp=2: model.infini's memory runs through")
+        assert rank["infini"].startswith("parallelism.cp=2: model.infini's memory runs through")
         assert rank["auto_microbatching"].startswith(
-            "device_train_microbatch_size=auto with strategy.cp=2"
+            "device_train_microbatch_size=auto with parallelism.cp=2"
         )

@@ -88,7 +88,8 @@ def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_pat
     assert (tmp_path / "ckpt" / "ep0-ba3" / "sharded" / ".metadata").exists()
 
 
-# FSDP alone, and two pipeline stages (the surviving stage waits in a point-to-point receive).
+# FSDP alone, and two pipeline stages (the surviving stage waits in a point-to-point receive),
+# the latter by the strategy group's old key: an alias of parallelism.pp, noticed once.
 @pytest.mark.parametrize(
     "mesh",
     [(), ("strategy.pp=2", "device_train_microbatch_size=1")],
@@ -112,6 +113,7 @@ def test_a_rank_that_raises_mid_run_ends_the_job_promptly(mds, tmp_path, mesh):
     ended = time.time()
     assert job.returncode != 0
     assert "injected failure on rank 1" in out
+    assert out.count("strategy.pp=2 is parallelism.pp=2 now; use the new key") == len(mesh) // 2
     # Far below the collective timeout (strategy.timeout_s, 1800 s): the surviving rank fails
     # as soon as its peer's connection is gone, and torchrun ends the job.
     took = ended - float((tmp_path / "raised").read_text())
@@ -148,7 +150,7 @@ def icl_task(tmp_path_factory):
 # microbatch, refused for pp=2 (the default microbatch size now makes what 1F1B needs).
 @pytest.mark.parametrize(
     ("mesh", "processes", "icl"),
-    [("strategy.tp=2", 2, False), ("strategy.pp=2", 4, True)],
+    [("parallelism.tp=2", 2, False), ("parallelism.pp=2", 4, True)],
     ids=["tp2", "pp2"],
 )
 def test_the_default_config_trains_samples_and_scores_on_a_mesh(

@@ -6,14 +6,24 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from llmfoundry.distributed.mesh import ParallelDims, build_mesh
+from llmfoundry.distributed.mesh import (
+    ParallelDims,
+    build_mesh,
+    check_sequence_length,
+    parallel_dims,
+    refuse_axes,
+    sequence_multiple,
+)
 from llmfoundry.utils.errors import UserError
 
 
 @pytest.mark.parametrize(
     ("dims", "message"),
     [
-        ({"world_size": 4, "dp_replicate": 3}, "dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not divide"),
+        (
+            {"world_size": 4, "dp_replicate": 3},
+            "dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not divide",
+        ),
         ({"world_size": 4, "dp_shard": 3}, "= 3, but there are 4 processes"),
         ({"world_size": 8, "dp_shard": 2, "tp": 2}, "= 4, but there are 8 processes"),
         ({"world_size": 4, "tp": 0}, "tp=0 must be at least 1"),
@@ -86,3 +96,30 @@ def test_without_other_axes_the_data_parallel_group_is_the_world(fake_world):
     assert mesh.dp_mesh.shape == (2, 4)
     with pytest.raises(RuntimeError, match="mesh is for 4 processes but the process group has 8"):
         build_mesh(ParallelDims(4), "cpu")
+
+
+def test_the_parallelism_block_becomes_the_dims_every_caller_uses():
+    dims = parallel_dims({"dp_replicate": 2, "tp": 2, "pp_schedule": "GPipe"}, 8)
+    assert dims == ParallelDims(8, dp_replicate=2, dp_shard=2, tp=2, pp_schedule="gpipe")
+    assert parallel_dims(None, 4) == ParallelDims(4) and parallel_dims(dims, 8) is dims
+    with pytest.raises(UserError, match=r"^parallelism.tpp: unknown key; use dp_replicate, "):
+        parallel_dims({"tpp": 2}, 4)
+    # Refused before the product is checked: the strategy, not the arithmetic, is what is wrong.
+    with pytest.raises(UserError, match=r"^parallelism.tp=3: strategy=ddp holds the whole model"):
+        parallel_dims({"tp": 3}, 4, "ddp")
+    refuse_axes({"dp_replicate": 2}, "ddp")  # the world size is not known yet: no verdict
+
+
+def test_sequences_are_a_multiple_of_what_the_mesh_splits_them_into():
+    assert [
+        sequence_multiple(ParallelDims(8, tp=t, cp=c)) for t, c in ((1, 1), (2, 1), (2, 2))
+    ] == [
+        1,
+        2,
+        8,
+    ]
+    check_sequence_length(ParallelDims(8, tp=2, cp=2), 24)
+    with pytest.raises(
+        UserError, match=r"^max_seq_len=20 is not a multiple of 8 \(tp=2 x 2 x cp=2\)"
+    ):
+        check_sequence_length(ParallelDims(8, tp=2, cp=2), 20)

@@ -1,17 +1,17 @@
 """Strategy checks that need no second process: bad settings fail early with a clear message."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmfoundry.build import per_rank_batch
+from llmfoundry.build import build_strategy, per_rank_batch
 from llmfoundry.data.streaming import World
-from llmfoundry.distributed import FSDP, ParallelDims, SingleDevice
+from llmfoundry.distributed import DDP, FSDP, ParallelDims, SingleDevice
 from llmfoundry.distributed.parallelize import apply_plan, checkpoint_blocks
 from llmfoundry.models import parallel_plan
 from tests.trainer.conftest import tiny_model
@@ -42,23 +42,51 @@ REPO = Path(__file__).resolve().parents[2]
     ("overrides", "dims"),
     [
         (["strategy=fsdp"], ParallelDims(4, dp_shard=4)),
+        (["strategy=fsdp", "parallelism.dp_replicate=2"], ParallelDims(4, dp_replicate=2, dp_shard=2)),
         (["strategy=fsdp", "strategy.replicate=2"], ParallelDims(4, dp_replicate=2, dp_shard=2)),
+        (["strategy=fsdp", "parallelism.tp=2", "parallelism.pp=2", "parallelism.pp_schedule=gpipe"],
+         ParallelDims(4, dp_shard=1, tp=2, pp=2, pp_schedule="gpipe")),
         (["strategy=ddp"], ParallelDims(4, dp_replicate=4, dp_shard=1)),
         (["strategy=deepspeed_zero2"], ParallelDims(4, dp_shard=4)),
     ],
-)
+)  # fmt: skip
 def test_the_strategy_configs_lay_their_processes_out_on_the_mesh(torchrun_env, overrides, dims):
     with initialize_config_dir(str(REPO / "conf"), version_base=None):
         cfg = compose("train", overrides=[*overrides, "strategy.device=cpu"])
-    strategy = instantiate(cfg.strategy)
+    strategy = build_strategy(cfg)
     assert strategy.dims == dims
-    assert (strategy.dp_rank, strategy.dp_size) == (0, 4)
+    assert strategy.dp_size == dims.dp_size and strategy.dp_rank == 0
+    assert (strategy.tp, strategy.pp, strategy.pipeline is not None) == (
+        dims.tp,
+        dims.pp,
+        dims.pp > 1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "parallelism", "message"),
+    [
+        (DDP, {"tp": 2}, "parallelism.tp=2: strategy=ddp holds the whole model on every process"),
+        (DDP, {"dp_replicate": 2}, "parallelism.dp_replicate=2: strategy=ddp lays its data-"),
+        (SingleDevice, {"pp": 2}, "parallelism.pp=2: strategy=single holds the whole model"),
+        (FSDP, {"dp_replicate": 3}, "parallelism: dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not "
+         "divide the 4 processes"),
+        (FSDP, {"tp": "2"}, "parallelism.tp='2' must be an integer"),
+        (FSDP, {"pp": 2, "pp_schedule": "zigzag"}, "parallelism.pp_schedule='zigzag': use one of"),
+        (FSDP, ParallelDims(8), "laid out for 8 processes, but there are 4"),
+    ],
+)  # fmt: skip
+def test_a_strategy_refuses_a_mesh_it_cannot_take_in_one_line(
+    torchrun_env, strategy, parallelism, message
+):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        strategy("cpu", parallelism=parallelism)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"replicate": 3}, "replicate=3 must be a positive divisor of the 4 processes"),
         ({"activation_checkpointing": "some"}, "'none', 'full', 'selective' or a positive"),
         ({"activation_checkpointing": 0}, "'none', 'full', 'selective' or a positive"),
         ({"mixed_precision": "fp16"}, "use null"),

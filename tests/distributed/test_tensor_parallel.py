@@ -1,4 +1,4 @@
-"""Tensor + sequence parallel (strategy.tp) with FSDP on four gloo processes (CPU, fp32), for
+"""Tensor + sequence parallel (parallelism.tp) with FSDP on four gloo processes (CPU, fp32), for
 Llama and for MPT (its fused Wqkv exchanged by head, ALiBi per local head): the same global
 batch gives one process's loss trajectory, from-scratch initialization equals one process's
 (and so does an evaluation), and a DCP checkpoint saved at tp=2 x dp=2 resumes at dp=4 and in
@@ -105,7 +105,7 @@ def test_tensor_parallel_refuses_auto_microbatching_on_every_rank(runs):
     *_, ranks = runs
     for rank in ranks:
         assert rank["auto_microbatching"]["error"].startswith(
-            "device_train_microbatch_size=auto with strategy.tp=2"
+            "device_train_microbatch_size=auto with parallelism.tp=2"
         )
 
 
@@ -113,23 +113,26 @@ def test_tensor_parallel_refuses_a_sequence_it_cannot_split_on_every_rank(runs):
     *_, ranks = runs
     for rank in ranks:
         assert rank["odd_sequence"]["error"].startswith(
-            "strategy.tp=2 splits each sequence over 2 ranks, but this input has 15 positions"
+            "parallelism.tp=2 splits each sequence over 2 ranks, but this input has 15 positions"
         )
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
     check_tensor_parallel(parallel_plan(tp_llama()), 2)
-    with pytest.raises(UserError, match=r"strategy.tp=4 does not divide .*n_kv_heads=2"):
+    with pytest.raises(UserError, match=r"parallelism.tp=4 does not divide .*n_kv_heads=2"):
         check_tensor_parallel(parallel_plan(tp_llama()), 4)
     check_tensor_parallel(parallel_plan(tp_mpt()), 2)
-    with pytest.raises(UserError, match=r"strategy.tp=4 does not divide .*kv_n_heads=2"):
+    with pytest.raises(UserError, match=r"parallelism.tp=4 does not divide .*kv_n_heads=2"):
         check_tensor_parallel(parallel_plan(tp_mpt()), 4)
     with pytest.raises(
-        UserError, match=r"strategy.tp=2 with compiled blocks .*model.compile=false"
+        UserError, match=r"parallelism.tp=2 with compiled blocks .*model.compile=false"
     ):
         check_tensor_parallel(parallel_plan(tiny_model(compile=True)), 2)
     for unplanned, match in (
-        ({"qk_ln": True}, r"does not cover model.qk_ln=true .*turn it off, or use strategy.tp=1"),
+        (
+            {"qk_ln": True},
+            r"does not cover model.qk_ln=true .*turn it off, or use parallelism.tp=1",
+        ),
         ({"alibi": False}, r"does not cover model.learned_pos_emb=true"),
         ({"infini": {"segment_len": 8}}, r"does not cover model.infini"),
     ):

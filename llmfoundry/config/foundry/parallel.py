@@ -55,7 +55,7 @@ def strategy(cfg: Mapping[str, Any], env: Mapping[str, str], out: Native) -> Non
         raise refuse(
             "tp_config",
             "llm-foundry's FFN-only tensor parallelism is not supported; here strategy=fsdp "
-            "strategy.tp=N splits attention and MLP (README, Parallelism)",
+            "parallelism.tp=N splits attention and MLP (README, Parallelism)",
         )
     fsdp = section(cfg, "fsdp_config")
     check_known("fsdp_config", fsdp, _FSDP_KEYS)
@@ -79,7 +79,7 @@ def strategy(cfg: Mapping[str, Any], env: Mapping[str, str], out: Native) -> Non
     out.set("strategy.timeout_s", timeout)
     out.set("strategy.reshard_after_forward", sharding in ("FULL_SHARD", "HYBRID_SHARD"))
     if "HYBRID" in sharding or "data_parallel_replicate_degree" in fsdp:
-        out.set("strategy.replicate", _replicas(fsdp, env, world))
+        out.set("parallelism.dp_replicate", _replicas(fsdp, env, world))
     out.set("strategy.mixed_precision", _mixed_precision(fsdp, cfg, out))
     checkpointing = fsdp.get("activation_checkpointing", False)
     out.set("strategy.activation_checkpointing", "full" if checkpointing else "none")

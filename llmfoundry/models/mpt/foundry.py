@@ -175,7 +175,7 @@ ATTN_FIXED: tuple[Fixed, ...] = (
     ("prefix_lm", (False,), "our MPT attends causally only; train with prefix_lm=false"),
     ("reuse_kv_layer_idx", (None,), "each of our blocks computes its own keys and values"),
     ("reuse_kv_x_layer_idx", (None,), "each of our blocks computes its own keys and values"),
-    ("seq_parallel_world_size", (None, 1), "use strategy.tp (it splits sequences too)"),
+    ("seq_parallel_world_size", (None, 1), "use parallelism.tp (it splits sequences too)"),
 )
 FFN_TYPES = {"mptmlp": "mlp", "mptglu": "glu"}
 FFN_REFUSED = {

@@ -33,7 +33,7 @@ rotates its own heads with the whole sequence's angles. Two things are MPT's own
   slopes are the ones the whole model gives those heads.
 
 `qk_ln` (a norm over every head's width), infini-attention (a gate per head) and a learned
-position table are not in the layout: with them `strategy.tp>1` is refused in one line.
+position table are not in the layout: with them `parallelism.tp>1` is refused in one line.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _tensor_parallel_refusal(cfg: MPTConfig) -> str:
         return ""
     return (
         f"MPT's tensor-parallel layout does not cover {' or '.join(found)}: turn it off, or "
-        "use strategy.tp=1"
+        "use parallelism.tp=1"
     )
 
 
@@ -210,7 +210,7 @@ class _PartsExchange:
         size, me = mesh.size(), mesh.get_local_rank()
         total = sum(widths)
         if total % size or any(width % size for width in widths):
-            raise UserError(f"strategy.tp={size} does not divide the widths {widths}")
+            raise UserError(f"parallelism.tp={size} does not divide the widths {widths}")
         self.group = mesh.get_group()
         held = total // size
         starts = [sum(widths[:i]) for i in range(len(widths))]
