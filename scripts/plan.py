@@ -38,6 +38,7 @@ from hydra.utils import instantiate
 
 from llmfoundry.callbacks.peak_flops import gpu_has_bf16, gpu_peak_flops, number_format
 from llmfoundry.config import validate_config
+from llmfoundry.config.parallelism import parallelism_of, strategy_name
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.planning import (
     SCHEDULES,
@@ -64,19 +65,23 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides, as for scripts/train.py")
-    p.add_argument("--strategy", choices=STRATEGIES, help="default single (fsdp with --recommend)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="default: the config's strategy= "
+                   "(single; fsdp with --recommend)")  # fmt: skip
     p.add_argument("--world-size", type=int, help="devices in the run (default 1; --recommend: "
                    "the fewest that fit)")  # fmt: skip
     p.add_argument("--gpus-per-node", type=int, default=8, help="for --recommend (tp stays "
                    "within a node; default 8)")  # fmt: skip
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ways (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ways: each sequence "
-                   "split over them (default 1)")  # fmt: skip
-    p.add_argument("--dp-replicate", type=int, default=1, help="fsdp: replicas of the shards "
-                   "(hybrid sharding; kept by --recommend)")  # fmt: skip
-    p.add_argument("--dp-shard", type=int, default=-1, help="fsdp: shards (default: the rest)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    # The mesh flags default to the config's parallelism block (`_mesh_from_config`).
+    p.add_argument("--tp", type=int, help="tensor-parallel ways (default parallelism.tp)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default parallelism.pp)")
+    p.add_argument("--cp", type=int, help="context-parallel ways: each sequence split over them "
+                   "(default parallelism.cp)")  # fmt: skip
+    p.add_argument("--dp-replicate", type=int, help="fsdp: replicas of the shards (hybrid "
+                   "sharding; kept by --recommend; default parallelism.dp_replicate)")  # fmt: skip
+    p.add_argument("--dp-shard", type=int, help="fsdp: shards (default parallelism.dp_shard, "
+                   "-1: the rest)")  # fmt: skip
+    p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default "
+                   "parallelism.pp_schedule)")  # fmt: skip
     p.add_argument("--stages-per-rank", type=int, default=1, help="interleaved: stages per rank")
     p.add_argument("--recommend", action="store_true", help="plan the smallest mesh that fits "
                    "--device-memory (fewest tp x cp x pp, then fastest) at --world-size, or at "
@@ -127,6 +132,28 @@ def _what_would_fit(args: argparse.Namespace) -> str:
     return "try " + ", ".join(options)
 
 
+# The mesh flags, by the parallelism block's key, and the block's defaults (conf/train.yaml).
+_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_replicate": "dp_replicate",
+               "dp_shard": "dp_shard", "pp_schedule": "schedule"}  # fmt: skip
+_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": -1,
+                  "pp_schedule": "1f1b"}  # fmt: skip
+
+
+def _mesh_from_config(args: argparse.Namespace, block: dict) -> None:
+    """Fill the mesh flags left out from the config's `parallelism:` block (read as
+    scripts/train.py reads it, its old strategy.* aliases moved in), so a mesh set in the
+    config is the one planned; a flag that contradicts a value the block sets is refused."""
+    for key, flag in _MESH_FLAGS.items():
+        given, configured = getattr(args, flag), block.get(key, _MESH_DEFAULTS[key])
+        if given is None:
+            setattr(args, flag, configured)
+        elif configured != _MESH_DEFAULTS[key] and given != configured:
+            option = "--" + flag.replace("_", "-")
+            raise UserError(
+                f"{option} {given} and parallelism.{key}={configured} disagree: give one of them"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with script_errors(args):
@@ -162,7 +189,10 @@ def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -
     if memory is None:
         raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
     if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.dp_shard != -1:
-        raise UserError("--recommend chooses tp, cp, pp and dp_shard: leave those flags out")
+        raise UserError(
+            "--recommend chooses tp, cp, pp and dp_shard: leave those flags (and the config's "
+            "parallelism.tp, cp, pp and dp_shard) out"
+        )
     if args.world_size:
         choice = recommend(setup, memory)
         where = f"{args.world_size} devices"
@@ -186,9 +216,13 @@ def plan(args: argparse.Namespace) -> int:
         check(CONF_DIR, args.overrides)  # raises the ConfigError naming the key and the fix
         raise
     settings = validate_config(cfg)
+    _mesh_from_config(args, parallelism_of(cfg))
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
-    args.strategy = args.strategy or ("fsdp" if args.recommend else "single")
+    # The config's strategy (single unless given), fsdp for --recommend in place of single.
+    configured = strategy_name(cfg) or "single"
+    recommended = "fsdp" if args.recommend and configured == "single" else configured
+    args.strategy = args.strategy or recommended
     if not args.recommend:
         args.world_size = args.world_size or 1
     gpu_name, gpu_memory = detected_gpu()

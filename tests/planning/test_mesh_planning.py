@@ -325,3 +325,19 @@ def test_recommends_context_parallelism_for_mpt_7b_at_64k_on_8_gpus(capsys):
     )
     tp_only = capsys.readouterr().out
     assert sent < float(re.search(r"  total         : +([0-9.]+) GiB", tp_only).group(1))
+
+
+def test_the_plan_script_plans_the_configs_parallelism_block(capsys):
+    """The mesh set in the config (as train.py reads it, old strategy.* keys included) is the
+    one planned, not silently the flags' defaults; a flag that contradicts it is refused."""
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    assert plan_script["main"](["strategy=fsdp", "parallelism.cp=2", "--world-size", "4"]) == 0
+    assert (
+        "mesh        : dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 x pp 1" in capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"](["strategy=fsdp", "parallelism.tp=2", "--tp", "4", "--world-size", "4"])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err == "error: --tp 4 and parallelism.tp=2 disagree: give one of them\n"
+    )
