@@ -2,8 +2,9 @@
 
 Answers "does this config fit, on which mesh, with how large a microbatch, and how long is a
 step" for a device count and a parallel strategy laid out on the mesh of
-llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x tp x pp). Parameter
-count and flops per token come from the model itself (any family's `num_params` and
+llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp), built and
+checked as training builds and checks it (`Setup`), so a planned mesh is one training takes.
+Parameter count and flops per token come from the model itself (any family's `num_params` and
 `flops_per_token`, built on the meta device, so nothing is allocated), the same numbers the speed
 monitor's MFU uses; the family's spec gives the activation bytes its blocks keep
 (`ModelFamily.activation_bytes`), its parallel plan the blocks (the units sharded, split across
@@ -20,10 +21,11 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   L mod pp stages one more) and its edge's, divided by tp (Megatron-LM's tensor parallelism:
   every block matrix, the embedding and the head split column- or row-wise; norms, a few
   d_model each, are counted as split too);
-- data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * pp):
+- data-parallel sharding divides these over the data-parallel ranks dp = world / (tp * cp * pp):
   DDP none; ZeRO-1 the optimizer state; ZeRO-2 also the gradients; FSDP full shard / ZeRO-3
-  all three over dp_shard; FSDP hybrid all three within the dp ranks of a node
-  (gpus_per_node // tp of them), replicated across nodes. Sharded strategies add the working
+  all three over dp_shard (FSDP: x cp, whose ranks average gradients as data-parallel ranks
+  do: `Mesh.fsdp_mesh`); FSDP hybrid (dp_replicate > 1) all three within each replica's
+  dp_shard x cp ranks, replicated across the replicas. Sharded strategies add the working
   copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
   the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
   in use and the one prefetched);
@@ -36,7 +38,13 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   by tp (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 2: sbh(34 + 5as/h)/t per layer), except the inputs of the two column-wise
   projections (attention's q/k/v, the MLP's up/gate), which the DTensor linear keeps as
-  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more;
+  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. Context
+  parallelism (cp = C, llmfoundry/distributed/context.py) gives each rank L / C tokens of
+  every sequence, so all of these (and the logits below) are those of L / C tokens;
+- gathered keys and values (cp > 1): attention all-gathers each layer's K and V over the cp
+  ranks, [microbatch, L, kv_heads * head_dim] each in the compute dtype (kv heads split by tp),
+  and keeps them for its backward: every layer-microbatch in flight, or only the recomputed
+  layer's with activation checkpointing; plus one layer's dK and dV in backward;
 - microbatches in flight under pipeline parallelism (Narayanan et al. 2021, "Efficient
   Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sections 2.2.1-2.2.2,
   and torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B):
@@ -50,7 +58,9 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   cached, in the compute dtype, when the model has ALiBi (a row per head, each tp rank
   building its own heads) or a sliding window (one mask for every head), L the longer of the
   sequence and max_seq_len (`AttentionMasks.causal_bias_shape`); flex and flash build none. A
-  per-batch document mask (sequence_id) is not counted.
+  per-batch document mask (sequence_id) is not counted. Under context parallelism the dense
+  kernels build, per forward and not cached, the rows of the rank's queries only: [heads (ALiBi)
+  or 1, L / C, L] (a mask is needed even without ALiBi: the queries are not the last ones).
 
 Communication per device per step (bytes sent by one device, ring collectives over n ranks
 moving (n - 1) / n of the buffer: Patarasuk and Yuan 2009; all-reduce = reduce-scatter +
@@ -68,14 +78,20 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
   also exchanges activations in all-to-alls (MPT's fused Wqkv: its output, (n_heads + 2
   kv_n_heads) / n_heads block inputs' worth, split by tp, `ParallelPlan.tp_all_to_all`) sends
   (tp - 1) / tp of each such buffer in forward, in backward and in a recomputed forward;
+- CP: per layer and microbatch, the all-gather of K and V in forward (again in a forward
+  recomputed under activation checkpointing) and the reduce-scatter of dK and dV in backward,
+  each sending (C - 1) / C of one layer's gathered K and V (above);
 - PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
-  tp under sequence parallelism) sent forward and its gradient sent back.
+  tp under sequence parallelism, by cp with context parallelism) sent forward and its gradient
+  sent back.
 
 Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
-axis divides the work evenly), divided by 1 - the pipeline bubble, the fraction of a step the
-schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m microbatches,
-(pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al. 2021, sections
-2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it overlapped.
+axis divides the work evenly; cp's causal load balance, chunks r and 2C-1-r on rank r, gives
+every cp rank the same attention work), divided by 1 - the pipeline bubble, the fraction of a
+step the schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m
+microbatches, (pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al.
+2021, sections 2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it
+overlapped.
 
 Checked against peak memory measured on CPU (tests/planning/test_planning.py) and against the
 published MPT-7B / MPT-30B setups.
@@ -90,13 +106,24 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from llmfoundry.distributed.mesh import ParallelDims
+from llmfoundry.distributed.context import check_context_parallel
+from llmfoundry.distributed.mesh import (
+    PIPELINE_SCHEDULES,
+    STRATEGY_AXES,
+    ParallelDims,
+    check_sequence_length,
+    parallel_dims,
+)
+from llmfoundry.distributed.parallelize import check_tensor_parallel
+from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
 from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
+from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp-hybrid", "zero1", "zero2", "zero3")
+# Training's strategy names (conf/strategy/<name>.yaml) and the mesh axes each takes.
+STRATEGIES = tuple(STRATEGY_AXES)
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
@@ -105,7 +132,7 @@ PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 CHECKPOINT_BYTES = 4
 PARAM_BYTES = GRAD_BYTES = 4
 _UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SHARDED_PARAMS = ("fsdp", "fsdp-hybrid", "zero3")
+_SHARDED_PARAMS = ("fsdp", "deepspeed_zero3")
 
 
 def parse_bytes(text: str) -> int:
@@ -150,11 +177,13 @@ class ModelCounts:
     block (input to output) and of the edges (`first`: the embeddings, on the first pipeline
     stage; `last`: the final norm and an untied head, on the last; `tied`: the embedding again
     when the head is tied to it, which the last stage holds when it is not also the first).
-    `tp_refusal`: why training refuses tp > 1 for this family (no tensor-parallel layout in
-    its plan), None when it has one; `tp_all_to_all`: its layout's all-to-all volume per
-    block forward, in block inputs (`ParallelPlan.tp_all_to_all`); `attn_bias`: the heads
-    (1: one mask for every head) and side of the causal bias its attention kernel keeps
-    cached, (0, 0) when it builds none (module docstring)."""
+    `plan`: the family's parallel plan, which training's checks of a mesh read (the planner
+    asks the same ones: `Setup`); `tp_all_to_all`: its layout's all-to-all volume per block
+    forward, in block inputs (`ParallelPlan.tp_all_to_all`); `attn_bias`: the heads (1: one
+    mask for every head) and side of the causal bias its attention kernel keeps cached, (0, 0)
+    when it builds none; `cp_bias_heads`: the heads of the dense bias rows a dense-bias kernel
+    builds per forward under context parallelism (its queries' rows only: ALiBi's per head,
+    else one mask), 0 for flex and flash (module docstring)."""
 
     n_params: int
     flops_per_token: int
@@ -167,9 +196,15 @@ class ModelCounts:
     vocab_size: int
     n_heads: int
     n_kv_heads: int
-    tp_refusal: str | None = None
+    plan: ParallelPlan = dataclasses.field(repr=False, compare=False)
     tp_all_to_all: float = 0.0
     attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
+    cp_bias_heads: int = 0
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one token's keys (and of its values): the key/value heads' (GQA: fewer)."""
+        return self.n_kv_heads * (self.d_model // self.n_heads)
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -196,10 +231,12 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
     # The config field is kv_n_heads in MPT's config and n_kv_heads in Llama's.
     kv_heads = getattr(config, "n_kv_heads", None) or getattr(config, "kv_n_heads", None)
     masks = model.transformer.masks  # every family's AttentionMasks
-    attn_bias = (0, 0)
+    attn_bias, cp_bias_heads = (0, 0), 0
     builds = masks.alibi is not None or masks.window is not None
-    if config.attn_impl in DENSE_BIAS_IMPLS and builds:
-        attn_bias = masks.causal_bias_shape(seq_len)[1:3]
+    if config.attn_impl in DENSE_BIAS_IMPLS:
+        cp_bias_heads = masks.causal_bias_shape(seq_len)[1]
+        if builds:
+            attn_bias = masks.causal_bias_shape(seq_len)[1:3]
     return ModelCounts(
         n_params=model.num_params(),
         flops_per_token=model.flops_per_token(seq_len),
@@ -212,9 +249,10 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         vocab_size=config.vocab_size,
         n_heads=config.n_heads,
         n_kv_heads=kv_heads or config.n_heads,
-        tp_refusal=plan.tensor_parallel_refusal if plan.tensor_parallel is None else None,
+        plan=plan,
         tp_all_to_all=plan.tp_all_to_all,
         attn_bias=attn_bias,
+        cp_bias_heads=cp_bias_heads,
     )
 
 
@@ -232,6 +270,7 @@ class MemoryPlan:
     activations: float
     logits: float
     attn_bias: float = 0.0
+    gathered_kv: float = 0.0
     stage: int = 0
 
     @property
@@ -244,6 +283,7 @@ class MemoryPlan:
             + self.activations
             + self.logits
             + self.attn_bias
+            + self.gathered_kv
         )
 
 
@@ -252,12 +292,15 @@ class CommunicationPlan:
     """Bytes one device sends per optimizer step, by collective (the module docstring says
     which): data parallelism's `all_gather` / `reduce_scatter` (FSDP, ZeRO) and `all_reduce`
     (DDP, hybrid replicas), tensor parallelism's activation all-gathers and reduce-scatters
-    `tensor_parallel`, and the pipeline's activation and gradient sends `pipeline`."""
+    `tensor_parallel`, context parallelism's key/value all-gathers and their gradients'
+    reduce-scatters `context_parallel`, and the pipeline's activation and gradient sends
+    `pipeline`."""
 
     all_gather: float = 0.0
     reduce_scatter: float = 0.0
     all_reduce: float = 0.0
     tensor_parallel: float = 0.0
+    context_parallel: float = 0.0
     pipeline: float = 0.0
 
     @property
@@ -267,6 +310,7 @@ class CommunicationPlan:
             + self.reduce_scatter
             + self.all_reduce
             + self.tensor_parallel
+            + self.context_parallel
             + self.pipeline
         )
 
@@ -288,12 +332,21 @@ def planned_precision(precision: str, has_bf16: bool) -> str:
 class Setup:
     """The run being planned: everything that changes memory per device.
 
-    The mesh: `tp` tensor-parallel and `pp` pipeline-parallel ways; the data-parallel ranks
-    world_size / (tp * pp) are laid out by `strategy` (DDP: replicas; ZeRO and FSDP: shards;
-    FSDP hybrid: shards within a node, replicas across) or, for FSDP, by `dp_replicate` and
-    `dp_shard` as `ParallelDims` takes them (-1: the rest). `schedule` and `stages_per_rank` (v,
-    interleaved only) are the pipeline's; `global_batch` (sequences per step) sets the
-    microbatches per step, which the pipeline keeps in flight and which repeat the gathers."""
+    The mesh: `tp` tensor-parallel, `cp` context-parallel and `pp` pipeline-parallel ways;
+    the data-parallel ranks world_size / (tp * cp * pp) are laid out by `strategy`, a
+    conf/strategy name (DDP: replicas; DeepSpeed ZeRO and FSDP: shards) or, for FSDP, by
+    `dp_replicate` and `dp_shard` as `ParallelDims` takes them (-1: the rest; dp_replicate > 1:
+    hybrid sharding).
+    `schedule` and `stages_per_rank` (v, interleaved only) are the pipeline's; `global_batch`
+    (sequences per step) sets the microbatches per step, which the pipeline keeps in flight
+    and which repeat the gathers.
+
+    Construction refuses, in one line, every mesh training would refuse: with training's own
+    checks where they are functions of the model's plan (`check_tensor_parallel`,
+    `check_pipeline_split`, `check_context_parallel`) and of the mesh (`parallel_dims`: tp, cp
+    and pp only under FSDP; `check_sequence_length`), and cp not with tp or pp (FSDP's own
+    refusal, for now). The interleaved schedule, which training does not run yet, can be planned
+    (a forecast), not recommended."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int
@@ -306,6 +359,7 @@ class Setup:
     optimizer_bytes: int = 8
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     dp_replicate: int = 1
@@ -321,12 +375,13 @@ class Setup:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.schedule not in SCHEDULES:
             raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if min(self.world_size, self.gpus_per_node, self.tp, self.pp, self.stages_per_rank) < 1:
+        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp)
+        if min(*sizes, self.stages_per_rank) < 1:
             raise UserError(
-                "world_size, gpus_per_node, tp, pp and stages_per_rank must be positive"
+                "world_size, gpus_per_node, tp, pp, cp and stages_per_rank must be positive"
             )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
-            raise UserError("CPU offload needs a sharded strategy: fsdp, fsdp-hybrid or zero1-3")
+            raise UserError("CPU offload needs a sharded strategy: fsdp or deepspeed_zero1-3")
         if (self.schedule == "interleaved") != (self.stages_per_rank > 1) and self.pp > 1:
             raise UserError(
                 "the interleaved schedule takes 2 or more stages per rank and the others 1: "
@@ -339,49 +394,54 @@ class Setup:
         self._check_model_fits_mesh()
         self._check_world()
         self.dims = self._mesh()
+        self._check_sequence()
+
+    @property
+    def model_ways(self) -> int:
+        """Devices that hold one data-parallel rank's share: tp x cp x pp."""
+        return self.tp * self.cp * self.pp
 
     def _check_world(self) -> None:
-        world, model_ways = self.world_size, self.tp * self.pp
+        world, model_ways = self.world_size, self.model_ways
+        axes = f"tp={self.tp}{f' x cp={self.cp}' * (self.cp > 1)} x pp={self.pp}"
         if world % model_ways:
             raise UserError(
-                f"tp={self.tp} x pp={self.pp} = {model_ways} does not divide the {world} devices: "
-                f"use a --world-size that is a multiple of {model_ways}, or a tp and pp whose "
-                f"product divides {world}"
+                f"{axes} = {model_ways} does not divide the {world} devices: use a --world-size "
+                f"that is a multiple of {model_ways}, or axes whose product divides {world}"
             )
-        if self.strategy == "single" and world != model_ways:
-            if model_ways == 1:
-                raise UserError(
-                    "strategy single runs on one device: use --world-size 1 or ddp/fsdp"
-                )
+        if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # (as FSDP refuses it: fsdp.py)
             raise UserError(
-                f"strategy single has no data parallelism: use --world-size {model_ways} "
-                f"(tp x pp) or ddp/fsdp"
+                f"cp={self.cp} with tp={self.tp} or pp={self.pp}: context parallelism is not "
+                "combined with tensor or pipeline parallelism in training yet; use one"
             )
 
     def _check_model_fits_mesh(self) -> None:
+        """The model's own refusals of the axes: training's checks, on the family's plan."""
         counts = self.counts
-        # What training would refuse (distributed/parallelize.py).
-        if self.tp > 1 and counts.tp_refusal:
-            raise UserError(f"--tp {self.tp}: {counts.tp_refusal}")
-        heads, kv = counts.n_heads, counts.n_kv_heads
-        if heads % self.tp or kv % self.tp:
-            choices = [str(t) for t in _divisors(math.gcd(heads, kv)) if t <= self.gpus_per_node]
-            raise UserError(
-                f"tp={self.tp} does not divide the model's {heads} attention heads and {kv} "
-                f"key/value heads: use --tp {' or '.join(choices)}"
-            )
+        if self.tp > 1:
+            check_tensor_parallel(counts.plan, self.tp, setting="--tp")
+        check_pipeline_split(counts.plan, self.pp, setting="--pp")
         v = self.stages_per_rank if self.schedule == "interleaved" else 1
         layers = len(counts.blocks)
-        if self.pp * v > layers:
-            stages = f"pp={self.pp}" + f" x {v} stages per rank" * (v > 1)
+        if self.pp * v > layers:  # (training runs no interleaved schedule yet: the plan's own)
             raise UserError(
-                f"{stages} = {self.pp * v} stages, more than the model's {layers} layers: use "
-                f"--pp {layers // v} or fewer"
+                f"pp={self.pp} x {v} stages per rank = {self.pp * v} stages, more than the "
+                f"model's {layers} layers: use --pp {layers // v} or fewer"
             )
+        if self.cp > 1:
+            check_context_parallel(counts.plan, self.cp, setting="--cp")
+
+    def _check_sequence(self) -> None:
+        """Sequence and context parallelism cut every sequence into equal parts, as training's
+        data requires (`check_sequence_length`)."""
+        check_sequence_length(self.dims, self.seq_len)
 
     def _mesh(self) -> ParallelDims:
-        world, model_ways = self.world_size, self.tp * self.pp
-        dp = world // model_ways
+        """The mesh as training builds it from the config's parallelism block
+        (`parallel_dims`, which refuses the axes a strategy cannot take). DDP replicates over
+        the data-parallel ranks and DeepSpeed shards over them; FSDP takes --dp-replicate and
+        --dp-shard (hybrid sharding: replicas of shards)."""
+        world, model_ways = self.world_size, self.model_ways
         if self.strategy != "fsdp" and (self.dp_replicate != 1 or self.dp_shard != -1):
             raise UserError(
                 f"--dp-replicate and --dp-shard lay out FSDP's mesh; strategy {self.strategy} "
@@ -390,25 +450,15 @@ class Setup:
         product = self.dp_replicate * self.dp_shard * model_ways
         if self.dp_shard != -1 and product != world:
             raise UserError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x "
-                f"pp={self.pp} = {product}, but there are {world} devices: use --world-size "
-                f"{product} or leave --dp-shard out (the rest)"
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"tp={self.tp} x pp={self.pp} = {product}, but there are {world} devices: use "
+                f"--world-size {product} or leave --dp-shard out (the rest)"
             )
-        replicate, shard = self.dp_replicate, self.dp_shard
-        if self.strategy in ("single", "ddp"):
-            replicate, shard = dp, 1
-        elif self.strategy in ("zero1", "zero2", "zero3"):
-            replicate, shard = 1, dp
-        elif self.strategy == "fsdp-hybrid":
-            shard = min(dp, max(1, self.gpus_per_node // self.tp))
-            if dp % shard:
-                raise UserError(
-                    f"fsdp-hybrid shards within a node's {shard} data-parallel ranks, which do "
-                    f"not divide the {dp}: use a --world-size that is a multiple of "
-                    f"{shard * model_ways}"
-                )
-            replicate = dp // shard
-        return ParallelDims(world, dp_replicate=replicate, dp_shard=shard, tp=self.tp, pp=self.pp)
+        layout = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        if self.strategy == "ddp":
+            layout = {"dp_replicate": world // model_ways, "dp_shard": 1}
+        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp}
+        return parallel_dims({**layout, **axes}, world, strategy=self.strategy)
 
     @property
     def n_params(self) -> int:
@@ -477,16 +527,15 @@ class Setup:
 
 def _shards(setup: Setup) -> tuple[int, int, int]:
     """How many ways parameters, gradients and optimizer state are split across the
-    data-parallel ranks."""
-    dp, shard = setup.dp_size, setup.dims.dp_shard
+    data-parallel ranks (FSDP: and the context-parallel ranks of each, `Mesh.fsdp_mesh`)."""
+    dp, shard = setup.dp_size, setup.dims.dp_shard * setup.cp
     return {
         "single": (1, 1, 1),
         "ddp": (1, 1, 1),
-        "zero1": (1, 1, dp),
-        "zero2": (1, dp, dp),
-        "zero3": (dp, dp, dp),
+        "deepspeed_zero1": (1, 1, dp),
+        "deepspeed_zero2": (1, dp, dp),
+        "deepspeed_zero3": (dp, dp, dp),
         "fsdp": (shard, shard, shard),
-        "fsdp-hybrid": (shard, shard, shard),
     }[setup.strategy]
 
 
@@ -505,7 +554,7 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     working = 2 * unit * PARAM_BYTES if sharded_params and p_shards > 1 else 0.0
     d = counts.d_model
     compute_bytes = 4 if setup.precision == "fp32" else 2
-    tokens = microbatch * setup.seq_len
+    tokens = microbatch * setup.seq_len / setup.cp  # this rank's part of each sequence
     # One block's saved activations per device; sequence parallel splits all but the gathered
     # inputs of the two column-wise projections.
     per_block = counts.block_activation_bytes * tokens / tp
@@ -523,7 +572,10 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     if stage == setup.pp - 1:
         logits = held * 2 * tokens * counts.vocab_size * compute_bytes / tp
     heads, side = counts.attn_bias  # ALiBi's heads split by tp; one mask for all heads is whole
-    attn_bias = (heads if heads == 1 else heads // tp) * side * side * compute_bytes
+    rows = side
+    if setup.cp > 1:  # the bias rows of this rank's queries, against every key, per forward
+        heads, side, rows = counts.cp_bias_heads, setup.seq_len, setup.seq_len / setup.cp
+    attn_bias = (heads if heads == 1 else heads // tp) * rows * side * compute_bytes
     return MemoryPlan(
         n_params=counts.n_params,
         flops_per_token=counts.flops_per_token,
@@ -534,8 +586,28 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
         activations=blocks + edges_bytes,
         logits=logits,
         attn_bias=attn_bias,
+        gathered_kv=_gathered_kv(setup, microbatch, layer_microbatches),
         stage=stage,
     )
+
+
+def _layer_kv_bytes(setup: Setup, microbatch: int) -> float:
+    """One layer's keys and values over whole sequences, [microbatch, seq, kv_dim] each, in the
+    compute dtype, the key/value heads split by tp: what context parallelism all-gathers."""
+    compute_bytes = 4 if setup.precision == "fp32" else 2
+    kv = 2 * microbatch * setup.seq_len * setup.counts.kv_dim * compute_bytes
+    return kv / setup.tp
+
+
+def _gathered_kv(setup: Setup, microbatch: int, layer_microbatches: float) -> float:
+    """The all-gathered keys and values a context-parallel rank holds at its peak: attention
+    keeps each layer's for its backward (every layer-microbatch in flight; with activation
+    checkpointing only the recomputed layer's), plus one layer's gradients of them, dK and dV,
+    in backward before their reduce-scatter."""
+    if setup.cp == 1:
+        return 0.0
+    kept = 1 if setup.activation_checkpointing else layer_microbatches
+    return (kept + 1) * _layer_kv_bytes(setup, microbatch)
 
 
 def plan_memory(setup: Setup, microbatch: int) -> MemoryPlan:
@@ -554,24 +626,29 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     m = setup.microbatches(microbatch) or 1
     ring = lambda n: (n - 1) / n  # noqa: E731 (fraction of a buffer a ring collective sends)
     plan = CommunicationPlan()
-    n = setup.dims.dp_shard
+    n = setup.dims.dp_shard * setup.cp
     if setup.strategy in _SHARDED_PARAMS:
         plan.all_gather = 2 * m * weights * ring(n)
         plan.reduce_scatter = weights * ring(n)
         plan.all_reduce = 2 * weights / n * ring(setup.dims.dp_replicate)
-    elif setup.strategy in ("zero1", "zero2"):
+    elif setup.strategy in ("deepspeed_zero1", "deepspeed_zero2"):
         plan.all_gather = plan.reduce_scatter = weights * ring(n)
     else:
         plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
     counts = setup.counts
     compute_bytes = 4 if setup.precision == "fp32" else 2
-    activation = microbatch * setup.seq_len * counts.d_model
+    activation = microbatch * setup.seq_len / setup.cp * counts.d_model  # this rank's tokens
     layers = len(setup.stage_layers[stage])
     collectives = 8 + 4 * setup.activation_checkpointing
     exchanges = (2 + setup.activation_checkpointing) * counts.tp_all_to_all / setup.tp
     plan.tensor_parallel = (
         m * layers * (collectives + exchanges) * ring(setup.tp) * activation * compute_bytes
     )
+    # Context parallelism: per layer and microbatch, keys and values all-gathered in forward
+    # (again in a recomputed forward), their gradients reduce-scattered in backward.
+    passes = 2 + setup.activation_checkpointing
+    kv = _layer_kv_bytes(setup, microbatch)
+    plan.context_parallel = m * layers * passes * ring(setup.cp) * kv
     if setup.pp > 1:
         v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
         plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp
@@ -622,36 +699,50 @@ class MeshChoice:
 
 def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
     """The smallest mesh of `setup.world_size` devices that fits `device_memory`: the fewest
-    model-parallel ways tp * pp, then the least pipeline bubble (the fastest step), then the
-    larger tp (within a node: tp <= gpus_per_node, pp across nodes); None if none fits.
+    model-parallel ways tp * cp * pp, then the least pipeline bubble (the fastest step), then
+    the fewest bytes sent per step (so, for long sequences, context parallelism's key/value
+    gathers over tensor parallelism's activation collectives), then the larger tp (within a
+    node: tp <= gpus_per_node; pp and cp may span nodes); None if none fits. Only meshes
+    training takes are tried (`Setup` refuses the rest with training's checks).
     `setup.global_batch` must be set (the data-parallel ranks must divide it); its strategy,
-    schedule and checkpointing are kept, its tp, pp and dp layout are searched."""
-    counts, world = setup.counts, setup.world_size
-    # tp only for a family with a tensor-parallel layout (training refuses it otherwise).
-    heads = 1 if counts.tp_refusal else math.gcd(counts.n_heads, counts.n_kv_heads)
-    v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    schedule and checkpointing are kept, its tp, cp, pp and dp layout are searched."""
+    if setup.schedule not in PIPELINE_SCHEDULES:
+        raise UserError(
+            f"--recommend plans meshes training takes, and training runs no {setup.schedule} "
+            f"schedule yet: use --schedule {' or '.join(PIPELINE_SCHEDULES)}"
+        )
     choices = []
-    for tp in _divisors(heads):
-        if tp > setup.gpus_per_node or world % tp:
+    for mesh in _meshes(setup):
+        dp = mesh.dp_size
+        if setup.global_batch % dp:
             continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp * v > len(counts.blocks) or setup.global_batch % dp:
-                continue
-            if setup.strategy == "single" and dp > 1:
-                continue
-            if v > 1 and pp == 1:
-                continue
-            if setup.strategy == "fsdp-hybrid" and dp % min(dp, max(1, setup.gpus_per_node // tp)):
-                continue
-            mesh = dataclasses.replace(setup, tp=tp, pp=pp, dp_replicate=1, dp_shard=-1)
-            fits = largest_microbatch(mesh, device_memory, limit=setup.global_batch // dp)
-            if not fits:
-                continue
-            microbatch = fits if pp == 1 else 1
-            bubble = bubble_fraction(pp, mesh.microbatches(microbatch), setup.schedule, v)
-            choices.append(((tp * pp, bubble, -tp), MeshChoice(mesh, fits, microbatch, bubble)))
+        fits = largest_microbatch(mesh, device_memory, limit=setup.global_batch // dp)
+        if not fits:
+            continue
+        microbatch = fits if mesh.pp == 1 else 1
+        bubble = bubble_fraction(mesh.pp, mesh.microbatches(microbatch), mesh.schedule,
+                                 mesh.stages_per_rank)  # fmt: skip
+        sent = plan_communication(mesh, microbatch).total
+        key = (mesh.model_ways, bubble, sent, -mesh.tp)
+        choices.append((key, MeshChoice(mesh, fits, microbatch, bubble)))
     return min(choices, key=lambda c: c[0])[1] if choices else None
+
+
+def _meshes(setup: Setup) -> list[Setup]:
+    """Every tp x cp x pp layout of `setup.world_size` devices that training takes (tp within
+    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards."""
+    world, meshes = setup.world_size, []
+    v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    for tp in _divisors(math.gcd(world, setup.gpus_per_node)):
+        for cp in _divisors(world // tp):
+            for pp in _divisors(world // (tp * cp)):
+                if v > 1 and pp == 1:
+                    continue
+                try:
+                    meshes.append(dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, dp_shard=-1))
+                except UserError:
+                    continue
+    return meshes
 
 
 def device_counts(gpus_per_node: int, limit: int) -> list[int]:

@@ -2,7 +2,7 @@
 
     python scripts/plan.py model=mpt-7b precision=amp_bf16 --strategy fsdp --world-size 8 \\
         --activation-checkpointing --device-memory 80GB
-    python scripts/plan.py model=mpt-30b --strategy zero3 --world-size 64 --cpu-offload
+    python scripts/plan.py model=mpt-30b --strategy deepspeed_zero3 --world-size 64 --cpu-offload
     python scripts/plan.py model=llama3-70b precision=amp_bf16 max_seq_len=8192 \\
         global_train_batch_size=512 --strategy fsdp --world-size 64 --tp 8 --pp 2 \\
         --activation-checkpointing --device-memory 80GB --device-name H100
@@ -10,19 +10,21 @@
         global_train_batch_size=512 --recommend --activation-checkpointing --device-memory 80GB
 
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
-overrides); the flags describe the cluster and the mesh (`--tp`, `--pp`, `--dp-replicate`,
-`--dp-shard` as llmfoundry/distributed/mesh.py's ParallelDims; `--schedule`, `--stages-per-rank`
-for the pipeline); `precision=auto` (the default) plans what training resolves it to on the
-named or detected GPU (`planned_precision`). Prints parameter count, flops per token, memory per device by part at the
-config's microbatch (on the pipeline rank that needs the most), the largest microbatch that fits
-the device memory (default: the detected GPU's), the bytes each device sends per step, the
-pipeline bubble and the step time at a given MFU of the device's peak (llmfoundry/planning.py
-says what each number counts and where its formula comes from). `--recommend` plans the smallest
-mesh that fits instead (fewest tp x pp, then the fastest; tp within a node), at `--world-size`
-or at the fewest devices. Impossible inputs (tp not dividing the heads, more stages than
-layers, axes whose product is not the device count) are one line and exit status 2 (`--debug`
-for the traceback). A setup in which not even one sequence fits a device, or in which no mesh
-fits, is an error (exit status 2) saying what would fit, with no step time.
+overrides); the flags describe the cluster and the mesh (`--strategy` by conf/strategy's names;
+`--tp`, `--cp`, `--pp`, `--dp-replicate`, `--dp-shard` as the config's parallelism block, built
+by llmfoundry/distributed/mesh.py's parallel_dims; `--schedule`, `--stages-per-rank` for the
+pipeline), refused as training refuses them; `precision=auto` (the default) plans what
+training resolves it to on the named or detected GPU (`planned_precision`). Prints parameter
+count, flops per token, memory per device by part at the config's microbatch (on the pipeline
+rank that needs the most), the largest microbatch that fits the device memory (default: the
+detected GPU's), the bytes each device sends per step, the pipeline bubble and the step time at
+a given MFU of the device's peak (llmfoundry/planning.py says what each number counts and where
+its formula comes from). `--recommend` plans the smallest mesh that fits instead (fewest tp x
+cp x pp, then the fastest, then the least traffic; tp within a node), at `--world-size` or at
+the fewest devices. Impossible inputs (tp not dividing the heads, more stages than layers, a
+sequence cp cannot cut, axes whose product is not the device count) are one line and exit
+status 2 (`--debug` for the traceback). A setup in which not even one sequence fits a device,
+or in which no mesh fits, is an error (exit status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hydra.utils import instantiate
 
 from llmfoundry.callbacks.peak_flops import gpu_has_bf16, gpu_peak_flops, number_format
 from llmfoundry.config import validate_config
+from llmfoundry.config.parallelism import parallelism_of, strategy_name
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.planning import (
     SCHEDULES,
@@ -62,20 +65,27 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides, as for scripts/train.py")
-    p.add_argument("--strategy", choices=STRATEGIES, help="default single (fsdp with --recommend)")
+    p.add_argument("--strategy", choices=STRATEGIES, help="default: the config's strategy= "
+                   "(single; fsdp with --recommend)")  # fmt: skip
     p.add_argument("--world-size", type=int, help="devices in the run (default 1; --recommend: "
                    "the fewest that fit)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=8, help="for fsdp-hybrid and --recommend "
-                   "(tp stays within a node; default 8)")  # fmt: skip
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ways (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    p.add_argument("--dp-replicate", type=int, default=1, help="fsdp: replicas of the shards")
-    p.add_argument("--dp-shard", type=int, default=-1, help="fsdp: shards (default: the rest)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="for --recommend (tp stays "
+                   "within a node; default 8)")  # fmt: skip
+    # The mesh flags default to the config's parallelism block (`_mesh_from_config`).
+    p.add_argument("--tp", type=int, help="tensor-parallel ways (default parallelism.tp)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default parallelism.pp)")
+    p.add_argument("--cp", type=int, help="context-parallel ways: each sequence split over them "
+                   "(default parallelism.cp)")  # fmt: skip
+    p.add_argument("--dp-replicate", type=int, help="fsdp: replicas of the shards (hybrid "
+                   "sharding; kept by --recommend; default parallelism.dp_replicate)")  # fmt: skip
+    p.add_argument("--dp-shard", type=int, help="fsdp: shards (default parallelism.dp_shard, "
+                   "-1: the rest)")  # fmt: skip
+    p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default "
+                   "parallelism.pp_schedule)")  # fmt: skip
     p.add_argument("--stages-per-rank", type=int, default=1, help="interleaved: stages per rank")
     p.add_argument("--recommend", action="store_true", help="plan the smallest mesh that fits "
-                   "--device-memory (fewest tp x pp, then fastest) at --world-size, or at the "
-                   "fewest devices that fit")  # fmt: skip
+                   "--device-memory (fewest tp x cp x pp, then fastest) at --world-size, or at "
+                   "the fewest devices that fit")  # fmt: skip
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--cpu-offload", action="store_true", help="optimizer (and shards) on host")
     p.add_argument("--device-memory", help="per device, e.g. 80GB (default: the detected GPU)")
@@ -104,22 +114,44 @@ def gib(n: float) -> str:
 def _what_would_fit(args: argparse.Namespace) -> str:
     """The changes of the run that shrink memory per device and that this plan did not use."""
     options = []
-    if args.strategy in ("single", "ddp", "zero1", "zero2"):
-        options.append("shard the weights (--strategy fsdp or zero3) over more devices")
+    if args.strategy in ("single", "ddp", "deepspeed_zero1", "deepspeed_zero2"):
+        options.append("shard the weights (--strategy fsdp or deepspeed_zero3) over more devices")
     elif args.recommend:
         options.append(
             "more devices" + (f" than --world-size {args.world_size}" * bool(args.world_size))
         )
     else:
         options.append(f"more devices than --world-size {args.world_size}")
-        if args.tp == args.pp == 1:
-            options.append("--recommend (a mesh with tp and pp)")
+        if args.tp == args.pp == args.cp == 1:
+            options.append("--recommend (a mesh with tp, cp and pp)")
     if not args.activation_checkpointing:
         options.append("--activation-checkpointing")
     if not args.cpu_offload and args.strategy not in ("single", "ddp"):
         options.append("--cpu-offload")
     options.append("a shorter max_seq_len or larger devices")
     return "try " + ", ".join(options)
+
+
+# The mesh flags, by the parallelism block's key, and the block's defaults (conf/train.yaml).
+_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_replicate": "dp_replicate",
+               "dp_shard": "dp_shard", "pp_schedule": "schedule"}  # fmt: skip
+_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": -1,
+                  "pp_schedule": "1f1b"}  # fmt: skip
+
+
+def _mesh_from_config(args: argparse.Namespace, block: dict) -> None:
+    """Fill the mesh flags left out from the config's `parallelism:` block (read as
+    scripts/train.py reads it, its old strategy.* aliases moved in), so a mesh set in the
+    config is the one planned; a flag that contradicts a value the block sets is refused."""
+    for key, flag in _MESH_FLAGS.items():
+        given, configured = getattr(args, flag), block.get(key, _MESH_DEFAULTS[key])
+        if given is None:
+            setattr(args, flag, configured)
+        elif configured != _MESH_DEFAULTS[key] and given != configured:
+            option = "--" + flag.replace("_", "-")
+            raise UserError(
+                f"{option} {given} and parallelism.{key}={configured} disagree: give one of them"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +175,7 @@ def _setup(
         optimizer_bytes=optimizer_state_bytes(cfg.optimizer._target_),
         tp=args.tp,
         pp=args.pp,
+        cp=args.cp,
         schedule=args.schedule,
         stages_per_rank=args.stages_per_rank,
         dp_replicate=args.dp_replicate,
@@ -155,8 +188,11 @@ def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -
     """The recommended mesh, or the UserError saying why there is none."""
     if memory is None:
         raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
-    if args.tp != 1 or args.pp != 1 or args.dp_replicate != 1 or args.dp_shard != -1:
-        raise UserError("--recommend chooses tp, pp and the dp layout: leave those flags out")
+    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.dp_shard != -1:
+        raise UserError(
+            "--recommend chooses tp, cp, pp and dp_shard: leave those flags (and the config's "
+            "parallelism.tp, cp, pp and dp_shard) out"
+        )
     if args.world_size:
         choice = recommend(setup, memory)
         where = f"{args.world_size} devices"
@@ -180,9 +216,13 @@ def plan(args: argparse.Namespace) -> int:
         check(CONF_DIR, args.overrides)  # raises the ConfigError naming the key and the fix
         raise
     settings = validate_config(cfg)
+    _mesh_from_config(args, parallelism_of(cfg))
     model_cfg = instantiate(cfg.model)
     seq_len = settings.max_seq_len or model_cfg.max_seq_len
-    args.strategy = args.strategy or ("fsdp" if args.recommend else "single")
+    # The config's strategy (single unless given), fsdp for --recommend in place of single.
+    configured = strategy_name(cfg) or "single"
+    recommended = "fsdp" if args.recommend and configured == "single" else configured
+    args.strategy = args.strategy or recommended
     if not args.recommend:
         args.world_size = args.world_size or 1
     gpu_name, gpu_memory = detected_gpu()
@@ -198,14 +238,14 @@ def plan(args: argparse.Namespace) -> int:
         setup, microbatch = choice.setup, microbatch or choice.microbatch
         args.world_size = setup.world_size
         dims = setup.dims
-        print(f"recommended : tp {dims.tp} x pp {dims.pp} x dp_shard {dims.dp_shard} x "
-              f"dp_replicate {dims.dp_replicate} on {setup.world_size} devices (fewest tp x pp "
-              f"that fit, then the fastest; tp <= {setup.gpus_per_node}, within a node)"
-              )  # fmt: skip
+        print(f"recommended : tp {dims.tp} x cp {dims.cp} x pp {dims.pp} x dp_shard "
+              f"{dims.dp_shard} x dp_replicate {dims.dp_replicate} on {setup.world_size} devices "
+              f"(fewest tp x cp x pp that fit, then the fastest, then the least traffic; tp <= "
+              f"{setup.gpus_per_node}, within a node)")  # fmt: skip
     if settings.global_train_batch_size % setup.dp_size:
         raise UserError(
             f"global_train_batch_size={settings.global_train_batch_size} is not divisible by "
-            f"the {setup.dp_size} data-parallel ranks (world size / (tp x pp))"
+            f"the {setup.dp_size} data-parallel ranks (world size / (tp x cp x pp))"
         )
     device_batch = settings.global_train_batch_size // setup.dp_size
     microbatch = microbatch or (1 if setup.pp > 1 else device_batch)
@@ -220,13 +260,14 @@ def plan(args: argparse.Namespace) -> int:
     print(f"run         : {', '.join(flags)}; {precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
           )  # fmt: skip
-    print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp "
-          f"{dims.tp} x pp {dims.pp}")  # fmt: skip
+    print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
+          f"{dims.cp} x tp {dims.tp} x pp {dims.pp}")  # fmt: skip
     print(f"parameters  : {memory_plan.n_params:,}")
     print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
     where = f", pipeline rank {memory_plan.stage} of {setup.pp}" if setup.pp > 1 else ""
     print(f"memory per device at microbatch {microbatch}{where}:")
-    for part in ("params", "grads", "optimizer", "working", "activations", "logits", "attn_bias"):
+    parts = ("params", "grads", "optimizer", "working", "activations", "logits", "attn_bias")
+    for part in (*parts, "gathered_kv"):
         print(f"  {part:11s}: {gib(getattr(memory_plan, part))}")
     print(f"  {'total':11s}: {gib(memory_plan.total)}")
     if memory is None:
@@ -251,7 +292,8 @@ def plan(args: argparse.Namespace) -> int:
     print("communication per device per step (sent):")
     for part, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
                         ("all_reduce", "all-reduce"), ("tensor_parallel", "tp gath+scat"),
-                        ("pipeline", "pp sends")):  # fmt: skip
+                        ("context_parallel", "cp kv gathers"), ("pipeline", "pp sends")
+                        ):  # fmt: skip
         print(f"  {label:14s}: {gib(getattr(communication, part))}")
     print(f"  {'total':14s}: {gib(communication.total)}")
     microbatches = setup.microbatches(microbatch)

@@ -40,6 +40,7 @@ from llmfoundry.checkpoint.state import load_model_state_dict
 from llmfoundry.distributed import FSDP
 from llmfoundry.distributed.context import check_context_parallel
 from llmfoundry.distributed.parallelize import check_tensor_parallel
+from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import build_model
 from llmfoundry.utils import storage
@@ -134,11 +135,7 @@ def _check_mesh(model: nn.Module, tp: int, pp: int, cp: int) -> None:
         check_tensor_parallel(plan, tp, setting="tp")
     if cp > 1:
         check_context_parallel(plan, cp, setting="cp")
-    if pp > len(plan.blocks):
-        raise UserError(
-            f"pp={pp} exceeds the model's {len(plan.blocks)} blocks (each pipeline stage holds "
-            f"at least one); use at most pp={len(plan.blocks)}"
-        )
+    check_pipeline_split(plan, pp, setting="pp", name=type(model).__name__)
 
 
 def _load_whole(whole: Pretrained, model: nn.Module, strategy: FSDP) -> None:

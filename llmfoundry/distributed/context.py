@@ -20,12 +20,13 @@ cp group's ranks cover different tokens: the trainer sums losses and token count
 (`Mesh.loss_group`), and FSDP averages their gradients as data-parallel ranks' (its mesh
 joins dp_shard and cp).
 
-Why not torch's ring attention (torch.distributed.tensor.experimental.context_parallel): on
-torch 2.13 it does not run our attention. bench/context_parallel_probe.py ran it on 2 CPU ranks
-(gloo; bench/RESULTS.md): causal SDPA failed (the CPU flash kernel has no sharding rule), the
-math backend failed (DTensor mixed with plain tensors), an additive bias (MPT's ALiBi,
-document masks) gave a wrong result (max error 3.59) or hung, and a Llama step failed: its
-shards carry no global offsets for a bias to be built from. All-gathered K/V costs memory a ring would not (the
+Why not torch's ring attention (torch.distributed.tensor.experimental.context_parallel): on torch
+2.13 it does not run our attention. A probe ran it on 2 CPU ranks (gloo; bench/RESULTS.md has its
+output, git has bench/context_parallel_probe.py at 3fb1390): causal SDPA failed (the CPU flash
+kernel has no sharding rule), the math backend failed (DTensor mixed with plain tensors), an
+additive bias (MPT's ALiBi, document masks) gave a wrong result (max error 3.59) or hung, and a
+Llama step failed: its shards carry no global offsets for a bias to be built from.
+All-gathered K/V costs memory a ring would not (the
 whole sequence's keys and values of one layer at a time: 2 L kv_heads head_dim per row, small
 beside the activations for grouped-query heads), and overlaps no communication, but it is
 exact for every mask, kernel and family, with one all-gather per layer forward and one

@@ -6,8 +6,9 @@ As torchtitan's ``ParallelDims``: `ParallelDims` says how many processes each ax
 order pp, dp_replicate, dp_shard, cp, tp (the innermost axis the fastest links).
 
 The mesh is the parallelism config: the `parallelism:` block of conf/train.yaml holds these
-numbers, and `parallel_dims` turns it into a ParallelDims, the one function for it, so that
-nothing that lays out a mesh accepts one training refuses. The strategies wrap the data-parallel axes of that mesh: DDP
+numbers, and `parallel_dims` turns it into a ParallelDims, the one function for it (training,
+scripts/eval.py and the planner, llmfoundry/planning.py), so that nothing that lays out a mesh
+accepts one training refuses. The strategies wrap the data-parallel axes of that mesh: DDP
 replicates over them, FSDP shards (and, with dp_replicate > 1, replicates) over them and also
 takes the cp, tp and pp axes; DDP and DeepSpeed hold the whole model, so they refuse those
 (`STRATEGY_AXES`).
@@ -159,8 +160,8 @@ def parallel_dims(
     """The mesh of the config's `parallelism:` block (None: the defaults, every process a
     data-parallel rank) over `world_size` processes, refused in one line where `strategy` (a
     conf/strategy name) cannot lay it out. Every strategy builds its `dims` with it (and so
-    scripts/eval.py's mesh), and whatever else plans a mesh should too, so none accepts a mesh
-    training refuses. A ParallelDims is taken as it is (laid out for `world_size` processes)."""
+    scripts/eval.py's mesh), and so does the planner (llmfoundry/planning.py), so none accepts
+    a mesh training refuses. A ParallelDims is taken as it is (laid out for `world_size` processes)."""
     if isinstance(parallelism, ParallelDims):
         refuse_axes(dataclasses.asdict(parallelism), strategy, world_size)
         if parallelism.world_size != world_size:

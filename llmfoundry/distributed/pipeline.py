@@ -76,6 +76,24 @@ def check_pipeline(pp: int, schedule: str) -> str:
     return check_schedule(schedule)
 
 
+def check_pipeline_split(
+    plan: ParallelPlan, pp: int, setting: str = "parallelism.pp", name: str = "this model"
+) -> None:
+    """Refuse `pp` stages of a model (its family's `plan`) that cannot be split so: a family
+    without a pipeline split, or more stages than blocks (each stage holds at least one).
+    Training, `load_on_mesh` and the planner (llmfoundry/planning.py) ask this one check;
+    `setting` names where `pp` came from."""
+    if pp > 1 and plan.pipeline is None:
+        raise UserError(
+            f"{setting}={pp}: {name} has no pipeline split in its family's plan; use {setting}=1"
+        )
+    if pp > len(plan.blocks):
+        raise UserError(
+            f"{setting}={pp} exceeds the model's {len(plan.blocks)} blocks (each pipeline stage "
+            f"holds at least one); use at most pp={len(plan.blocks)}"
+        )
+
+
 class Pipeline:
     """This process's pipeline stage and the schedule that runs it (`split`, `build`, `step`)."""
 
@@ -107,17 +125,8 @@ class Pipeline:
         """Replace what other stages hold in `model` (on the meta device) by `Absent`; returns
         the plan of this stage (the blocks it holds, their tensor-parallel layout). A
         collective: every process creates the groups."""
+        check_pipeline_split(plan, self.pp, name=type(model).__name__)
         split = plan.pipeline
-        if split is None:
-            raise UserError(
-                f"parallelism.pp={self.pp}: {type(model).__name__} has no pipeline split in its "
-                "family's plan; use parallelism.pp=1"
-            )
-        if self.pp > len(plan.blocks):
-            raise UserError(
-                f"parallelism.pp={self.pp} exceeds the model's {len(plan.blocks)} blocks; use at "
-                f"most pp={len(plan.blocks)}"
-            )
         self.stage_index = mesh.dims.coordinates(dist.get_rank())["pp"]
         self._groups(mesh)
         names = {id(module): name for name, module in model.named_modules()}

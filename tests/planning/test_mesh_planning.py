@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from llmfoundry.distributed.parallelize import check_tensor_parallel
+from llmfoundry.models import parallel_plan
+from llmfoundry.models.families import family_of
 from llmfoundry.models.layers import flash
 from llmfoundry.models.llama import LlamaConfig
 from llmfoundry.models.mpt import MPTConfig
@@ -25,6 +28,12 @@ from llmfoundry.planning import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# The parallel plan of an MPT of that shape (training's checks of a mesh read it).
+PLAN = count_model(
+    MPTConfig(d_model=16, n_heads=4, kv_n_heads=2, n_layers=8, vocab_size=50, max_seq_len=4),
+    4,
+    "amp_bf16",
+).plan
 # 8 blocks of 1000 parameters, a 200-parameter embedding tied to the head, a 10-parameter final
 # norm; d_model 16, vocab 50, 4 query heads and 2 key/value heads; MPT's amp_bf16 activation
 # count (38 d bytes per token per block). Every number below is computed from these by hand.
@@ -40,6 +49,7 @@ COUNTS = ModelCounts(
     vocab_size=50,
     n_heads=4,
     n_kv_heads=2,
+    plan=PLAN,
 )
 
 
@@ -110,15 +120,25 @@ def test_communication_bubble_and_step_time():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"tp": 8, "world_size": 16}, "tp=8 does not divide the model's 4 attention heads and "
-         "2 key/value heads: use --tp 1 or 2"),
-        ({"tp": 4, "pp": 1, "world_size": 16}, "tp=4 does not divide the model's 4 attention "
-         "heads and 2 key/value heads"),
-        ({"pp": 9, "tp": 1, "world_size": 18}, "pp=9 = 9 stages, more than the model's 8 layers: "
-         "use --pp 8 or fewer"),
+        ({"tp": 8, "world_size": 16}, "--tp=8 does not divide the model's n_heads=4, "
+         "kv_n_heads=2, vocab_size=50: choose a tp that divides each"),
+        ({"tp": 4, "pp": 1, "world_size": 16}, "--tp=4 does not divide the model's kv_n_heads=2"),
+        ({"pp": 9, "tp": 1, "world_size": 18}, "--pp=9 exceeds the model's 8 blocks (each "
+         "pipeline stage holds at least one); use at most pp=8"),
+        ({"pp": 4, "stages_per_rank": 4, "schedule": "interleaved"}, "pp=4 x 4 stages per rank "
+         "= 16 stages, more than the model's 8 layers: use --pp 2 or fewer"),
         ({"pp": 3, "world_size": 16}, "tp=2 x pp=3 = 6 does not divide the 16 devices"),
+        ({"cp": 3}, "tp=2 x cp=3 x pp=2 = 12 does not divide the 16 devices"),
         ({"dp_shard": 2}, "= 8, but there are 16 devices: use --world-size 8 or leave"),
         ({"schedule": "interleaved"}, "use --schedule interleaved with --stages-per-rank 2"),
+        ({"strategy": "deepspeed_zero3"}, "parallelism.tp=2: strategy=deepspeed_zero3 holds the "
+         "whole model on every process, without tensor parallelism; use strategy=fsdp, or tp=1"),
+        ({"strategy": "fsdp-hybrid"}, "strategy 'fsdp-hybrid': use one of single, ddp, "
+         "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, fsdp"),
+        ({"cp": 2, "world_size": 32}, "cp=2 with tp=2 or pp=2: context parallelism is not "
+         "combined with tensor or pipeline parallelism in training yet"),
+        ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 8 (2 x cp=4): the mesh "
+         "splits every sequence into that many parts"),
     ],
 )  # fmt: skip
 def test_impossible_meshes_are_refused(options, message):
@@ -137,8 +157,10 @@ def test_recommends_tp_within_a_node_for_llama_70b_on_16_gpus(capsys):
               "--device-memory", "80GB", "--device-name", "H100"]  # fmt: skip
     assert plan_script["main"]([*common, "--world-size", "16"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("recommended : tp 8 x pp 1 x dp_shard 2 x dp_replicate 1 on 16 devices")
-    assert "mesh        : dp_replicate 1 x dp_shard 2 x tp 8 x pp 1" in out
+    assert out.startswith(
+        "recommended : tp 8 x cp 1 x pp 1 x dp_shard 2 x dp_replicate 1 on 16 devices"
+    )
+    assert "mesh        : dp_replicate 1 x dp_shard 2 x cp 1 x tp 8 x pp 1" in out
     with pytest.raises(SystemExit) as exit_info:
         plan_script["main"]([*common, "--world-size", "8"])
     assert exit_info.value.code == 2
@@ -164,8 +186,9 @@ def test_a_family_without_a_tensor_parallel_plan_gets_no_tp():
     """A family whose config training refuses tp > 1 for (MPT with qk_ln): --tp is refused as
     training would refuse it, and the 25000-byte case above, which only tp 2 fits, gets no
     recommendation at all."""
-    no_tp = dataclasses.replace(COUNTS, tp_refusal="MPT has no tensor-parallel plan")
-    with pytest.raises(ValueError, match="--tp 2: MPT has no tensor-parallel plan"):
+    qk_ln_8 = MPTConfig(d_model=16, n_heads=4, kv_n_heads=2, n_layers=8, vocab_size=50, qk_ln=True)
+    no_tp = dataclasses.replace(COUNTS, plan=count_model(qk_ln_8, 4, "amp_bf16").plan)
+    with pytest.raises(ValueError, match="--tp=2: MPT's tensor-parallel layout does not cover"):
         mesh(counts=no_tp)
     assert recommend(mesh(tp=1, pp=1), 25000).setup.tp == 2
     assert recommend(mesh(tp=1, pp=1, counts=no_tp), 25000) is None
@@ -175,21 +198,12 @@ def test_a_family_without_a_tensor_parallel_plan_gets_no_tp():
     mpt = MPTConfig(d_model=32, n_heads=4, kv_n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64)
     qk_ln = MPTConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, vocab_size=64, qk_ln=True)
     llama = LlamaConfig(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64)
+    assert count_model(mpt, 16, "fp32").tp_all_to_all == 2.0
     assert (
-        count_model(mpt, 16, "fp32").tp_refusal,
-        count_model(mpt, 16, "fp32").tp_all_to_all,
-    ) == (
-        None,
-        2.0,
+        "does not cover model.qk_ln=true"
+        in count_model(qk_ln, 16, "fp32").plan.tensor_parallel_refusal
     )
-    assert "does not cover model.qk_ln=true" in count_model(qk_ln, 16, "fp32").tp_refusal
-    assert (
-        count_model(llama, 16, "fp32").tp_refusal,
-        count_model(llama, 16, "fp32").tp_all_to_all,
-    ) == (
-        None,
-        0.0,
-    )
+    assert count_model(llama, 16, "fp32").tp_all_to_all == 0.0
 
 
 def test_plan_script_refuses_an_impossible_mesh_in_one_line():
@@ -201,8 +215,9 @@ def test_plan_script_refuses_an_impossible_mesh_in_one_line():
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr == (
-        "error: tp=3 does not divide the model's 64 attention heads and 8 key/value heads: "
-        "use --tp 1 or 2 or 4 or 8\n"
+        "error: --tp=3 does not divide the model's n_heads=64, n_kv_heads=8, "
+        "ffn_hidden_size=28672: choose a tp that divides each (or a model whose sizes it "
+        "divides)\n"
     )
     assert out.stdout == ""
 
@@ -229,3 +244,100 @@ def test_the_cached_attention_bias_is_counted_per_device(monkeypatch):
     plan = plan_memory(Setup(mpt_30b, 8192), 1)
     flex = plan_memory(Setup(dataclasses.replace(mpt_30b, attn_impl="flex"), 8192), 1)
     assert plan.total - flex.total == plan.attn_bias
+
+
+def test_a_mesh_training_refuses_is_refused_by_the_planner_too():
+    """The planner asked only that tp divide the head counts; training's check_tensor_parallel
+    also asks it to divide the widths and the vocabulary (the head is split by vocabulary). An
+    odd vocabulary at tp 2 was planned, and then refused by training: now by both, alike, and
+    `recommend` offers context parallelism instead."""
+    odd_vocab = MPTConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=101)
+    plan = parallel_plan(family_of(odd_vocab).build(odd_vocab, init_device="meta"))
+    with pytest.raises(ValueError, match="vocab_size=101") as training:
+        check_tensor_parallel(plan, 2, setting="--tp")
+    with pytest.raises(ValueError, match="vocab_size=101") as planner:
+        Setup(odd_vocab, 64, "fp32", strategy="fsdp", world_size=2, tp=2)
+    assert str(planner.value) == str(training.value)
+    two = Setup(odd_vocab, 64, "fp32", strategy="fsdp", world_size=2, global_batch=2)
+    budget = plan_memory(dataclasses.replace(two, cp=2), 1).total
+    assert plan_memory(two, 1).total > budget  # pure FSDP does not fit; tp 2 is refused
+    choice = recommend(two, budget)
+    assert (choice.setup.tp, choice.setup.cp) == (1, 2)
+
+
+def test_infini_attention_refuses_cp_as_training_does():
+    infini = MPTConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=16, vocab_size=64,
+                       infini={"segment_len": 8})  # fmt: skip
+    with pytest.raises(ValueError, match="^--cp=2: model.infini's memory runs through each"):
+        Setup(infini, 16, "fp32", strategy="fsdp", world_size=2, cp=2)
+
+
+def test_context_parallelism_divides_activations_and_gathers_keys_and_values():
+    """cp=C: each rank holds 1/C of every sequence, so the activations (and logits) shrink
+    C-fold; each layer's all-gathered keys and values, [1, 16, kv_dim 8] x 2 x 2 bytes = 512
+    per microbatch, are kept per layer for backward (8 blocks, 1 microbatch in flight) plus
+    one layer's gradients; FSDP shards over dp_shard x cp (16 ways still)."""
+
+    def cp_mesh(cp, **kwargs):
+        options = {"strategy": "fsdp", "world_size": 16, "cp": cp, "global_batch": 16}
+        return Setup(None, 16, "amp_bf16", counts=COUNTS, **options, **kwargs)
+
+    one = cp_mesh(1)
+    assert one.counts.kv_dim == 8
+    base = plan_memory(one, 1)
+    for c in (2, 4):
+        plan = plan_memory(cp_mesh(c), 1)
+        assert plan.activations == base.activations / c and plan.logits == base.logits / c
+        assert (plan.params, plan.optimizer) == (base.params, base.optimizer)
+        assert plan.gathered_kv == (8 + 1) * 512
+    checkpointed = cp_mesh(4, activation_checkpointing=True)
+    assert plan_memory(checkpointed, 1).gathered_kv == 2 * 512
+    # Sent: 4 microbatches (16 sequences over 4 data-parallel ranks) x 8 layers x (a gather
+    # forward, a reduce-scatter backward, a gather again when recomputed) x 3/4 of 512.
+    sent = plan_communication(cp_mesh(4), 1)
+    assert sent.context_parallel == 4 * 8 * 2 * 0.75 * 512
+    assert plan_communication(checkpointed, 1).context_parallel == 4 * 8 * 3 * 0.75 * 512
+    assert plan_communication(one, 1).context_parallel == 0
+
+
+def test_recommends_context_parallelism_for_mpt_7b_at_64k_on_8_gpus(capsys):
+    """MPT-7B (ALiBi, sdpa) at 65,536 tokens on 8 x 80 GB: the recommended mesh splits the
+    sequence (cp > 1), fits, and sends less than tensor parallelism alone (tp 8, which the
+    planner recommended before it knew cp)."""
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    argv = ["model=mpt-7b", "model.max_seq_len=65536", "max_seq_len=65536", "precision=amp_bf16",
+            "global_train_batch_size=8", "--recommend", "--world-size", "8",
+            "--activation-checkpointing", "--device-memory", "80GB",
+            "--device-name", "H100"]  # fmt: skip
+    assert plan_script["main"](argv) == 0
+    out = capsys.readouterr().out
+    mesh_line = re.search(r"recommended : tp (\d+) x cp (\d+) x pp (\d+)", out)
+    tp, cp, pp = map(int, mesh_line.groups())
+    assert cp > 1 and tp * cp * pp == 8
+    total = float(re.search(r"  total      : +([0-9.]+) GiB", out).group(1))
+    assert total <= 80e9 / 2**30
+    sent = float(re.search(r"  total         : +([0-9.]+) GiB", out).group(1))
+    assert (
+        plan_script["main"](
+            [a for a in argv if a != "--recommend"] + ["--strategy", "fsdp", "--tp", "8"]
+        )
+        == 0
+    )
+    tp_only = capsys.readouterr().out
+    assert sent < float(re.search(r"  total         : +([0-9.]+) GiB", tp_only).group(1))
+
+
+def test_the_plan_script_plans_the_configs_parallelism_block(capsys):
+    """The mesh set in the config (as train.py reads it, old strategy.* keys included) is the
+    one planned, not silently the flags' defaults; a flag that contradicts it is refused."""
+    plan_script = runpy.run_path(str(ROOT / "scripts" / "plan.py"))
+    assert plan_script["main"](["strategy=fsdp", "parallelism.cp=2", "--world-size", "4"]) == 0
+    assert (
+        "mesh        : dp_replicate 1 x dp_shard 2 x cp 2 x tp 1 x pp 1" in capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        plan_script["main"](["strategy=fsdp", "parallelism.tp=2", "--tp", "4", "--world-size", "4"])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err == "error: --tp 4 and parallelism.tp=2 disagree: give one of them\n"
+    )

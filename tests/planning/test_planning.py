@@ -104,22 +104,23 @@ def test_published_mpt_setups_are_plausible():
     # MPT-30B: trained on A100-40GB with FSDP and activation checkpointing over hundreds of GPUs.
     fsdp_30b = Setup(MPT_30B, 2048, strategy="fsdp", world_size=512, activation_checkpointing=True)
     assert largest_microbatch(fsdp_30b, gb40) >= 1
-    assert largest_microbatch(Setup(MPT_30B, 2048, strategy="zero1", world_size=8), gb80) == 0
+    assert (
+        largest_microbatch(Setup(MPT_30B, 2048, strategy="deepspeed_zero1", world_size=8), gb80)
+        == 0
+    )
 
 
 def test_sharding_and_offload_divide_the_right_parts():
     single = plan_memory(Setup(MPT_7B, 2048), 1)
-    zero1 = plan_memory(Setup(MPT_7B, 2048, strategy="zero1", world_size=8), 1)
-    zero2 = plan_memory(Setup(MPT_7B, 2048, strategy="zero2", world_size=8), 1)
+    zero1 = plan_memory(Setup(MPT_7B, 2048, strategy="deepspeed_zero1", world_size=8), 1)
+    zero2 = plan_memory(Setup(MPT_7B, 2048, strategy="deepspeed_zero2", world_size=8), 1)
     fsdp = plan_memory(Setup(MPT_7B, 2048, strategy="fsdp", world_size=8), 1)
-    hybrid = plan_memory(
-        Setup(MPT_7B, 2048, strategy="fsdp-hybrid", world_size=64, gpus_per_node=8), 1
-    )
+    hybrid = plan_memory(Setup(MPT_7B, 2048, strategy="fsdp", world_size=64, dp_replicate=8), 1)
     offload = plan_memory(Setup(MPT_7B, 2048, strategy="fsdp", world_size=8, cpu_offload=True), 1)
     assert zero1.optimizer == single.optimizer / 8 and zero1.grads == single.grads
     assert zero2.grads == single.grads / 8 and zero2.params == single.params
     assert fsdp.params == single.params / 8 and fsdp.working > 0 == single.working
-    assert hybrid.params == fsdp.params  # sharded within a node of 8, replicated across nodes
+    assert hybrid.params == fsdp.params  # sharded within each of 8 replicas of 8
     assert offload.params == offload.grads == offload.optimizer == 0
     ckpt = plan_memory(Setup(MPT_7B, 2048, activation_checkpointing=True), 1)
     assert ckpt.activations < single.activations / 5
@@ -195,7 +196,8 @@ def test_plan_script_input_errors_are_one_line(capsys):
         plan_script["main"](["--world-size", "8", "--device-memory", "40GB"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (
-        "error: strategy single runs on one device: use --world-size 1 or ddp/fsdp\n"
+        "error: strategy=single runs one process, but there are 8: use strategy=ddp or "
+        "strategy=fsdp\n"
     )
 
 
@@ -203,11 +205,12 @@ def test_plan_script_input_errors_are_one_line(capsys):
     "flags, message",
     [
         (["--tp", "3", "--world-size", "8"],
-         "error: tp=3 does not divide the model's 4 attention heads and 4 key/value heads: use "
-         "--tp 1 or 2 or 4\n"),
+         "error: --tp=3 does not divide the model's n_heads=4, kv_n_heads=4, expansion_ratio * "
+         "d_model=1024, vocab_size=8192: choose a tp that divides each (or a model whose sizes "
+         "it divides)\n"),
         (["--tp", "2", "--world-size", "3"],
          "error: tp=2 x pp=1 = 2 does not divide the 3 devices: use a --world-size that is a "
-         "multiple of 2, or a tp and pp whose product divides 3\n"),
+         "multiple of 2, or axes whose product divides 3\n"),
     ],
 )  # fmt: skip
 def test_plan_script_names_the_mesh_problem_not_the_strategy(flags, message, capsys):
