@@ -98,7 +98,9 @@ def build_trainer(
         eval_batch_size=settings.device_eval_batch_size or device_batch,
         max_seq_len=seq_len,
         data_parallel=data_parallel,
-        pad_to_multiple_of=strategy.tp,
+        # Sequence parallelism splits each sequence over tp ranks, context parallelism into
+        # 2 x cp chunks (and each chunk over tp when both).
+        pad_to_multiple_of=strategy.tp * (2 * strategy.cp if strategy.cp > 1 else 1),
     )
     # Every dataset's ids must fit the embedding, eval sets' too; each meta.json checked once.
     datasets = [data.train_dataset, *(loader.streaming_dataset for loader in data.evals.values())]

@@ -92,7 +92,7 @@ def validate_config(cfg: DictConfig) -> TrainSettings:
         )
     _check_autoresume(cfg, settings)
     _check_precision(cfg, settings)
-    _check_context_parallel(cfg)
+    _check_context_parallel(cfg, settings)
     _check_tensor_parallel(cfg, settings)
     micro = settings.device_train_microbatch_size
     if isinstance(micro, int) and micro > settings.global_train_batch_size:
@@ -197,13 +197,18 @@ def _check_autoresume(cfg: DictConfig, settings: TrainSettings) -> None:
         )
 
 
-def _check_context_parallel(cfg: DictConfig) -> None:
-    """strategy.cp>1 is refused before any process starts (`CONTEXT_PARALLEL_REFUSAL`)."""
+def _check_context_parallel(cfg: DictConfig, settings: TrainSettings) -> None:
+    """strategy.cp=C splits every sequence into 2C chunks (llmfoundry/distributed/context.py):
+    the training length must be a multiple of 2C, said before any process starts."""
     cp = OmegaConf.select(cfg, "strategy.cp", default=1)
-    if cp != 1:
-        from llmfoundry.distributed.fsdp import CONTEXT_PARALLEL_REFUSAL
-
-        raise ConfigError("strategy.cp", f"{cp}: {CONTEXT_PARALLEL_REFUSAL}")
+    length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
+    if isinstance(cp, int) and cp > 1 and isinstance(length, int) and length % (2 * cp):
+        raise ConfigError(
+            "strategy.cp",
+            f"{cp} splits each sequence into {2 * cp} chunks (two per context-parallel rank), "
+            f"which max_seq_len={length} is not a multiple of; choose a max_seq_len that is a "
+            f"multiple of {2 * cp}",
+        )
 
 
 def _check_tensor_parallel(cfg: DictConfig, settings: TrainSettings) -> None:

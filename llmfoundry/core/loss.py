@@ -73,11 +73,27 @@ class _Rows(NamedTuple):
     first: int = 0
 
 
-def _rows(logits: torch.Tensor, labels: torch.Tensor) -> _Rows:
-    """Position t's target is labels[t + 1] (the last position's is ignored); a DTensor's
-    vocabulary is read as this rank's columns of it."""
+Labels = torch.Tensor | Mapping[str, torch.Tensor]
+
+
+def targets_of(labels: Labels) -> torch.Tensor:
+    """Each position's target [batch, seq] (-100: none), from labels or a batch: position t's
+    target is labels[t + 1] (the last position's is ignored). A batch may carry its `targets`
+    already shifted instead of `labels`: a context-parallel rank's part of a sequence, whose
+    targets were shifted over the whole sequence before it was split
+    (llmfoundry/distributed/context.py). The one place that knows both."""
+    if isinstance(labels, Mapping):
+        if "targets" in labels:
+            return labels["targets"]
+        labels = labels["labels"]
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
+    return targets
+
+
+def _rows(logits: torch.Tensor, targets: torch.Tensor) -> _Rows:
+    """Rows of `logits` and their `targets` (`targets_of`); a DTensor's vocabulary is read as
+    this rank's columns of it."""
     if not isinstance(logits, DTensor):
         return _Rows(logits.flatten(0, 1), targets.flatten())
     mesh = logits.device_mesh
@@ -198,26 +214,25 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         return grad, None, None, None
 
 
-def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each position's logits [batch, seq, vocab] against the next label,
-    summed over positions whose next label is not -100; float32. `logits` may be a DTensor
-    over one mesh axis (a tensor-parallel head's): read vocabulary-sharded, the same sum on
-    every rank of that axis."""
-    return _ChunkedCrossEntropySum.apply(*_rows(logits, labels))
+def next_token_loss_sum(logits: torch.Tensor, labels: Labels) -> torch.Tensor:
+    """Cross-entropy of each position's logits [batch, seq, vocab] against the next label
+    (`targets_of` labels or a batch), summed over positions whose target is not -100; float32.
+    `logits` may be a DTensor over one mesh axis (a tensor-parallel head's): read
+    vocabulary-sharded, the same sum on every rank of that axis."""
+    return _ChunkedCrossEntropySum.apply(*_rows(logits, targets_of(labels)))
 
 
 @torch.no_grad()
-def next_token_scores(
-    logits: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's cross-entropy against the next label (float32 [batch, seq]; 0 where that
-    label is -100, and at the last position) and the model's prediction there (the argmax of
-    its logits, the first on ties: int64 [batch, seq]), for evaluation.
+def next_token_scores(logits: torch.Tensor, labels: Labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's cross-entropy against its target (`targets_of` labels or a batch;
+    float32 [batch, seq], 0 where the target is -100) and the model's prediction there (the
+    argmax of its logits, the first on ties: int64 [batch, seq]), for evaluation.
 
     The logits are read in their own dtype, chunk by chunk (module docstring), so they are
     never copied whole; a vocabulary-sharded DTensor stays sharded (per-row numbers cross its
     ranks, the same results on each)."""
-    rows = _rows(logits, labels)
+    targets = targets_of(labels)
+    rows = _rows(logits, targets)
     valid, here, column = _local_targets(rows)
     target_logit = _target_logit(rows.logits, column, here)
     lse, peak, index = _row_stats(rows.logits, argmax=True)
@@ -226,26 +241,24 @@ def next_token_scores(
         dist.all_reduce(target_logit, group=rows.group)
         index = _global_argmax(peak, index, rows, logits.shape[-1])
     losses = torch.where(valid, lse - target_logit, 0.0)
-    return losses.view(labels.shape), index.view(labels.shape)
+    return losses.view(targets.shape), index.view(targets.shape)
 
 
-def next_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor | Mapping[str, torch.Tensor]
-) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, labels: Labels) -> torch.Tensor:
     """Mean next-token cross-entropy over positions whose label is not -100: every family's
     `loss(outputs, batch)` (the model contract, `llmfoundry.core.model`).
 
     Position t's logits predict labels[t + 1], so labels are the inputs themselves. The loss is
     computed in float32. A batch with no counted position gives 0 (not NaN), so an all-padding
     microbatch adds nothing to an accumulated gradient. `labels` may be the batch holding
-    them (the trainer's ``model.loss(outputs, batch)``).
+    them (the trainer's ``model.loss(outputs, batch)``), or its already shifted `targets`
+    (`targets_of`).
     """
-    if isinstance(labels, Mapping):
-        labels = labels["labels"]
-    if labels.shape != logits.shape[:-1]:
+    targets = targets_of(labels)
+    if targets.shape != logits.shape[:-1]:
         raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
+            f"labels shape {tuple(targets.shape)} must equal logits shape without the vocab "
             f"dimension, {tuple(logits.shape[:-1])}"
         )
-    total = next_token_loss_sum(logits, labels)  # chunked: no full float32 copy
-    return total / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
+    total = _ChunkedCrossEntropySum.apply(*_rows(logits, targets))  # chunked: no float32 copy
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from llmfoundry.core.loss import IGNORE_INDEX, next_token_scores
+from llmfoundry.core.loss import IGNORE_INDEX, Labels, next_token_scores, targets_of
 from llmfoundry.utils.errors import UserError
 
 # Eval batches may carry this bool [batch] key: False marks a sample repeated only to pad the
@@ -16,12 +16,15 @@ from llmfoundry.utils.errors import UserError
 SAMPLE_MASK = "sample_mask"
 
 
-def loss_token_count(labels: torch.Tensor) -> torch.Tensor:
-    """Positions that count toward the loss: every label after the first that is not ignored.
+def loss_token_count(labels: Labels) -> torch.Tensor:
+    """Positions that count toward the loss: every label after the first that is not ignored,
+    of labels or of a batch (its `targets` when it carries them: `loss.targets_of`).
 
     A tensor on the labels' device, so counting needs no host synchronisation.
     """
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
+    if isinstance(labels, torch.Tensor):
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
+    return (targets_of(labels) != IGNORE_INDEX).sum()
 
 
 class DeviceScalar:
@@ -86,12 +89,11 @@ class LanguageMetrics:
         """Add a batch's sums. Each position's loss and prediction come from the logits in their
         own dtype, chunk by chunk (`next_token_scores`: no float32 copy of the logits; a
         tensor-parallel head's vocabulary-sharded logits are read in place, not gathered)."""
-        labels = batch["labels"]
-        losses, predicted = next_token_scores(logits, labels)
-        targets = labels[:, 1:]
+        targets = targets_of(batch)  # a context-parallel rank's part carries them shifted
+        losses, predicted = next_token_scores(logits, batch)
         mask = (targets != IGNORE_INDEX) & sample_mask[:, None]
-        token_loss = torch.where(mask, losses[:, :-1], 0.0)
-        correct = ((predicted[:, :-1] == targets) & mask).sum()
+        token_loss = torch.where(mask, losses, 0.0)
+        correct = ((predicted == targets) & mask).sum()
         self.totals += torch.stack(
             [token_loss.double().sum(), mask.sum().double(), correct.double()]
         )

@@ -18,6 +18,7 @@ from llmfoundry.core.precision import Precision
 from llmfoundry.utils.errors import UserError
 
 if TYPE_CHECKING:
+    from llmfoundry.distributed.context import ContextParallel
     from llmfoundry.distributed.pipeline import Pipeline
 
 
@@ -93,6 +94,11 @@ class Strategy:
     sequence parallelism; 1: none).
     `scales_loss`: whether the engine `wrap_optimizer` hands the optimizer to scales fp16 losses
     itself (DeepSpeed), so the trainer's `Precision` must not.
+    `context`: this process's part of context parallelism (context.py: it takes its part of
+    each sequence, `ContextParallel.shard`); None without it. `cp`: its degree (1: none).
+    `loss_group`/`loss_size`: the processes whose losses cover different tokens (data-parallel
+    x context-parallel ranks), over which the trainer sums losses and metrics and by whose
+    count it weights each microbatch; the data-parallel ones without context parallelism.
     """
 
     rank: int = 0
@@ -105,6 +111,8 @@ class Strategy:
     save_group: Any = None
     pipeline: Pipeline | None = None
     tp: int = 1
+    cp: int = 1
+    context: ContextParallel | None = None
     scales_loss: bool = False
 
     @property
@@ -117,9 +125,19 @@ class Strategy:
 
     @property
     def dp_group(self) -> Any:
-        """The processes this one reduces data-parallel counts and losses with (`all_reduce_sum`'s
+        """The processes this one reduces data-parallel counts with (`all_reduce_sum`'s
         `group`); None: all of them."""
         return None
+
+    @property
+    def loss_group(self) -> Any:
+        """The processes this one sums losses and metric totals with (None: all of them)."""
+        return self.dp_group
+
+    @property
+    def loss_size(self) -> int:
+        """How many processes' losses cover different tokens of each global batch."""
+        return self.dp_size
 
     def setup(self) -> None:
         """Join the process group (no-op for one process)."""

@@ -18,6 +18,11 @@ result over the data-parallel axes (world_size / T ranks read different data, th
 tensor-parallel group the same). `parallelize` (llmfoundry/distributed/parallelize.py) applies
 both, with activation checkpointing and compile between them.
 
+Context parallelism (`cp=C`, llmfoundry/distributed/context.py): the C ranks of a group read
+the same batch and each computes its part of every sequence, all-gathering keys and values in
+each layer; parameters are sharded over dp_shard x cp (`Mesh.fsdp_mesh`), whose gradients (of
+different tokens) are averaged as data-parallel ranks' are.
+
 Initialization: the model is sharded on the meta device, each rank allocates only its shards,
 and the model's own `init_weights` fills them. Random initializers get the whole tensor drawn
 from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
@@ -47,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
+from llmfoundry.distributed.context import ContextParallel, apply_cp, check_context_parallel
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import ParallelSettings, _checkpointing, parallelize
 from llmfoundry.distributed.pipeline import Pipeline
@@ -54,19 +60,6 @@ from llmfoundry.distributed.process_group import ProcessGroupStrategy
 from llmfoundry.distributed.torch_compat import fsdp_param_groups, reset_fsdp_iter_state
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
-
-# Context parallel (strategy.cp) is refused. bench/context_parallel_probe.py ran torch 2.13's
-# context_parallel against our attention on 2 CPU ranks (gloo): causal SDPA fails (the CPU flash
-# kernel has no sharding strategy), the math backend fails (DTensor mixed with plain tensors),
-# an additive bias (MPT's ALiBi, document masks) gives a wrong result (max error 3.6), and a
-# Llama step fails. It would need CUDA flash/cuDNN SDPA, ring attention with a bias (or
-# FlexAttention block masks) split by position, and positions, RoPE and labels sharded with the
-# sequence: run the probe with --device cuda first.
-CONTEXT_PARALLEL_REFUSAL = (
-    "context parallel is not supported (torch's ring attention does not run our attention: "
-    "bench/context_parallel_probe.py); use strategy.cp=1, and for long sequences strategy.tp=T "
-    "(sequence parallel) with strategy.activation_checkpointing=full"
-)
 
 _MIXED_PRECISION = {
     None: MixedPrecisionPolicy(),
@@ -137,7 +130,8 @@ class FSDP(ProcessGroupStrategy):
         tp: tensor-parallel ranks per data-parallel rank (the mesh's innermost axis; 1: none).
             It must divide the world size (with `replicate`), and the model's head counts
             and widths (checked when the model is prepared).
-        cp: context-parallel ranks; only 1 (`CONTEXT_PARALLEL_REFUSAL`).
+        cp: context-parallel ranks per data-parallel rank: each sequence split over them
+            (llmfoundry/distributed/context.py), parameters sharded over dp_shard x cp.
     """
 
     name = "fsdp"
@@ -159,8 +153,11 @@ class FSDP(ProcessGroupStrategy):
         tp: int = 1,
         cp: int = 1,
     ) -> None:
-        if cp != 1:
-            raise UserError(f"strategy.cp={cp}: {CONTEXT_PARALLEL_REFUSAL}")
+        if cp > 1 and (tp > 1 or pp > 1):
+            raise UserError(
+                f"strategy.cp={cp} with strategy.tp={tp} or strategy.pp={pp}: context "
+                "parallelism is not combined with tensor or pipeline parallelism yet; use one"
+            )
         super().__init__(device, backend, timeout_s)
         self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:
@@ -179,7 +176,7 @@ class FSDP(ProcessGroupStrategy):
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload
         self.async_save = async_save
-        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, tp=tp, pp=pp)
+        self.dims = ParallelDims(self.world_size, dp_replicate=replicate, cp=cp, tp=tp, pp=pp)
         # The sharded modules (the plan's blocks, then the root), set by `prepare`.
         self._units: list[torch.nn.Module] = []
         self._auto_microbatching = False
@@ -190,8 +187,15 @@ class FSDP(ProcessGroupStrategy):
     def tp(self) -> int:
         return self.dims.tp
 
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
     def setup(self) -> None:
         super().setup()
+        if self.cp > 1:  # (context.py)
+            cp_mesh = self.mesh.cp_mesh
+            self.context = ContextParallel(self.cp, cp_mesh.get_local_rank(), cp_mesh.get_group())
         if self.async_save:  # (see Strategy.save_group)
             self.save_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
@@ -205,11 +209,15 @@ class FSDP(ProcessGroupStrategy):
             if self.cpu_offload
             else OffloadPolicy(),
         }
+        if self.context is not None:  # refused before any collective
+            check_context_parallel(plan, self.cp)
         pipeline = self.pipeline
         if pipeline is not None:
             plan = pipeline.split(model, plan, self.mesh)
         settings = ParallelSettings(self.activation_checkpointing, options)
         self._units = parallelize(model, plan, self.mesh, settings)
+        if self.context is not None:
+            apply_cp(model, self.context)
         if any(p.is_meta for p in model.parameters()):
             model.to_empty(device="cpu" if self.cpu_offload else self.device)
             absent = nullcontext() if pipeline is None else pipeline.absent_restored(model)
@@ -249,6 +257,12 @@ class FSDP(ProcessGroupStrategy):
                 f"device_train_microbatch_size=auto with strategy.tp={self.tp}: an "
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
+            )
+        if self.cp > 1:
+            raise UserError(
+                f"device_train_microbatch_size=auto with strategy.cp={self.cp}: an "
+                "out-of-memory error inside a block would leave its context-parallel peers "
+                "waiting in the keys' all-gather; set a fixed device_train_microbatch_size"
             )
         self._auto_microbatching = True
         if guard and not self._guarded:

@@ -72,7 +72,8 @@ def parallelize(
     model: torch.nn.Module, plan: ParallelPlan, mesh: Mesh, settings: ParallelSettings
 ) -> list[torch.nn.Module]:
     """Tensor parallelism over the mesh's tp axis (when it has one), activation checkpointing,
-    compile (when the plan asks), then FSDP over its data-parallel axes: torchtitan's order
+    compile (when the plan asks), then FSDP over its data-parallel axes (with the context-
+    parallel one, `Mesh.fsdp_mesh`): torchtitan's order
     (each later step wraps what the earlier made: FSDP shards the tensor-parallel DTensors
     again, over the other axes). Returns the FSDP units, blocks first."""
     if mesh.dims.tp > 1:
@@ -80,7 +81,7 @@ def parallelize(
     apply_ac(plan.blocks, settings.activation_checkpointing)
     if plan.compile:
         apply_compile(plan.blocks)
-    return apply_fsdp(model, plan.blocks, mesh.dp_mesh, **settings.fsdp)
+    return apply_fsdp(model, plan.blocks, mesh.fsdp_mesh, **settings.fsdp)
 
 
 def check_tensor_parallel(plan: ParallelPlan, tp: int, setting: str = "strategy.tp") -> None:

@@ -71,6 +71,14 @@ class ProcessGroupStrategy(Strategy):
     def dp_group(self) -> dist.ProcessGroup | None:
         return None if self.mesh is None else self.mesh.dp_group
 
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.loss_group
+
+    @property
+    def loss_size(self) -> int:
+        return self.dims.loss_size
+
     def setup(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -61,7 +61,10 @@ class ParallelPlan:
     degree must divide (head counts, widths), by config name, checked before it is applied.
     `tp_all_to_all`: the activations the layout exchanges in all-to-alls per block forward
     beyond torch's styles' collectives, in block inputs ([tokens, d_model]) before the 1/tp
-    split (MPT's fused Wqkv; scripts/plan.py counts it)."""
+    split (MPT's fused Wqkv; scripts/plan.py counts it).
+
+    `context_parallel_refusal`: why the family cannot split a sequence over context-parallel
+    ranks (llmfoundry/distributed/context.py), "" when it can."""
 
     blocks: list[nn.Module]
     compile: bool = False
@@ -70,6 +73,7 @@ class ParallelPlan:
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     tensor_parallel_refusal: str = "this model family has no tensor-parallel plan"
     tp_all_to_all: float = 0.0
+    context_parallel_refusal: str = ""
 
 
 class GatheredSequenceParallel(SequenceParallel):

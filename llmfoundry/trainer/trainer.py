@@ -358,7 +358,8 @@ class Trainer:
         state.batch = batch
         state.outputs = None
         # On the device: nothing here waits for it (`State.batch_loss`).
-        loss_sum = self.strategy.all_reduce_sum(loss_sum, self.strategy.dp_group)
+        # Over every rank whose loss covers other tokens (data- and context-parallel).
+        loss_sum = self.strategy.all_reduce_sum(loss_sum, self.strategy.loss_group)
         state.batch_loss = DeviceScalar(loss_sum / loss_tokens)
         self.precision.unscale(state.optimizer)
         engine.run_event(Event.AFTER_TRAIN_BATCH)
@@ -378,7 +379,7 @@ class Trainer:
         """
         if self.strategy.pipeline is not None:
             return self._pipeline_step(batch, loss_tokens)
-        state, engine = self.state, self.engine
+        state, engine, context = self.state, self.engine, self.strategy.context
         microbatches = list(self._microbatches(batch))
         # float32 as the microbatch losses; at least 1, so a batch without loss tokens (an error,
         # found by `_global_counts` or `_check_loss_tokens`) gives zero gradients, not NaN.
@@ -386,19 +387,23 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
         for index, microbatch in enumerate(microbatches):
             sync = index == len(microbatches) - 1 and not self.auto_microbatching
+            # Context parallel: the model, the loss and its count take this rank's part of each
+            # sequence (state.batch stays the whole microbatch, which callbacks read).
+            local = microbatch if context is None else context.shard(microbatch)
             with self.strategy.sync_context(state.model, sync):
                 state.batch = microbatch
                 engine.run_event(Event.BEFORE_FORWARD)
                 with self.precision.autocast():
-                    state.outputs = state.model(microbatch)
+                    state.outputs = state.model(local)
                 engine.run_event(Event.AFTER_FORWARD)
                 engine.run_event(Event.BEFORE_LOSS)
                 with self.precision.autocast():
-                    state.loss = self.loss_fn(state.outputs, microbatch)
+                    state.loss = self.loss_fn(state.outputs, local)
                 engine.run_event(Event.AFTER_LOSS)
-                mb_tokens = loss_token_count(microbatch["labels"])
-                # Gradients are averaged over the data-parallel ranks: undo their mean.
-                weight = mb_tokens * self.strategy.dp_size / divisor
+                mb_tokens = loss_token_count(local)
+                # Gradients are averaged over the ranks whose losses cover different tokens
+                # (data- and context-parallel): undo their mean.
+                weight = mb_tokens * self.strategy.loss_size / divisor
                 engine.run_event(Event.BEFORE_BACKWARD)
                 self.strategy.backward(state.loss * weight, self.precision)
                 engine.run_event(Event.AFTER_BACKWARD)
@@ -530,7 +535,7 @@ class Trainer:
                 engine.run_event(Event.EVAL_BATCH_END)
             if pipeline is not None:
                 pipeline.sum_over_stages(metrics.totals)
-            self.strategy.all_reduce_sum(metrics.totals, self.strategy.dp_group)
+            self.strategy.all_reduce_sum(metrics.totals, self.strategy.loss_group)
             results = {f"eval/{name}/{key}": value for key, value in metrics.compute().items()}
             state.eval_metrics.update(results)
             self.logger.log_metrics(results)
@@ -567,17 +572,19 @@ class Trainer:
         """One eval forward and its metrics. The previous forward's outputs are dropped first,
         so two microbatches' logits are never held at once."""
         state, engine, pipeline = self.state, self.engine, self.strategy.pipeline
+        context = self.strategy.context  # as in training: this rank's part of each sequence
+        local = microbatch if context is None else context.shard(microbatch)
         state.batch, state.outputs = microbatch, None
         engine.run_event(Event.EVAL_BEFORE_FORWARD)
         with self.precision.autocast():
             state.outputs = (
-                state.model(microbatch)
+                state.model(local)
                 if pipeline is None
                 else pipeline.forward_only(microbatch)  # None but on the last stage
             )
         engine.run_event(Event.EVAL_AFTER_FORWARD)
         if state.outputs is not None:
-            metrics.update(state.outputs, microbatch, sample_mask)
+            metrics.update(state.outputs, local, sample_mask)
 
     def close(self) -> None:
         self.engine.close()

@@ -232,11 +232,13 @@ def test_amp_fp16_on_cpu_is_a_config_error(monkeypatch):
     assert error_for("precision=amp_fp16", "strategy.device=cpu").startswith("precision:")
 
 
-def test_context_parallel_is_refused_in_one_line():
-    message = error_for("strategy=fsdp", "strategy.cp=2")
-    assert message.startswith("strategy.cp: 2: context parallel is not supported")
-    assert "strategy.tp=T" in message and "\n" not in message
-    check(CONF, ["strategy=fsdp", "strategy.cp=1"])
+def test_context_parallel_needs_a_sequence_length_its_chunks_divide():
+    message = error_for("strategy=fsdp", "strategy.cp=4", "max_seq_len=132")
+    assert message == (
+        "strategy.cp: 4 splits each sequence into 8 chunks (two per context-parallel rank), "
+        "which max_seq_len=132 is not a multiple of; choose a max_seq_len that is a multiple of 8"
+    )
+    check(CONF, ["strategy=fsdp", "strategy.cp=4", "max_seq_len=128"])
 
 
 def test_enum_lists_allowed_values():

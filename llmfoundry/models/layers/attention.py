@@ -30,7 +30,10 @@ flash-attn's causal mode). A full forward has q_len == k_len; a decoding step wi
 past keys passes only the new queries and every key, and ALiBi, causality and document masking
 line up without another argument. ALiBi is relative (-slope * (i - j)), so left padding does not
 shift it either. Document ids (`sequence_id`, [batch, k_len]) cover the key positions; a query's
-id is the one of its own position.
+id is the one of its own position. A context-parallel rank's queries are not the last: its
+mask carries their positions among the keys (`query_positions`, global positions, two runs),
+and each kernel builds its product for those rows only: the dense bias's rows, a BlockMask
+reading positions through them, flash-attn once per run with the keys cut at the run's end.
 """
 
 from __future__ import annotations
@@ -62,12 +65,15 @@ class AttentionMask:
     Made once per model forward by `AttentionMasks` (its `source`) and passed to every layer.
     `sequence_id` is [batch, k_len] (None: every row is one document); `dtype` is the dtype the
     scores are computed in (autocast's). Kernels memoise what they derive from it with `cached`.
+    `query_positions` [q_len] (ascending) are the queries' positions among the keys; None: the
+    last q_len (the module docstring).
     """
 
     source: AttentionMasks
     sequence_id: torch.Tensor | None
     device: torch.device
     dtype: torch.dtype
+    query_positions: torch.Tensor | None = None
     _built: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -96,13 +102,35 @@ class AttentionMask:
         return AttentionMask(self.source, sequence_id, self.device, self.dtype)
 
     def query_sequence_id(self, q_len: int) -> torch.Tensor | None:
-        """Document id of each query position: the last `q_len` columns of `sequence_id`."""
-        return None if self.sequence_id is None else self.sequence_id[:, -q_len:]
+        """Document id of each query position: the last `q_len` columns of `sequence_id` (or
+        those of `query_positions`)."""
+        if self.sequence_id is None:
+            return None
+        if self.query_positions is not None:
+            return self.sequence_id[:, self.query_positions]
+        return self.sequence_id[:, -q_len:]
+
+    def query_runs(self) -> list[tuple[int, int, int]]:
+        """The contiguous runs of `query_positions` as (first query, end query, end key):
+        queries [first, end) sit at key positions [end key - (end - first), end key). One host
+        sync, once per forward (flash-attn's glue, which runs per run)."""
+
+        def build() -> list[tuple[int, int, int]]:
+            positions = self.query_positions.tolist()
+            runs, first = [], 0
+            for index in range(1, len(positions) + 1):
+                if index == len(positions) or positions[index] != positions[index - 1] + 1:
+                    runs.append((first, index, positions[index - 1] + 1))
+                    first = index
+            return runs
+
+        return self.cached("query_runs", build)
 
     def is_plain(self) -> bool:
-        """Causality alone: no ALiBi, no sliding window, no documents."""
+        """Causality alone: no ALiBi, no sliding window, no documents, queries last."""
         src = self.source
-        return src.alibi is None and src.window is None and self.sequence_id is None
+        plain = src.alibi is None and src.window is None and self.sequence_id is None
+        return plain and self.query_positions is None
 
     def needs_bias(self, q_len: int, k_len: int) -> bool:
         """Whether a kernel without masks of its own needs `dense_bias`: not for plain causal
@@ -125,8 +153,11 @@ class AttentionMask:
         return self.cached("dense", lambda: self._dense(q_len, k_len), (q_len, k_len))
 
     def _dense(self, q_len: int, k_len: int) -> torch.Tensor:
-        full = self.source.causal_bias(k_len, self.device, self.dtype)
-        bias = full[..., k_len - q_len : k_len, :k_len]
+        if self.query_positions is None:
+            full = self.source.causal_bias(k_len, self.device, self.dtype)
+            bias = full[..., k_len - q_len : k_len, :k_len]
+        else:  # only these rows, never the L x L cache (a context-parallel rank's)
+            bias = self.source.causal_bias_rows(self.query_positions, k_len, self.dtype)
         if self.sequence_id is not None:
             q_sid = self.query_sequence_id(q_len)
             other_doc = q_sid[:, None, :, None] != self.sequence_id[:, None, None, :]
@@ -223,6 +254,19 @@ class AttentionMasks(nn.Module):
             )
         return cached[..., :seq_len, :seq_len]
 
+    def causal_bias_rows(
+        self, queries: torch.Tensor, k_len: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The rows `queries` (positions among `k_len` keys) of the causal bias, [1, len(heads)
+        or 1, len(queries), k_len] (row-aligned as `dense_bias` says), built anew: equal to the
+        full bias's rows, without building or caching the full one."""
+        bias_max = None if self.alibi is None else self.alibi.bias_max
+        aligned = causal_alibi_bias(
+            self.n_heads, _aligned(k_len), bias_max, queries.device, dtype, self.window,
+            self.heads, queries,
+        )  # fmt: skip
+        return aligned[..., :k_len]
+
     def shared_cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """Like `AttentionMask.cached`, but kept across forwards (for batch-free products)."""
         if key not in self._shared:
@@ -235,13 +279,15 @@ class AttentionMasks(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         lengths: tuple[int, int] | None = None,
+        query_positions: torch.Tensor | None = None,
     ) -> AttentionMask:
-        """This forward's mask; with the `lengths` (q_len, k_len) its attention will have, the
+        """This forward's mask (its queries at `query_positions` among the keys, None: the
+        last ones); with the `lengths` (q_len, k_len) its attention will have, the
         kernel's products (a dense bias, a BlockMask, a packed layout) are built now, in the
         model's forward, outside the compiled blocks: built inside one, they would be traced
         into it (inductor's CPU lowering refuses FlexAttention's), and looked up there in a
         cache keyed by length, they would recompile it per length."""
-        mask = AttentionMask(self, sequence_id, device, dtype)
+        mask = AttentionMask(self, sequence_id, device, dtype, query_positions)
         if self.prepare is not None and lengths is not None:
             self.prepare(mask, *lengths)
         return mask

@@ -119,9 +119,22 @@ def _cumulative(counts: torch.Tensor) -> torch.Tensor:
 
 def prepare(mask: AttentionMask, q_len: int, k_len: int) -> None:
     """Derive the packed layout of a forward with documents before the blocks run
-    (`AttentionMasks.forward`)."""
-    if mask.sequence_id is not None:
+    (`AttentionMasks.forward`): of each run of queries when they are at given positions."""
+    if mask.query_positions is not None:
+        for first, end, key_end in mask.query_runs():
+            prepare(_run_mask(mask, key_end), end - first, key_end)
+    elif mask.sequence_id is not None:
         _layout(mask, q_len, k_len)
+
+
+def _run_mask(mask: AttentionMask, key_end: int) -> AttentionMask:
+    """The mask of a run of queries that ends at key `key_end`, over the keys before it: the
+    run is their last positions (bottom-right aligned, as the kernel's causal mode)."""
+    sid = mask.sequence_id
+    return mask.cached(
+        ("flash_run", key_end),
+        lambda: mask.with_sequence_id(None if sid is None else sid[:, :key_end]),
+    )
 
 
 def _layout(mask: AttentionMask, q_len: int, k_len: int) -> VarlenLayout:
@@ -139,8 +152,29 @@ def flash_attention(
     dropout_p: float,
     scale: float,
 ) -> torch.Tensor:
-    """The `AttnFn` for attn_impl=flash (see attention.py for the contract)."""
+    """The `AttnFn` for attn_impl=flash (see attention.py for the contract). Queries at given
+    positions (a context-parallel rank's two chunks) run once per contiguous run, over the
+    keys up to the run's end, where the kernel's bottom-right alignment puts them."""
     check_inputs(q)
+    if mask.query_positions is None:
+        return _flash(q, k, v, mask, dropout_p, scale)
+    runs = [
+        _flash(q[:, :, first:end], k[:, :, :key_end], v[:, :, :key_end],
+               _run_mask(mask, key_end), dropout_p, scale)
+        for first, end, key_end in mask.query_runs()
+    ]  # fmt: skip
+    return torch.cat(runs, dim=2)
+
+
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    dropout_p: float,
+    scale: float,
+) -> torch.Tensor:
+    """flash-attn on queries that are the last of the keys: dense, or varlen with documents."""
     dense_fn, varlen_fn = flash_functions()
     window = mask.source.window
     window_size = (-1, -1) if window is None else (window - 1, 0)

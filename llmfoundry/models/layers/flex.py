@@ -64,10 +64,23 @@ def _padded(q_len: int, k_len: int, device: torch.device) -> tuple[int, int] | N
     return (-(-q_len // _CPU_BLOCK) * _CPU_BLOCK, -(-k_len // _CPU_BLOCK) * _CPU_BLOCK)
 
 
+def _query_index(
+    mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, int] | None
+) -> torch.Tensor | None:
+    """The queries' positions among the keys (`AttentionMask.query_positions`, a
+    context-parallel rank's), padding queries placed past the last key; None when the queries
+    are the last q_len (their position is q_idx + offset)."""
+    positions = mask.query_positions
+    if positions is None or padded is None:
+        return positions
+    return F.pad(positions, (0, padded[0] - q_len), value=k_len)
+
+
 def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, int] | None):
-    """The BlockMask of `mask` for queries at the last `q_len` of `k_len` key positions, over
-    `padded` (queries, keys) positions when given: padding keys are masked out, padding queries
-    attend to nothing (their rows are cut off). One per row with documents, else one for all.
+    """The BlockMask of `mask` for queries at the last `q_len` of `k_len` key positions (or at
+    its `query_positions`), over `padded` (queries, keys) positions when given: padding keys
+    are masked out, padding queries attend to nothing (their rows are cut off). One per row
+    with documents, else one for all.
 
     The length-dependent scalars are captured as tensors, not ints: torch.compile guards on a
     captured int, so every new offset or length would compile FlexAttention again.
@@ -76,9 +89,10 @@ def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, i
 
     window, sid, pad = mask.source.window, mask.sequence_id, padded is not None
     offset, last = (torch.tensor(n, device=mask.device) for n in (k_len - q_len, k_len - 1))
+    index = _query_index(mask, q_len, k_len, padded)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_pos = q_idx + offset
+        q_pos = q_idx + offset if index is None else index[q_idx]
         keep = q_pos >= kv_idx
         if pad:
             keep = keep & (q_pos <= last)
@@ -94,12 +108,15 @@ def block_mask(mask: AttentionMask, q_len: int, k_len: int, padded: tuple[int, i
     return create_block_mask(mask_mod, rows, None, q_size, k_size, device=mask.device)
 
 
-def alibi_score_mod(slopes: torch.Tensor, offset: torch.Tensor) -> Callable:
+def alibi_score_mod(
+    slopes: torch.Tensor, offset: torch.Tensor, index: torch.Tensor | None = None
+) -> Callable:
     """score - slope_h * (i - j), the relative ALiBi bias, for queries offset by `offset` (a
-    tensor, as `block_mask`'s scalars)."""
+    tensor, as `block_mask`'s scalars), or at positions `index` (`_query_index`)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score - slopes[h] * (q_idx + offset - kv_idx)
+        q_pos = q_idx + offset if index is None else index[q_idx]
+        return score - slopes[h] * (q_pos - kv_idx)
 
     return score_mod
 
@@ -117,14 +134,19 @@ def _products(mask: AttentionMask, q_len: int, k_len: int) -> tuple[object, Call
 
     def build() -> tuple[object, Callable | None]:
         padded = _padded(q_len, k_len, device)
-        if mask.sequence_id is None:
+        # Queries at given positions (a context-parallel rank's): per forward, as documents.
+        per_forward = mask.sequence_id is not None or mask.query_positions is not None
+        if not per_forward:
             key = ("flex", q_len, k_len, device)
             blocks = source.shared_cached(key, lambda: block_mask(mask, q_len, k_len, padded))
         else:
             blocks = block_mask(mask, q_len, k_len, padded)
         slopes, offset = mask.alibi_slopes, k_len - q_len
         score_mod = None
-        if slopes is not None:
+        if slopes is not None and mask.query_positions is not None:
+            index = _query_index(mask, q_len, k_len, padded)
+            score_mod = alibi_score_mod(slopes, torch.tensor(offset, device=device), index)
+        elif slopes is not None:
             score_mod = source.shared_cached(
                 ("flex_alibi", offset, device),
                 lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device)),

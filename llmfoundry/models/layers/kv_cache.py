@@ -13,13 +13,54 @@ one segment however long the text grows.
 
 Buffers are allocated once for `max_len` positions and filled in place, so a step copies only
 the new keys, not the whole cache.
+
+A forward takes any `Keys`, of which `KVCache` is one: the keys its queries attend to besides
+their own. A context-parallel rank's (llmfoundry/distributed/context.py) are the other ranks'
+parts of the same sequence, gathered in each layer; there the forward's tokens are not the last
+of the keys, and `Keys.queries` says where they are. The model takes positions and the mask
+from it (`attend_over`) and knows nothing of where the other keys come from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+
+
+class Keys(Protocol):
+    """The keys a forward's queries attend to besides their own, and where those queries are.
+
+    `length`: how many keys there are besides this forward's; `extend(sequence_id, seq_len)`
+    adds this forward's `seq_len` and returns the document ids of all keys (or None); `layers`:
+    per block, an object whose `append(k, v)` takes the block's new keys and values [B,
+    kv_heads, seq_len, D] and returns all of them in position order; `queries(seq_len,
+    device)`: the positions of this forward's tokens among all keys (LongTensor [seq_len],
+    ascending), or None for the last seq_len (a cache of earlier tokens)."""
+
+    length: int
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+    def extend(self, sequence_id: torch.Tensor | None, seq_len: int) -> torch.Tensor | None: ...
+
+    def queries(self, seq_len: int, device: torch.device) -> torch.Tensor | None: ...
+
+
+def attend_over(
+    keys: Keys | None, sequence_id: torch.Tensor | None, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """What a forward of `seq_len` tokens attends over: the document ids of every key (None:
+    no documents), the positions of its queries among the keys (None: the last seq_len) and
+    the number of keys. Without `keys`, its own tokens alone."""
+    if keys is None:
+        return sequence_id, None, seq_len
+    past = keys.length
+    sequence_id = keys.extend(sequence_id, seq_len)
+    return sequence_id, keys.queries(seq_len, device), past + seq_len
 
 
 class LayerKV:
@@ -183,3 +224,7 @@ class KVCache:
             self.sequence_id = sequence_id
         self.length += new_len
         return self.sequence_id
+
+    def queries(self, seq_len: int, device: torch.device) -> None:
+        """None: a forward's tokens are the last of the cached positions (`Keys`)."""
+        del seq_len, device

@@ -59,8 +59,13 @@ def causal_alibi_bias(
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
     heads: slice | None = None,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive bias [1, H, L, L]: -slope_h * (i - j) for keys j <= i, -inf for j > i.
+
+    `queries` (positions among the L keys, [Q]) builds only those rows, [1, H, Q, L]: the
+    same values as the full bias's rows, without the L x L tensor (a context-parallel rank's
+    queries, llmfoundry/distributed/context.py).
 
     With a sliding `window`, keys `window` or more positions back are -inf too. `heads` selects
     the heads built (all `n_heads` by default; a tensor-parallel rank's range).
@@ -78,12 +83,14 @@ def causal_alibi_bias(
     slopes = torch.zeros(1)  # no ALiBi: one head of zeros, the causal mask alone
     if alibi_bias_max is not None:
         slopes = alibi_slopes(n_heads, alibi_bias_max)[heads or slice(None)]
-    bias = torch.empty(1, len(slopes), seq_len, seq_len, device=device, dtype=dtype)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)  # exact below 2^24
-    rows_per_block = -(-seq_len // 8)  # temporaries: 5 bytes per element of 1/8 of the rows
-    for start in range(0, seq_len, rows_per_block):
+    q_pos = pos if queries is None else queries.to(device=device, dtype=torch.float32)
+    bias = torch.empty(1, len(slopes), len(q_pos), seq_len, device=device, dtype=dtype)
+    # Temporaries: 5 bytes per element of 1/8 of the rows.
+    rows_per_block = max(1, -(-len(q_pos) // 8))
+    for start in range(0, len(q_pos), rows_per_block):
         rows = slice(start, start + rows_per_block)
-        distance = pos[rows, None] - pos[None, :]  # i - j
+        distance = q_pos[rows, None] - pos[None, :]  # i - j
         hidden = distance < 0
         if window is not None:
             hidden |= distance >= window
@@ -107,6 +114,27 @@ def positions_in_document(sequence_id: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = sequence_id[:, 1:] != sequence_id[:, :-1]
     start_pos = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
     return pos - start_pos
+
+
+def token_positions(
+    sequence_id: torch.Tensor | None,
+    seq_len: int,
+    k_len: int,
+    queries: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Positions [batch or 1, seq_len] of a forward's `seq_len` tokens among its `k_len` keys:
+    the last seq_len (after cached ones), or the key positions `queries` [seq_len] (a
+    context-parallel rank's, which are not the last). With `sequence_id` [batch, k_len], each
+    document's tokens count from 0 (`positions_in_document` over every key, then indexed), so
+    a token gets the position it has in the whole sequence whichever of them this forward
+    holds."""
+    if sequence_id is None:
+        if queries is None:
+            return torch.arange(k_len - seq_len, k_len, device=device)[None]
+        return queries[None]
+    in_document = positions_in_document(sequence_id)
+    return in_document[:, -seq_len:] if queries is None else in_document[:, queries]
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.ffn import GLU
 from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
-from llmfoundry.models.layers.kv_cache import KVCache, LayerKV
-from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, positions_in_document
+from llmfoundry.models.layers.kv_cache import Keys, LayerKV, attend_over
+from llmfoundry.models.layers.position import RotaryEmbedding, apply_rope, token_positions
 from llmfoundry.models.llama.config import LlamaConfig
 
 # The dense causal/document bias that `sdpa` and `torch` read is cached for this many positions
@@ -149,20 +149,15 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         sequence_id: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Keys | None = None,
     ) -> torch.Tensor:
-        seq_len = input_ids.shape[1]
-        past = 0
-        if cache is not None:  # from here on, sequence_id covers the cached positions too
-            past = cache.length
-            sequence_id = cache.extend(sequence_id, seq_len)
-        if sequence_id is None:
-            positions = torch.arange(past, past + seq_len, device=input_ids.device)[None]
-        else:
-            positions = positions_in_document(sequence_id)[:, -seq_len:]
+        seq_len, device = input_ids.shape[1], input_ids.device
+        # With a cache, sequence_id covers its keys too, and queries may sit among them.
+        sequence_id, queries, k_len = attend_over(cache, sequence_id, seq_len, device)
+        positions = token_positions(sequence_id, seq_len, k_len, queries, device)
         x = self.wte(input_ids)
         rope = self.rope(positions)
-        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, past + seq_len))
+        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, k_len), queries)
         layers = [None] * len(self.blocks) if cache is None else cache.layers
         for block, layer_cache in zip(self.blocks, layers, strict=True):
             x = block(x, mask, rope, layer_cache)
@@ -188,13 +183,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor | Mapping[str, torch.Tensor],
         sequence_id: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Keys | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for `input_ids` [batch, seq].
 
         The arguments are `MPTForCausalLM.forward`'s: `sequence_id` [batch, seq] marks packed
         documents (each attends only within itself, and its positions start at 0); a `cache`
-        (`llmfoundry.models.layers.kv_cache.KVCache`) holds the earlier tokens' keys and values;
+        (`llmfoundry.models.layers.kv_cache.KVCache`, or any `Keys`: a context-parallel rank's)
+        holds the other tokens' keys and values;
         `input_ids` may be the trainer's whole batch (`llmfoundry.core.model`).
         """
         if isinstance(input_ids, Mapping):

@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmfoundry.models.layers.attention import compute_dtype
-from llmfoundry.models.layers.position import positions_in_document
+from llmfoundry.models.layers.kv_cache import Keys, attend_over
+from llmfoundry.models.layers.position import token_positions
 from llmfoundry.models.llama.model import LlamaForCausalLM
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
 
@@ -71,19 +72,20 @@ def pipeline_stage_forward(
     seq_len: int,
     first: bool,
     last: bool,
+    keys: Keys | None = None,
 ) -> torch.Tensor:
     """`LlamaForCausalLM.forward` for one pipeline stage (`PipelineSplit.forward`): the blocks
-    the stage does not hold pass their input through."""
+    the stage does not hold pass their input through. `keys`: as the model's `cache` (a
+    context-parallel rank's; `seq_len` is then this rank's part of the sequence)."""
     transformer = model.transformer
     x = transformer.wte(inputs) if first else inputs
-    if sequence_id is None:
-        positions = torch.arange(seq_len, device=x.device)[None]
-    else:
-        positions = positions_in_document(sequence_id)
+    sequence_id, queries, k_len = attend_over(keys, sequence_id, seq_len, x.device)
+    positions = token_positions(sequence_id, seq_len, k_len, queries, x.device)
     rope = transformer.rope(positions)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, seq_len))
-    for block in transformer.blocks:
-        x = block(x, mask, rope)
+    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, k_len), queries)
+    layers = [None] * len(transformer.blocks) if keys is None else keys.layers
+    for block, layer_keys in zip(transformer.blocks, layers, strict=True):
+        x = block(x, mask, rope, layer_keys)
     if not last:
         return x
     h = transformer.norm_f(x)

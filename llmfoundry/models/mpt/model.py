@@ -24,13 +24,13 @@ from llmfoundry.core.loss import next_token_loss
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.ffn import GLU, MLP
 from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
-from llmfoundry.models.layers.kv_cache import InfiniState, KVCache, LayerKV
+from llmfoundry.models.layers.kv_cache import InfiniState, Keys, LayerKV, attend_over
 from llmfoundry.models.layers.position import (
     ALiBi,
     LinearRopeScaling,
     RotaryEmbedding,
     apply_rope,
-    positions_in_document,
+    token_positions,
 )
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.infini import infini_attention, infini_attention_step
@@ -240,15 +240,6 @@ class MPTModel(nn.Module):
             cfg.norm_type, cfg.d_model, not cfg.no_bias, cfg.low_precision_layernorm
         )
 
-    def positions(
-        self, sequence_id: torch.Tensor | None, past: int, seq_len: int, device: torch.device
-    ) -> torch.Tensor:
-        """Positions [batch or 1, seq_len] of the tokens after `past` cached ones (each
-        document's from 0 when `sequence_id` covers the cached and new tokens)."""
-        if sequence_id is None:
-            return torch.arange(past, past + seq_len, device=device)[None]
-        return positions_in_document(sequence_id)[:, -seq_len:]
-
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The token embedding, plus the learned positions' if the model has them."""
         x = self.wte(input_ids)
@@ -260,17 +251,15 @@ class MPTModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         sequence_id: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Keys | None = None,
     ) -> torch.Tensor:
-        seq_len = input_ids.shape[1]
-        past = 0
-        if cache is not None:  # from here on, sequence_id covers the cached positions too
-            past = cache.length
-            sequence_id = cache.extend(sequence_id, seq_len)
-        positions = self.positions(sequence_id, past, seq_len, input_ids.device)
+        seq_len, device = input_ids.shape[1], input_ids.device
+        # With a cache, sequence_id covers its keys too, and queries may sit among them.
+        sequence_id, queries, k_len = attend_over(cache, sequence_id, seq_len, device)
+        positions = token_positions(sequence_id, seq_len, k_len, queries, device)
         x = self.embed(input_ids, positions)
         rope = None if self.rope is None else self.rope(positions)
-        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, past + seq_len))
+        mask = self.masks(sequence_id, x.device, compute_dtype(x), (seq_len, k_len), queries)
         layers = [None] * len(self.blocks) if cache is None else cache.layers
         for block, layer_cache in zip(self.blocks, layers, strict=True):
             x = block(x, mask, layer_cache, rope)
@@ -298,14 +287,16 @@ class MPTForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor | Mapping[str, torch.Tensor],
         sequence_id: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Keys | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for `input_ids` [batch, seq].
 
         `sequence_id` [batch, seq] marks the documents packed into each row; tokens then attend
         only to earlier tokens of their own document. With a `cache` (see `kv_cache.py`),
         `input_ids` are the tokens after the cached ones: they attend to those too, and the cache
-        is extended with them (decoding; `llmfoundry.models.generation`).
+        is extended with them (decoding; `llmfoundry.models.generation`). Any `Keys` may stand
+        for the cache: a context-parallel rank's gives the other ranks' keys, and `input_ids`
+        are then its part of the sequence (llmfoundry/distributed/context.py).
 
         `input_ids` may instead be a whole batch, the trainer's ``model(batch)``
         (`llmfoundry.core.model`): its ``input_ids`` and ``sequence_id`` (if any) are used.

@@ -53,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmfoundry.models.layers.attention import AttentionMasks, compute_dtype
+from llmfoundry.models.layers.kv_cache import Keys, attend_over
+from llmfoundry.models.layers.position import token_positions
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
@@ -67,16 +69,20 @@ def pipeline_stage_forward(
     seq_len: int,
     first: bool,
     last: bool,
+    keys: Keys | None = None,
 ) -> torch.Tensor:
     """`MPTModel.forward` and the head, for one stage (`PipelineSplit.forward`); the blocks the
-    stage does not hold pass their input through."""
+    stage does not hold pass their input through. `keys`: as the model's `cache` (a
+    context-parallel rank's; `seq_len` is then this rank's part of the sequence)."""
     transformer = model.transformer
-    positions = transformer.positions(sequence_id, 0, seq_len, inputs.device)
+    sequence_id, queries, k_len = attend_over(keys, sequence_id, seq_len, inputs.device)
+    positions = token_positions(sequence_id, seq_len, k_len, queries, inputs.device)
     x = transformer.embed(inputs, positions) if first else inputs
     rope = None if transformer.rope is None else transformer.rope(positions)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, seq_len))
-    for block in transformer.blocks:
-        x = block(x, mask, None, rope)
+    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, k_len), queries)
+    layers = [None] * len(transformer.blocks) if keys is None else keys.layers
+    for block, layer_keys in zip(transformer.blocks, layers, strict=True):
+        x = block(x, mask, layer_keys, rope)
     if not last:
         return x
     h = transformer.norm_f(x)
@@ -113,7 +119,16 @@ def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
         },
         tensor_parallel_refusal=refusal,
         tp_all_to_all=(cfg.n_heads + 2 * cfg.kv_n_heads) / cfg.n_heads,
+        context_parallel_refusal=INFINI_CP_REFUSAL if cfg.infini is not None else "",
     )
+
+
+# Infini-attention's compressive memory folds the sequence's segments in order, one after
+# another; a context-parallel rank would need the memory of every segment before its own.
+INFINI_CP_REFUSAL = (
+    "model.infini's memory runs through each sequence in order, so a sequence cannot be "
+    "split over context-parallel ranks; turn infini off, or train without context parallelism"
+)
 
 
 def _tensor_parallel_refusal(cfg: MPTConfig) -> str:
