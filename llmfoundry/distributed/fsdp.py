@@ -153,11 +153,6 @@ class FSDP(ProcessGroupStrategy):
         tp: int = 1,
         cp: int = 1,
     ) -> None:
-        if cp > 1 and (tp > 1 or pp > 1):
-            raise UserError(
-                f"strategy.cp={cp} with strategy.tp={tp} or strategy.pp={pp}: context "
-                "parallelism is not combined with tensor or pipeline parallelism yet; use one"
-            )
         super().__init__(device, backend, timeout_s)
         self.pipeline = Pipeline(pp, pp_schedule) if pp != 1 else None
         if replicate < 1 or self.world_size % replicate:
@@ -242,7 +237,9 @@ class FSDP(ProcessGroupStrategy):
         from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the next collective,
         so every rank leaves the step together and none waits in an all-gather or
         reduce-scatter another abandoned. Refused with tensor parallelism: its collectives run
-        inside each block, past any agreement before it.
+        inside each block, past any agreement before it. Context parallelism's run inside each
+        block too, but two per layer, each preceded by an agreement (`ContextParallel.guard`):
+        before the keys' all-gather, and before its backward's reduce-scatter.
 
         Each agreement is an all-reduce read on the host, three per unit (the blocks, the root)
         and step, which stops the host queueing kernels ahead and so FSDP's prefetch; once the
@@ -258,12 +255,8 @@ class FSDP(ProcessGroupStrategy):
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
-        if self.cp > 1:
-            raise UserError(
-                f"device_train_microbatch_size=auto with strategy.cp={self.cp}: an "
-                "out-of-memory error inside a block would leave its context-parallel peers "
-                "waiting in the keys' all-gather; set a fixed device_train_microbatch_size"
-            )
+        if self.context is not None:  # its gathers agree too, inside each block
+            self.context.guard = self._agree if guard else None
         self._auto_microbatching = True
         if guard and not self._guarded:
             for unit in self._units:
