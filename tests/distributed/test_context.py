@@ -13,7 +13,12 @@ import torch
 from llmfoundry.core.loss import next_token_loss, next_token_loss_sum
 from llmfoundry.core.metrics import loss_token_count
 from llmfoundry.distributed import context as context_module
-from llmfoundry.distributed.context import ContextParallel, load_balanced_index
+from llmfoundry.distributed.context import (
+    ContextParallel,
+    check_context_parallel,
+    load_balanced_index,
+)
+from llmfoundry.models import parallel_plan
 from llmfoundry.models.layers import flash
 from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
@@ -164,6 +169,33 @@ def test_flex_ranks_give_the_torch_kernels_one_process_logits(monkeypatch):
     for cp in (2, 4):
         got = _each_rank_logits(model, ids, SEQUENCE_ID, cache, monkeypatch, cp)
         torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mpt_alibi_window", "llama"])
+def test_a_pipeline_stage_takes_positions_and_mask_from_the_keys(monkeypatch, name):
+    """The families' stage forward (one stage holding every block) with a rank's keys gives its
+    positions' logits, as the model's forward does."""
+    torch.manual_seed(0)
+    model = MODELS[name](attn_impl="torch")
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN))
+    whole, cache = _one_process(model, ids, SEQUENCE_ID)
+    stage_forward = parallel_plan(model).pipeline.forward
+    context = ContextParallel(2, 0, None)
+    monkeypatch.setattr(
+        context_module, "all_gather_single_autograd", _simulated_gather(cache, 2, 0)
+    )
+    index, keys = context.index(SEQ_LEN), context.keys(SEQUENCE_ID, SEQ_LEN // 2, 2)
+    got = stage_forward(
+        model, ids[:, index], seq_len=SEQ_LEN // 2, first=True, last=True, keys=keys
+    )
+    torch.testing.assert_close(got, whole[:, index], rtol=0, atol=1e-5)
+
+
+def test_infini_attention_refuses_context_parallelism():
+    check_context_parallel(parallel_plan(_mpt()), 2)
+    infini = MPTForCausalLM(MPTConfig(d_model=32, n_heads=4, n_layers=1, infini={"segment_len": 8}))
+    with pytest.raises(UserError, match=r"^strategy.cp=2: model.infini's memory runs through"):
+        check_context_parallel(parallel_plan(infini), 2)
 
 
 def test_a_rank_builds_the_bias_rows_of_its_queries_only(monkeypatch):

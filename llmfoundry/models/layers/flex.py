@@ -10,7 +10,8 @@ forward's mask without building or looking anything up by length: a second seque
 compiles the blocks once more, with dynamic shapes, and a third does not (tests/models/
 test_mpt_kernels.py; on the H200, torch 2.11: 1, 2, 2 graphs over three lengths, then
 documents once and once more at their second length). The dense [B, H, L, L] bias is never
-built.
+built. A context-parallel rank's queries are not the last of the keys: its mask_mod and
+score_mod read each query's position through the index of `query_positions`.
 
 PyTorch has no CPU backward for FlexAttention: on CPU it runs inference only (training there
 raises an error that says to use sdpa, which takes the same weights). On CPU, torch 2.13's
@@ -134,22 +135,21 @@ def _products(mask: AttentionMask, q_len: int, k_len: int) -> tuple[object, Call
 
     def build() -> tuple[object, Callable | None]:
         padded = _padded(q_len, k_len, device)
-        # Queries at given positions (a context-parallel rank's): per forward, as documents.
-        per_forward = mask.sequence_id is not None or mask.query_positions is not None
-        if not per_forward:
-            key = ("flex", q_len, k_len, device)
+        # Queries at given positions (a context-parallel rank's, the same every step) are
+        # told apart by their runs (one host sync of the positions per forward).
+        at = None if mask.query_positions is None else tuple(mask.query_runs())
+        if mask.sequence_id is None:
+            key = ("flex", q_len, k_len, at, device)
             blocks = source.shared_cached(key, lambda: block_mask(mask, q_len, k_len, padded))
         else:
             blocks = block_mask(mask, q_len, k_len, padded)
         slopes, offset = mask.alibi_slopes, k_len - q_len
         score_mod = None
-        if slopes is not None and mask.query_positions is not None:
+        if slopes is not None:
             index = _query_index(mask, q_len, k_len, padded)
-            score_mod = alibi_score_mod(slopes, torch.tensor(offset, device=device), index)
-        elif slopes is not None:
             score_mod = source.shared_cached(
-                ("flex_alibi", offset, device),
-                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device)),
+                ("flex_alibi", offset, at, device),
+                lambda: alibi_score_mod(slopes, torch.tensor(offset, device=device), index),
             )
         return blocks, score_mod
 
