@@ -223,14 +223,6 @@ def _check_tensor_parallel(cfg: DictConfig, settings: TrainSettings) -> None:
             f"sequence over the {tp} tensor-parallel ranks; choose a max_seq_len that is a "
             "multiple of strategy.tp",
         )
-    cp = OmegaConf.select(cfg, "strategy.cp", default=1)
-    if isinstance(tp, int) and tp > 1 and isinstance(cp, int) and cp > 1 and length % (cp * tp):
-        raise ConfigError(  # each context-parallel rank's part is what tp splits
-            "strategy.tp",
-            f"{tp} does not divide the {length // cp} positions strategy.cp={cp} leaves each "
-            f"rank of max_seq_len={length}; choose a max_seq_len that is a multiple of "
-            f"{2 * cp * tp}",
-        )
 
 
 def _check_precision(cfg: DictConfig, settings: TrainSettings) -> None:

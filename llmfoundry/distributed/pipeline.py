@@ -21,6 +21,12 @@ llmfoundry/core/events.md). The loss function weights each microbatch by its los
 trainer's loop does; the last stage holds the loss and sums it to every stage. Evaluation runs
 forward only (`forward_only`, GPipe without backward): the last stage's logits feed the
 metrics, whose totals are then summed over the stages (`sum_over_stages`).
+
+With context parallelism (llmfoundry/distributed/context.py) the trainer hands the stages this
+rank's part of each sequence (`ContextParallel.shard`: its token ids, the shifted targets the
+last stage's loss reads, the whole sequence_id), and each stage's forward makes the keys of its
+microbatch from that microbatch's sequence_id (`apply_cp`), so every stage gathers the other
+ranks' keys in its own blocks.
 """
 
 from __future__ import annotations

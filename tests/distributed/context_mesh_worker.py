@@ -1,8 +1,10 @@
 """Bodies of the four-process tests of context parallelism composed with the other axes
-(test_context_mesh.py): cp2 x tp2 and cp2 x pp2 for MPT (ALiBi, grouped-query heads) and Llama
-(RoPE), on batches of packed documents; activation checkpointing (full, selective), fixed and
-automatic microbatches, evaluation; a DCP checkpoint saved at cp2 x dp2 on the real data
-pipeline, resumed at tp2 x dp2. One spawn runs every case in a row, a fresh process group each.
+(test_context_mesh.py): cp2 x tp2 with activation checkpointing (selective; full with
+microbatches of 2 rows) and cp2 x pp2, for MPT (ALiBi, grouped-query heads) and Llama (RoPE),
+on batches of packed documents; cp2 x dp2 with automatic microbatching through out-of-memory
+errors inside attention; an evaluation after each; a DCP checkpoint saved at cp2 x dp2 on the
+real data pipeline, resumed at tp2 x dp2. One spawn runs every case in a row, a fresh process
+group each.
 """
 
 from __future__ import annotations
@@ -39,26 +41,24 @@ AUTO_ROWS, FORWARD_FITS, BACKWARD_FITS = 8, 2, 1
 
 # name -> (FSDP options, model, Trainer options, batches): the parity runs.
 PARITY: dict[str, tuple[dict[str, Any], str, dict[str, Any], str]] = {
-    "mpt_cp2_tp2": ({"cp": CP, "tp": 2}, "mpt", {}, "documents"),
-    "llama_cp2_tp2": ({"cp": CP, "tp": 2}, "llama", {}, "documents"),
+    "mpt_cp2_tp2_selective_checkpointing": (
+        {"cp": CP, "tp": 2, "activation_checkpointing": "selective"},
+        "mpt",
+        {},
+        "documents",
+    ),
+    "llama_cp2_tp2_full_checkpointing_microbatch2": (
+        {"cp": CP, "tp": 2, "activation_checkpointing": "full"},
+        "llama",
+        {"device_train_microbatch_size": 2},
+        "documents",
+    ),
     # One sample per microbatch: 1F1B needs at least pp of them (each rank's 4 rows).
     "mpt_cp2_pp2": ({"cp": CP, "pp": 2}, "mpt", {"device_train_microbatch_size": 1}, "documents"),
     "llama_cp2_pp2": (
         {"cp": CP, "pp": 2},
         "llama",
         {"device_train_microbatch_size": 1},
-        "documents",
-    ),
-    "mpt_cp2_dp2_full_checkpointing_microbatch1": (
-        {"cp": CP, "activation_checkpointing": "full"},
-        "mpt",
-        {"device_train_microbatch_size": 1},
-        "documents",
-    ),
-    "llama_cp2_dp2_selective_checkpointing": (
-        {"cp": CP, "activation_checkpointing": "selective"},
-        "llama",
-        {},
         "documents",
     ),
     "mpt_cp2_dp2_auto_microbatching": (

@@ -1,10 +1,11 @@
 """Context parallelism composed with the other axes, on four gloo processes (CPU, fp32): cp2 x
-tp2 (sequence parallel inside each rank's part of the sequence) and cp2 x pp2 for MPT (ALiBi,
-grouped-query heads, packed documents) and Llama (RoPE, packed documents); cp2 x dp2 with full
-and selective activation checkpointing, one-sample microbatches, and automatic microbatching
-through out-of-memory errors inside attention; evaluation on each; a DCP checkpoint saved at
-cp2 x dp2 resumed at tp2 x dp2 and in one process. Every run gives one process's per-step
-losses and gradient norms, and its eval metrics.
+tp2 (sequence parallel inside each rank's part of the sequence) with selective and full
+activation checkpointing (the latter in microbatches of 2 rows), and cp2 x pp2, for MPT (ALiBi,
+grouped-query heads, packed documents) and Llama (RoPE, packed documents); cp2 x dp2 with
+automatic microbatching through out-of-memory errors inside attention; an evaluation after each;
+a DCP checkpoint saved at cp2 x dp2 resumed at tp2 x dp2 and in one process, the ranks of a cp
+group reading the same samples. Every run gives one process's per-step losses and gradient
+norms, and its eval metrics.
 
 Tolerance: relative 1e-5, as test_tensor_parallel.py: the same fp32 math in another order
 (attention's rows computed on two ranks, the gathered keys' gradients reduce-scattered, the
