@@ -51,9 +51,9 @@ class Generate(Callback):
     the samples are logged once, by rank 0. `tokenizer`: a tokenizer.json path or URL (the
     config's), or any `Tokenizer`.
 
-    On one process, DDP and FSDP the prompts are decoded with a KV cache; under tensor or
-    pipeline parallelism (`strategy.tp`, `strategy.pp`), where no process holds the whole
-    model, by recompute through the mesh (llmfoundry/eval/forward.py: `continue_prompts`), the
+    On one process, DDP and FSDP the prompts are decoded with a KV cache; under tensor,
+    pipeline or context parallelism (`strategy.tp`, `strategy.pp`, `strategy.cp`), where no
+    process holds the whole model or the whole sequence, by recompute through the mesh (llmfoundry/eval/forward.py: `continue_prompts`), the
     same tokens for the same seed. There a seed is required (`seed=null` draws from each
     process's own RNG, and the processes would disagree on the tokens): refused at start.
 
@@ -100,8 +100,9 @@ class Generate(Callback):
             and splits_the_model(state.strategy)
         ):
             raise UserError(
-                "callbacks.generate.seed=null under strategy.tp or strategy.pp: every process "
-                "draws the samples, so they need the same seed; set callbacks.generate.seed"
+                "callbacks.generate.seed=null under strategy.tp, strategy.pp or strategy.cp: "
+                "every process draws the samples, so they need the same seed; set "
+                "callbacks.generate.seed"
             )
         if self.tokenizer is not None:
             return
