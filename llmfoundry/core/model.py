@@ -8,7 +8,9 @@ A trainable model is an ``nn.Module`` with
 - ``loss(outputs, batch)``: the mean next-token loss over the positions whose label (shifted by
   one: position t predicts ``labels[:, t + 1]``) is not -100, and 0 when none counts. The
   trainer weights each microbatch by that count (``metrics.loss_token_count``), so a large batch
-  split into microbatches or over ranks gives the same update;
+  split into microbatches or over ranks gives the same update. Under context parallelism the
+  batch is a rank's part of each sequence and carries ``targets`` (already shifted over the
+  whole sequence) instead of ``labels``: ``loss.targets_of(batch)`` reads either;
 - optionally ``eval_metrics(device)``: a fresh `Metrics` for an eval set; default
   `LanguageMetrics`, which reads the outputs as logits [batch, seq, vocab].
 

@@ -10,9 +10,10 @@ shards, ``MemmapTokens`` for a token file) with its own arguments, plus the keys
 
 The builder supplies the rest of the dataset's arguments: ``split``, ``batch_size``,
 ``max_seq_len``, ``data_parallel``, ``evaluation=True`` for the eval splits, and under
-tensor parallelism ``pad_to_multiple_of`` (rows padded to a multiple of tp). Each setting
-and its default is defined once, in the signature that takes it; the config schema
-(llmfoundry/config/schema.py) checks the node against those signatures (``group_hints``).
+tensor or context parallelism ``pad_to_multiple_of`` (rows padded to a multiple of tp, and
+of 2 cp). Each setting and its default is defined once, in the signature that takes it; the
+config schema (llmfoundry/config/schema.py) checks the node against those signatures
+(``group_hints``).
 
 ``eval_datasets`` adds eval sets by label, each read from ``eval_split``: a remote (the same
 dataset kind, every other argument as the main data's), a mapping of arguments to change, or a
@@ -133,8 +134,9 @@ def build_loaders(
             long); None keeps rows whole.
         data_parallel: (rank, size) among the data-parallel readers (the strategy's).
         pad_to_multiple_of: the batches' widths are a multiple of this (the strategy's tp:
-            sequence parallelism splits each row); passed to the datasets only when above 1, so
-            a dataset of one's own needs the argument only to be trained tensor-parallel.
+            sequence parallelism splits each row; times 2 cp: context parallelism cuts it into
+            2 cp chunks); passed to the datasets only when above 1, so a dataset of one's own
+            needs the argument only to be trained tensor- or context-parallel.
     """
     values = (
         OmegaConf.to_container(group, resolve=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmfoundry.core.loss import next_token_loss, next_token_loss_sum
-from llmfoundry.core.metrics import loss_token_count
+from llmfoundry.core.metrics import LanguageMetrics, loss_token_count
 from llmfoundry.distributed import context as context_module
 from llmfoundry.distributed.context import (
     ContextParallel,
@@ -61,6 +61,13 @@ def test_shard_splits_ids_and_targets_shifted_over_the_whole_sequence():
     count = sum(loss_token_count(shard) for shard, _ in shards)
     assert count == loss_token_count(labels)
     torch.testing.assert_close(total / count, next_token_loss(logits, labels))
+    # So do the eval metrics' totals (row 1 masked out as a repeated sample).
+    sample_mask = torch.tensor([True, False])
+    whole, parts_sum = LanguageMetrics(logits.device), LanguageMetrics(logits.device)
+    whole.update(logits, batch, sample_mask)
+    for shard, index in shards:
+        parts_sum.update(logits[:, index], shard, sample_mask)
+    torch.testing.assert_close(parts_sum.totals, whole.totals)
 
 
 def test_shard_refuses_what_it_cannot_split():

@@ -98,7 +98,8 @@ class AttentionMask:
         return entry[1]
 
     def with_sequence_id(self, sequence_id: torch.Tensor | None) -> AttentionMask:
-        """The same mask for other rows (e.g. a sequence cut into segments), with its own memo."""
+        """The same mask for other rows (e.g. a sequence cut into segments, or the keys up to
+        a run of queries), its queries the last of them, with its own memo."""
         return AttentionMask(self.source, sequence_id, self.device, self.dtype)
 
     def query_sequence_id(self, q_len: int) -> torch.Tensor | None:

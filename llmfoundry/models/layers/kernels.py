@@ -13,6 +13,9 @@ test_mpt_kernels.py): sdpa within 1e-5 absolute, forward and gradients; flex wit
 forward on CPU (its backward needs a GPU); flash's glue (with the kernel's documented semantics
 written out) within 1e-5, forward and gradients. On a GPU the tests require flex and flash in
 bf16 within 2e-2 relative error of `torch`, forward and gradients (skipped without CUDA).
+A context-parallel rank's queries (at given positions among the keys): torch, sdpa and flash's
+glue give one process's logits within 1e-5, flex its forward against `torch`'s
+(tests/distributed/test_context.py).
 """
 
 from __future__ import annotations
