@@ -108,8 +108,9 @@ def forget_meshes() -> None:
     clear_propagation = getattr(debug, "_clear_sharding_prop_cache", None)
     if clear_propagation is not None:
         clear_propagation()
-    else:
-        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    else:  # its per-thread LRU cache: `cache_clear` itself, or on its `cache` (torch 2.7)
+        cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        (getattr(cache, "cache_clear", None) or cache.cache.cache_clear)()
     clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:
         clear_planners()
