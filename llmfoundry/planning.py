@@ -344,8 +344,7 @@ class Setup:
     Construction refuses, in one line, every mesh training would refuse: with training's own
     checks where they are functions of the model's plan (`check_tensor_parallel`,
     `check_pipeline_split`, `check_context_parallel`) and of the mesh (`parallel_dims`: tp, cp
-    and pp only under FSDP; `check_sequence_length`), and cp not with tp or pp (FSDP's own
-    refusal, for now). The interleaved schedule, which training does not run yet, can be planned
+    and pp only under FSDP; `check_sequence_length`). The interleaved schedule, which training does not run yet, can be planned
     (a forecast), not recommended."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
@@ -408,11 +407,6 @@ class Setup:
             raise UserError(
                 f"{axes} = {model_ways} does not divide the {world} devices: use a --world-size "
                 f"that is a multiple of {model_ways}, or axes whose product divides {world}"
-            )
-        if self.cp > 1 and (self.tp > 1 or self.pp > 1):  # (as FSDP refuses it: fsdp.py)
-            raise UserError(
-                f"cp={self.cp} with tp={self.tp} or pp={self.pp}: context parallelism is not "
-                "combined with tensor or pipeline parallelism in training yet; use one"
             )
 
     def _check_model_fits_mesh(self) -> None:

@@ -35,7 +35,7 @@ reduce-scatter per layer backward.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,10 @@ class ContextParallel:
         if not 0 <= rank < cp:
             raise ValueError(f"cp rank {rank} is outside the {cp} context-parallel ranks")
         self.cp, self.rank, self.group, self.setting = cp, rank, group, setting
+        # While automatic microbatching searches for a size (the strategy's
+        # `guard_collectives`): called before each gather and its backward's reduce-scatter,
+        # so that every rank agrees no rank ran out of memory before any enters either.
+        self.guard: Callable[[], None] | None = None
 
     def check_length(self, seq_len: int) -> None:
         """Refuse a sequence length 2 cp does not divide (on every rank alike: the cp ranks read
@@ -158,9 +162,13 @@ class ContextKeys:
         grouped-query attention moves kv_heads / n_heads of what query heads would), whose
         backward reduce-scatters dK and dV back to their owners (the gradients of every rank's
         queries), then put in position order."""
-        heads = k.shape[1]
+        heads, guard = k.shape[1], self.context.guard
         both = torch.cat([k, v], dim=1).movedim(2, 0).contiguous()  # positions first
+        if guard is not None and torch.is_grad_enabled():  # (evaluation never retries)
+            guard()
         gathered = all_gather_single_autograd(both, gather_dim=0, group=self.context.group)
+        if guard is not None and gathered.requires_grad:  # runs just before the reduce-scatter
+            gathered.register_hook(lambda _grad: guard())
         ordered = gathered.index_select(0, self.order(gathered.device)).movedim(0, 2)
         return ordered[:, :heads], ordered[:, heads:]
 
@@ -196,6 +204,8 @@ def apply_cp(model: nn.Module, context: ContextParallel) -> None:
 def _local_forward(
     context: ContextParallel, n_layers: int, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
+    if "seq_len" in kwargs:  # a pipeline stage's forward (pipeline.py), once per microbatch
+        return args, _stage_keys(context, n_layers, kwargs)
     local = args[0] if args else None
     if not (isinstance(local, Mapping) and "targets" in local) or kwargs or len(args) > 1:
         raise UserError(
@@ -206,3 +216,14 @@ def _local_forward(
     input_ids = local["input_ids"]
     keys = context.keys(local.get("sequence_id"), input_ids.shape[1], n_layers)
     return (input_ids,), {"cache": keys}
+
+
+def _stage_keys(context: ContextParallel, n_layers: int, kwargs: dict) -> dict:
+    """A pipeline stage's forward arguments (`PipelineSplit.forward`: its input, `seq_len`, the
+    microbatch's whole `sequence_id`) with the keys of its microbatch: `seq_len` is this
+    rank's part of the sequence (`Pipeline.step` runs `shard`'s batch), and the documents go
+    to the keys, which give the forward every key's."""
+    kwargs = dict(kwargs)
+    sequence_id = kwargs.pop("sequence_id", None)
+    kwargs["keys"] = context.keys(sequence_id, kwargs["seq_len"], n_layers)
+    return kwargs

@@ -154,11 +154,6 @@ class FSDP(ProcessGroupStrategy):
     ) -> None:
         super().__init__(device, backend, timeout_s, parallelism)
         dims = self.dims
-        if dims.cp > 1 and (dims.tp > 1 or dims.pp > 1):
-            raise UserError(
-                f"parallelism.cp={dims.cp} with tp={dims.tp} or pp={dims.pp}: context "
-                "parallelism is not combined with tensor or pipeline parallelism yet; use one"
-            )
         self.pipeline = Pipeline(dims.pp, dims.pp_schedule) if dims.pp != 1 else None
         if mixed_precision not in _MIXED_PRECISION:
             raise UserError(
@@ -227,7 +222,9 @@ class FSDP(ProcessGroupStrategy):
         from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the next collective,
         so every rank leaves the step together and none waits in an all-gather or
         reduce-scatter another abandoned. Refused with tensor parallelism: its collectives run
-        inside each block, past any agreement before it.
+        inside each block, past any agreement before it. Context parallelism's run inside each
+        block too, but two per layer, each preceded by an agreement (`ContextParallel.guard`):
+        before the keys' all-gather, and before its backward's reduce-scatter.
 
         Each agreement is an all-reduce read on the host, three per unit (the blocks, the root)
         and step, which stops the host queueing kernels ahead and so FSDP's prefetch; once the
@@ -243,12 +240,8 @@ class FSDP(ProcessGroupStrategy):
                 "out-of-memory error inside a block would leave its tensor-parallel peers "
                 "waiting; set a fixed device_train_microbatch_size"
             )
-        if self.cp > 1:
-            raise UserError(
-                f"device_train_microbatch_size=auto with parallelism.cp={self.cp}: an "
-                "out-of-memory error inside a block would leave its context-parallel peers "
-                "waiting in the keys' all-gather; set a fixed device_train_microbatch_size"
-            )
+        if self.context is not None:  # its gathers agree too, inside each block
+            self.context.guard = self._agree if guard else None
         self._auto_microbatching = True
         if guard and not self._guarded:
             for unit in self._units:

@@ -281,6 +281,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
         device_mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     if "cp" in shape:
         device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if "tp" in shape:  # FSDP shards over dp_shard x cp then: the same, for its norm
+            device_mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
     dp_group = None if dims.dp_is_world else _flat_group(device_mesh, dims.dp_axes(), "dp")
     if dims.cp == 1:
         return Mesh(dims, device_mesh, dp_group, dp_group)

@@ -77,7 +77,7 @@ def parallelize(
     (each later step wraps what the earlier made: FSDP shards the tensor-parallel DTensors
     again, over the other axes). Returns the FSDP units, blocks first."""
     if mesh.dims.tp > 1:
-        apply_tp(model, plan, mesh.device_mesh["tp"])
+        apply_tp(model, plan, mesh.device_mesh["tp"], mesh.dims.cp)
     apply_ac(plan.blocks, settings.activation_checkpointing)
     if plan.compile:
         apply_compile(plan.blocks)
@@ -105,31 +105,41 @@ def check_tensor_parallel(plan: ParallelPlan, tp: int, setting: str = "paralleli
         )
 
 
-def apply_tp(model: torch.nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: torch.nn.Module, plan: ParallelPlan, tp_mesh: DeviceMesh, cp: int = 1) -> None:
     """The plan's tensor-parallel layout (submodule -> torch's ParallelStyle) over `tp_mesh`:
     each named module's parameters become DTensors split across it, and its inputs and
-    outputs are redistributed as its style says (`parallelize_module`)."""
+    outputs are redistributed as its style says (`parallelize_module`). `cp`: the
+    context-parallel degree, whose ranks' parts of each sequence tp splits further."""
     check_tensor_parallel(plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, dict(plan.tensor_parallel))
     model.register_forward_pre_hook(
-        functools.partial(_refuse_unsplittable_sequence, tp_mesh.size()), with_kwargs=True
+        functools.partial(_refuse_unsplittable_sequence, tp_mesh.size(), cp), with_kwargs=True
     )
 
 
 def _refuse_unsplittable_sequence(
-    tp: int, _module: torch.nn.Module, args: tuple, kwargs: dict
+    tp: int, cp: int, _module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> None:
     """Before a tensor-parallel forward: sequence parallelism splits dim 1 (the sequence of
     token ids [batch, seq], or of a pipeline stage's activations) over the tp ranks, so it must
     be a multiple of tp. Every tp rank has the same input, so all of them refuse it alike,
     before any collective could wait on a peer's shorter split. A later pipeline stage's input
-    is this rank's split already: its forward's `seq_len` is the whole length."""
+    is this rank's split already: its forward's `seq_len` is the whole length. Under context
+    parallelism (`cp` > 1) the forward's input is this rank's part of each sequence
+    (llmfoundry/distributed/context.py), and that part is what tp splits."""
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(inputs, Mapping):
         inputs = inputs.get("input_ids")
     length = kwargs.get("seq_len")
     if length is None and isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
         length = inputs.shape[1]
+    if length is not None and length % tp and cp > 1:
+        raise UserError(
+            f"parallelism.tp={tp} splits each context-parallel rank's part of a sequence over "
+            f"{tp} ranks, but parallelism.cp={cp} leaves this rank {length} of each sequence's "
+            f"{length * cp} positions, not a multiple of {tp}: pad the batches to a multiple "
+            f"of {2 * cp * tp} (the training loader does), or use parallelism.tp=1"
+        )
     if length is not None and length % tp:
         raise UserError(
             f"parallelism.tp={tp} splits each sequence over {tp} ranks, but this input has "

@@ -21,6 +21,12 @@ llmfoundry/core/events.md). The loss function weights each microbatch by its los
 trainer's loop does; the last stage holds the loss and sums it to every stage. Evaluation runs
 forward only (`forward_only`, GPipe without backward): the last stage's logits feed the
 metrics, whose totals are then summed over the stages (`sum_over_stages`).
+
+With context parallelism (llmfoundry/distributed/context.py) the trainer hands the stages this
+rank's part of each sequence (`ContextParallel.shard`: its token ids, the shifted targets the
+last stage's loss reads, the whole sequence_id), and each stage's forward makes the keys of its
+microbatch from that microbatch's sequence_id (`apply_cp`), so every stage gathers the other
+ranks' keys in its own blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
+from llmfoundry.core.loss import targets_of
 from llmfoundry.core.metrics import loss_token_count
 from llmfoundry.distributed.mesh import Mesh, check_schedule
 from llmfoundry.models.plan import ParallelPlan
@@ -212,8 +219,10 @@ class Pipeline:
 
     @staticmethod
     def _stage_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """What every stage's forward takes besides its input: the whole sequence length and
-        the documents' ids, if the batch has them."""
+        """What every stage's forward takes besides its input: the sequence length of its
+        tokens (a context-parallel rank's part: then each stage's forward makes its keys from
+        it, llmfoundry/distributed/context.py) and the documents' ids, if the batch has them
+        (the whole sequence's: chunked by rows like the inputs, one microbatch's each)."""
         kwargs: dict[str, Any] = {"seq_len": batch["input_ids"].shape[1]}
         if "sequence_id" in batch:
             kwargs["sequence_id"] = batch["sequence_id"]
@@ -224,32 +233,36 @@ class Pipeline:
         batch: Mapping[str, torch.Tensor],
         microbatch_size: int | None,
         loss_fn: LossFn,
-        loss_weight: Callable[[torch.Tensor], torch.Tensor],
+        loss_weight: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
     ) -> torch.Tensor:
         """Forward and backward of `batch` in microbatches of `microbatch_size` (None: one)
         through the pipeline; returns the loss summed over the batch's loss tokens (float64,
-        the same on every stage). `loss_weight(labels)`: what a microbatch's mean loss is
-        multiplied by for its backward (the trainer's token weighting)."""
-        n_microbatches = self.microbatches(batch["labels"].shape[0], microbatch_size)
+        the same on every stage). `batch` has `labels`, or is a context-parallel rank's part of
+        one (llmfoundry/distributed/context.py: its shifted `targets`, the whole `sequence_id`,
+        which each stage's keys read). `loss_weight(targets)`: what a microbatch's mean loss is
+        multiplied by for its backward (the trainer's token weighting; `{"targets": ...}`)."""
+        n_microbatches = self.microbatches(batch["input_ids"].shape[0], microbatch_size)
         schedule = self._schedule(n_microbatches)
         # Each microbatch's (mean loss, loss tokens); the schedule also calls the loss function
         # on placeholders once, to learn the shapes of the gradients (its first step).
         losses: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-        def weighted_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(outputs, {"labels": labels})
-            losses.append((loss.detach(), loss_token_count(labels)))
-            return loss * loss_weight(labels)
+        def weighted_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            shifted = {"targets": targets}
+            loss = loss_fn(outputs, shifted)
+            losses.append((loss.detach(), loss_token_count(shifted)))
+            return loss * loss_weight(shifted)
 
         self._loss_fn = weighted_loss
+        targets = targets_of(batch)
         schedule.step(
             *self._stage_args(batch),
-            target=batch["labels"],
+            target=targets,
             return_outputs=False,
             **self._stage_kwargs(batch),
         )
         self._sum_tied_gradients()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=batch["labels"].device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=targets.device)
         for loss, tokens in losses[-n_microbatches:] if self.is_last else []:
             loss_sum += loss.double() * tokens
         dist.all_reduce(loss_sum, group=self._pp_group)  # zero on all but the last stage
@@ -332,7 +345,7 @@ class Pipeline:
             self._schedules[n_microbatches] = SCHEDULES[self.schedule_name](
                 self._stage,
                 n_microbatches,
-                loss_fn=lambda outputs, labels: self._loss_fn(outputs, labels),
+                loss_fn=lambda outputs, targets: self._loss_fn(outputs, targets),
                 scale_grads=False,  # the loss function weights each microbatch itself
             )
         return self._schedules[n_microbatches]

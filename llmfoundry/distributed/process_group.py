@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from llmfoundry.distributed.base import Strategy, resolve_device
 from llmfoundry.distributed.mesh import Mesh, ParallelDims, build_mesh, parallel_dims
+from llmfoundry.distributed.torch_compat import forget_meshes
 from llmfoundry.utils.errors import UserError
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -135,9 +136,11 @@ class ProcessGroupStrategy(Strategy):
         Gloo's worker threads release a finished collective's tensors only after the caller has
         been woken, and that release needs the GIL; a process group destroyed in that window
         (its destructor holds the GIL and joins those threads) deadlocks (pytorch/pytorch#56297).
-        Sleeping first hands them the GIL.
+        Sleeping first hands them the GIL. What DTensor cached about this group's meshes goes
+        first (`forget_meshes`): a later group's mesh of the same layout would find it.
         """
         if self._owns_group and dist.is_initialized():
+            forget_meshes()
             time.sleep(_GLOO_DRAIN_S)
             dist.destroy_process_group()
             time.sleep(_GLOO_DRAIN_S)

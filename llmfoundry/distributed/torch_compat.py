@@ -91,3 +91,26 @@ def _reset_param_group_2_11(group: Any, stream: torch.Stream) -> None:
     group._post_forward_indices.clear()
     group._training_state = TrainingState.IDLE
     group._to_sharded()
+
+
+def forget_meshes() -> None:
+    """Drop what DTensor cached about the device meshes of a process group about to be
+    destroyed. DTensor caches per mesh what it derives for an operation or a redistribution
+    (its sharding propagation; torch 2.13's redistribution planners too), holding the mesh,
+    and finds it again by the mesh's layout and axis names: a later process group's mesh of
+    the same layout (the next training in the same process, as the multi-process tests run
+    them) got the destroyed one's, and so its process groups ("Could not resolve the process
+    group"; or another group's, had the names come out alike). torch 2.13 clears the
+    propagation caches (Python and C++) with `_clear_sharding_prop_cache`; a torch without it
+    has only the Python one, cleared directly, and no planners."""
+    from torch.distributed.tensor import DTensor, _redistribute, debug
+
+    clear_propagation = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_propagation is not None:
+        clear_propagation()
+    else:  # its per-thread LRU cache: `cache_clear` itself, or on its `cache` (torch 2.7)
+        cache = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        (getattr(cache, "cache_clear", None) or cache.cache.cache_clear)()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()

@@ -419,20 +419,23 @@ class Trainer:
         weighted as there. So BEFORE_FORWARD fires before the step and AFTER_BACKWARD after it
         (state.loss: the device batch's mean loss), once per step; the events between do not
         fire (llmfoundry/core/events.md)."""
-        state, engine = self.state, self.engine
+        state, engine, context = self.state, self.engine, self.strategy.context
         divisor = loss_tokens.float().clamp(min=1)
-        dp_size = self.strategy.dp_size
+        loss_size = self.strategy.loss_size
+        # Context parallel: the stages run this rank's part of each sequence (by rows, so the
+        # schedule's microbatches are the parts of the trainer's).
+        local = batch if context is None else context.shard(batch)
 
-        def weight(labels: torch.Tensor) -> torch.Tensor:  # as in `_accumulate_gradients`
-            return loss_token_count(labels) * dp_size / divisor
+        def weight(targets: Mapping[str, torch.Tensor]) -> torch.Tensor:  # as in the loop
+            return loss_token_count(targets) * loss_size / divisor
 
         state.batch = batch
         engine.run_event(Event.BEFORE_FORWARD)
         with self.precision.autocast():
             loss_sum = self.strategy.pipeline.step(
-                batch, state.device_train_microbatch_size, self.loss_fn, weight
+                local, state.device_train_microbatch_size, self.loss_fn, weight
             )
-        state.loss = (loss_sum / loss_token_count(batch["labels"]).clamp(min=1)).float()
+        state.loss = (loss_sum / loss_token_count(local).clamp(min=1)).float()
         engine.run_event(Event.AFTER_BACKWARD)
         return loss_sum
 
@@ -580,7 +583,7 @@ class Trainer:
             state.outputs = (
                 state.model(local)
                 if pipeline is None
-                else pipeline.forward_only(microbatch)  # None but on the last stage
+                else pipeline.forward_only(local)  # None but on the last stage
             )
         engine.run_event(Event.EVAL_AFTER_FORWARD)
         if state.outputs is not None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from llmfoundry.distributed import FSDP, SingleDevice, Strategy, unwrap_model
 from llmfoundry.eval.forward import mesh_forward
@@ -35,8 +34,11 @@ MESHES = {
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
     "tp2_pp2": {"tp": 2, "pp": 2},
-    "cp2": {"cp": 2},
     "fsdp": {},
+    # Each rank's part of every row (padded to a multiple of 2 cp x tp), the logits gathered
+    # over cp (under tp: each part's vocabulary gathered first).
+    "cp2_tp2": {"cp": 2, "tp": 2},
+    "cp2_pp2": {"cp": 2, "pp": 2},
 }
 SEED, VOCAB, MAX_SEQ_LEN = 3, 64, 64
 # Continuations of odd and even lengths (tp=2 pads the odd ones, cp=2 all but multiples of
@@ -189,6 +191,4 @@ def rank_main(rank: int, world: int, ports: list[int], folder: str) -> None:
             result[name]["failure"] = _failure(forward)
         finally:
             strategy.teardown()
-            # DTensor caches layouts by mesh shape; the next mesh's process groups are new.
-            _clear_sharding_prop_cache()
     torch.save(result, Path(folder) / f"rank{rank}.pt")

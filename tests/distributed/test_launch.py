@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmfoundry.checkpoint import read_latest
 from llmfoundry.trainer import Callback
-from tests.checkpoint.helpers import write_mds
+from tests.checkpoint.helpers import sample_ids, write_mds
 
 from .test_fsdp import free_port
 
@@ -34,6 +34,22 @@ class RaiseOnRank(Callback):
         if state.rank == self.rank and state.timestamp.batch == self.batch:
             Path(self.stamp).write_text(repr(time.time()))
             raise RuntimeError(f"injected failure on rank {self.rank}")
+
+
+class SamplesRead(Callback):
+    """Writes `folder`/rank<R>.json at the end: this rank's context-parallel degree and
+    data-parallel rank, and the ids of the samples it read in each batch."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.ids = folder, []
+
+    def after_dataloader(self, state, logger) -> None:
+        self.ids.append(sample_ids(state.batch))
+
+    def fit_end(self, state, logger) -> None:
+        strategy = state.strategy
+        read = {"cp": strategy.cp, "dp_rank": strategy.dp_rank, "ids": self.ids}
+        (Path(self.folder) / f"rank{state.rank}.json").write_text(json.dumps(read))
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +83,18 @@ def launch(command, cwd):
 
 
 def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_path):
+    """Each node's process holds half of every sequence (parallelism.cp=2: one data-parallel
+    rank, so both read the same samples), through training, evaluation and a DCP save."""
     endpoint = f"127.0.0.1:{free_port()}"
     torchrun = ("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={endpoint}", "--rdzv_id=loopback")  # fmt: skip
-    nodes = [launch(train_command(mds, tmp_path, *torchrun), tmp_path) for _ in range(2)]
+    read = (
+        "parallelism.cp=2",
+        "+callbacks.read._target_=tests.distributed.test_launch.SamplesRead",
+        f"+callbacks.read.folder={tmp_path}",
+    )
+    command = train_command(mds, tmp_path, *torchrun, overrides=read)
+    nodes = [launch(command, tmp_path) for _ in range(2)]
     outputs = []
     for node in nodes:
         try:
@@ -86,6 +110,10 @@ def test_two_nodes_on_loopback_share_one_run_folder_and_rank_0_logs(mds, tmp_pat
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["run-loopback"]
     assert read_latest(str(tmp_path / "ckpt")) == "ep0-ba3"
     assert (tmp_path / "ckpt" / "ep0-ba3" / "sharded" / ".metadata").exists()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["cp"], r["dp_rank"]) for r in ranks] == [(2, 0), (2, 0)]
+    assert ranks[0]["ids"] == ranks[1]["ids"] and len(ranks[0]["ids"]) == 3
+    assert all(len(batch) == 4 for batch in ranks[0]["ids"])  # the whole global batch each
 
 
 # FSDP alone, and two pipeline stages (the surviving stage waits in a point-to-point receive),

@@ -1,11 +1,11 @@
 """Evaluation on every mesh (llmfoundry/eval/forward.py): tensor parallel (tp=2 x dp=2),
-pipeline parallel (pp=2 x dp=2), both (tp=2 x pp=2), context parallel (cp=2 x dp=2) and FSDP
-(dp=4), four gloo processes on CPU in fp32, give one process's answers on every rank:
-continuation scores, the ICL tasks of each kind (llmfoundry/eval/icl.py), and greedy and
-sampled generation (one process's by the KV-cached decoder).
+pipeline parallel (pp=2 x dp=2), both (tp=2 x pp=2), FSDP (dp=4), and context parallel with
+each (cp=2 x tp=2, cp=2 x pp=2), four gloo processes on CPU in fp32, give one process's
+answers on every rank: continuation scores, the ICL tasks of each kind (llmfoundry/eval/icl.py),
+and greedy and sampled generation (one process's by the KV-cached decoder).
 
 Tolerance: 1e-5 absolute on summed log-probabilities, the same fp32 math in another order (a
-tensor-parallel matmul's partial sums, a reduce-scatter): measured at most 2.4e-6 (0 at cp=2).
+tensor-parallel matmul's partial sums, a reduce-scatter): measured at most 2.4e-6.
 A real error (a padded position seen, a stage skipped, the wrong rows kept, a cp rank's
 logits put at another's positions) moves them by 1e-2 or more, and flips choices and tokens,
 which must be identical.

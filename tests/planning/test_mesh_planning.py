@@ -135,8 +135,6 @@ def test_communication_bubble_and_step_time():
          "whole model on every process, without tensor parallelism; use strategy=fsdp, or tp=1"),
         ({"strategy": "fsdp-hybrid"}, "strategy 'fsdp-hybrid': use one of single, ddp, "
          "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, fsdp"),
-        ({"cp": 2, "world_size": 32}, "cp=2 with tp=2 or pp=2: context parallelism is not "
-         "combined with tensor or pipeline parallelism in training yet"),
         ({"cp": 4, "tp": 1, "pp": 1}, "max_seq_len=4 is not a multiple of 8 (2 x cp=4): the mesh "
          "splits every sequence into that many parts"),
     ],
