@@ -10,7 +10,7 @@ numbers, and `parallel_dims` turns it into a ParallelDims, the one function for 
 scripts/eval.py and the planner, llmfoundry/planning.py), so that nothing that lays out a mesh
 accepts one training refuses. The strategies wrap the data-parallel axes of that mesh: DDP
 replicates over them, FSDP shards (and, with dp_replicate > 1, replicates) over them and also
-takes the cp, tp and pp axes; DDP and DeepSpeed hold the whole model, so they refuse those
+takes the cp, tp and pp axes; DDP and DeepSpeed run the whole model on every process, so they refuse those
 (`STRATEGY_AXES`).
 
 Data-parallel ranks read different data; the other axes' ranks of one data-parallel rank read
@@ -40,7 +40,7 @@ _ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 _DATA_PARALLEL = ("dp_replicate", "dp_shard")
 # The mesh axes each strategy (conf/strategy/<name>.yaml) lays processes out on; the others
-# must be 1. DDP and DeepSpeed hold the whole model on every process: only data parallelism.
+# must be 1. DDP and DeepSpeed run the whole model on every process: only data parallelism.
 STRATEGY_AXES: dict[str, tuple[str, ...]] = {
     "single": (),
     "ddp": _DATA_PARALLEL,
@@ -194,7 +194,7 @@ def refuse_axes(sizes: Mapping[str, Any], strategy: str, world_size: int | None 
         size = sizes.get(axis, 1)
         if size != 1 and axis not in axes:
             raise UserError(
-                f"parallelism.{axis}={size}: strategy={strategy} holds the whole model on every "
+                f"parallelism.{axis}={size}: strategy={strategy} runs the whole model on every "
                 f"process, without {kind} parallelism; use strategy=fsdp, or {axis}=1"
             )
     if not axes and world_size is not None and world_size > 1:

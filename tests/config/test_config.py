@@ -89,11 +89,11 @@ def test_misspelt_override_names_key_and_suggests():
 
 def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_them():
     assert error_for("strategy=ddp", "parallelism.tp=2") == (
-        "parallelism.tp=2: strategy=ddp holds the whole model on every process, without tensor "
+        "parallelism.tp=2: strategy=ddp runs the whole model on every process, without tensor "
         "parallelism; use strategy=fsdp, or tp=1"
     )
     assert error_for("strategy=deepspeed_zero3", "parallelism.pp=2") == (
-        "parallelism.pp=2: strategy=deepspeed_zero3 holds the whole model on every process, "
+        "parallelism.pp=2: strategy=deepspeed_zero3 runs the whole model on every process, "
         "without pipeline parallelism; use strategy=fsdp, or pp=1"
     )
     # The old keys are FSDP's aliases only (conf/strategy/fsdp.yaml): elsewhere, the new key.

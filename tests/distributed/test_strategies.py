@@ -66,7 +66,7 @@ def test_the_strategy_configs_lay_their_processes_out_on_the_mesh(torchrun_env, 
 @pytest.mark.parametrize(
     ("strategy", "parallelism", "message"),
     [
-        (DDP, {"tp": 2}, "parallelism.tp=2: strategy=ddp holds the whole model on every process"),
+        (DDP, {"tp": 2}, "parallelism.tp=2: strategy=ddp runs the whole model on every process"),
         (DDP, {"dp_replicate": 2}, "parallelism.dp_replicate=2: strategy=ddp lays its data-"),
         (SingleDevice, {"pp": 2}, "parallelism.pp=2: strategy=single holds the whole model"),
         (FSDP, {"dp_replicate": 3}, "parallelism: dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not "

@@ -131,7 +131,7 @@ def test_communication_bubble_and_step_time():
         ({"cp": 3}, "tp=2 x cp=3 x pp=2 = 12 does not divide the 16 devices"),
         ({"dp_shard": 2}, "= 8, but there are 16 devices: use --world-size 8 or leave"),
         ({"schedule": "interleaved"}, "use --schedule interleaved with --stages-per-rank 2"),
-        ({"strategy": "deepspeed_zero3"}, "parallelism.tp=2: strategy=deepspeed_zero3 holds the "
+        ({"strategy": "deepspeed_zero3"}, "parallelism.tp=2: strategy=deepspeed_zero3 runs the "
          "whole model on every process, without tensor parallelism; use strategy=fsdp, or tp=1"),
         ({"strategy": "fsdp-hybrid"}, "strategy 'fsdp-hybrid': use one of single, ddp, "
          "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, fsdp"),
