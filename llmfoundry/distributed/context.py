@@ -27,8 +27,9 @@ kernel has no sharding rule), the math backend failed (DTensor mixed with plain 
 additive bias (MPT's ALiBi, document masks) gave a wrong result (max error 3.59) or hung, and a
 Llama step failed: its shards carry no global offsets for a bias to be built from.
 All-gathered K/V costs memory a ring would not (the
-whole sequence's keys and values of one layer at a time: 2 L kv_heads head_dim per row, small
-beside the activations for grouped-query heads), and overlaps no communication, but it is
+whole sequence's keys and values, 2 L kv_heads head_dim per row and layer, which attention keeps
+for its backward: in every layer, or in the one being recomputed under activation checkpointing;
+small beside the activations for grouped-query heads), and overlaps no communication, but it is
 exact for every mask, kernel and family, with one all-gather per layer forward and one
 reduce-scatter per layer backward.
 """
