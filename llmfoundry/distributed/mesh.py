@@ -242,6 +242,8 @@ class Mesh:
     device_mesh: DeviceMesh
     dp_group: dist.ProcessGroup | None
     loss_group: dist.ProcessGroup | None = None
+    # dp_shard and cp flattened into one axis (`fsdp_mesh`); None without cp.
+    dp_shard_cp: DeviceMesh | None = None
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -253,10 +255,11 @@ class Mesh:
         """What FSDP shards and replicates parameters over: the data-parallel axes, with the
         context-parallel axis joined to dp_shard (`dp_shard_cp`) when there is one, since those
         ranks' gradients (of different tokens) are averaged as data-parallel ranks' are."""
-        if self.dims.cp == 1:
+        if self.dp_shard_cp is None:
             return self.dp_mesh
-        axes = ("dp_replicate", "dp_shard_cp") if self.dims.dp_replicate > 1 else ("dp_shard_cp",)
-        return self.device_mesh[axes]
+        if self.dims.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard_cp"]
+        return self.dp_shard_cp  # kept from its flattening: torch warns on slicing it again
 
     @property
     def cp_mesh(self) -> DeviceMesh | None:
@@ -279,18 +282,20 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
         # them (the gradient norm) runs as one all-reduce where DTensor finds this flattened
         # mesh; without it, one per axis, and every rank warns that this is "suboptimal".
         device_mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    if "cp" in shape:
-        device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        if "tp" in shape:  # FSDP shards over dp_shard x cp then: the same, for its norm
-            device_mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
     dp_group = None if dims.dp_is_world else _flat_group(device_mesh, dims.dp_axes(), "dp")
     if dims.cp == 1:
         return Mesh(dims, device_mesh, dp_group, dp_group)
+    dp_shard_cp = device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if "tp" in shape:  # FSDP shards over dp_shard x cp then: the same, for its norm
+        device_mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
     loss_group = None
     if dims.loss_size != dims.world_size:
-        axes = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-        loss_group = _flat_group(device_mesh, axes, "dp_cp")
-    return Mesh(dims, device_mesh, dp_group, loss_group)
+        loss_group = (
+            device_mesh["dp_replicate", "dp_shard_cp"]._flatten("dp_cp").get_group()
+            if dims.dp_replicate > 1
+            else dp_shard_cp.get_group()
+        )
+    return Mesh(dims, device_mesh, dp_group, loss_group, dp_shard_cp)
 
 
 def _flat_group(device_mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> dist.ProcessGroup:

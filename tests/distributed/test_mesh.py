@@ -105,7 +105,7 @@ def test_the_parallelism_block_becomes_the_dims_every_caller_uses():
     with pytest.raises(UserError, match=r"^parallelism.tpp: unknown key; use dp_replicate, "):
         parallel_dims({"tpp": 2}, 4)
     # Refused before the product is checked: the strategy, not the arithmetic, is what is wrong.
-    with pytest.raises(UserError, match=r"^parallelism.tp=3: strategy=ddp holds the whole model"):
+    with pytest.raises(UserError, match=r"^parallelism.tp=3: strategy=ddp runs the whole model"):
         parallel_dims({"tp": 3}, 4, "ddp")
     refuse_axes({"dp_replicate": 2}, "ddp")  # the world size is not known yet: no verdict
 

@@ -68,7 +68,7 @@ def test_the_strategy_configs_lay_their_processes_out_on_the_mesh(torchrun_env, 
     [
         (DDP, {"tp": 2}, "parallelism.tp=2: strategy=ddp runs the whole model on every process"),
         (DDP, {"dp_replicate": 2}, "parallelism.dp_replicate=2: strategy=ddp lays its data-"),
-        (SingleDevice, {"pp": 2}, "parallelism.pp=2: strategy=single holds the whole model"),
+        (SingleDevice, {"pp": 2}, "parallelism.pp=2: strategy=single runs the whole model"),
         (FSDP, {"dp_replicate": 3}, "parallelism: dp_replicate=3 x cp=1 x tp=1 x pp=1 = 3 does not "
          "divide the 4 processes"),
         (FSDP, {"tp": "2"}, "parallelism.tp='2' must be an integer"),
