@@ -421,3 +421,16 @@ def test_default_run_names_follow_the_rule():
         {},
     ):
         check_run_name(default_run_name(env))
+
+
+def test_the_block_checked_before_torch_has_the_meshs_keys():
+    """config/parallelism.py checks the block without importing torch, by a copy of the mesh's
+    fields: the copy must not drift from ParallelDims (a key training takes, refused here)."""
+    from dataclasses import fields
+
+    from llmfoundry.config.parallelism import Parallelism
+    from llmfoundry.distributed.mesh import PARALLELISM_KEYS, ParallelDims
+
+    assert tuple(f.name for f in fields(Parallelism)) == PARALLELISM_KEYS
+    defaults = {f.name: f.default for f in fields(ParallelDims) if f.name != "world_size"}
+    assert {f.name: f.default for f in fields(Parallelism)} == defaults
