@@ -41,9 +41,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from llmfoundry.core.loss import targets_of
+from llmfoundry.distributed.torch_compat import all_gather_autograd
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
@@ -167,7 +167,7 @@ class ContextKeys:
         both = torch.cat([k, v], dim=1).movedim(2, 0).contiguous()  # positions first
         if guard is not None and torch.is_grad_enabled():  # (evaluation never retries)
             guard()
-        gathered = all_gather_single_autograd(both, gather_dim=0, group=self.context.group)
+        gathered = all_gather_autograd(both, gather_dim=0, group=self.context.group)
         if guard is not None and gathered.requires_grad:  # runs just before the reduce-scatter
             gathered.register_hook(lambda _grad: guard())
         ordered = gathered.index_select(0, self.order(gathered.device)).movedim(0, 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
@@ -114,3 +115,14 @@ def forget_meshes() -> None:
     clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:
         clear_planners()
+
+
+def all_gather_autograd(tensor: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+    """All-gather `tensor` along `gather_dim` over `group`, differentiable (backward: a
+    reduce-scatter of the gradient). torch 2.13: `all_gather_single_autograd` (it deprecates
+    the old name); torch 2.11: `all_gather_tensor_autograd` (same arguments; use the new one
+    alone when the floor reaches 2.13)."""
+    gather = (
+        getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    )
+    return gather(tensor, gather_dim=gather_dim, group=group)

@@ -106,7 +106,7 @@ MODELS = {
 
 
 def _simulated_gather(cache: KVCache, cp: int, rank: int):
-    """all_gather_single_autograd as the cp group would run it in each layer (in order): the
+    """all_gather_autograd as the cp group would run it in each layer (in order): the
     ranks' parts of the one-process forward's keys and values, after this rank's own, which
     must equal them."""
     layers = iter(cache.layers)
@@ -128,7 +128,7 @@ def _each_rank_logits(model, ids, sequence_id, cache, monkeypatch, cp):
     for rank in range(cp):
         context = ContextParallel(cp, rank, None)
         gather = _simulated_gather(cache, cp, rank)
-        monkeypatch.setattr(context_module, "all_gather_single_autograd", gather)
+        monkeypatch.setattr(context_module, "all_gather_autograd", gather)
         keys = context.keys(sequence_id, SEQ_LEN // cp, model.config.n_layers)
         logits.append(model(ids[:, context.index(SEQ_LEN)], cache=keys))
     order = torch.argsort(torch.cat([load_balanced_index(SEQ_LEN, cp, r) for r in range(cp)]))
@@ -189,7 +189,7 @@ def test_a_pipeline_stage_takes_positions_and_mask_from_the_keys(monkeypatch, na
     stage_forward = parallel_plan(model).pipeline.forward
     context = ContextParallel(2, 0, None)
     monkeypatch.setattr(
-        context_module, "all_gather_single_autograd", _simulated_gather(cache, 2, 0)
+        context_module, "all_gather_autograd", _simulated_gather(cache, 2, 0)
     )
     index, keys = context.index(SEQ_LEN), context.keys(SEQUENCE_ID, SEQ_LEN // 2, 2)
     got = stage_forward(
@@ -215,7 +215,7 @@ def test_a_rank_builds_the_bias_rows_of_its_queries_only(monkeypatch):
         model.transformer.masks.reset()
         context = ContextParallel(2, 1, None)
         monkeypatch.setattr(
-            context_module, "all_gather_single_autograd", _simulated_gather(cache, 2, 1)
+            context_module, "all_gather_autograd", _simulated_gather(cache, 2, 1)
         )
         model(ids[:, context.index(SEQ_LEN)], cache=context.keys(None, SEQ_LEN // 2, 2))
     assert model.transformer.masks.cached is None
