@@ -344,8 +344,8 @@ class Setup:
     Construction refuses, in one line, every mesh training would refuse: with training's own
     checks where they are functions of the model's plan (`check_tensor_parallel`,
     `check_pipeline_split`, `check_context_parallel`) and of the mesh (`parallel_dims`: tp, cp
-    and pp only under FSDP; `check_sequence_length`). The interleaved schedule, which training does not run yet, can be planned
-    (a forecast), not recommended."""
+    and pp only under FSDP; `check_sequence_length`). The interleaved schedule, which training
+    does not run yet, can be planned (a forecast), not recommended."""
 
     model: Any  # a model config of any family (llmfoundry.models.families)
     seq_len: int

@@ -14,7 +14,8 @@ a bootstrap 95% interval (llmfoundry/eval/composite.py), and writes them with th
 
 Under torchrun the model is split over the processes as training splits it, with the same
 results as one process: --pp stages, --tp tensor-parallel ranks, --cp context-parallel ranks
-(each sequence split over them: long contexts), FSDP over the rest; a sharded checkpoint is read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
+(each sequence split over them: long contexts), FSDP over the rest; a sharded checkpoint is
+read shard by shard, never whole on one process (llmfoundry/checkpoint/on_mesh.py):
 
     torchrun --nproc-per-node 4 scripts/eval.py outputs/my-run/checkpoints tasks/*.jsonl --tp 2
 """

@@ -17,7 +17,8 @@ part. The weights then come:
   holds the whole model, as one process would.
 
 Every refusal a user can fix (a world the mesh does not divide, a tp the heads do not divide, a
-pp beyond the blocks, a cp the model cannot take) comes on every rank alike before any process waits on another.
+pp beyond the blocks, a cp the model cannot take) comes on every rank alike before any process
+waits on another.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ numbers, and `parallel_dims` turns it into a ParallelDims, the one function for 
 scripts/eval.py and the planner, llmfoundry/planning.py), so that nothing that lays out a mesh
 accepts one training refuses. The strategies wrap the data-parallel axes of that mesh: DDP
 replicates over them, FSDP shards (and, with dp_replicate > 1, replicates) over them and also
-takes the cp, tp and pp axes; DDP and DeepSpeed run the whole model on every process, so they refuse those
-(`STRATEGY_AXES`).
+takes the cp, tp and pp axes; DDP and DeepSpeed run the whole model on every process, so they
+refuse those (`STRATEGY_AXES`).
 
 Data-parallel ranks read different data; the other axes' ranks of one data-parallel rank read
 the same batch. So the trainer counts samples and tokens over the data-parallel group
@@ -161,7 +161,8 @@ def parallel_dims(
     data-parallel rank) over `world_size` processes, refused in one line where `strategy` (a
     conf/strategy name) cannot lay it out. Every strategy builds its `dims` with it (and so
     scripts/eval.py's mesh), and so does the planner (llmfoundry/planning.py), so none accepts
-    a mesh training refuses. A ParallelDims is taken as it is (laid out for `world_size` processes)."""
+    a mesh training refuses. A ParallelDims is taken as it is (laid out for `world_size`
+    processes)."""
     if isinstance(parallelism, ParallelDims):
         refuse_axes(dataclasses.asdict(parallelism), strategy, world_size)
         if parallelism.world_size != world_size:

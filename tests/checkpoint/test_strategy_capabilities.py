@@ -1,7 +1,8 @@
 """Code outside llmfoundry/distributed asks a strategy what it can do (its flags:
 `sharded_checkpoints`, `saves_own_checkpoints`, `pipeline`, its mesh's axes), never which class
-it is: a strategy added later, or one of your own, then works wherever its flags say it may, and a check such as
-`isinstance(strategy, DeepSpeed)` in checkpoint/ cannot creep back unnoticed."""
+it is: a strategy added later, or one of your own, then works wherever its flags say it may,
+and a check such as `isinstance(strategy, DeepSpeed)` in checkpoint/ cannot creep back
+unnoticed."""
 
 from __future__ import annotations
 
