@@ -188,9 +188,7 @@ def test_a_pipeline_stage_takes_positions_and_mask_from_the_keys(monkeypatch, na
     whole, cache = _one_process(model, ids, SEQUENCE_ID)
     stage_forward = parallel_plan(model).pipeline.forward
     context = ContextParallel(2, 0, None)
-    monkeypatch.setattr(
-        context_module, "all_gather_autograd", _simulated_gather(cache, 2, 0)
-    )
+    monkeypatch.setattr(context_module, "all_gather_autograd", _simulated_gather(cache, 2, 0))
     index, keys = context.index(SEQ_LEN), context.keys(SEQUENCE_ID, SEQ_LEN // 2, 2)
     got = stage_forward(
         model, ids[:, index], seq_len=SEQ_LEN // 2, first=True, last=True, keys=keys
@@ -214,8 +212,6 @@ def test_a_rank_builds_the_bias_rows_of_its_queries_only(monkeypatch):
         model(ids, cache=cache)
         model.transformer.masks.reset()
         context = ContextParallel(2, 1, None)
-        monkeypatch.setattr(
-            context_module, "all_gather_autograd", _simulated_gather(cache, 2, 1)
-        )
+        monkeypatch.setattr(context_module, "all_gather_autograd", _simulated_gather(cache, 2, 1))
         model(ids[:, context.index(SEQ_LEN)], cache=context.keys(None, SEQ_LEN // 2, 2))
     assert model.transformer.masks.cached is None
