@@ -9,6 +9,7 @@ one batch of --batch sequences per step, the lengths ascending; then the table:
 
     python bench/context_parallel.py                         # CPU, gloo: cp 1, 2, 4 at 512-4096
     python bench/context_parallel.py --cps 1 2 --lengths 256 512 --steps 1     # a smoke run
+    python bench/context_parallel.py --activation-checkpointing full --lengths 1024 2048 4096 8192
     python bench/context_parallel.py --device cuda --cps 1 2 --model mpt-125m \\
         --lengths 8192 16384 32768 --precision amp_bf16         # GPU rows (bench/gpu.sh)
 
@@ -67,6 +68,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="per length (the first untimed)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "amp_bf16"])
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    parser.add_argument(
+        "--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+        help="strategy.activation_checkpointing (full: what long contexts train with)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -131,7 +136,11 @@ def _status(key: str) -> int:
 def run_rank(args: argparse.Namespace) -> list[dict]:
     """For each length, the activation memory and step time (each the most of any cp rank)."""
     cp = int(os.environ["WORLD_SIZE"])
-    strategy = FSDP(device=args.device, parallelism={"cp": cp})
+    strategy = FSDP(
+        device=args.device,
+        parallelism={"cp": cp},
+        activation_checkpointing=args.activation_checkpointing,
+    )
     strategy.setup()
     device = strategy.device
     torch.manual_seed(0)
@@ -202,8 +211,9 @@ def report(rows: dict[int, dict[int, dict]], args: argparse.Namespace) -> str:
     mib = 2**20
     lengths = sorted(args.lengths)
     cps = sorted(rows)
-    lines = [f"{args.model} {args.precision} batch {args.batch} on {args.device}: activation "
-             "memory per rank (MiB) and step time (s); ratio = cp=1's / this"]  # fmt: skip
+    lines = [f"{args.model} {args.precision} batch {args.batch} on {args.device}, activation "
+             f"checkpointing {args.activation_checkpointing}: activation memory per rank (MiB) "
+             "and step time (s); ratio = cp=1's / this"]  # fmt: skip
     header = f"{'seq':>7}" + "".join(f" | cp={c}: {'MiB':>8} {'s':>7} {'ratio':>5}" for c in cps)
     lines += [header, "-" * len(header)]
     for seq in lengths:

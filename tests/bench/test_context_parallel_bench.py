@@ -28,6 +28,7 @@ def test_the_report_compares_each_cp_with_cp_1_of_the_same_run():
         4: {1024: row(40), 2048: row(70), 4096: row(130)},
     }
     args = argparse.Namespace(model="m", precision="fp32", batch=1, device="cpu",
+                              activation_checkpointing="none",
                               lengths=[1024, 2048, 4096])  # fmt: skip
     out = bench["report"](rows, args)
     assert re.search(r"^ +4096 \| cp=1: +400\.0 .* \| cp=2: +240\.0 +1\.00 +1\.67 \|", out, re.M)
