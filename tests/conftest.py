@@ -77,10 +77,13 @@ def free_port() -> int:
     Chosen below the kernel's ephemeral range (where source ports of outgoing connections come
     from): a port the OS hands out for a bind to port 0 is free only until some connection takes
     it as its source port, which happened under `make test`'s concurrent runs (EADDRINUSE when a
-    process group's store bound it). Drawn from the OS's randomness, not the `random` module
-    that tests seed, so two test processes rarely try the same one; bound once to check that
-    it is free now."""
-    low, high = 20000, _ephemeral_start()
+    process group's store bound it). Each pytest process that `make test` runs at once (the
+    two xdist workers, the floor's run beside them) draws from its own slice of that range
+    (`_port_slice`), so one test's process group never finds another's store on its port (a
+    rank that joins the wrong group waits until its run's deadline). Drawn from the OS's
+    randomness, not the `random` module that tests seed; bound once to check that it is free
+    now."""
+    low, high = _port_slice(20000, _ephemeral_start())
     draw = random.SystemRandom()
     for _ in range(100):
         port = draw.randrange(low, high) if high - low >= 1000 else 0
@@ -91,6 +94,20 @@ def free_port() -> int:
                 continue
             return sock.getsockname()[1]
     raise RuntimeError("no free TCP port on 127.0.0.1 after 100 tries")
+
+
+def _port_slice(low: int, high: int) -> tuple[int, int]:
+    """This pytest process's part of ports [low, high): the first third for a process that is
+    no xdist worker (the floor's run beside the suite, a plain pytest), the rest split among
+    the xdist workers (gwN the N-th part)."""
+    own = low + (high - low) // 3
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return low, own
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = (high - own) // workers
+    index = int(worker[2:])
+    return own + index * size, own + (index + 1) * size
 
 
 def _ephemeral_start() -> int:
