@@ -75,14 +75,6 @@ def stage_blocks(n_blocks: int, stages: int, stage: int) -> range:
     return range(start, start + per_stage + (stage < extra))
 
 
-def check_pipeline(pp: int, schedule: str) -> str:
-    """Refuse a pipeline setting before any process waits on another; the schedule's name as
-    `SCHEDULES` spells it."""
-    if pp < 1:
-        raise UserError(f"parallelism.pp={pp} must be at least 1")
-    return check_schedule(schedule)
-
-
 def check_pipeline_split(
     plan: ParallelPlan, pp: int, setting: str = "parallelism.pp", name: str = "this model"
 ) -> None:
@@ -105,7 +97,7 @@ class Pipeline:
     """This process's pipeline stage and the schedule that runs it (`split`, `build`, `step`)."""
 
     def __init__(self, pp: int, schedule: str) -> None:
-        self.pp, self.schedule_name = pp, check_pipeline(pp, schedule)
+        self.pp, self.schedule_name = pp, check_schedule(schedule)  # (ParallelDims checks pp)
         self.stage_index = 0
         self._absent: dict[str, nn.Module] = {}  # module name -> the meta module it replaced
         self._tied_modules: tuple[str, ...] = ()  # held by the first and the last stage
