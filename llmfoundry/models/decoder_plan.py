@@ -1,7 +1,8 @@
 """The parallelization plan of the shared decoder (llmfoundry/models/layers/decoder.py): its
 blocks for FSDP and activation checkpointing, its pipeline stage forward (every family's), and
 the tensor-parallel layout of decoders with separate q, k, v projections (Llama, Qwen3, the
-mixture-of-experts families; MPT's fused Wqkv has its own, models/mpt/parallelize.py).
+mixture-of-experts families; MPT's fused Wqkv has its own projections' layout,
+models/mpt/parallelize.py, in this one).
 
 Pipeline stages: the first embeds, the last holds the final norm and the head (a tied head is
 the embedding, held by both ends); every stage computes the positions and the mask itself.
@@ -20,12 +21,17 @@ lookups reduce-scattered to sequence shards), the untied output head by vocabula
 logits stay vocabulary-sharded and the loss reads them so (llmfoundry/core/loss.py), never
 gathering [tokens, vocab]. A tied head multiplies by the row-split embedding, which gives the
 same layout once its input, the final norm's output, is gathered over the sequence
-(`GatheredSequenceParallel`).
+(`GatheredSequenceParallel`). With ALiBi, each rank's mask describes only its heads
+(`AttentionMasks.select_heads`), so their slopes are the ones the whole model gives those heads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -36,6 +42,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from llmfoundry.models.layers.attention import AttentionMasks
 from llmfoundry.models.layers.decoder import DecoderLM
 from llmfoundry.models.layers.kv_cache import Keys
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
@@ -81,15 +88,37 @@ def decoder_plan(model: DecoderLM) -> ParallelPlan:
     divides = {"n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads}
     if spec.ffn != "moe":
         divides["ffn_hidden_size"] = spec.ffn_hidden
+    refusal = tensor_parallel_refusal(model)
     return ParallelPlan(
         blocks=list(model.transformer.blocks),
         pipeline=pipeline_split(model),
-        tensor_parallel=tensor_parallel_layout(model),
+        tensor_parallel=None if refusal else tensor_parallel_layout(model),
         tp_divides={**divides, "vocab_size": spec.vocab_size},
+        tensor_parallel_refusal=refusal,
     )
 
 
-def tensor_parallel_layout(model: DecoderLM) -> dict[str, ParallelStyle]:
+def tensor_parallel_refusal(model: DecoderLM) -> str:
+    """Why the layout does not fit this decoder ("" when it does): a q/k norm over the full
+    width spans every rank's heads, and a learned position table's output is not laid out."""
+    spec = model.spec
+    unplanned = {"q/k norms over the full width": spec.qk_norm == "full"}
+    unplanned["a learned position table"] = spec.positions == "learned"
+    found = [name for name, present in unplanned.items() if present]
+    if not found:
+        return ""
+    return (
+        f"the tensor-parallel layout of {type(model).__name__} does not cover "
+        f"{' or '.join(found)}: use parallelism.tp=1"
+    )
+
+
+def tensor_parallel_layout(
+    model: DecoderLM, projections: Callable[[str], dict[str, ParallelStyle]] | None = None
+) -> dict[str, ParallelStyle]:
+    """The layout of the module docstring; `projections(block)`: the layout of a block's q, k,
+    v projections (None: q_proj, k_proj, v_proj split by column; MPT's fused Wqkv has its
+    own)."""
     sequence_sharded, whole = Shard(1), Replicate()
     spec = model.spec
     tied = spec.tie_word_embeddings
@@ -97,6 +126,8 @@ def tensor_parallel_layout(model: DecoderLM) -> dict[str, ParallelStyle]:
         "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=sequence_sharded),
         "transformer.norm_f": GatheredSequenceParallel() if tied else SequenceParallel(),
     }
+    if spec.positions == "alibi":
+        layout["transformer.masks"] = SelectHeads()
     if not tied:
         layout["lm_head"] = ColwiseParallel(
             input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False
@@ -110,14 +141,17 @@ def tensor_parallel_layout(model: DecoderLM) -> dict[str, ParallelStyle]:
                 input_layouts=(sequence_sharded, None, None, None),
                 desired_input_layouts=(whole, None, None, None),
             ),
-            f"{block}.attn.q_proj": ColwiseParallel(),
-            f"{block}.attn.k_proj": ColwiseParallel(),
-            f"{block}.attn.v_proj": ColwiseParallel(),
+            **(separate_qkv_layout(block) if projections is None else projections(block)),
             f"{block}.attn.out_proj": RowwiseParallel(output_layouts=sequence_sharded),
             f"{block}.norm_2": SequenceParallel(),
         }
         layout |= moe_layout(block) if spec.ffn == "moe" else mlp_layout(block, spec.ffn)
     return layout
+
+
+def separate_qkv_layout(block: str) -> dict[str, ParallelStyle]:
+    """q, k and v split by output column: each rank computes its own heads."""
+    return {f"{block}.attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
 
 
 def mlp_layout(block: str, ffn: str) -> dict[str, ParallelStyle]:
@@ -150,3 +184,16 @@ def moe_layout(block: str) -> dict[str, ParallelStyle]:
             desired_output_layouts=(sequence_sharded,),
         )
     }
+
+
+class SelectHeads(ParallelStyle):
+    """An `AttentionMasks` that describes only this tp rank's heads: [r H/T, (r+1) H/T), so
+    ALiBi's slopes are the ones the whole model gives those heads."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, AttentionMasks):
+            raise TypeError(f"SelectHeads lays out an AttentionMasks, not {type(module).__name__}")
+        per_rank = module.n_heads // device_mesh.size()
+        start = device_mesh.get_local_rank() * per_rank
+        module.select_heads(start, start + per_rank)
+        return module

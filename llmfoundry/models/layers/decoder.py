@@ -232,16 +232,22 @@ def build_ffn(spec: DecoderSpec) -> nn.Module:
     return ffn(spec.d_model, spec.ffn_hidden, spec.ffn_bias, spec.ffn_act)
 
 
+def residual_norm(spec: DecoderSpec) -> nn.Module:
+    """A norm over the residual stream (a block's two, the final one)."""
+    return build_norm(
+        spec.norm, spec.d_model, spec.norm_bias, spec.low_precision_norm, spec.norm_eps
+    )
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm_1(x)), then x + ffn(norm_2(x)), each branch
     through its residual dropout."""
 
     def __init__(self, spec: DecoderSpec, attn: nn.Module) -> None:
         super().__init__()
-        norm = (spec.norm, spec.d_model, spec.norm_bias, spec.low_precision_norm, spec.norm_eps)
-        self.norm_1 = build_norm(*norm)
+        self.norm_1 = residual_norm(spec)
         self.attn = attn
-        self.norm_2 = build_norm(*norm)
+        self.norm_2 = residual_norm(spec)
         self.ffn = build_ffn(spec)
         self.resid_attn_dropout = nn.Dropout(spec.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(spec.resid_pdrop)
@@ -281,8 +287,7 @@ class Decoder(nn.Module):
             spec.n_heads, mask_len, alibi, spec.sliding_window, PREPARE[spec.attn_impl]
         )
         self.blocks = nn.ModuleList(Block(spec, attention()) for _ in range(spec.n_layers))
-        norm = (spec.norm, spec.d_model, spec.norm_bias, spec.low_precision_norm, spec.norm_eps)
-        self.norm_f = build_norm(*norm)
+        self.norm_f = residual_norm(spec)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The token embedding, plus the learned positions' if the model has them."""
