@@ -17,8 +17,8 @@ import torch
 import llmfoundry.models.layers.decoder as decoder_module
 from llmfoundry.distributed.fsdp import FSDP
 from llmfoundry.models.families import build_model
+from llmfoundry.models.generation import new_cache
 from llmfoundry.models.layers.attention import AttentionMask
-from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from tests.models.test_llama import tiny as tiny_llama
 
@@ -84,7 +84,7 @@ def test_decoding_with_a_kv_cache_extends_the_callers_cache(fsdp):
     started the sequence."""
     model = fsdp.prepare(build_model(tiny_llama(), init_device="meta"))
     ids = torch.randint(0, 64, (2, 12))
-    cache = KVCache.for_model(model, 16)
+    cache = new_cache(model, 16)
     with torch.no_grad():
         model(ids[:, :8], cache=cache)
         assert cache.length == 8
