@@ -10,6 +10,7 @@ Inside a package the graph is per module (`import_circles`), with the same impor
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmfoundry"
@@ -35,7 +36,8 @@ def _unit(path: Path) -> str:
     return relative.parts[0].removesuffix(".py")
 
 
-def _imports(path: Path) -> set[tuple[str, int]]:
+@functools.cache  # both checks read every file: parsed once
+def _imports(path: Path) -> frozenset[tuple[str, int]]:
     """(module, line) of every ``llmfoundry`` module the file imports, anywhere in it: for
     ``from a.b import c``, ``a.b.c`` (a module or not: `_module_of` resolves it)."""
     found = set()
@@ -47,7 +49,7 @@ def _imports(path: Path) -> set[tuple[str, int]]:
         else:
             continue
         found |= {(m, node.lineno) for m in modules if m.startswith("llmfoundry.")}
-    return found
+    return frozenset(found)
 
 
 def _imported_units(path: Path) -> set[tuple[str, int]]:
