@@ -153,8 +153,8 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(d, kv_dim, bias=spec.qkv_bias)
             self.v_proj = nn.Linear(d, kv_dim, bias=spec.qkv_bias)
         if spec.qk_norm == "full":  # a LayerNorm whatever `norm` is: llm-foundry's MPT does
-            self.q_ln = LayerNorm(q_dim, spec.norm_bias, spec.low_precision_norm)
-            self.k_ln = LayerNorm(kv_dim, spec.norm_bias, spec.low_precision_norm)
+            norm = (spec.norm_bias, spec.low_precision_norm, spec.norm_eps)
+            self.q_ln, self.k_ln = LayerNorm(q_dim, *norm), LayerNorm(kv_dim, *norm)
         self.out_proj = nn.Linear(q_dim, d, bias=spec.out_bias)
         if spec.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, spec.low_precision_norm, spec.norm_eps)
