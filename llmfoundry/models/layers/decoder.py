@@ -336,8 +336,9 @@ class DecoderLM(nn.Module):
     """The decoder with its output head: `lm_head`, or the token embedding if
     `tie_word_embeddings` (logits = h @ wte.weight^T).
 
-    `config` is the family's config (what checkpoints record); `spec` its `decoder_spec()`.
-    A family's model class subclasses this with a docstring and what is its own.
+    `config` is the family's config (what checkpoints record): its `decoder_spec()` gives
+    `spec`, its `init_device` ("cpu" or "meta") where the weights are made. A family's model
+    class subclasses this with a docstring and what is its own (`make_attention`, say).
     """
 
     def __init__(self, config: Any) -> None:
