@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from llmfoundry.config import ConfigError, check_keys
-from llmfoundry.launch.job import check_foundry_config, check_setup_line, secret_named
+from llmfoundry.launch.clear_text import check_foundry_config, check_setup_line, secret_named
 from llmfoundry.utils.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,20 @@ def _known() -> str:
 
 
 def find_family(config_or_model: Any) -> ModelFamily | None:
-    """The family of a config object or a model (by class); None for your own module."""
-    for family in FAMILIES.values():
-        if isinstance(config_or_model, family.config_class | family.model_class):
-            return family
-    return None
+    """The family of a config object or a model (a family's model class, by its `config`'s
+    class); None for your own module. The most specific family wins: a family whose config
+    subclasses another family's (a Llama variant's config on LlamaConfig) is its own, whatever
+    the order of FAMILIES, and its model may be an instance of the other's model class."""
+    config, model = config_or_model, None
+    if isinstance(config_or_model, nn.Module):
+        config, model = getattr(config_or_model, "config", None), config_or_model
+    found = [
+        f
+        for f in FAMILIES.values()
+        if isinstance(config, f.config_class)
+        and (model is None or isinstance(model, f.model_class))
+    ]
+    return max(found, key=lambda f: len(f.config_class.__mro__), default=None)
 
 
 def family_of(config_or_model: Any) -> ModelFamily:

@@ -56,6 +56,13 @@ PROMPT_SCORE_CHUNK = 256
 GREEDY_BELOW = 1e-5
 
 
+def new_cache(model: CausalLM, max_len: int) -> KVCache:
+    """An empty cache for `model` (any family's) holding up to `max_len` positions: a key/value
+    buffer per layer, or infini-attention's memory where the family keeps one."""
+    recurrent = family_of(model).recurrent_memory(model.config)
+    return KVCache.empty(model.config.n_layers, max_len, recurrent)
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to continue one prompt.
@@ -222,7 +229,7 @@ class Decoder:
                 f"prompt ({prompt_len} tokens) + max_new_tokens is {self.max_len} tokens, more "
                 f"than max_seq_len {limit} (the learned position table); shorten one"
             )
-        self.cache = KVCache.for_model(model, self.max_len) if use_cache else None
+        self.cache = new_cache(model, self.max_len) if use_cache else None
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish_reasons: list[str | None] = [None] * batch
         self.errors: list[str | None] = [None] * batch  # why a row ended with "error"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from llmfoundry.models.custom import user_plan
-from llmfoundry.models.families import FAMILIES
+from llmfoundry.models.families import FAMILIES, find_family
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
@@ -13,10 +13,8 @@ from llmfoundry.utils.errors import UserError
 def find_plan(model: nn.Module) -> ParallelPlan | None:
     """The plan of `model`'s family, or a user module's from its ``fsdp_blocks``
     (llmfoundry/models/custom.py), or None (nothing to apply)."""
-    for family in FAMILIES.values():
-        if isinstance(model, family.model_class):
-            return family.parallelize(model)
-    return user_plan(model)
+    family = find_family(model)
+    return user_plan(model) if family is None else family.parallelize(model)
 
 
 def parallel_plan(model: nn.Module) -> ParallelPlan:

@@ -8,7 +8,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from llmfoundry.callbacks import SpeedMonitor, peak_flops, speed_monitor
-from llmfoundry.models.mpt.model import Block, MPTForCausalLM
+from llmfoundry.models.layers.decoder import Block
+from llmfoundry.models.mpt import MPTForCausalLM
 from llmfoundry.trainer import Callback
 from llmfoundry.utils.logs import configure_logging
 from tests.trainer.conftest import tiny_model, token_batches

@@ -19,6 +19,7 @@ from llmfoundry.distributed.context import (
     load_balanced_index,
 )
 from llmfoundry.models import parallel_plan
+from llmfoundry.models.generation import new_cache
 from llmfoundry.models.layers import flash
 from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
@@ -137,7 +138,7 @@ def _each_rank_logits(model, ids, sequence_id, cache, monkeypatch, cp):
 
 def _one_process(model, ids, sequence_id):
     """The one-process logits, and its keys and values in a cache."""
-    cache = KVCache.for_model(model, SEQ_LEN)
+    cache = new_cache(model, SEQ_LEN)
     whole = model(ids, sequence_id)
     torch.testing.assert_close(model(ids, sequence_id, cache=cache), whole)
     return whole, cache
@@ -206,7 +207,7 @@ def test_infini_attention_refuses_context_parallelism():
 def test_a_rank_builds_the_bias_rows_of_its_queries_only(monkeypatch):
     """The dense kernels' bias for a rank's queries: [.., L / cp, L], never the L x L cache."""
     model = _mpt(attn_impl="torch").eval()
-    cache = KVCache.for_model(model, SEQ_LEN)
+    cache = new_cache(model, SEQ_LEN)
     ids = torch.randint(0, VOCAB, (2, SEQ_LEN))
     with torch.no_grad():
         model(ids, cache=cache)

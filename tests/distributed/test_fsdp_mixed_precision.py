@@ -14,11 +14,11 @@ bf16 run against fp32 is test_fsdp.py's."""
 import pytest
 import torch
 
-import llmfoundry.models.llama.model as llama_model
+import llmfoundry.models.layers.decoder as decoder_module
 from llmfoundry.distributed.fsdp import FSDP
 from llmfoundry.models.families import build_model
+from llmfoundry.models.generation import new_cache
 from llmfoundry.models.layers.attention import AttentionMask
-from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
 from tests.models.test_llama import tiny as tiny_llama
 
@@ -66,9 +66,11 @@ def test_the_attention_bias_is_built_once_per_forward(fsdp, monkeypatch):
 
 def test_rope_rotations_reach_the_blocks_in_float32(fsdp, monkeypatch):
     seen = []
-    rotate = llama_model.apply_rope
+    rotate = decoder_module.apply_rope
     monkeypatch.setattr(
-        llama_model, "apply_rope", lambda x, cos, sin: seen.append(cos.dtype) or rotate(x, cos, sin)
+        decoder_module,
+        "apply_rope",
+        lambda x, cos, sin: seen.append(cos.dtype) or rotate(x, cos, sin),
     )
     model = fsdp.prepare(build_model(tiny_llama(n_layers=N_LAYERS), init_device="meta"))
     with torch.no_grad():
@@ -82,7 +84,7 @@ def test_decoding_with_a_kv_cache_extends_the_callers_cache(fsdp):
     started the sequence."""
     model = fsdp.prepare(build_model(tiny_llama(), init_device="meta"))
     ids = torch.randint(0, 64, (2, 12))
-    cache = KVCache.for_model(model, 16)
+    cache = new_cache(model, 16)
     with torch.no_grad():
         model(ids[:, :8], cache=cache)
         assert cache.length == 8

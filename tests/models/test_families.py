@@ -1,5 +1,6 @@
 """The model-family spec: what build, resume, loading and planning find for each family."""
 
+import dataclasses
 import json
 
 import pytest
@@ -126,3 +127,25 @@ def test_only_the_registry_imports_a_family():
     assert len(FAMILIES) >= 2
     violations = family_imports()
     assert not violations, "\n".join(violations)
+
+
+def test_a_family_whose_config_subclasses_another_s_is_its_own(monkeypatch):
+    """A Llama variant (its config a LlamaConfig subclass, its model Llama's class) registered
+    after Llama is found as itself, not as Llama: by config, by model, for the build and the
+    plan. The lookup was isinstance in dict order, which returned Llama."""
+
+    @dataclasses.dataclass
+    class VariantConfig(LlamaConfig):
+        pass
+
+    variant = dataclasses.replace(FAMILIES["llama"], name="variant", config_class=VariantConfig)
+    monkeypatch.setitem(FAMILIES, "variant", variant)
+    config = VariantConfig(**dataclasses.asdict(llama()))
+    model = build_model(config)
+    assert family_of(config) is variant and family_of(model) is variant
+    assert family_of(llama()) is FAMILIES["llama"]
+    assert family_of(build_model(llama())) is FAMILIES["llama"]
+    plan = variant.parallelize(model)
+    planned = dataclasses.replace(variant, parallelize=lambda m: m is model and plan)
+    monkeypatch.setitem(FAMILIES, "variant", planned)
+    assert parallel_plan(model) is plan

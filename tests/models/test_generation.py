@@ -14,9 +14,9 @@ from llmfoundry.models.generation import (
     apply_repetition_penalty,
     generate,
     left_pad,
+    new_cache,
     sampling_probs,
 )
-from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.mpt.hf import export_to_hf
 from llmfoundry.tokenizers.tokenizer import train_bpe
 
@@ -51,7 +51,7 @@ def test_cache_logits_equal_a_full_forward(variant, attn_impl):
     model = tiny(attn_impl=attn_impl, **VARIANTS[variant])
     ids = torch.randint(0, VOCAB, (2, 23))
     full = model(ids)
-    cache = KVCache.for_model(model, 23)
+    cache = new_cache(model, 23)
     pieces = [model(ids[:, a:b], cache=cache) for a, b in [(0, 6), (6, 7), (7, 15), (15, 23)]]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
 
@@ -86,7 +86,7 @@ def test_infini_cache_carries_the_memory_across_segments():
     other[0, 0] = 49  # differs only in the first segment
     last = model(other)[0, -1]
     assert not torch.allclose(model(base)[0, -1], last, atol=1e-3)
-    cache = KVCache.for_model(model, 13)
+    cache = new_cache(model, 13)
     for t in range(13):
         step = model(other[:, t : t + 1], cache=cache)[0, -1]
     torch.testing.assert_close(step, last, rtol=0, atol=2e-5)
@@ -308,7 +308,7 @@ def test_model_mode_restored_and_bad_input_refused():
     with pytest.raises(ValueError, match="cannot be padded"):
         Decoder(tiny(infini=dict(segment_len=4)), *left_pad(PROMPTS[:2]))
     with pytest.raises(ValueError, match="KV cache holds 3 positions"):
-        model(torch.tensor([[1, 2, 3, 4]]), cache=KVCache.for_model(model, 3))
+        model(torch.tensor([[1, 2, 3, 4]]), cache=new_cache(model, 3))
 
 
 @pytest.mark.parametrize("n_heads", [4, 3])

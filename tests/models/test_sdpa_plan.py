@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmfoundry.distributed.parallelize import apply_compile
 from llmfoundry.models import MPTConfig, MPTForCausalLM
+from llmfoundry.models.generation import new_cache
 from llmfoundry.models.layers import attention
 from llmfoundry.models.layers.attention import (
     AttentionMasks,
@@ -16,7 +17,6 @@ from llmfoundry.models.layers.attention import (
     torch_attention,
 )
 from llmfoundry.models.layers.kernels import record_kernels
-from llmfoundry.models.layers.kv_cache import KVCache
 from llmfoundry.models.layers.position import ALiBi
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -186,7 +186,7 @@ def test_plain_decoding_builds_no_bias():
     bias: none is built, so both can run SDPA's flash kernel on CUDA."""
     model = _models()["llama"]
     ids = torch.randint(0, 101, (2, 9))
-    cache = KVCache.for_model(model, 16)
+    cache = new_cache(model, 16)
     with record_kernels(model) as ran:
         model(ids[:, :8], cache=cache)
         model(ids[:, 8:], cache=cache)

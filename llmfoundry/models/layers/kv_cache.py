@@ -155,7 +155,8 @@ class KVCache:
 
     `sequence_id` [B, length] (None: no document masking, e.g. no padding) covers every cached
     position; a forward with the cache passes the new tokens' ids and the model attends with the
-    concatenation. Make one per batch with `KVCache.for_model(model, max_len)`.
+    concatenation. Make one per batch with `KVCache.empty(n_layers, max_len, recurrent)`
+    (for a model: `llmfoundry.models.generation.new_cache(model, max_len)`).
     """
 
     layers: list[LayerKV | InfiniState]
@@ -164,14 +165,11 @@ class KVCache:
     sequence_id: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_len: int) -> KVCache:
-        """An empty cache for `model` (any family's) holding up to `max_len` positions: one
-        key/value buffer per layer, or infini-attention's memory where the family keeps one."""
-        from llmfoundry.models.families import family_of  # the families import this module
-
-        infini = family_of(model).recurrent_memory(model.config)
-        n_layers = model.config.n_layers
-        layers = [InfiniState() if infini else LayerKV(max_len) for _ in range(n_layers)]
+    def empty(cls, n_layers: int, max_len: int, recurrent: bool = False) -> KVCache:
+        """An empty cache of `n_layers` layers holding up to `max_len` positions: one key/value
+        buffer per layer, or, `recurrent`, infini-attention's memory (its caller asks the
+        model's family: `llmfoundry.models.generation.new_cache`)."""
+        layers = [InfiniState() if recurrent else LayerKV(max_len) for _ in range(n_layers)]
         return cls(layers, max_len)
 
     def select(self, rows: torch.Tensor) -> None:

@@ -6,7 +6,7 @@
 - RoPE (`RotaryEmbedding`, `apply_rope`; `rope_inv_freq` with Llama 3.1's `RopeScaling` or
   `LinearRopeScaling`): a rotation of queries and keys by their positions, which the family's
   attention applies before the kernel. Llama's, and MPT's with `rope=true`.
-- A learned position table is a family's own `nn.Embedding` (MPT's `learned_pos_emb`).
+- A learned position table is the decoder's `transformer.wpe` (decoder.py; MPT's `learned_pos_emb`).
 
 A family picks by its config (MPT's `alibi`, `alibi_bias_max`, `learned_pos_emb`, `rope`; Llama's
 `rope_theta`, `rope_scaling`); nothing here names a family. `positions_in_document` numbers the

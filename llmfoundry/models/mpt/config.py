@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from llmfoundry.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from llmfoundry.models.layers.decoder import DecoderSpec
 
 INIT_DEVICES = ("cpu", "meta")
 SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "expansion_ratio", "max_seq_len", "vocab_size")
@@ -217,6 +220,52 @@ class MPTConfig:
             )
         if not isinstance(self.compile, bool):
             raise UserError(f"MPTConfig.compile must be true or false, got {self.compile!r}")
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The shared decoder this config describes (llmfoundry/models/layers/decoder.py):
+        fused [q | k | v], biases everywhere unless `no_bias`, q/k LayerNorms over the full
+        width, LayerNorm eps 1e-5, and a causal bias cache of max_seq_len positions."""
+        # The decoder loads torch: imported here, so the config check reads fields without it.
+        from llmfoundry.models.layers.decoder import DecoderSpec
+        from llmfoundry.models.layers.position import LinearRopeScaling
+
+        bias = not self.no_bias
+        positions = "alibi" if self.alibi else "rope" if self.rope else "learned"
+        scaling = self.rope_linear_scaling
+        return DecoderSpec(
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            n_heads=self.n_heads,
+            n_kv_heads=self.kv_n_heads,
+            head_dim=self.d_model // self.n_heads,
+            qkv_fused=True,
+            qkv_bias=bias,
+            out_bias=bias,
+            qk_norm="full" if self.qk_ln else None,
+            clip_qkv=self.clip_qkv,
+            softmax_scale=self.softmax_scale,
+            positions=positions,
+            rope_theta=self.rope_theta,
+            rope_scaling=None if scaling is None else LinearRopeScaling(scaling),
+            alibi_bias_max=self.alibi_bias_max,
+            sliding_window=self.sliding_window,
+            norm=self.norm_type,
+            norm_bias=bias,
+            low_precision_norm=self.low_precision_layernorm,
+            ffn=self.ffn_type,
+            ffn_hidden=self.expansion_ratio * self.d_model,
+            ffn_act=self.ffn_act,
+            ffn_bias=bias,
+            tie_word_embeddings=self.tie_word_embeddings,
+            emb_pdrop=self.emb_pdrop,
+            resid_pdrop=self.resid_pdrop,
+            attn_pdrop=self.attn_pdrop,
+            attn_impl=self.attn_impl,
+            init_std=self.init_std,
+            mask_cache_len=self.max_seq_len,
+        )
 
     def _check_positions(self) -> None:
         """Exactly one source of positions: alibi, learned_pos_emb or rope."""

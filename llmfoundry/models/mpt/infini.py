@@ -27,18 +27,27 @@ get wrong, made explicit here:
 
 Key/value heads may be grouped (kv_n_heads < n_heads): each kv head has one memory, read by its
 group of query heads, each with its own gate.
+
+`InfiniAttention` (at the end) is the shared decoder's Attention with this recurrence as its
+kernel; MPT's model installs it in every block when its config has `infini`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from llmfoundry.models.layers.attention import AttentionMask
+from llmfoundry.models.layers.decoder import Attention, DecoderSpec
 from llmfoundry.models.layers.kv_cache import InfiniState
 from llmfoundry.models.layers.position import positions_in_document
+
+if TYPE_CHECKING:
+    from llmfoundry.models.mpt.config import InfiniConfig
 
 LocalFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
 
@@ -380,3 +389,49 @@ def infini_attention_step(
         outputs.append(gated(gate, a_mem.reshape(batch, n_heads, end - start, -1), a_dot))
         start = end
     return torch.cat(outputs, dim=2)
+
+
+class InfiniAttention(Attention):
+    """Attention with infini-attention's compressive memory across segments (`MPTConfig.infini`).
+
+    The projections are Attention's; `gate` holds each head's mixing logit beta, in its own
+    optimizer group (its own lr, no weight decay: `own_param_groups`, read by
+    `llmfoundry.optim.build_param_groups`). With a cache (decoding), the cache is the layer's
+    `InfiniState`, stepped by `infini_attention_step`.
+    """
+
+    def __init__(self, spec: DecoderSpec, infini: InfiniConfig) -> None:
+        super().__init__(spec)
+        self.infini = infini
+        self.gate = nn.Parameter(torch.empty(spec.n_heads))
+        overrides = {"weight_decay": 0.0}
+        if infini.gate_lr is not None:
+            overrides["lr"] = infini.gate_lr
+        self.own_param_groups = {"gate": ("infini_gate", overrides)}
+
+    def kernel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        cfg = self.infini
+        return infini_attention(
+            q, k, v, mask, self.gate, cfg.segment_len, cfg.update, cfg.eps, cfg.truncate_every,
+            local=super().kernel,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        rope: None = None,  # MPTConfig refuses rope with infini
+        cache: InfiniState | None = None,
+    ) -> torch.Tensor:
+        if cache is None:
+            return super().forward(x, mask)
+        q, k, v = self.project(x)
+        cfg = self.infini
+        y = infini_attention_step(
+            q, k, v, mask, self.gate, cfg.segment_len, cfg.update, cfg.eps,
+            local=super().kernel, state=cache,
+        )  # fmt: skip
+        batch, _, q_len, _ = q.shape
+        return self.out_proj(y.transpose(1, 2).reshape(batch, q_len, -1))

@@ -8,13 +8,11 @@ head unless `tie_word_embeddings=false`, stays with the root: it is used at both
 forward. Split into pipeline stages, the first stage embeds and the last applies the final norm
 and the head, so with a tied head both hold the token embedding (`tied`).
 
-Tensor parallel: Llama's layout (Megatron's, with sequence parallelism; see
-models/llama/parallelize.py), the MLP's up projection split by column and its down projection
-by row (a GLU's gate projection by column, as its up projection), out_proj by row, norms and
-the residual stream split by sequence position, the embedding by vocabulary row; a tied head
-gets the final norm's output gathered over the sequence (`GatheredSequenceParallel`), an untied
-`lm_head` is split by vocabulary column as Llama's. RoPE needs no layout: each rank's attention
-rotates its own heads with the whole sequence's angles. Two things are MPT's own:
+Pipeline stages and tensor parallelism are the shared decoder's (models/decoder_plan.py):
+Megatron's layout with sequence parallelism, ALiBi's slopes per rank's heads, a tied head fed
+the final norm's output gathered over the sequence, an untied `lm_head` split by vocabulary
+column. RoPE needs no layout: each rank's attention rotates its own heads with the whole
+sequence's angles. MPT's own is its projections' layout:
 
 - The fused Wqkv. Split by output column like any colwise linear (`Shard(0)` of its
   [q | k | v] rows), rank r computes a contiguous slice of [q | k | v] that cuts across q, k
@@ -29,8 +27,6 @@ rotates its own heads with the whole sequence's angles. Two things are MPT's own
   rows are [q_r; k_r; v_r] of the whole weight), is not usable with torch 2.13: FSDP2 sharding
   over it gathers a wrong whole tensor and DCP refuses its chunks as overlapping (probed on 2 x
   2 gloo processes).
-- ALiBi: each rank's mask describes only its heads (`AttentionMasks.select_heads`), so their
-  slopes are the ones the whole model gives those heads.
 
 `qk_ln` (a norm over every head's width), infini-attention (a gate per head) and a learned
 position table are not in the layout: with them `parallelism.tp>1` is refused in one line.
@@ -39,68 +35,16 @@ position table are not in the layout: with them `parallelism.tp>1` is refused in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from llmfoundry.models.layers.attention import AttentionMasks, compute_dtype
-from llmfoundry.models.layers.kv_cache import Keys, attend_over
-from llmfoundry.models.layers.position import token_positions
+from llmfoundry.models import decoder_plan
 from llmfoundry.models.mpt.config import MPTConfig
 from llmfoundry.models.mpt.model import MPTForCausalLM
-from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
+from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
-
-
-def pipeline_stage_forward(
-    model: MPTForCausalLM,
-    inputs: torch.Tensor,
-    sequence_id: torch.Tensor | None = None,
-    *,
-    seq_len: int,
-    first: bool,
-    last: bool,
-    keys: Keys | None = None,
-) -> torch.Tensor:
-    """`MPTModel.forward` and the head, for one stage (`PipelineSplit.forward`); the blocks the
-    stage does not hold pass their input through. `keys`: as the model's `cache` (a
-    context-parallel rank's; `seq_len` is then this rank's part of the sequence)."""
-    transformer = model.transformer
-    sequence_id, queries, k_len = attend_over(keys, sequence_id, seq_len, inputs.device)
-    positions = token_positions(sequence_id, seq_len, k_len, queries, inputs.device)
-    x = transformer.embed(inputs, positions) if first else inputs
-    rope = None if transformer.rope is None else transformer.rope(positions)
-    mask = transformer.masks(sequence_id, x.device, compute_dtype(x), (seq_len, k_len), queries)
-    layers = [None] * len(transformer.blocks) if keys is None else keys.layers
-    for block, layer_keys in zip(transformer.blocks, layers, strict=True):
-        x = block(x, mask, layer_keys, rope)
-    if not last:
-        return x
-    h = transformer.norm_f(x)
-    if model.config.tie_word_embeddings:
-        return F.linear(h, transformer.wte.weight)
-    return model.lm_head(h)
-
-
-def _pipeline(tied: bool) -> PipelineSplit:
-    """The first stage embeds, the last holds the final norm and the head (the token embedding
-    when tied: then both ends hold it)."""
-    first = ("transformer.wpe", "transformer.emb_drop")
-    return PipelineSplit(
-        first=first if tied else (*first, "transformer.wte"),
-        last=("transformer.norm_f",) if tied else ("transformer.norm_f", "lm_head"),
-        tied=("transformer.wte",) if tied else (),
-        forward=pipeline_stage_forward,
-    )
 
 
 def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
@@ -109,7 +53,7 @@ def parallelize_plan(model: MPTForCausalLM) -> ParallelPlan:
     return ParallelPlan(
         blocks=list(model.transformer.blocks),
         compile=cfg.compile,
-        pipeline=_pipeline(cfg.tie_word_embeddings),
+        pipeline=decoder_plan.pipeline_split(model),
         tensor_parallel=None if refusal else tensor_parallel_layout(model),
         tp_divides={
             "n_heads": cfg.n_heads,
@@ -148,39 +92,13 @@ def _tensor_parallel_refusal(cfg: MPTConfig) -> str:
 
 
 def tensor_parallel_layout(model: MPTForCausalLM) -> dict[str, ParallelStyle]:
+    """The shared decoder's layout (models/decoder_plan.py) with the fused Wqkv split by head."""
     cfg = model.config
-    sequence_sharded, whole = Shard(1), Replicate()
     kv_dim = cfg.kv_n_heads * (cfg.d_model // cfg.n_heads)
-    tied = cfg.tie_word_embeddings
-    layout: dict[str, ParallelStyle] = {
-        "transformer.wte": RowwiseParallel(input_layouts=whole, output_layouts=sequence_sharded),
-        "transformer.masks": SelectHeads(),
-        "transformer.norm_f": GatheredSequenceParallel() if tied else SequenceParallel(),
-    }
-    if not tied:  # Llama's untied head: split by vocabulary column, logits left sharded
-        layout["lm_head"] = ColwiseParallel(
-            input_layouts=sequence_sharded, output_layouts=Shard(-1), use_local_output=False
-        )
-    ffn = ("gate_proj", "up_proj") if cfg.ffn_type == "glu" else ("up_proj",)
-    for index in range(len(model.transformer.blocks)):
-        block = f"transformer.blocks.{index}"
-        layout |= {
-            f"{block}.norm_1": SequenceParallel(),
-            # attn(x, mask, cache, rope): only x is laid out (gathered over the sequence).
-            f"{block}.attn": PrepareModuleInput(
-                input_layouts=(sequence_sharded, None, None, None),
-                desired_input_layouts=(whole, None, None, None),
-            ),
-            f"{block}.attn.Wqkv": ColwiseByHead((cfg.d_model, kv_dim, kv_dim)),
-            f"{block}.attn.out_proj": RowwiseParallel(output_layouts=sequence_sharded),
-            f"{block}.norm_2": SequenceParallel(),
-            f"{block}.ffn": PrepareModuleInput(
-                input_layouts=(sequence_sharded,), desired_input_layouts=(whole,)
-            ),
-            **{f"{block}.ffn.{name}": ColwiseParallel() for name in ffn},
-            f"{block}.ffn.down_proj": RowwiseParallel(output_layouts=sequence_sharded),
-        }
-    return layout
+    widths = (cfg.d_model, kv_dim, kv_dim)
+    return decoder_plan.tensor_parallel_layout(
+        model, lambda block: {f"{block}.attn.Wqkv": ColwiseByHead(widths)}
+    )
 
 
 class ColwiseByHead(ColwiseParallel):
@@ -253,15 +171,3 @@ class _PartsExchange:
 
 def _length(span: tuple[int, int]) -> int:
     return span[1] - span[0]
-
-
-class SelectHeads(ParallelStyle):
-    """An `AttentionMasks` that describes only this tp rank's heads: [r H/T, (r+1) H/T)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, AttentionMasks):
-            raise TypeError(f"SelectHeads lays out an AttentionMasks, not {type(module).__name__}")
-        per_rank = module.n_heads // device_mesh.size()
-        start = device_mesh.get_local_rank() * per_rank
-        module.select_heads(start, start + per_rank)
-        return module
