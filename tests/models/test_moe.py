@@ -5,11 +5,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from torch.utils.checkpoint import checkpoint
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralSparseMoeBlock,
+    load_balancing_loss_func,
+)
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.switch_transformers.modeling_switch_transformers import (
+    router_z_loss_func,
+)
 
-from llmfoundry.models.layers.moe import GroupedExperts, MoE, MoESpec, grouped_mm_runs
+from llmfoundry.models.layers.moe import (
+    GroupedExperts,
+    MoE,
+    MoESpec,
+    RouterLosses,
+    RouterLossMeter,
+    grouped_mm_runs,
+    router_losses,
+)
 from llmfoundry.utils.errors import UserError
 
 D = 16
@@ -218,3 +233,79 @@ def test_training_forward_keeps_router_stats():
 def test_moe_spec_refuses_bad_numbers(fields, message):
     with pytest.raises(UserError, match=message):
         MoESpec(**{"n_experts": 4, "top_k": 2, "expert_hidden": 8, **fields})
+
+
+def _layers(n: int, spec: MoESpec) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(MoE(D, spec) for _ in range(n))
+    with torch.no_grad():
+        for layer in layers:  # logits far from uniform, so the loads differ
+            layer.router.gate.weight.mul_(4)
+    return layers
+
+
+def test_router_losses_equal_transformers():
+    """Over two layers (transformers concatenates every layer's logits): the load-balancing loss
+    equals load_balancing_loss_func and the z-loss switch_transformers' router_z_loss_func,
+    values and the router's gradients."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=1, z_loss_weight=1)
+    layers = _layers(2, spec)
+    xs = [torch.randn(3, 5, D), torch.randn(3, 5, D)]
+    for layer, x in zip(layers, xs, strict=True):
+        layer(x)
+    ours = router_losses(layers)
+    logits = [layer.router.gate(x.reshape(-1, D)) for layer, x in zip(layers, xs, strict=True)]
+    theirs_aux = load_balancing_loss_func(tuple(logits), num_experts=4, top_k=2)
+    theirs_z = router_z_loss_func(torch.cat(logits)[None])
+    _close(ours.aux, theirs_aux)
+    _close(ours.z, theirs_z)
+    assert ours.counts.tolist() != [[15] * 4] * 2 and ours.counts.sum() == 2 * 15 * 2
+    weights = [layer.router.gate.weight for layer in layers]
+    for ours_loss, theirs_loss in ((ours.aux, theirs_aux), (ours.z, theirs_z)):
+        got = torch.autograd.grad(ours_loss, weights, retain_graph=True)
+        expected = torch.autograd.grad(theirs_loss, weights, retain_graph=True)
+        for g, e in zip(got, expected, strict=True):
+            _close(g, e)
+
+
+def test_meter_weights_losses_and_averages_metrics():
+    """loss() adds aux_loss_weight * aux + z_loss_weight * z and reads each forward once;
+    metrics() averages the forwards since the last call and starts over."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.01, z_loss_weight=1e-3)
+    layers = _layers(2, spec)
+    meter = RouterLossMeter(spec)
+    seen = []
+    for _ in range(2):
+        for layer in layers:
+            layer(torch.randn(2, 6, D))
+        losses = router_losses(layers)
+        seen.append(RouterLosses(losses.aux.detach(), losses.z.detach(), losses.counts))
+        _close(meter.loss(layers), 0.01 * losses.aux + 1e-3 * losses.z)
+        assert meter.loss(layers) is None  # read once
+    metrics = {key: float(value) for key, value in meter.metrics().items()}
+    counts = (seen[0].counts + seen[1].counts).float()
+    imbalance = counts.amax(-1) / counts.mean(-1)
+    assert metrics == pytest.approx(
+        {
+            "train/moe_aux_loss": float(seen[0].aux + seen[1].aux) / 2,
+            "train/moe_z_loss": float(seen[0].z + seen[1].z) / 2,
+            "train/moe_load_imbalance": float(imbalance.mean()),
+            "train/moe_load_imbalance_max": float(imbalance.max()),
+        }
+    )
+    assert metrics["train/moe_load_imbalance_max"] > 1
+    assert meter.metrics() == {}
+
+
+def test_router_loss_gradients_survive_activation_checkpointing():
+    """The stats a checkpointed forward keeps still carry the router's gradient (the repo's
+    activation checkpointing is non-reentrant)."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.1, z_loss_weight=0.1)
+    x = torch.randn(2, 6, D)
+    grads = []
+    for checkpointed in (False, True):
+        layers = _layers(1, spec)
+        out = checkpoint(layers[0], x, use_reentrant=False) if checkpointed else layers[0](x)
+        (out.square().mean() + RouterLossMeter(spec).loss(layers)).backward()
+        grads.append(layers[0].router.gate.weight.grad)
+    _close(grads[1], grads[0])

@@ -2,9 +2,10 @@
 
 Read top to bottom: `MoESpec` (the numbers), `GroupedExperts` (E SwiGLU experts as three stacked
 weights, one grouped matrix multiply per projection), `Router` (a linear layer to E logits),
-`MoE` (route, sort the token copies by expert, run the experts, weight, add back), and the
-router losses (`router_losses`: the load-balancing loss in transformers' form and ST-MoE's
-z-loss over every MoE layer's last forward).
+`MoE` (route, sort the token copies by expert, run the experts, weight, add back), the router
+losses (`router_losses`: the load-balancing loss in transformers' form and ST-MoE's z-loss over
+every MoE layer's last training forward) and `RouterLossMeter`, through which a model adds them
+to its loss and logs them.
 
 Routing is dropless: every token goes to its top_k experts whatever the load; the experts see
 their token copies as one sorted [N, d] tensor and a count per expert, which is the seam expert
@@ -19,12 +20,14 @@ GEMM and the libraries that do (megablocks, grouped_gemm) are CUDA-only builds.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.models.layers.ffn import GLU
 from llmfoundry.utils.errors import UserError
 
@@ -244,3 +247,85 @@ class MoE(nn.Module):
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.spec.z_loss_weight > 0):
             z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
         return RouterStats(counts.detach(), prob_sum, z_sum, rows=logits.shape[0])
+
+
+# --- the router losses ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    """The unweighted router losses of one training forward over all its MoE layers."""
+
+    aux: torch.Tensor  # [] load balancing: n_experts * sum_e load_e * mean_prob_e (k when even)
+    z: torch.Tensor  # [] mean over tokens and layers of logsumexp(router logits)^2
+    counts: torch.Tensor  # [layers, E] int64: token copies each layer's experts got
+
+
+def router_losses(layers: Iterable[MoE]) -> RouterLosses | None:
+    """The losses over the MoE layers' last training forward (None when none kept stats).
+
+    As transformers computes them (`load_balancing_loss_func`, switch_transformers'
+    `router_z_loss_func`) over the concatenation of every layer's router logits: the load
+    (fraction of tokens sent to each expert, top-k choices counted) and the mean router
+    probability are averaged over all layers' tokens before their product is summed, so
+    Mixtral's and Qwen3-MoE's `router_aux_loss_coef` means the same here."""
+    stats = [layer.stats for layer in layers if layer.stats is not None]
+    if not stats:
+        return None
+    rows = sum(s.rows for s in stats)
+    counts = torch.stack([s.counts for s in stats])
+    load = counts.sum(dim=0).float() / rows
+    mean_prob = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
+    aux = load.numel() * (load * mean_prob).sum()
+    z = torch.stack([s.z_sum for s in stats]).sum() / rows
+    return RouterLosses(aux, z, counts)
+
+
+class RouterLossMeter:
+    """What a model with MoE layers adds to its loss, and logs.
+
+    `loss(model)`, called by the model's loss after each training forward, returns the weighted
+    router losses to add (so under gradient accumulation each microbatch's router losses are
+    weighted as its next-token loss is) and sums them and the expert loads on the device;
+    `metrics()` returns the means since the last call as `DeviceScalar`s and starts over, so
+    the loads cost no host sync until a logger writes them (one for all, `read_all`)."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        self.spec = spec
+        self._sums: torch.Tensor | None = None  # [2]: aux, z summed over forwards
+        self._counts: torch.Tensor | None = None  # [layers, E] summed over forwards
+        self._forwards = 0
+
+    def loss(self, model: nn.Module) -> torch.Tensor | None:
+        """The weighted router losses of the training forward just run (None after an eval
+        forward); each layer's stats are read once."""
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        losses = router_losses(layers)
+        for layer in layers:
+            layer.stats = None
+        if losses is None:
+            return None
+        sums = torch.stack([losses.aux, losses.z]).detach()
+        if self._sums is None or self._counts is None:
+            self._sums, self._counts = sums, losses.counts
+        else:
+            self._sums, self._counts = self._sums + sums, self._counts + losses.counts
+        self._forwards += 1
+        return self.spec.aux_loss_weight * losses.aux + self.spec.z_loss_weight * losses.z
+
+    def metrics(self) -> dict[str, DeviceScalar]:
+        """train/moe_aux_loss and train/moe_z_loss (unweighted, mean over the forwards since
+        the last call), and the expert load imbalance: max / mean token copies per expert,
+        1 when even, averaged over layers and the worst layer's."""
+        if self._sums is None or self._counts is None:
+            return {}
+        means = self._sums / self._forwards
+        counts = self._counts.float()
+        imbalance = counts.amax(dim=-1) / counts.mean(dim=-1)
+        self._sums, self._counts, self._forwards = None, None, 0
+        return {
+            "train/moe_aux_loss": DeviceScalar(means[0]),
+            "train/moe_z_loss": DeviceScalar(means[1]),
+            "train/moe_load_imbalance": DeviceScalar(imbalance.mean()),
+            "train/moe_load_imbalance_max": DeviceScalar(imbalance.max()),
+        }
