@@ -12,14 +12,14 @@ their token copies as one sorted [N, d] tensor and a count per expert, which is 
 parallelism cuts at (it moves the sorted copies to the ranks owning their experts and back).
 
 The grouped multiply is `torch._grouped_mm` where it runs (its row strides must be multiples of
-16 bytes, and each device and dtype is tried once against the loop it replaces); elsewhere a
-loop over the experts computes the same thing. Hand-written because torch has no public grouped
+16 bytes, each device and dtype is tried once against the loop it replaces, and under
+torch.compile only bfloat16 traces); elsewhere a loop over the experts computes the same thing
+(reading the counts on the host). bfloat16 MoE blocks compile whole (fullgraph, 2.13). Hand-written because torch has no public grouped
 GEMM and the libraries that do (megablocks, grouped_gemm) are CUDA-only builds.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -82,10 +82,20 @@ def _rows_aligned(width: int, dtype: torch.dtype) -> bool:
     return width * dtype.itemsize % 16 == 0
 
 
-@functools.cache
+_GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile reads the answer, not the probe
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward on this device and dtype and equals
     a loop of matmuls there: tried once (CUDA before sm90 and some builds lack it)."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _grouped_mm_probe(device_type, dtype)
+    return _GROUPED_MM_RUNS[key]
+
+
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     generator = torch.Generator().manual_seed(0)
@@ -149,6 +159,8 @@ class GroupedExperts(nn.Module):
         hidden = self.w_gate.shape[1]
         return (
             x.dtype == self.w_gate.dtype
+            # torch.compile's shape function for _grouped_mm takes bfloat16 only (2.11, 2.13)
+            and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
             and _rows_aligned(x.shape[-1], x.dtype)
             and _rows_aligned(hidden, x.dtype)
             and grouped_mm_runs(x.device.type, x.dtype)
