@@ -69,6 +69,17 @@ def test_grouped_experts_fall_back_on_unaligned_rows():
     _close(experts(x, torch.tensor([1, 2])), experts.looped(x, torch.tensor([1, 2])))
 
 
+@pytest.mark.parametrize("std", [0.5, None])
+def test_grouped_experts_init_per_expert(std):
+    """N(0, std), or kaiming-normal with each expert's fan_in (d for w_gate, hidden for w_down)."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 64, 256)
+    experts.init_weights(std)
+    for weight, fan_in in ((experts.w_gate, 64), (experts.w_down, 256)):
+        expected = std if std is not None else (2 / fan_in) ** 0.5
+        assert weight.std().item() == pytest.approx(expected, rel=0.02)
+
+
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: softmax, top-k, renormalise, the weighted sum of the chosen experts."""
     spec, experts = moe.spec, moe.experts

@@ -143,6 +143,14 @@ class GroupedExperts(nn.Module):
             bound = weight.shape[-1] ** -0.5
             nn.init.uniform_(weight, -bound, bound)
 
+    @torch.no_grad()
+    def init_weights(self, std: float | None) -> None:
+        """As a model initialises its nn.Linear weights, per expert: N(0, std), or without a
+        std kaiming-normal over each expert's fan_in (torch's kaiming_normal_ would read a 3-d
+        weight's fan_in as E-wide convolution channels)."""
+        for weight in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(weight, std=(2 / weight.shape[-1]) ** 0.5 if std is None else std)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, d]: token copies sorted by expert, counts [E_local] (int64, sum N) -> [N, d]."""
         if self._grouped(x):
@@ -259,6 +267,18 @@ class MoE(nn.Module):
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.spec.z_loss_weight > 0):
             z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
         return RouterStats(counts.detach(), prob_sum, z_sum, rows=logits.shape[0])
+
+
+def pipeline_refusal(spec: MoESpec) -> str:
+    """Why a model with these MoE layers cannot train as pipeline stages, "" when it can: the
+    router losses are taken over every layer's routing of a microbatch at its loss, and a
+    pipeline stage passes on only its activations (`ParallelPlan.pipeline_refusal`)."""
+    if spec.aux_loss_weight > 0 or spec.z_loss_weight > 0:
+        return (
+            "the MoE router losses (aux_loss_weight, z_loss_weight > 0) need every stage's "
+            "routing at the loss, which pipeline stages do not pass on; set both to 0"
+        )
+    return ""
 
 
 # --- the router losses ----------------------------------------------------------------------
