@@ -329,8 +329,9 @@ class RouterLossMeter:
         self._forwards = 0
 
     def loss(self, model: nn.Module) -> torch.Tensor | None:
-        """The weighted router losses of the training forward just run (None after an eval
-        forward); each layer's stats are read once."""
+        """The weighted router losses of the training forward just run; None after an eval
+        forward, or when both weights are 0 (nothing added, not even 0 * an overflowed z).
+        Each layer's stats are read once."""
         layers = [m for m in model.modules() if isinstance(m, MoE)]
         losses = router_losses(layers)
         for layer in layers:
@@ -343,7 +344,15 @@ class RouterLossMeter:
         else:
             self._sums, self._counts = self._sums + sums, self._counts + losses.counts
         self._forwards += 1
-        return self.spec.aux_loss_weight * losses.aux + self.spec.z_loss_weight * losses.z
+        weighted = [
+            weight * loss
+            for weight, loss in (
+                (self.spec.aux_loss_weight, losses.aux),
+                (self.spec.z_loss_weight, losses.z),
+            )
+            if weight > 0
+        ]
+        return sum(weighted[1:], weighted[0]) if weighted else None
 
     def metrics(self) -> dict[str, DeviceScalar]:
         """train/moe_aux_loss and train/moe_z_loss (unweighted, mean over the forwards since
