@@ -465,3 +465,40 @@ def test_training_reads_the_expert_loads_only_when_it_logs(tmp_path):
     records = [r.get("metrics", {}) for _, r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
     aux = [r["train/moe_aux_loss"] for r in records if "train/moe_aux_loss" in r]
     assert len(aux) == 4 and all(2 * 0.99 < a < 2 * 3 for a in aux)  # top 2 of 3: >= k
+
+
+def test_gradient_accumulation_weights_each_microbatchs_router_losses_as_its_loss(tmp_path):
+    """With two microbatches the trainer's step is SGD on sum_i share_i * (CE_i + router_i),
+    share_i microbatch i's fraction of the loss tokens: each microbatch's router losses taken
+    over its own tokens and weighted as its next-token loss (not one router loss over the
+    whole batch, which differs: the load-balancing loss is a product of batch means)."""
+    spec = dataclasses.replace(MOE, aux_loss_weight=1.0, z_loss_weight=0.1)
+    model = moe_decoder(moe=spec)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :10] = -100  # position t predicts label t + 1: 6 and 15 of the 21 loss tokens
+    batch = {"input_ids": ids, "labels": labels}
+
+    def stepped(losses) -> list[torch.Tensor]:
+        reference = moe_decoder(moe=spec)
+        total = sum(w * reference.loss(reference(r), r) for w, r in losses(batch))
+        total.backward()
+        return [(p - 0.1 * p.grad).detach() for p in reference.parameters()]
+
+    def per_microbatch(batch):
+        for row, share in ((0, 6 / 21), (1, 15 / 21)):
+            yield share, {k: v[row : row + 1] for k, v in batch.items()}
+
+    Trainer(
+        model=model,
+        train_dataloader=[batch],
+        max_duration="1ba",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        precision="fp32",
+        device_train_microbatch_size=1,
+        run_dir=tmp_path,
+    ).fit()
+    for got, expected in zip(model.parameters(), stepped(per_microbatch), strict=True):
+        _close(got, expected)
+    whole = list(stepped(lambda batch: [(1.0, batch)]))
+    assert not all(torch.allclose(g, e) for g, e in zip(model.parameters(), whole, strict=True))
