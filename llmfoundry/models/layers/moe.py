@@ -320,7 +320,9 @@ class RouterLossMeter:
     router losses to add (so under gradient accumulation each microbatch's router losses are
     weighted as its next-token loss is) and sums them and the expert loads on the device;
     `metrics()` returns the means since the last call as `DeviceScalar`s and starts over, so
-    the loads cost no host sync until a logger writes them (one for all, `read_all`)."""
+    the loads cost no host sync until a logger writes them (one for all, `read_all`). They are
+    this rank's tokens. Under pipeline parallelism (router loss weights 0, `pipeline_refusal`)
+    the loss runs on the last stage only, so they cover that stage's layers."""
 
     def __init__(self, spec: MoESpec) -> None:
         self.spec = spec
