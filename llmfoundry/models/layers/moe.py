@@ -13,9 +13,10 @@ parallelism cuts at (it moves the sorted copies to the ranks owning their expert
 
 The grouped multiply is `torch._grouped_mm` where it runs (its row strides must be multiples of
 16 bytes, each device and dtype is tried once against the loop it replaces, and under
-torch.compile only bfloat16 traces); elsewhere a loop over the experts computes the same thing
-(reading the counts on the host). bfloat16 MoE blocks compile whole (fullgraph, 2.13). Hand-written because torch has no public grouped
-GEMM and the libraries that do (megablocks, grouped_gemm) are CUDA-only builds.
+torch.compile only bfloat16 traces: such a block compiles whole); elsewhere a loop over the
+experts computes the same thing (reading the counts on the host). Hand-written because torch
+has no public grouped GEMM and the libraries that have one (megablocks, grouped_gemm) are
+CUDA-only builds.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ class MoESpec:
     n_experts: int
     top_k: int
     expert_hidden: int
-    renormalize: bool = (
-        True  # top-k weights renormalised to sum 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
-    )
+    # top-k weights renormalised to sum 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    renormalize: bool = True
     shared_expert_hidden: int = 0  # 0: none; > 0: a SwiGLU every token also goes through
     shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert's output
     aux_loss_weight: float = 0.0  # load-balancing loss (transformers' load_balancing_loss_func)
