@@ -22,6 +22,7 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
     router_z_loss_func,
 )
 
+import llmfoundry.models.layers.moe as moe_layer
 from llmfoundry.core.loss import next_token_loss
 from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.loggers import JSONLLogger
@@ -91,6 +92,21 @@ def test_grouped_experts_init_per_expert(std):
     for weight, fan_in in ((experts.w_gate, 64), (experts.w_down, 256)):
         expected = std if std is not None else (2 / fan_in) ** 0.5
         assert weight.std().item() == pytest.approx(expected, rel=0.02)
+
+
+def test_grouped_experts_take_the_loop_where_the_kernel_fails(monkeypatch):
+    """A device and dtype whose _grouped_mm raises (CUDA before sm90, say) is tried once and
+    then takes the loop, with the same result."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
+    experts = GroupedExperts(2, D, 16)
+    x, counts = torch.randn(5, D), torch.tensor([2, 3])
+    assert not experts._grouped(x) and moe_layer._GROUPED_MM_RUNS == {("cpu", torch.float32): False}
+    _close(experts(x, counts), experts.looped(x, counts))
 
 
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
