@@ -322,7 +322,7 @@ class RouterLossMeter:
     `metrics()` returns the means since the last call as `DeviceScalar`s and starts over, so
     the loads cost no host sync until a logger writes them (one for all, `read_all`). They are
     this rank's tokens. Under pipeline parallelism (router loss weights 0, `pipeline_refusal`)
-    the loss runs on the last stage only, so they cover that stage's layers."""
+    only the last stage runs the loss, so rank 0, which logs, has none to log."""
 
     def __init__(self, spec: MoESpec) -> None:
         self.spec = spec
