@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 from llmfoundry.models.layers.attention import AttentionMasks
 from llmfoundry.models.layers.decoder import DecoderLM
 from llmfoundry.models.layers.kv_cache import Keys
+from llmfoundry.models.layers.moe import pipeline_refusal
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
 
 
@@ -95,6 +96,7 @@ def decoder_plan(model: DecoderLM) -> ParallelPlan:
         tensor_parallel=None if refusal else tensor_parallel_layout(model),
         tp_divides={**divides, "vocab_size": spec.vocab_size},
         tensor_parallel_refusal=refusal,
+        pipeline_refusal="" if spec.moe is None else pipeline_refusal(spec.moe),
     )
 
 
