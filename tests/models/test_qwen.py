@@ -233,3 +233,20 @@ def test_an_import_reads_no_weight_of_a_refused_folder(tmp_path):
     )
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         from_hf(tmp_path)
+
+
+def test_planned_activations_are_llama_s_with_the_wide_heads_and_the_qk_norms():
+    """The planner's bytes per token per block (measured within 5% of a CPU peak, spec.py):
+    Qwen2 is Llama's count; Qwen3 adds its q/k norms' inputs and outputs, and its heads'
+    width (n_heads * head_dim) where Llama's count reads d_model."""
+    from llmfoundry.models.llama import LlamaConfig
+
+    shape = dict(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, ffn_hidden_size=96)
+    q, kv = 64, 32
+    for precision, norm_bytes in (("fp32", 4), ("amp_bf16", 2)):
+        llama = FAMILIES["llama"].activation_bytes(LlamaConfig(**shape), precision)
+        assert FAMILIES["qwen2"].activation_bytes(Qwen2Config(**shape), precision) == llama
+        qwen3 = FAMILIES["qwen3"].activation_bytes(Qwen3Config(**shape, head_dim=16), precision)
+        assert qwen3 == llama + 2 * norm_bytes * (q + kv)
+        wide = FAMILIES["qwen3"].activation_bytes(Qwen3Config(**shape, head_dim=32), precision)
+        assert wide > qwen3
