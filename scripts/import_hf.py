@@ -1,11 +1,12 @@
-"""Import a Hugging Face transformers folder (MPT or Llama), or a Composer checkpoint of an llm-foundry MPT, as a llmfoundry checkpoint, to finetune from.
+"""Import a Hugging Face transformers folder (MPT, Llama, Qwen3 or Qwen2), or a Composer checkpoint of an llm-foundry MPT, as a llmfoundry checkpoint, to finetune from.
 
     python scripts/import_hf.py HF_DIR CKPT_DIR
     python scripts/import_hf.py ep0-ba4-rank0.pt CKPT_DIR   # Composer's (or its sharded folder)
     python scripts/train.py +experiment=finetune model=from_checkpoint load_path=CKPT_DIR/ep0-ba0 \\
         data.remote=data/demo/sft        # the command it prints; your data in data.remote
 
-The family comes from config.json's model_type (mpt: MptForCausalLM, llama: LlamaForCausalLM).
+The family comes from config.json's model_type (mpt: MptForCausalLM, llama: LlamaForCausalLM,
+qwen3: Qwen3ForCausalLM, qwen2: Qwen2ForCausalLM).
 llm-foundry's MPT folders (its convert_composer_to_hf.py output, the mosaicml/mpt-* downloads:
 MPTForCausalLM with auto_map) are read too, without running their code: config.json's
 llm-foundry keys are mapped to ours or refused by name (llmfoundry/models/mpt/foundry.py).
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "hf_dir",
-        help="a transformers MPT or Llama folder, or llm-foundry's MPT (config.json and "
+        help="a transformers MPT, Llama, Qwen3 or Qwen2 folder, or llm-foundry's MPT (config.json and "
         "weights), or a Composer checkpoint (ep<E>-ba<B>-rank0.pt or its sharded folder)",
     )
     p.add_argument("ckpt_dir", help="save folder to write the checkpoint into (load_path=)")

@@ -16,7 +16,8 @@ of the tokens and the activations kept for backward are 1/tp too; each attention
 is all-gathered over the sequence first (PrepareModuleInput). A mixture of experts' input is
 gathered the same way; its router and experts are not split over tp (`moe_layout`: the experts
 go over the ep axis instead, llmfoundry/distributed). Per-head q/k norms (Qwen3's) act on whole
-heads, each rank's own: nothing to lay out. The token embedding is split by vocabulary row (its
+heads, each rank's own, with one weight all heads share: replicated over tp, its gradient summed
+over tp (`HeadSharded`). The token embedding is split by vocabulary row (its
 lookups reduce-scattered to sequence shards), the untied output head by vocabulary column: its
 logits stay vocabulary-sharded and the loss reads them so (llmfoundry/core/loss.py), never
 gathering [tokens, vocab]. A tied head multiplies by the row-split embedding, which gives the
@@ -147,6 +148,8 @@ def tensor_parallel_layout(
             f"{block}.attn.out_proj": RowwiseParallel(output_layouts=sequence_sharded),
             f"{block}.norm_2": SequenceParallel(),
         }
+        if spec.qk_norm == "head":
+            layout |= {f"{block}.attn.{norm}": HeadSharded() for norm in ("q_norm", "k_norm")}
         layout |= moe_layout(block) if spec.ffn == "moe" else mlp_layout(block, spec.ffn)
     return layout
 
@@ -154,6 +157,17 @@ def tensor_parallel_layout(
 def separate_qkv_layout(block: str) -> dict[str, ParallelStyle]:
     """q, k and v split by output column: each rank computes its own heads."""
     return {f"{block}.attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+
+
+class HeadSharded(SequenceParallel):
+    """A per-head norm (Qwen3's q_norm, k_norm) under tp: its input [B, L, heads, head_dim] is
+    this rank's heads (a shard on dim 2, as q_proj's columns give it); its weight, one
+    head_dim vector every head shares, is replicated over tp, and its gradient, each rank's sum
+    over its own heads, is summed over tp (a plain tensor would keep each rank's partial sum
+    and the ranks' norms would drift apart)."""
+
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=2, use_local_output=True)
 
 
 def mlp_layout(block: str, ffn: str) -> dict[str, ParallelStyle]:

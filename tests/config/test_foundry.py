@@ -481,6 +481,17 @@ def test_hf_causal_lm_not_pretrained_trains_the_folders_architecture_from_our_in
     cfg["model"]["pretrained_model_name_or_path"] = str(FIXTURES / "alibi" / "hf-ba4")
     out = composed(translate(cfg, {}))  # llm-foundry's own MPT export, weights not read
     assert out.model._target_ == "llmfoundry.models.mpt.MPTConfig" and out.model.alibi
+    qwen3 = foundry_dir / "qwen3"  # a family besides MPT and Llama: its own size option
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(
+        json.dumps({**config, "model_type": "qwen3", "head_dim": 16})
+    )
+    cfg["model"]["pretrained_model_name_or_path"] = "qwen3"
+    native = translate(cfg, {})
+    assert native.groups["model"] == "qwen3-tiny"
+    out = composed(native)
+    assert out.model._target_ == "llmfoundry.models.qwen3.Qwen3Config"
+    assert (out.model.head_dim, out.model.d_model, out.model.n_kv_heads) == (16, 32, 2)
 
 
 def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foundry_dir, capsys):

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from llmfoundry.checkpoint.state import model_state_dict
 from llmfoundry.distributed import FSDP, SingleDevice, Strategy
 from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
 from llmfoundry.models.mpt import MPTConfig, MPTForCausalLM
+from llmfoundry.models.qwen3 import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from llmfoundry.optim import DecoupledAdamW
-from llmfoundry.trainer import Trainer
+from llmfoundry.trainer import Callback, Trainer
 from llmfoundry.utils.errors import UserError
 
 from .sharded_worker import STOP_AT, Recorder, resume_run
@@ -55,11 +57,32 @@ def tp_mpt_llama_like() -> MPTForCausalLM:
     return MPTForCausalLM(config)
 
 
+def tp_qwen3() -> Qwen3ForCausalLM:
+    """Tiny Qwen3, on meta: heads 16 wide (d_model / n_heads is 8), each rank's two query heads
+    and one key/value head normalised by the q/k norms every rank holds whole."""
+    config = Qwen3Config(
+        d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, ffn_hidden_size=64,
+        vocab_size=64, max_seq_len=16, init_device="meta",
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config)
+
+
+def tp_qwen2() -> Qwen2ForCausalLM:
+    """Tiny Qwen2 (tied head), on meta: its q, k and v biases split with their columns."""
+    config = Qwen2Config(
+        d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, ffn_hidden_size=64, vocab_size=64,
+        max_seq_len=16, tie_word_embeddings=True, init_device="meta",
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
 MODELS = {
     "llama": tp_llama,
     "llama_tied": functools.partial(tp_llama, tied=True),
     "mpt": tp_mpt,
     "mpt_llama_like": tp_mpt_llama_like,
+    "qwen3": tp_qwen3,
+    "qwen2": tp_qwen2,
 }
 # The parity runs: name -> (FSDP options, model).
 PARITY = {
@@ -74,17 +97,34 @@ PARITY = {
         "mpt",
     ),
     "mpt_rope_rmsnorm_glu_untied_tp2_dp2": ({"parallelism": {"tp": TP}}, "mpt_llama_like"),
+    "qwen3_tp2_dp2": ({"parallelism": {"tp": TP}}, "qwen3"),
+    "qwen2_tp2_dp2": ({"parallelism": {"tp": TP}}, "qwen2"),
 }
 # The models whose tp=2 x dp=2 checkpoint is resumed on other meshes.
 RESUMED = {"llama": tp_llama, "mpt": tp_mpt}
 
 
-def parity_run(strategy: Strategy, model: str, **kwargs: Any) -> tuple[Recorder, dict[str, float]]:
+class HeadNorms(Callback):
+    """The per-head q/k norm weights (Qwen3's) at the end of training, whole on rank 0."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def fit_end(self, state, logger) -> None:
+        weights = model_state_dict(state.model)  # a collective under FSDP: every rank asks
+        self.weights = {k: v.clone() for k, v in weights.items() if k.endswith("_norm.weight")}
+
+
+def parity_run(
+    strategy: Strategy, model: str, **kwargs: Any
+) -> tuple[Recorder, dict[str, float], dict[str, torch.Tensor]]:
     """Three AdamW steps on the shared global batches (this data-parallel rank's slice), then
-    an evaluation on them and on batches of 5 and 3 rows: the recorded steps and the eval
-    metrics."""
+    an evaluation on them and on batches of 5 and 3 rows: the recorded steps, the eval metrics
+    and the trained per-head q/k norm weights (Qwen3's: every tp rank holds them whole, so a
+    gradient not summed over tp leaves each rank its own; AdamW's first steps move by lr *
+    sign(gradient), so that shows here more than in the losses)."""
     batches = global_batches()
-    recorder = Recorder()
+    recorder, head_norms = Recorder(), HeadNorms()
     own = rank_slice(batches, strategy.dp_rank, strategy.dp_size)
     state = Trainer(
         model=MODELS[model](),
@@ -96,14 +136,14 @@ def parity_run(strategy: Strategy, model: str, **kwargs: Any) -> tuple[Recorder,
         },
         max_duration=f"{len(batches)}ba",
         optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
-        callbacks=[recorder],
+        callbacks=[recorder, head_norms],
         run_dir=os.environ.get("TMPDIR", "/tmp"),
         **kwargs,
     ).fit()
-    return recorder, dict(state.eval_metrics)
+    return recorder, dict(state.eval_metrics), head_norms.weights
 
 
-def single_parity_run(model: str) -> tuple[Recorder, dict[str, float]]:
+def single_parity_run(model: str) -> tuple[Recorder, dict[str, float], dict[str, torch.Tensor]]:
     return parity_run(SingleDevice("cpu"), model)
 
 
@@ -112,8 +152,13 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
     result: dict[str, dict] = {}
     for name, (options, model) in PARITY.items():
         join_env(rank, world, next(ports))
-        recorder, metrics = parity_run(FSDP("cpu", timeout_s=60, **options), model)
-        result[name] = {"losses": recorder.losses, "initial": recorder.initial, "eval": metrics}
+        recorder, metrics, head_norms = parity_run(FSDP("cpu", timeout_s=60, **options), model)
+        result[name] = {
+            "losses": recorder.losses,
+            "initial": recorder.initial,
+            "eval": metrics,
+            "head_norms": head_norms,
+        }
     for family, build in RESUMED.items():
         for name, options, kwargs in (
             (f"{family}_tp2_dp2_saved", {"parallelism": {"tp": TP}}, {"stop_at": STOP_AT}),

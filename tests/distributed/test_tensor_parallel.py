@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", PARITY)
 def test_tensor_parallel_gives_one_process_losses_initialization_and_eval(runs, name):
     single, _, _, ranks = runs
-    reference, metrics = single[PARITY[name][1]]
+    reference, metrics, head_norms = single[PARITY[name][1]]
     assert len(reference.losses) == 3
     for rank in ranks:  # every rank reports the same (global) loss
         assert rank[name]["losses"] == pytest.approx(reference.losses, rel=RTOL), name
@@ -81,6 +81,13 @@ def test_tensor_parallel_gives_one_process_losses_initialization_and_eval(runs, 
     assert "eval/train/loss" in metrics
     assert ranks[0][name]["eval"].keys() == metrics.keys()
     assert ranks[0][name]["eval"] == pytest.approx(metrics, rel=RTOL)
+    # Qwen3's per-head q/k norms (one weight all of a rank's heads share) train as in one
+    # process: the whole state (rank 0's) after three steps.
+    assert (len(head_norms) > 0) == name.startswith("qwen3")
+    trained = ranks[0][name]["head_norms"]
+    assert trained.keys() == head_norms.keys()
+    for key, value in head_norms.items():
+        torch.testing.assert_close(trained[key], value, rtol=RTOL, atol=0)
 
 
 @pytest.mark.parametrize("family", RESUMED)

@@ -1,7 +1,8 @@
 """Every conf/model size: it builds, and its parameter count matches transformers and the papers.
 
-Each family's sizes share its conf/model_base/<family>.yaml; the llama files are the published
-shapes of `llmfoundry.models.llama.PRESETS` (whose counts test_llama.py checks).
+Each family's sizes share its conf/model_base/<family>.yaml; the llama and qwen files are the
+published shapes of `llmfoundry.models.llama.PRESETS` and `llmfoundry.models.qwen3.PRESETS`
+(whose counts test_llama.py and test_qwen.py check).
 """
 
 import re
@@ -39,6 +40,34 @@ SIZES = [
     "mpt-70b",
 ]
 LLAMA_SIZES = ["llama-tiny", "llama3-1b", "llama3-8b", "llama3-70b"]
+QWEN_SIZES = [
+    "qwen3-tiny",
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen2.5-0.5b",
+    "qwen2.5-7b",
+]
+# A size file's name (up to its first "-") -> its family's conf/model_base file.
+FAMILY_OF_NAME = {
+    "mpt": "mpt",
+    "llama": "llama",
+    "llama3": "llama",
+    "qwen3": "qwen3",
+    "qwen2.5": "qwen2",
+}
+_QWEN_KEYS = {
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "n_layers",
+    "ffn_hidden_size",
+    "max_seq_len",
+    "vocab_size",
+    "rope_theta",
+    "tie_word_embeddings",
+}
 # What a size file may state on top of its family's base: its shape (and the options of its
 # published release that differ from the base).
 OWN_KEYS = {
@@ -56,6 +85,8 @@ OWN_KEYS = {
         "rope_scaling",
         "tie_word_embeddings",
     },
+    "qwen3": _QWEN_KEYS,
+    "qwen2": _QWEN_KEYS,
 }
 REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
 
@@ -69,7 +100,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
     base = OmegaConf.load(REPO / "conf" / "model_base" / "mpt.yaml")
     for path in MODEL_CONFS:
         conf = OmegaConf.load(path)
-        family = path.stem.split("-")[0].removesuffix("3")
+        family = FAMILY_OF_NAME[path.stem.split("-")[0]]
         assert list(conf.defaults) == [f"/model_base/{family}@_here_", "_self_"], path.name
         assert set(conf) - {"defaults"} <= OWN_KEYS[family], path.name
     cfg = compose_config(REPO / "conf", ["model=mpt-1b", "model.alibi=false"]).model
@@ -81,7 +112,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES + LLAMA_SIZES)
+    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES + LLAMA_SIZES + QWEN_SIZES)
 
 
 @pytest.mark.parametrize("name", LLAMA_SIZES)

@@ -33,7 +33,12 @@ _HF_KEYS = {
     "loss_fn",
 }
 # A conf/model option of each family (its fields are all set over it).
-_SIZE_OPTION = {"mpt": "mpt-tiny", "llama": "llama-tiny"}
+_SIZE_OPTION = {
+    "mpt": "mpt-tiny",
+    "llama": "llama-tiny",
+    "qwen3": "qwen3-tiny",
+    "qwen2": "qwen2.5-0.5b",
+}
 # A transformers config's context-length keys (MPT, Llama and GPT-2 style).
 _LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions")
 _REFUSED_MODELS = {

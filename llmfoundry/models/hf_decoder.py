@@ -1,0 +1,139 @@
+"""Our shared decoder (models/layers/decoder.py, separate q/k/v) as transformers' Llama-style
+causal LMs hold it, for any family whose transformers class names its tensors as Llama's does
+(Qwen2, Qwen3, ...): the names both ways, the state dicts both ways, and the models both ways
+(`to_hf_model`, `from_hf_model`, each holding the other's tensors, not copies). A family's
+hf.py adds what is its own: its transformers class and the config mapping, which refuses what
+our model would compute differently.
+
+The tensors need no reshaping: our RoPE pairs dimension i with i + head_dim / 2 as
+transformers' rotate_half does, and our q/k norms are per head over head_dim as Qwen3's. A tied
+head is one tensor here and two keys there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmfoundry.models.hf_lib import transformers
+from llmfoundry.utils.errors import UserError
+
+TOP = {
+    "transformer.wte.weight": "model.embed_tokens.weight",
+    "transformer.norm_f.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+BLOCK = {
+    "norm_1.weight": "input_layernorm.weight",
+    **{
+        f"attn.{proj}.{kind}": f"self_attn.{proj}.{kind}"
+        for proj in ("q_proj", "k_proj", "v_proj")
+        for kind in ("weight", "bias")
+    },
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.out_proj.weight": "self_attn.o_proj.weight",
+    "norm_2.weight": "post_attention_layernorm.weight",
+    "ffn.gate_proj.weight": "mlp.gate_proj.weight",
+    "ffn.up_proj.weight": "mlp.up_proj.weight",
+    "ffn.down_proj.weight": "mlp.down_proj.weight",
+}
+_TOP_BACK = {hf: ours for ours, hf in TOP.items()}
+_BLOCK_BACK = {hf: ours for ours, hf in BLOCK.items()}
+
+
+def to_hf_name(name: str) -> str:
+    """transformers' name for our parameter `name`; ValueError for one it does not have."""
+    if name in TOP:
+        return TOP[name]
+    match = re.fullmatch(r"transformer\.blocks\.(\d+)\.(.+)", name)
+    if match and match[2] in BLOCK:
+        return f"model.layers.{match[1]}.{BLOCK[match[2]]}"
+    raise ValueError(f"{name!r} is not a parameter of a separate-qkv decoder")
+
+
+def from_hf_name(name: str, what: str) -> str:
+    """Our name for the parameter `name` of transformers' `what` (its class name); UserError
+    for one our decoder does not have."""
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match and match[2] in _BLOCK_BACK:
+        return f"transformer.blocks.{match[1]}.{_BLOCK_BACK[match[2]]}"
+    raise UserError(f"{name!r} is not a parameter of a transformers {what} that we can import")
+
+
+def to_hf_state_dict(state: Mapping[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Our state dict with transformers' names (the tensors themselves, not copies); a `tied`
+    head is the embedding again under lm_head.weight."""
+    out = {to_hf_name(name): tensor for name, tensor in state.items()}
+    if tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf_state_dict(
+    state: Mapping[str, torch.Tensor], tied: bool, what: str
+) -> dict[str, torch.Tensor]:
+    """transformers' `what` state dict with our names (the tensors themselves). With a `tied`
+    head its lm_head.weight is the embedding again and is dropped; an untied model needs it."""
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if tied:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise UserError(
+            f"the transformers {what} state dict has no lm_head.weight but its config is "
+            "untied (tie_word_embeddings=false)"
+        )
+    return {from_hf_name(name, what): tensor for name, tensor in state.items()}
+
+
+def to_hf_model(
+    model: nn.Module, hf_class: type, hf_config: Any, dtype: torch.dtype | None = None
+) -> Any:
+    """A transformers `hf_class` of `hf_config` with `model`'s weights: its CPU tensors
+    themselves (no second copy of a large model), cast copies when `dtype` differs."""
+    state = model.state_dict()
+    if any(t.is_meta for t in state.values()):
+        raise ValueError(
+            "the model is on the meta device; materialise it (to_empty + init_weights, or load "
+            "a checkpoint) before exporting"
+        )
+    state = {k: t.detach().to(device="cpu", dtype=dtype or t.dtype) for k, t in state.items()}
+    tied = model.config.tie_word_embeddings
+    with torch.device("meta"):
+        hf_model = hf_class(hf_config)
+    hf_model.load_state_dict(to_hf_state_dict(state, tied), strict=True, assign=True)
+    if tied:
+        hf_model.tie_weights()
+    # Its rotary frequencies are a non-persistent buffer, which the load leaves on meta.
+    hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(hf_model.config)
+    return hf_model.eval()
+
+
+def from_hf_model(hf_model: Any, config: Any, model_class: type[nn.Module]) -> nn.Module:
+    """Our `model_class` of `config` (read from `hf_model.config`) holding, not copying, the
+    weights of the transformers model `hf_model`."""
+    model = model_class(dataclasses.replace(config, init_device="meta"))
+    state = from_hf_state_dict(
+        hf_model.state_dict(), config.tie_word_embeddings, type(hf_model).__name__
+    )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.config = config  # built on meta only to skip the init; the weights are real now
+    return model
+
+
+def rope_theta(hf: transformers.PretrainedConfig, unsupported: list[str]) -> float:
+    """The plain-RoPE theta of transformers config `hf`; a RoPE type or partial rotation our
+    decoder would compute differently is added to `unsupported`."""
+    rope = dict(hf.rope_parameters or {})
+    if (rope_type := rope.get("rope_type", "default")) != "default":
+        unsupported.append(f"rope_parameters.rope_type={rope_type!r} (supported: 'default')")
+    if (partial := rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        unsupported.append(f"rope_parameters.partial_rotary_factor={partial!r} (supported: 1.0)")
+    return rope.get("rope_theta", 10000.0)
