@@ -204,6 +204,41 @@ def test_greedy_decoding_equals_transformers_generate(family):
     assert ours.tokens == theirs[:, ids.shape[1] :].tolist()
 
 
+def saved_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the tensors autograd keeps in a training forward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (storage := t.untyped_storage()).data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", ADAPTERS)
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_activation_bytes_are_what_autograd_keeps(family, precision):
+    """The planner's bytes per token per block (the family's activation_bytes) against the
+    tensors a training forward keeps: one block's (two layers less one) per token (four rows
+    less two), which leaves out what does not grow with either (the head, RoPE's tables, the
+    bf16 copies of the weights)."""
+    seq = 64
+    kept = {}
+    for n_layers in (1, 2):
+        model = build(family, n_layers=n_layers).train()
+        model(random_ids(1, seq))  # the grouped multiply's one-time probe, not counted
+        for rows in (2, 4):
+            kept[n_layers, rows] = saved_bytes(model, random_ids(rows, seq), precision != "fp32")
+    measured = (kept[2, 4] - kept[1, 4] - kept[2, 2] + kept[1, 2]) / (2 * seq)
+    planned = family_of(model).activation_bytes(model.config, precision)
+    assert planned == pytest.approx(measured, rel=0.02)
+
+
 PUBLISHED = {
     # (total, active per token): Qwen's model card (30.5B total, 3.3B activated) and Mistral's
     # (46.7B, 12.9B), exactly as the published config.json shapes give them.

@@ -9,20 +9,26 @@ from llmfoundry.models.mixtral.model import MixtralForCausalLM
 
 
 def activation_bytes(config: MixtralConfig, precision: str) -> int:
-    """Bytes autograd keeps per token per block (counted as Llama's, models/llama/spec.py),
-    with d = d_model, kv = n_kv_heads * head_dim, E experts, k = top_k, h = expert_hidden.
-    float32: Llama's attention half (28d + 8kv, the residual and norm_2's output included);
-    the router's softmax probabilities (4E) and the top-k weights before and after their
-    renormalisation (8k); per token copy (k of them) its gathered input and the experts'
-    output before weighting (8kd), the gate and up outputs, silu(gate) and the product fed to
-    w_down (16kh): 28d + 8kv + 4E + 8k + 8kd + 16kh. Mixed precision: the residual stream
-    float32, the router's softmax float32 (as it runs), every other saved tensor a 2-byte
-    copy: 18d + 4kv + 4E + 8k + 4kd + 8kh."""
-    d, kv = config.d_model, config.n_kv_heads * config.head_dim
+    """Bytes autograd keeps per token per block, as measured on the decoder and MoE layer
+    (tests/models/test_moe_families.py), with d = d_model, q = n_heads * head_dim, kv =
+    n_kv_heads * head_dim, E experts, k = top_k, h = expert_hidden.
+
+    float32: each RMSNorm's input, normalised output and 1/rms (8d + 4, twice), and its
+    weighted output, the attention's and the router's input (4d, twice); SDPA's rotated queries,
+    keys, values, output and log-sum-exp per head (8q + 8kv + 4 n_heads); the router's softmax
+    probabilities (4E), top-k indices and weights, the copies' sort order, token and weight
+    (28k), the weights' renormalisation (their sum and the weights it divides: 4k + 4); per
+    token copy its gathered input, the experts' output before and after weighting (12kd), and
+    the gate output, silu(gate), the up output and their product fed to w_down (16kh). Mixed precision (autocast): the q/k/v projections' and the router's inputs
+    are 2-byte copies (one per projection: 8d in all, as the weighted outputs' 8d), SDPA's
+    tensors too (4q + 4kv); the norms, the router's softmax and the experts stay float32
+    (torch._grouped_mm is no autocast op, and the experts' weights are float32 parameters)."""
+    d, q = config.d_model, config.n_heads * config.head_dim
+    kv = config.n_kv_heads * config.head_dim
     experts, k, h = config.n_experts, config.top_k, config.expert_hidden
-    if precision == "fp32":
-        return 28 * d + 8 * kv + 4 * experts + 8 * k + 8 * k * d + 16 * k * h
-    return 18 * d + 4 * kv + 4 * experts + 8 * k + 4 * k * d + 8 * k * h
+    attention = 24 * d + 8 + (8 if precision == "fp32" else 4) * (q + kv) + 4 * config.n_heads
+    routing = 4 * experts + 28 * k + (4 * k + 4)  # Mixtral always renormalises
+    return attention + routing + 12 * k * d + 16 * k * h
 
 
 MIXTRAL = ModelFamily(
