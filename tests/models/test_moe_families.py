@@ -259,6 +259,26 @@ def test_published_shapes_count_exactly(name):
     assert sum(p.numel() for p in hf_model.parameters()) == PUBLISHED[name][0]
 
 
+def test_the_tiny_sizes_go_through_llama_tiny_s_parameters_per_token():
+    """mixtral-tiny and qwen3-moe-tiny: llama-tiny's attention and, per token, its FFN width,
+    so a token goes through llama-tiny's parameters plus the routers (and Qwen3's q/k norms),
+    out of about twice as many."""
+    from llmfoundry.models.llama import LlamaConfig
+
+    llama = build_model(LlamaConfig.preset("llama-tiny", init_device="meta")).num_params()
+    layers, d_model, head_dim = 4, 256, 64
+    for cfg, extra in (
+        (MixtralConfig.preset("mixtral-tiny", init_device="meta"), layers * 8 * d_model),
+        (
+            Qwen3MoeConfig.preset("qwen3-moe-tiny", init_device="meta"),
+            layers * (16 * d_model + 2 * head_dim),
+        ),
+    ):
+        model = build_model(cfg)
+        assert model.num_params(active=True) == llama + extra
+        assert 1.9 * llama < model.num_params() < 2 * llama
+
+
 @pytest.mark.parametrize(
     "family, overrides, message",
     [
