@@ -95,7 +95,9 @@ def test_logits_equal_transformers(family, variant):
     assert relative_error(ours, theirs) < 1e-5
 
 
-def test_the_families_are_found_by_config_model_and_hf_type(tmp_path):
+def test_the_families_are_found_by_config_and_model():
+    """Each its own family, though both models are the shared DecoderLM (test_families.py finds
+    every family by its target and model_type)."""
     for family, config_class, model_class in (
         ("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM),
         ("mixtral", MixtralConfig, MixtralForCausalLM),
@@ -103,8 +105,6 @@ def test_the_families_are_found_by_config_model_and_hf_type(tmp_path):
         model = build(family)
         assert type(model) is model_class and family_of(model).name == family
         assert family_of(model.config).config_class is config_class
-        ADAPTERS[family].export_to_hf(model, tmp_path / family)
-        assert family_of_hf(tmp_path / family).name == family
 
 
 @pytest.mark.parametrize("family", ADAPTERS)
