@@ -12,7 +12,10 @@ RoPE variant) is refused with the field named. Not carried, as they do not chang
 weights compute: dropout, `router_jitter_noise` (noise on the router's input in training; an
 imported model trains without it), token ids (the tokenizer says which ids it uses) and our
 `z_loss_weight` (transformers' Mixtral has no z-loss; an export drops it). The aux loss weight
-is carried both ways (`router_aux_loss_coef`).
+is carried both ways (`router_aux_loss_coef`); `output_router_logits`, transformers' switch for
+adding it to its own training loss (false in the released configs, an inference default), is
+not: our training always adds aux_loss_weight times the load-balancing loss
+(model.aux_loss_weight=0 for none).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ attention biases, a sliding window, another activation, a RoPE variant. transfor
 it and an export writes expert_hidden * top_k, the dense width of the same active FFN (what
 Qwen's releases state: 30B-A3B's 6144 = 768 * 8). Not carried, as they do not change what the
 weights compute: dropout, token ids, and our `z_loss_weight` (transformers' Qwen3-MoE has no
-z-loss; an export drops it). The aux loss weight is carried both ways (`router_aux_loss_coef`).
+z-loss; an export drops it). The aux loss weight is carried both ways (`router_aux_loss_coef`);
+`output_router_logits`, transformers' switch for adding it to its own training loss (false in
+the released configs, an inference default), is not: our training always adds aux_loss_weight
+times the load-balancing loss (model.aux_loss_weight=0 for none).
 """
 
 from __future__ import annotations
