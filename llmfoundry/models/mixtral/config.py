@@ -39,6 +39,9 @@ class MixtralConfig:
     load-balancing loss the model's `loss` adds to the cross entropy; `z_loss_weight` the
     router z-loss (ST-MoE; Mixtral has none: 0). Both are logged as metrics in training.
 
+    `sliding_window` (Mistral's; null in Mixtral-8x7B's release): each token attends to itself
+    and the sliding_window - 1 tokens before it; null: to every earlier token.
+
     `max_seq_len` is the context the model is meant for (transformers' max_position_embeddings);
     RoPE has no position table, so nothing is sized by it. Initialisation as Llama's: N(0,
     init_std), the projections into the residual stream divided by sqrt(2 * n_layers), norms 1.
@@ -56,6 +59,7 @@ class MixtralConfig:
     max_seq_len: int = 32768
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-5
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False
     aux_loss_weight: float = 0.02
     z_loss_weight: float = 0.0
@@ -76,6 +80,8 @@ class MixtralConfig:
             self.n_kv_heads = self.n_heads
         check.kv_heads(OWNER, self.n_heads, self.n_kv_heads)
         check.top_k_experts(OWNER, self.top_k, self.n_experts)
+        if self.sliding_window is not None:
+            check.positive_int(OWNER, "sliding_window", self.sliding_window)
         for name in ("rope_theta", "rms_norm_eps", "init_std"):
             check.positive_number(OWNER, name, getattr(self, name))
         for name in ("aux_loss_weight", "z_loss_weight"):
@@ -110,6 +116,7 @@ class MixtralConfig:
             head_dim=self.head_dim,
             positions="rope",
             rope_theta=self.rope_theta,
+            sliding_window=self.sliding_window,
             norm="rmsnorm",
             norm_eps=self.rms_norm_eps,
             ffn="moe",

@@ -7,8 +7,8 @@ experts in float32, top_k, renormalised). The tensors differ in name and in how 
 stacked (`llmfoundry.models.hf_moe`).
 
 `to_hf_config` and `from_hf_config` map the configs. A transformers config that would make its
-model compute something ours does not (another activation or head width, a sliding window, a
-RoPE variant) is refused with the field named. Not carried, as they do not change what the
+model compute something ours does not (another activation or head width, a RoPE variant) is
+refused with the field named. Not carried, as they do not change what the
 weights compute: dropout, `router_jitter_noise` (noise on the router's input in training; an
 imported model trains without it), token ids (the tokenizer says which ids it uses) and our
 `z_loss_weight` (transformers' Mixtral has no z-loss; an export drops it). The aux loss weight
@@ -61,7 +61,7 @@ def to_hf_config(cfg: MixtralConfig) -> transformers.MixtralConfig:
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        sliding_window=None,
+        sliding_window=cfg.sliding_window,
         num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
         router_aux_loss_coef=cfg.aux_loss_weight,
@@ -81,7 +81,6 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> MixtralConfig:
     checks = [
         ("hidden_act", hf.hidden_act, "silu"),
         ("head_dim", getattr(hf, "head_dim", None) or head_dim, head_dim),
-        ("sliding_window", hf.sliding_window, None),
     ]
     for name, value, supported in checks:
         if value != supported:
@@ -100,6 +99,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> MixtralConfig:
         max_seq_len=hf.max_position_embeddings,
         rope_theta=theta,
         rms_norm_eps=hf.rms_norm_eps,
+        sliding_window=hf.sliding_window,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         aux_loss_weight=hf.router_aux_loss_coef,
         init_std=hf.initializer_range,
@@ -134,7 +134,8 @@ def export_to_hf(
 
 def from_hf(hf_dir: str | Path) -> MixtralForCausalLM:
     """The transformers Mixtral folder `hf_dir` (config.json + weights) as our model, float32."""
-    hf_config = read_hf_config(hf_dir, HF_SIZES, optional_sizes=("num_key_value_heads", "head_dim"))
+    optional = ("num_key_value_heads", "head_dim", "sliding_window")
+    hf_config = read_hf_config(hf_dir, HF_SIZES, optional_sizes=optional)
     from_hf_config(hf_config)  # refuse what we cannot represent before reading any weight
     hf_model = load_hf_weights(transformers.MixtralForCausalLM, hf_dir, hf_config)
     return from_hf_model(hf_model).eval()

@@ -50,6 +50,8 @@ MIXTRAL = ModelFamily(
         "vocab_size",
         "tie_word_embeddings",
         "rope_theta",
+        "sliding_window",
     ),
     activation_bytes=activation_bytes,
+    attention_window=lambda config: config.sliding_window,
 )
