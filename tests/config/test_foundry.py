@@ -494,6 +494,46 @@ def test_hf_causal_lm_not_pretrained_trains_the_folders_architecture_from_our_in
     assert (out.model.head_dim, out.model.d_model, out.model.n_kv_heads) == (16, 32, 2)
 
 
+@pytest.mark.parametrize(
+    "model_type, experts, size",
+    [
+        ("mixtral", "num_local_experts", "mixtral-tiny"),
+        ("qwen3_moe", "num_experts", "qwen3-moe-tiny"),
+    ],
+)
+def test_hf_causal_lm_not_pretrained_takes_a_mixture_of_experts_architecture(
+    foundry_dir, model_type, experts, size
+):
+    """The same for a transformers Mixtral or Qwen3-MoE folder: its family's size, its numbers."""
+    folder = foundry_dir / model_type
+    folder.mkdir()
+    width = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+    config = {
+        "model_type": model_type,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 320,
+        "max_position_embeddings": 64,
+        experts: 4,
+        "num_experts_per_tok": 2,
+        width: 48,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = base()
+    cfg["model"] = {"name": "hf_causal_lm", "pretrained_model_name_or_path": model_type}
+    cfg["model"]["pretrained"] = False
+    native = translate(cfg, {})
+    assert native.groups["model"] == size
+    out = composed(native)
+    assert out.model._target_.endswith(
+        "MixtralConfig" if model_type == "mixtral" else "Qwen3MoeConfig"
+    )
+    assert (out.model.n_experts, out.model.top_k, out.model.expert_hidden) == (4, 2, 48)
+    assert (out.model.d_model, out.model.n_layers, out.model.vocab_size) == (32, 2, 320)
+
+
 def test_from_foundry_writes_an_experiment_that_composes_to_the_same_config(foundry_dir, capsys):
     from_foundry = runpy.run_path(str(ROOT / "scripts" / "from_foundry.py"))["main"]
     conf = foundry_dir / "conf"

@@ -73,6 +73,20 @@ def test_grouped_experts_equal_their_loop(dtype):
     assert not experts.w_gate.grad[1].any()
 
 
+def test_the_grouped_mm_probe_does_not_depend_on_the_callers_grad_mode(monkeypatch):
+    """The first MoE forward of a process may be an evaluation's or generate's (no_grad,
+    inference_mode): the probe still runs its backward, so every later forward takes the path
+    the device supports, not the one the first caller's grad mode allowed."""
+    from llmfoundry.models.layers import moe
+
+    answers = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        monkeypatch.setattr(moe, "_GROUPED_MM_RUNS", {})
+        with mode():
+            answers.append(grouped_mm_runs("cpu", torch.float32))
+    assert answers == [True] * 3  # torch 2.13's CPU kernel runs float32
+
+
 def test_grouped_experts_fall_back_on_unaligned_rows():
     """Rows whose stride is not a multiple of 16 bytes take the loop (the kernel refuses them)."""
     experts = GroupedExperts(2, 6, 10)

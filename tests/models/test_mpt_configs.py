@@ -1,8 +1,8 @@
 """Every conf/model size: it builds, and its parameter count matches transformers and the papers.
 
-Each family's sizes share its conf/model_base/<family>.yaml; the llama and qwen files are the
-published shapes of `llmfoundry.models.llama.PRESETS` and `llmfoundry.models.qwen3.PRESETS`
-(whose counts test_llama.py and test_qwen.py check).
+Each family's sizes share its conf/model_base/<family>.yaml; the llama, qwen, qwen3-moe and
+mixtral files are their families' PRESETS (whose counts test_llama.py, test_qwen.py and
+test_moe_families.py check).
 """
 
 import re
@@ -18,6 +18,8 @@ from llmfoundry.config import ConfigError
 from llmfoundry.config.preflight import check, compose_config
 from llmfoundry.models import MPTConfig, MPTForCausalLM
 from llmfoundry.models.llama import PRESETS, LlamaConfig
+from llmfoundry.models.mixtral import MixtralConfig
+from llmfoundry.models.qwen3_moe import Qwen3MoeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Every size; model=from_checkpoint takes a checkpoint's (tests/e2e/test_finetune.py), and
@@ -49,14 +51,6 @@ QWEN_SIZES = [
     "qwen2.5-0.5b",
     "qwen2.5-7b",
 ]
-# A size file's name (up to its first "-") -> its family's conf/model_base file.
-FAMILY_OF_NAME = {
-    "mpt": "mpt",
-    "llama": "llama",
-    "llama3": "llama",
-    "qwen3": "qwen3",
-    "qwen2.5": "qwen2",
-}
 _QWEN_KEYS = {
     "d_model",
     "n_heads",
@@ -67,6 +61,18 @@ _QWEN_KEYS = {
     "vocab_size",
     "rope_theta",
     "tie_word_embeddings",
+}
+# The mixture-of-experts families' sizes: their presets (whose counts test_moe_families.py checks).
+MOE_SIZES = {
+    "qwen3_moe": ["qwen3-moe-tiny", "qwen3-30b-a3b"],
+    "mixtral": ["mixtral-tiny", "mixtral-8x7b"],
+}
+FAMILY_SIZES = {
+    "mpt": SIZES,
+    "llama": LLAMA_SIZES,
+    "qwen3": [s for s in QWEN_SIZES if s.startswith("qwen3")],
+    "qwen2": [s for s in QWEN_SIZES if s.startswith("qwen2")],
+    **MOE_SIZES,
 }
 # What a size file may state on top of its family's base: its shape (and the options of its
 # published release that differ from the base).
@@ -87,6 +93,29 @@ OWN_KEYS = {
     },
     "qwen3": _QWEN_KEYS,
     "qwen2": _QWEN_KEYS,
+    "qwen3_moe": {
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "n_layers",
+        "n_experts",
+        "top_k",
+        "expert_hidden",
+        "max_seq_len",
+        "vocab_size",
+        "rope_theta",
+    },
+    "mixtral": {
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "n_layers",
+        "expert_hidden",
+        "max_seq_len",
+        "vocab_size",
+        "rope_theta",
+    },
 }
 REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
 
@@ -100,7 +129,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
     base = OmegaConf.load(REPO / "conf" / "model_base" / "mpt.yaml")
     for path in MODEL_CONFS:
         conf = OmegaConf.load(path)
-        family = FAMILY_OF_NAME[path.stem.split("-")[0]]
+        family = next(f for f, sizes in FAMILY_SIZES.items() if path.stem in sizes)
         assert list(conf.defaults) == [f"/model_base/{family}@_here_", "_self_"], path.name
         assert set(conf) - {"defaults"} <= OWN_KEYS[family], path.name
     cfg = compose_config(REPO / "conf", ["model=mpt-1b", "model.alibi=false"]).model
@@ -112,7 +141,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES + LLAMA_SIZES + QWEN_SIZES)
+    assert sorted(p.stem for p in MODEL_CONFS) == sorted(sum(FAMILY_SIZES.values(), []))
 
 
 @pytest.mark.parametrize("name", LLAMA_SIZES)
@@ -122,6 +151,14 @@ def test_llama_sizes_are_the_published_shapes(name):
     assert cfg == LlamaConfig.preset(name)
     check(REPO / "conf", [f"model={name}"])
     assert set(PRESETS) == set(LLAMA_SIZES)
+
+
+@pytest.mark.parametrize("family, name", [(f, n) for f, names in MOE_SIZES.items() for n in names])
+def test_moe_sizes_are_the_presets(family, name):
+    """(tests/config/test_config.py checks that every size validates.)"""
+    config_class = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[family]
+    cfg = load(name)
+    assert isinstance(cfg, config_class) and cfg == config_class.preset(name)
 
 
 def published_counts() -> dict[str, tuple[int, int, int, int]]:

@@ -3,9 +3,10 @@
 `mpt_causal_lm`: every MPT key llm-foundry reads, its defaults included (theirs are not ours:
 learned positions and biases, no ALiBi), as our MPT config's fields (`config_from_foundry`,
 which refuses what our MPT does not compute).
-`hf_causal_lm` with a local transformers folder (Llama or MPT): imported before the run as a
-weights-only checkpoint (scripts/import_hf.py's import, `Prep`) that the run starts from, its
-model config read from that checkpoint (`model=from_checkpoint`).
+`hf_causal_lm` with a local transformers folder (any family's: MPT, Llama, Qwen3-MoE,
+Mixtral): imported before the run as a weights-only checkpoint (scripts/import_hf.py's import,
+`Prep`) that the run starts from, its model config read from that checkpoint
+(`model=from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ _SIZE_OPTION = {
     "llama": "llama-tiny",
     "qwen3": "qwen3-tiny",
     "qwen2": "qwen2.5-0.5b",
+    "qwen3_moe": "qwen3-moe-tiny",
+    "mixtral": "mixtral-tiny",
 }
 # A transformers config's context-length keys (MPT, Llama and GPT-2 style).
 _LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions")

@@ -91,7 +91,10 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     a loop of matmuls there: tried once (CUDA before sm90 and some builds lack it)."""
     key = (device_type, dtype)
     if key not in _GROUPED_MM_RUNS:
-        _GROUPED_MM_RUNS[key] = _grouped_mm_probe(device_type, dtype)
+        # Its backward is part of the answer, whatever the first caller's grad mode (an eval
+        # or generate under no_grad would otherwise pin every later forward to the loop).
+        with torch.inference_mode(False), torch.enable_grad():
+            _GROUPED_MM_RUNS[key] = _grouped_mm_probe(device_type, dtype)
     return _GROUPED_MM_RUNS[key]
 
 
