@@ -338,9 +338,13 @@ def expert_meshes(
         return None, None
     joined = device_mesh["dp_shard"] if dp_shard_cp is None else dp_shard_cp
     sparse = joined._unflatten(0, (dims.efsdp, dims.ep), ("efsdp", "ep"))  # no public one (2.13)
-    fsdp = sparse["efsdp"]
+    fsdp, spmd = sparse["efsdp"], sparse
     if dims.dp_replicate > 1:
         fsdp = DeviceMesh._concatenate([device_mesh["dp_replicate"], fsdp])
+        spmd = DeviceMesh._concatenate([device_mesh["dp_replicate"], sparse])
+    # The experts' gradients' norm is reduced over all of it at once where DTensor finds it
+    # flattened (as build_mesh's dp_shard_tp); otherwise one all-reduce per axis, and a warning.
+    spmd._flatten("expert_dp")
     return sparse["ep"], fsdp
 
 

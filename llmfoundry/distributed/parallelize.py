@@ -208,10 +208,12 @@ def apply_expert_fsdp(
     dp_replicate's replicas), before its block takes the rest. An expert's gradient on its
     ep rank sums the ep group's tokens' contributions (the all-to-all's backward), so it is
     divided by every data-parallel (x cp) rank, `dp_ranks`, as the other weights' are: FSDP
-    would divide by `mesh`'s ranks alone."""
+    would divide by `mesh`'s ranks alone. The reduction is a sum divided before and after (not
+    NCCL's premultiplied sum, which gloo lacks)."""
     for module in experts:
         fully_shard(module, mesh=mesh, **options)
         module.set_gradient_divide_factor(float(dp_ranks))
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_ddp(
