@@ -465,3 +465,20 @@ def test_training_reads_the_expert_loads_only_when_it_logs(tmp_path):
     records = [r.get("metrics", {}) for _, r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
     aux = [r["train/moe_aux_loss"] for r in records if "train/moe_aux_loss" in r]
     assert len(aux) == 4 and all(2 * 0.99 < a < 2 * 3 for a in aux)  # top 2 of 3: >= k
+
+
+def test_the_grouped_mm_probe_runs_apart_from_the_first_forward(monkeypatch):
+    """The probe runs in a thread of its own: the first forward may run under no_grad (an
+    evaluation: the probe's backward would fail there, and the loop be taken for good) or
+    inside activation checkpointing (which would count the probe's ops as the layer's and miss
+    them on recompute: "a different number of tensors was saved")."""
+    from llmfoundry.models.layers import moe as moe_layer
+
+    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
+    with torch.no_grad():
+        assert grouped_mm_runs("cpu", torch.bfloat16)  # (test_grouped_experts_equal_their_loop)
+    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
+    experts = GroupedExperts(2, D, 16)
+    x = torch.randn(5, D, requires_grad=True)
+    checkpoint(experts, x, torch.tensor([2, 3]), use_reentrant=False).sum().backward()
+    assert x.grad is not None
