@@ -208,12 +208,15 @@ def apply_expert_fsdp(
     dp_replicate's replicas), before its block takes the rest. An expert's gradient on its
     ep rank sums the ep group's tokens' contributions (the all-to-all's backward), so it is
     divided by every data-parallel (x cp) rank, `dp_ranks`, as the other weights' are: FSDP
-    would divide by `mesh`'s ranks alone. The reduction is a sum divided before and after (not
-    NCCL's premultiplied sum, which gloo lacks)."""
+    would divide by `mesh`'s ranks alone. Sharded over several ranks, the reduce-scatter is a
+    sum then divided (FSDP's default with a factor is NCCL's premultiplied sum, which gloo
+    lacks); over one (efsdp = 1) FSDP divides the local gradient itself, and would divide it
+    twice with the sum forced (torch 2.11 to 2.13)."""
+    sharded = mesh.size(mesh.ndim - 1) > 1
     for module in experts:
         fully_shard(module, mesh=mesh, **options)
         module.set_gradient_divide_factor(float(dp_ranks))
-        module.set_force_sum_reduction_for_comms(True)
+        module.set_force_sum_reduction_for_comms(sharded)
 
 
 def apply_ddp(
