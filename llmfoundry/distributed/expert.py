@@ -49,11 +49,18 @@ def experts_of(blocks: list[nn.Module]) -> list[nn.Module]:
 
 
 def check_expert_parallel(
-    model: nn.Module, plan: ParallelPlan, ep: int, setting: str = "parallelism.ep"
+    model: nn.Module,
+    plan: ParallelPlan,
+    ep: int,
+    activation_checkpointing: str | int = "none",
+    setting: str = "parallelism.ep",
 ) -> None:
     """Refuse (one line, every rank alike, before any collective) a model expert parallelism
-    cannot split: one without experts, one whose expert count `ep` does not divide, or compiled
-    blocks (the dispatch reads its split sizes on the host, and this is untested compiled)."""
+    cannot split: one without experts, one whose expert count `ep` does not divide, compiled
+    blocks (the dispatch reads its split sizes on the host, and this is untested compiled), or
+    selective activation checkpointing (torch 2.13's recompute meets FSDP's hooks of the
+    experts, a unit of their own inside each block, more often than the forward did, and
+    refuses: "invocation index 2 encountered during backward but not found in storage")."""
     experts = experts_of([model])
     if not experts:
         raise UserError(
@@ -64,6 +71,12 @@ def check_expert_parallel(
         raise UserError(
             f"{setting}={ep} with compiled blocks (model.compile=true) is not supported: the "
             "expert dispatch reads its split sizes on the host; set model.compile=false"
+        )
+    if activation_checkpointing == "selective":
+        raise UserError(
+            f"{setting}={ep} with strategy.activation_checkpointing=selective is not supported "
+            "(torch 2.13's selective recompute fails on the experts' FSDP hooks); use full or "
+            "every k-th block"
         )
     for module in experts:
         n_experts = module.w_gate.shape[0]

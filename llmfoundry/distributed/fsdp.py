@@ -200,7 +200,7 @@ class FSDP(ProcessGroupStrategy):
         if self.context is not None:  # refused before any collective
             check_context_parallel(plan, self.cp)
         if self.dims.ep > 1:
-            check_expert_parallel(model, plan, self.dims.ep)
+            check_expert_parallel(model, plan, self.dims.ep, self.activation_checkpointing)
         pipeline = self.pipeline
         if pipeline is not None:
             plan = pipeline.split(model, plan, self.mesh)

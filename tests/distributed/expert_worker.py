@@ -6,16 +6,30 @@ then the trainings.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from llmfoundry.distributed import FSDP
+from llmfoundry.algorithms import GradientClipping
+from llmfoundry.distributed import FSDP, Strategy
 from llmfoundry.distributed.expert import apply_ep
+from llmfoundry.models.layers.decoder import DecoderSpec
 from llmfoundry.models.layers.moe import MoE, MoESpec
+from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.optim import DecoupledAdamW
+from llmfoundry.trainer import Trainer
+from tests.checkpoint.helpers import SEQ_LEN, VOCAB
+from tests.trainer.conftest import token_batches
 
+from .context_mesh_worker import Norms
+from .sharded_worker import STOP_AT, Recorder, resume_run
 from .spawn import join_env
+from .workers import global_batches
 
 WORLD = 4
 D_MODEL, ROWS = 16, 6
@@ -62,11 +76,106 @@ def layer_case(rank: int, ep: int) -> dict[str, torch.Tensor]:
         strategy.teardown()
 
 
-def rank_main(rank: int, world: int, ports: list[int], out: str) -> None:
+# --- trainings -------------------------------------------------------------------------------
+
+# Four experts (so ep4 holds one per rank), two per token; no router losses: the load-balancing
+# loss of each rank's tokens is not a part of the whole batch's (as in transformers), so a mesh
+# would not give one process's loss with it, expert parallelism or not.
+EXPERTS = MoESpec(n_experts=4, top_k=2, expert_hidden=16)
+
+
+@dataclass
+class MoELlamaConfig(LlamaConfig):
+    """Llama with a mixture of experts for its feed-forward (a test-only config, of the llama
+    family by its base class, until an MoE family exists)."""
+
+    def decoder_spec(self) -> DecoderSpec:
+        return dataclasses.replace(super().decoder_spec(), ffn="moe", moe=EXPERTS)
+
+
+def moe_llama() -> LlamaForCausalLM:
+    """Tiny, on meta (the Trainer initializes it after seeding): 4 query and 2 key/value heads
+    (tp=2 splits both), an MoE in each of its two blocks."""
+    config = MoELlamaConfig(
+        d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN,
+        init_device="meta",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+# name -> (FSDP options, Trainer options): the parity runs (three AdamW steps and an eval).
+PARITY: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "ep2_dp2": ({"ep": 2}, {}),
+    "ep4_every_2nd_block_checkpointed": ({"ep": 4, "activation_checkpointing": 2}, {}),
+    "ep2_tp2_full_checkpointing": ({"ep": 2, "tp": 2, "activation_checkpointing": "full"}, {}),
+    # One sample per microbatch: 1F1B needs at least pp of them (each rank's 4 rows).
+    "ep2_pp2": ({"ep": 2, "pp": 2}, {"device_train_microbatch_size": 1}),
+}
+
+
+def fsdp(options: dict[str, Any]) -> FSDP:
+    """FSDP with `options`, its mesh axes given as the parallelism block."""
+    axes = {k: v for k, v in options.items() if k in ("ep", "cp", "tp", "pp")}
+    rest = {k: v for k, v in options.items() if k not in axes}
+    return FSDP("cpu", timeout_s=60, parallelism=axes, **rest)
+
+
+def padded_eval_set(strategy: Strategy) -> list[dict[str, torch.Tensor]]:
+    """Seven samples padded to eight (the last row masked out, as the streaming eval loaders
+    pad), this data-parallel rank's rows: every rank of an ep group must run as many forwards
+    as its peers, whose all-to-alls wait for it."""
+    (batch,) = token_batches(1, 8, seed=4)
+    batch["sample_mask"] = torch.arange(8) < 7
+    return [
+        {
+            key: value.tensor_split(strategy.dp_size)[strategy.dp_rank]
+            for key, value in batch.items()
+        }
+    ]
+
+
+def parity_run(strategy: Strategy, **kwargs: Any) -> dict[str, Any]:
+    """Three AdamW steps on the shared global batches (this data-parallel rank's slice), the
+    gradient norm logged (clipping far above it), then an evaluation on them and on a padded
+    batch: the losses, the norms and the eval metrics."""
+    every = global_batches()
+    recorder, norms = Recorder(), Norms()
+    own = [
+        {key: value.tensor_split(strategy.dp_size)[strategy.dp_rank] for key, value in b.items()}
+        for b in every
+    ]
+    state = Trainer(
+        model=moe_llama(),
+        strategy=strategy,
+        train_dataloader=own,
+        eval_dataloaders={"train": own, "padded": padded_eval_set(strategy)},
+        max_duration=f"{len(every)}ba",
+        optimizer=functools.partial(DecoupledAdamW, lr=1e-2, weight_decay=1e-2),
+        callbacks=[recorder],
+        loggers=[norms],
+        algorithms=[GradientClipping(threshold=1e6)],
+        run_dir=os.environ.get("TMPDIR", "/tmp"),
+        **kwargs,
+    ).fit()
+    return {"losses": recorder.losses, "norms": norms.norms, "eval": dict(state.eval_metrics)}
+
+
+def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> None:
     ports = iter(ports)
     result: dict[str, dict] = {}
     for ep in LAYER_EP:
         join_env(rank, world, next(ports))
         result[f"layer_ep{ep}"] = layer_case(rank, ep)
-    assert not dist.is_initialized()
+    for name, (options, kwargs) in PARITY.items():
+        join_env(rank, world, next(ports))
+        result[name] = parity_run(fsdp(options), **kwargs)
+    # A DCP checkpoint saved at ep2 x dp2 on the real data pipeline, resumed at ep4 x tp... (and
+    # in one process by the test).
+    for name, options, kwargs in (
+        ("ep2_dp2_saved", {"ep": 2}, {"stop_at": STOP_AT}),
+        ("ep4_from_ep2_dp2", {"ep": 4}, {"load": f"{out}/ep2_dp2_saved"}),
+    ):
+        join_env(rank, world, next(ports))
+        recorder = resume_run(fsdp(options), mds, f"{out}/{name}", model=moe_llama, **kwargs)
+        result[name] = {"losses": recorder.losses}
     torch.save(result, Path(out) / f"rank{rank}.pt")
