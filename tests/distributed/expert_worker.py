@@ -108,6 +108,8 @@ PARITY: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "ep2_dp2": ({"ep": 2}, {}),
     "ep4_every_2nd_block_checkpointed": ({"ep": 4, "activation_checkpointing": 2}, {}),
     "ep2_tp2_full_checkpointing": ({"ep": 2, "tp": 2, "activation_checkpointing": "full"}, {}),
+    # ep4 over dp_shard 2 x cp 2: each ep group's tokens are the cp ranks' parts of sequences.
+    "ep4_cp2": ({"ep": 4, "cp": 2}, {}),
     # One sample per microbatch: 1F1B needs at least pp of them (each rank's 4 rows).
     "ep2_pp2": ({"ep": 2, "pp": 2}, {"device_train_microbatch_size": 1}),
 }
