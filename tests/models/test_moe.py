@@ -72,6 +72,20 @@ def test_grouped_experts_equal_their_loop(dtype):
     assert not experts.w_gate.grad[1].any()
 
 
+def test_the_grouped_mm_probe_does_not_depend_on_the_callers_grad_mode(monkeypatch):
+    """The first MoE forward of a process may be an evaluation's or generate's (no_grad,
+    inference_mode): the probe still runs its backward, so every later forward takes the path
+    the device supports, not the one the first caller's grad mode allowed."""
+    from llmfoundry.models.layers import moe
+
+    answers = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        monkeypatch.setattr(moe, "_GROUPED_MM_RUNS", {})
+        with mode():
+            answers.append(grouped_mm_runs("cpu", torch.float32))
+    assert answers == [True] * 3  # torch 2.13's CPU kernel runs float32
+
+
 def test_grouped_experts_fall_back_on_unaligned_rows():
     """Rows whose stride is not a multiple of 16 bytes take the loop (the kernel refuses them)."""
     experts = GroupedExperts(2, 6, 10)
@@ -467,18 +481,14 @@ def test_training_reads_the_expert_loads_only_when_it_logs(tmp_path):
     assert len(aux) == 4 and all(2 * 0.99 < a < 2 * 3 for a in aux)  # top 2 of 3: >= k
 
 
-def test_the_grouped_mm_probe_runs_apart_from_the_first_forward(monkeypatch):
-    """The probe runs in a thread of its own: the first forward may run under no_grad (an
-    evaluation: the probe's backward would fail there, and the loop be taken for good) or
-    inside activation checkpointing (which would count the probe's ops as the layer's and miss
-    them on recompute: "a different number of tensors was saved")."""
+def test_the_grouped_mm_probe_runs_apart_from_activation_checkpointing(monkeypatch):
+    """The probe runs in a thread of its own: a first forward inside activation checkpointing
+    would otherwise count the probe's ops as the layer's and miss them on recompute ("a
+    different number of tensors was saved")."""
     from llmfoundry.models.layers import moe as moe_layer
 
-    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
-    with torch.no_grad():
-        assert grouped_mm_runs("cpu", torch.bfloat16)  # (test_grouped_experts_equal_their_loop)
     monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
     experts = GroupedExperts(2, D, 16)
     x = torch.randn(5, D, requires_grad=True)
     checkpoint(experts, x, torch.tensor([2, 3]), use_reentrant=False).sum().backward()
-    assert x.grad is not None
+    assert x.grad is not None and moe_layer._GROUPED_MM_RUNS
