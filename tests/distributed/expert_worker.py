@@ -6,10 +6,8 @@ then the trainings.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,8 @@ import torch
 from llmfoundry.algorithms import GradientClipping
 from llmfoundry.distributed import FSDP, Strategy
 from llmfoundry.distributed.expert import apply_ep
-from llmfoundry.models.layers.decoder import DecoderSpec
 from llmfoundry.models.layers.moe import MoE, MoESpec
-from llmfoundry.models.llama import LlamaConfig, LlamaForCausalLM
+from llmfoundry.models.mixtral import MixtralConfig, MixtralForCausalLM
 from llmfoundry.optim import DecoupledAdamW
 from llmfoundry.trainer import Trainer
 from tests.checkpoint.helpers import SEQ_LEN, VOCAB
@@ -78,29 +75,18 @@ def layer_case(rank: int, ep: int) -> dict[str, torch.Tensor]:
 
 # --- trainings -------------------------------------------------------------------------------
 
-# Four experts (so ep4 holds one per rank), two per token; no router losses: the load-balancing
-# loss of each rank's tokens is not a part of the whole batch's (as in transformers), so a mesh
-# would not give one process's loss with it, expert parallelism or not.
-EXPERTS = MoESpec(n_experts=4, top_k=2, expert_hidden=16)
 
-
-@dataclass
-class MoELlamaConfig(LlamaConfig):
-    """Llama with a mixture of experts for its feed-forward (a test-only config, of the llama
-    family by its base class, until an MoE family exists)."""
-
-    def decoder_spec(self) -> DecoderSpec:
-        return dataclasses.replace(super().decoder_spec(), ffn="moe", moe=EXPERTS)
-
-
-def moe_llama() -> LlamaForCausalLM:
+def tiny_mixtral() -> MixtralForCausalLM:
     """Tiny, on meta (the Trainer initializes it after seeding): 4 query and 2 key/value heads
-    (tp=2 splits both), an MoE in each of its two blocks."""
-    config = MoELlamaConfig(
-        d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ_LEN,
-        init_device="meta",
+    (tp=2 splits both), and in each of its two blocks four experts (so ep4 holds one per rank),
+    two per token. No load-balancing loss: each rank's is of its own tokens (as in
+    transformers), not a part of the whole batch's, so no mesh would give one process's loss
+    with it, expert parallelism or not."""
+    config = MixtralConfig(
+        d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, n_experts=4, top_k=2, expert_hidden=16,
+        vocab_size=VOCAB, max_seq_len=SEQ_LEN, aux_loss_weight=0.0, init_device="meta",
     )  # fmt: skip
-    return LlamaForCausalLM(config)
+    return MixtralForCausalLM(config)
 
 
 # name -> (FSDP options, Trainer options): the parity runs (three AdamW steps and an eval).
@@ -147,7 +133,7 @@ def parity_run(strategy: Strategy, **kwargs: Any) -> dict[str, Any]:
         for b in every
     ]
     state = Trainer(
-        model=moe_llama(),
+        model=tiny_mixtral(),
         strategy=strategy,
         train_dataloader=own,
         eval_dataloaders={"train": own, "padded": padded_eval_set(strategy)},
@@ -178,6 +164,6 @@ def rank_main(rank: int, world: int, ports: list[int], out: str, mds: str) -> No
         ("ep4_from_ep2_dp2", {"ep": 4}, {"load": f"{out}/ep2_dp2_saved"}),
     ):
         join_env(rank, world, next(ports))
-        recorder = resume_run(fsdp(options), mds, f"{out}/{name}", model=moe_llama, **kwargs)
+        recorder = resume_run(fsdp(options), mds, f"{out}/{name}", model=tiny_mixtral, **kwargs)
         result[name] = {"losses": recorder.losses}
     torch.save(result, Path(out) / f"rank{rank}.pt")
