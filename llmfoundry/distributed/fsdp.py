@@ -231,8 +231,8 @@ class FSDP(ProcessGroupStrategy):
         all ranks agree on whether one ran out of memory. A rank that did joins the agreement
         from the trainer (`Trainer._out_of_memory_on_any_rank`) instead of the next collective,
         so every rank leaves the step together and none waits in an all-gather or
-        reduce-scatter another abandoned. Refused with tensor parallelism: its collectives run
-        inside each block, past any agreement before it. Context parallelism's run inside each
+        reduce-scatter another abandoned. Refused with tensor and expert parallelism: their
+        collectives run inside each block, past any agreement before it. Context parallelism's run inside each
         block too, but two per layer, each preceded by an agreement (`ContextParallel.guard`):
         before the keys' all-gather, and before its backward's reduce-scatter.
 
@@ -244,12 +244,14 @@ class FSDP(ProcessGroupStrategy):
         resumed run searches again. A settled size has run the steady state of memory (the
         optimizer's state allocated, `Trainer` SETTLE_STEPS), so what remains is a longer
         batch or fragmentation, rare against a sync per block on every step."""
-        if self.tp > 1:
-            raise UserError(
-                f"device_train_microbatch_size=auto with parallelism.tp={self.tp}: an "
-                "out-of-memory error inside a block would leave its tensor-parallel peers "
-                "waiting; set a fixed device_train_microbatch_size"
-            )
+        for axis, kind in (("tp", "tensor"), ("ep", "expert")):
+            size = getattr(self.dims, axis)
+            if size > 1:
+                raise UserError(
+                    f"device_train_microbatch_size=auto with parallelism.{axis}={size}: an "
+                    f"out-of-memory error inside a block would leave its {kind}-parallel peers "
+                    "waiting; set a fixed device_train_microbatch_size"
+                )
         if self.context is not None:  # its gathers agree too, inside each block
             self.context.guard = self._agree if guard else None
         self._auto_microbatching = True

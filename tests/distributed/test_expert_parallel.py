@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 
-from llmfoundry.distributed import SingleDevice
+from llmfoundry.distributed import FSDP, SingleDevice
 from llmfoundry.distributed.expert import Dispatch, check_expert_parallel
 from llmfoundry.models import parallel_plan
 from llmfoundry.utils.errors import UserError
@@ -133,3 +133,15 @@ def test_the_received_copies_are_put_in_local_expert_order():
     arrived = ["p0e0", "p0e1", "p1e0a", "p1e0b", "p1e1"]
     assert [arrived[i] for i in dispatch.order] == ["p0e0", "p1e0a", "p1e0b", "p0e1", "p1e1"]
     assert dispatch.order[dispatch.inverse].tolist() == list(range(5))
+
+
+def test_expert_parallelism_refuses_auto_microbatching(monkeypatch):
+    """An out-of-memory error inside a block would leave the ep peers waiting in its
+    all-to-all, past the agreements FSDP makes before each block: refused in one line."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in {**env, "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    strategy = FSDP("cpu", parallelism={"ep": 2})  # (no process group joined)
+    with pytest.raises(UserError, match=r"^device_train_microbatch_size=auto with parallelism"
+                       r".ep=2: .* its expert-parallel peers waiting; set a fixed "):  # fmt: skip
+        strategy.guard_collectives(None)
