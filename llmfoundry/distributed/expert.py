@@ -111,7 +111,7 @@ def _local_parameters(experts: nn.Module) -> Iterator[None]:
     """The module's parameters as this rank's plain tensors (its experts) while its own forward
     runs, differentiable back to the DTensors (FSDP's gathered ones inside a sharded unit);
     restored after. The experts' forward is plain tensor code (a grouped matmul over `counts`)
-    that DTensor has no rule for, and which the local tensors are all it needs."""
+    that DTensor has no rule for; this rank's experts are all it needs."""
     held = dict(experts._parameters)
     try:
         for name, param in held.items():
