@@ -10,6 +10,7 @@ from llmfoundry.core.engine import Algorithm, Logger
 from llmfoundry.core.events import Event
 from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.core.state import State
+from llmfoundry.distributed.grad_norm import clip_grad_norm_
 from llmfoundry.utils.errors import UserError
 
 
@@ -37,10 +38,8 @@ class GradientClipping(Algorithm):
             logger.log_metrics(
                 {"grad/norm": DeviceScalar(pipeline.clip_grad_norm_(state.model, self.threshold))}
             )
-        elif self.clipping_type == "norm":
-            norm = torch.nn.utils.clip_grad_norm_(params, self.threshold)
-            if hasattr(norm, "full_tensor"):  # sharded (DTensor): gather it now, on every rank
-                norm = norm.full_tensor()
+        elif self.clipping_type == "norm":  # a sharded norm is gathered now, on every rank
+            norm = clip_grad_norm_(params, self.threshold)
             # On the device: loggers read it at their intervals, so clipping never waits for it.
             logger.log_metrics({"grad/norm": DeviceScalar(norm)})
         else:

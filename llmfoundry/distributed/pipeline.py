@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from llmfoundry.core.loss import targets_of
 from llmfoundry.core.metrics import loss_token_count
+from llmfoundry.distributed.grad_norm import grad_norm
 from llmfoundry.distributed.mesh import Mesh, check_schedule
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
@@ -352,9 +353,7 @@ class Pipeline:
         scaled by the same factor; returns the norm (on the device, the same on every stage)."""
         params = [p for p in model.parameters() if p.grad is not None]
         copies = set() if self.is_first else {id(p) for p in self._tied}
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if id(p) not in copies])
-        if isinstance(norm, DTensor):  # this stage's shards: its whole norm, on every rank
-            norm = norm.full_tensor()
+        norm = grad_norm(p.grad for p in params if id(p) not in copies)  # this stage's, whole
         squared = norm.double().square()
         dist.all_reduce(squared, group=self._pp_group)
         total = squared.sqrt().float()

@@ -532,3 +532,16 @@ def test_gradient_accumulation_weights_each_microbatchs_router_losses_as_its_los
         _close(got, expected)
     whole = list(stepped(lambda batch: [(1.0, batch)]))
     assert not all(torch.allclose(g, e) for g, e in zip(model.parameters(), whole, strict=True))
+
+
+def test_the_grouped_mm_probe_runs_apart_from_activation_checkpointing(monkeypatch):
+    """The probe runs in a thread of its own: a first forward inside activation checkpointing
+    would otherwise count the probe's ops as the layer's and miss them on recompute ("a
+    different number of tensors was saved")."""
+    from llmfoundry.models.layers import moe as moe_layer
+
+    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
+    experts = GroupedExperts(2, D, 16)
+    x = torch.randn(5, D, requires_grad=True)
+    checkpoint(experts, x, torch.tensor([2, 3]), use_reentrant=False).sum().backward()
+    assert x.grad is not None and moe_layer._GROUPED_MM_RUNS

@@ -22,6 +22,7 @@ CUDA-only builds.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -91,21 +92,26 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     a loop of matmuls there: tried once (CUDA before sm90 and some builds lack it)."""
     key = (device_type, dtype)
     if key not in _GROUPED_MM_RUNS:
-        # Its backward is part of the answer, whatever the first caller's grad mode (an eval
-        # or generate under no_grad would otherwise pin every later forward to the loop).
-        with torch.inference_mode(False), torch.enable_grad():
-            _GROUPED_MM_RUNS[key] = _grouped_mm_probe(device_type, dtype)
+        cuda = device_type == "cuda"
+        device = torch.device(device_type, torch.cuda.current_device() if cuda else None)
+        # In a thread of its own, which has grad mode on and no saved-tensor hooks or dispatch
+        # modes (all thread-local): the first call comes from a forward, which may run under
+        # no_grad (evaluation: the probe's backward would fail, and take the loop for good) or
+        # inside activation checkpointing (which would count the probe's ops as the layer's
+        # and miss them on recompute).
+        with ThreadPoolExecutor(max_workers=1) as thread:
+            _GROUPED_MM_RUNS[key] = thread.submit(_grouped_mm_probe, device, dtype).result()
     return _GROUPED_MM_RUNS[key]
 
 
-def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
+def _grouped_mm_probe(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 16, generator=generator).to(device_type, dtype).requires_grad_()
-    w = torch.randn(3, 16, 16, generator=generator).to(device_type, dtype).requires_grad_()
+    x = torch.randn(6, 16, generator=generator).to(device, dtype).requires_grad_()
+    w = torch.randn(3, 16, 16, generator=generator).to(device, dtype).requires_grad_()
     counts = [2, 0, 4]
-    offsets = torch.tensor(counts, device=device_type).cumsum(0).to(torch.int32)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
     try:
         out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
         out.backward(torch.ones_like(out))
