@@ -200,6 +200,22 @@ class ModelCounts:
     tp_all_to_all: float = 0.0
     attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
     cp_bias_heads: int = 0
+    active_params: int = 0  # what one token goes through (an MoE's top_k experts); 0: n_params
+    experts: tuple[int, ...] = ()  # per block, its routed experts' parameters (0: a dense block)
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 0  # experts each token goes to (its copies)
+    moe_activation_bytes: int = 0  # per token per MoE block, the MoE layer's (not split by tp)
+
+    def __post_init__(self) -> None:
+        if not self.active_params:
+            object.__setattr__(self, "active_params", self.n_params)
+        if not self.experts:
+            object.__setattr__(self, "experts", (0,) * len(self.blocks))
+
+    @property
+    def moe(self) -> bool:
+        """Whether any block routes its tokens to experts."""
+        return any(self.experts)
 
     @property
     def kv_dim(self) -> int:
@@ -262,7 +278,7 @@ class MemoryPlan:
     needs the most), and what it assumed."""
 
     n_params: int
-    flops_per_token: int
+    flops_per_token: int  # of the active parameters (an MoE's top_k experts)
     params: float
     grads: float
     optimizer: float
@@ -272,6 +288,7 @@ class MemoryPlan:
     attn_bias: float = 0.0
     gathered_kv: float = 0.0
     stage: int = 0
+    active_params: int = 0
 
     @property
     def total(self) -> float:
@@ -302,6 +319,7 @@ class CommunicationPlan:
     tensor_parallel: float = 0.0
     context_parallel: float = 0.0
     pipeline: float = 0.0
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
@@ -312,6 +330,7 @@ class CommunicationPlan:
             + self.tensor_parallel
             + self.context_parallel
             + self.pipeline
+            + self.expert_parallel
         )
 
 
@@ -359,6 +378,7 @@ class Setup:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     dp_replicate: int = 1
@@ -374,10 +394,10 @@ class Setup:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.schedule not in SCHEDULES:
             raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp)
+        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp, self.ep)
         if min(*sizes, self.stages_per_rank) < 1:
             raise UserError(
-                "world_size, gpus_per_node, tp, pp, cp and stages_per_rank must be positive"
+                "world_size, gpus_per_node, tp, pp, cp, ep and stages_per_rank must be positive"
             )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp or deepspeed_zero1-3")
@@ -393,6 +413,7 @@ class Setup:
         self._check_model_fits_mesh()
         self._check_world()
         self.dims = self._mesh()
+        self._check_expert_parallel()
         self._check_sequence()
 
     @property
@@ -424,6 +445,32 @@ class Setup:
             )
         if self.cp > 1:
             check_context_parallel(counts.plan, self.cp, setting="--cp")
+
+    def _check_expert_parallel(self) -> None:
+        """ep borrows its ranks from the data-parallel shards (torchtitan's layout: each expert
+        lives on dp_shard x cp / ep of them, FSDP-sharded there), so it needs FSDP, a model
+        with experts, a divisor of dp_shard x cp and of the experts of a block."""
+        if self.ep == 1:
+            return
+        setting = f"--ep={self.ep}"
+        if not self.counts.moe:
+            raise UserError(f"{setting}: the model has no experts to spread; leave --ep out")
+        if self.strategy != "fsdp":
+            raise UserError(
+                f"{setting}: expert parallelism shards the experts over FSDP's ranks; use "
+                "--strategy fsdp, or leave --ep out"
+            )
+        shards = self.dims.dp_shard * self.cp
+        if shards % self.ep:
+            raise UserError(
+                f"{setting} does not divide dp_shard={self.dims.dp_shard} x cp={self.cp} = "
+                f"{shards}, the ranks expert parallelism borrows: choose an ep that divides it"
+            )
+        if self.counts.n_experts % self.ep:
+            raise UserError(
+                f"{setting} does not divide the model's {self.counts.n_experts} experts per "
+                "block: choose an ep that divides it"
+            )
 
     def _check_sequence(self) -> None:
         """Sequence and context parallelism cut every sequence into equal parts, as training's
@@ -491,13 +538,26 @@ class Setup:
         return ranks
 
     def stage_weights(self, stage: int) -> tuple[float, float]:
-        """Parameters rank `stage` holds before data-parallel sharding (split by tp), and its
-        largest unit (a block, or its edge: the root, under pp = 1)."""
+        """Parameters rank `stage` holds before data-parallel sharding (split by tp; routed
+        experts are not: the MoE layer's tensor-parallel layout replicates them), and its
+        largest unit as FSDP gathers it (a block, its experts over the ep group's 1/ep of
+        them, or its edge: the root, under pp = 1)."""
         counts, last = self.counts, self.pp - 1
-        blocks = [counts.blocks[i] for i in self.stage_layers[stage]]
+        layers = self.stage_layers[stage]
+        dense = [(counts.blocks[i] - counts.experts[i]) / self.tp for i in layers]
+        experts = [counts.experts[i] for i in layers]
         edge = counts.first * (stage == 0) + counts.last * (stage == last)
         edge += counts.tied * (stage == last and self.pp > 1)
-        return (sum(blocks) + edge) / self.tp, max([edge, *blocks]) / self.tp
+        units = [d + e / self.ep for d, e in zip(dense, experts, strict=True)]
+        return sum(dense) + sum(experts) + edge / self.tp, max([edge / self.tp, *units])
+
+    def stage_experts(self, stage: int) -> int:
+        """Routed-expert parameters of rank `stage`'s blocks, before any sharding."""
+        return sum(self.counts.experts[i] for i in self.stage_layers[stage])
+
+    def stage_moe_layers(self, stage: int) -> int:
+        """How many of rank `stage`'s blocks route their tokens to experts."""
+        return sum(1 for i in self.stage_layers[stage] if self.counts.experts[i])
 
     def in_flight(self, stage: int, microbatches: int | None) -> tuple[float, int]:
         """Layer-microbatches of activations rank `stage` keeps at its peak, and microbatches of
@@ -553,12 +613,16 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     # inputs of the two column-wise projections.
     per_block = counts.block_activation_bytes * tokens / tp
     per_block += 2 * compute_bytes * d * tokens * (1 - 1 / tp)
+    # An MoE layer (tokens gathered over the sequence, experts replicated over tp) keeps its
+    # own, whole: the routing and top_k copies of each token.
+    moe = counts.moe_activation_bytes * tokens
+    moe_share = setup.stage_moe_layers(stage) / max(1, len(setup.stage_layers[stage]))
     layer_microbatches, held = setup.in_flight(stage, setup.microbatches(microbatch))
     if setup.activation_checkpointing:
         blocks = layer_microbatches * CHECKPOINT_BYTES * d * tokens / tp
-        blocks += per_block if layer_microbatches else 0.0
+        blocks += per_block + moe * (moe_share > 0) if layer_microbatches else 0.0
     else:
-        blocks = layer_microbatches * per_block
+        blocks = layer_microbatches * (per_block + moe * moe_share)
     # Embedding output (first stage), final norm input and the head's input (last stage).
     edges = 4 * (stage == 0) + (4 + compute_bytes) * (stage == setup.pp - 1)
     edges_bytes = held * edges * d * tokens / tp
@@ -582,6 +646,7 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
         attn_bias=attn_bias,
         gathered_kv=_gathered_kv(setup, microbatch, layer_microbatches),
         stage=stage,
+        active_params=counts.active_params,
     )
 
 
@@ -618,17 +683,20 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     stage = plan_memory(setup, microbatch).stage
     weights = setup.stage_weights(stage)[0] * PARAM_BYTES
     m = setup.microbatches(microbatch) or 1
-    ring = lambda n: (n - 1) / n  # noqa: E731 (fraction of a buffer a ring collective sends)
     plan = CommunicationPlan()
     n = setup.dims.dp_shard * setup.cp
     if setup.strategy in _SHARDED_PARAMS:
-        plan.all_gather = 2 * m * weights * ring(n)
-        plan.reduce_scatter = weights * ring(n)
-        plan.all_reduce = 2 * weights / n * ring(setup.dims.dp_replicate)
+        # Experts are gathered within their ep group's share (1/ep of them) over the
+        # dp_shard x cp / ep ranks that shard it; the rest over all n.
+        experts = setup.stage_experts(stage) * PARAM_BYTES
+        gathered = (weights - experts) * _ring(n) + experts / setup.ep * _ring(n // setup.ep)
+        plan.all_gather = 2 * m * gathered
+        plan.reduce_scatter = gathered
+        plan.all_reduce = 2 * weights / n * _ring(setup.dims.dp_replicate)
     elif setup.strategy in ("deepspeed_zero1", "deepspeed_zero2"):
-        plan.all_gather = plan.reduce_scatter = weights * ring(n)
+        plan.all_gather = plan.reduce_scatter = weights * _ring(n)
     else:
-        plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
+        plan.all_reduce = 2 * weights * _ring(setup.dims.dp_replicate)
     counts = setup.counts
     compute_bytes = 4 if setup.precision == "fp32" else 2
     activation = microbatch * setup.seq_len / setup.cp * counts.d_model  # this rank's tokens
@@ -636,17 +704,37 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     collectives = 8 + 4 * setup.activation_checkpointing
     exchanges = (2 + setup.activation_checkpointing) * counts.tp_all_to_all / setup.tp
     plan.tensor_parallel = (
-        m * layers * (collectives + exchanges) * ring(setup.tp) * activation * compute_bytes
+        m * layers * (collectives + exchanges) * _ring(setup.tp) * activation * compute_bytes
     )
     # Context parallelism: per layer and microbatch, keys and values all-gathered in forward
     # (again in a recomputed forward), their gradients reduce-scattered in backward.
     passes = 2 + setup.activation_checkpointing
     kv = _layer_kv_bytes(setup, microbatch)
-    plan.context_parallel = m * layers * passes * ring(setup.cp) * kv
+    plan.context_parallel = m * layers * passes * _ring(setup.cp) * kv
     if setup.pp > 1:
         v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
         plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp
+    plan.expert_parallel = m * setup.stage_moe_layers(stage) * all_to_all_bytes(setup, microbatch)
     return plan
+
+
+def _ring(n: int) -> float:
+    """The fraction of a buffer one of n ranks sends in a ring collective (or, routing evenly,
+    in an all-to-all: all but its own 1/n)."""
+    return (n - 1) / n
+
+
+def all_to_all_bytes(setup: Setup, microbatch: int) -> float:
+    """Bytes one rank sends in the all-to-alls of one MoE layer and microbatch: its tokens'
+    top_k copies [tokens x top_k, d_model] in the compute dtype, dispatched to the ranks
+    owning their experts and combined back, in forward and (their gradients) in backward, and
+    again in a forward recomputed under activation checkpointing; with tokens routed evenly
+    over the ep ranks, (ep - 1) / ep of each leaves the rank. Under tp every tp rank routes
+    the whole (gathered) sequence."""
+    compute_bytes = 4 if setup.precision == "fp32" else 2
+    copies = microbatch * setup.seq_len / setup.cp * setup.counts.top_k
+    passes = 4 + 2 * setup.activation_checkpointing
+    return passes * copies * setup.counts.d_model * compute_bytes * _ring(setup.ep)
 
 
 def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16) -> int:
@@ -717,25 +805,31 @@ def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
         bubble = bubble_fraction(mesh.pp, mesh.microbatches(microbatch), mesh.schedule,
                                  mesh.stages_per_rank)  # fmt: skip
         sent = plan_communication(mesh, microbatch).total
-        key = (mesh.model_ways, bubble, sent, -mesh.tp)
+        key = (mesh.model_ways, bubble, sent, -mesh.tp, mesh.ep)
         choices.append((key, MeshChoice(mesh, fits, microbatch, bubble)))
     return min(choices, key=lambda c: c[0])[1] if choices else None
 
 
 def _meshes(setup: Setup) -> list[Setup]:
     """Every tp x cp x pp layout of `setup.world_size` devices that training takes (tp within
-    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards."""
+    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards; for a model
+    with experts under FSDP, each with every ep (a divisor of the experts per block and of
+    dp_shard x cp) as well."""
     world, meshes = setup.world_size, []
     v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    moe = setup.counts.moe and setup.strategy == "fsdp"
     for tp in _divisors(math.gcd(world, setup.gpus_per_node)):
         for cp in _divisors(world // tp):
             for pp in _divisors(world // (tp * cp)):
                 if v > 1 and pp == 1:
                     continue
-                try:
-                    meshes.append(dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, dp_shard=-1))
-                except UserError:
-                    continue
+                eps = _divisors(math.gcd(setup.counts.n_experts, world)) if moe else [1]
+                for ep in eps:
+                    try:
+                        mesh = dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, dp_shard=-1)
+                    except UserError:
+                        continue
+                    meshes.append(mesh)
     return meshes
 
 

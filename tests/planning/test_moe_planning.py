@@ -1,0 +1,118 @@
+"""The planner on a mixture of experts: experts sharded over ep x the experts' FSDP ranks, MoE
+activations of top_k token copies, the all-to-all volume, the refusals of ep, and `--recommend`
+searching ep. Every number below is computed by hand from the counts."""
+
+import dataclasses
+import re
+
+import pytest
+
+from llmfoundry.planning import (
+    ModelCounts,
+    Setup,
+    plan_communication,
+    plan_memory,
+    recommend,
+)
+from tests.planning.test_mesh_planning import COUNTS
+
+# The mesh test's toy (8 blocks of 1000 parameters, a 200-parameter tied embedding, a
+# 10-parameter final norm, d_model 16, vocab 50), its blocks now MoE blocks: 800 of each
+# block's 1000 parameters are 4 routed experts, each token goes to 2 of them, and the MoE
+# layer keeps 100 bytes per token (on top of the block's 38 d).
+MOE = dataclasses.replace(
+    COUNTS,
+    active_params=8210 - 8 * 400,
+    experts=(800,) * 8,
+    n_experts=4,
+    top_k=2,
+    moe_activation_bytes=100,
+)
+
+
+def moe_mesh(**kwargs) -> Setup:
+    """fsdp over 8 devices, 8 sequences of 4 tokens per step (one microbatch of 1 each)."""
+    options = {"strategy": "fsdp", "world_size": 8, "global_batch": 8}
+    return Setup(None, 4, "amp_bf16", **{"counts": MOE, **options, **kwargs})
+
+
+def test_experts_are_sharded_over_ep_times_their_fsdp_ranks():
+    """Each expert is held by one ep rank and FSDP-sharded over the dp_shard / ep others: its
+    weights, gradients and Adam state are 1/8 per device at any ep, as the rest; what ep shrinks
+    is the gathered working copy, 2 x (200 + 800 / ep) parameters of a block."""
+    plans = {ep: plan_memory(moe_mesh(ep=ep), 1) for ep in (1, 2, 4)}
+    for ep, plan in plans.items():
+        assert (plan.params, plan.grads, plan.optimizer) == (8210 / 2, 8210 / 2, 8210)
+        assert plan.working == 2 * (200 + 800 / ep) * 4
+        assert (plan.n_params, plan.active_params) == (8210, 5010)
+    # Activations: per block and token 38 * 16 = 608 bytes plus the MoE layer's 100, 4 tokens,
+    # 8 blocks; the embedding output (4 * 16 * 4) and the head's input ((4 + 2) * 16 * 4).
+    assert plans[1].activations == 8 * (608 + 100) * 4 + 4 * 16 * 4 + 6 * 16 * 4
+    # Under tp 2 the dense part of a block is split (experts are replicated over tp), and the
+    # MoE layer's activations are whole: each tp rank routes the gathered sequence.
+    tp = plan_memory(moe_mesh(tp=2, ep=2), 1)
+    assert tp.params == (8 * 200 / 2 + 8 * 800 + 210 / 2) * 4 / 4
+    assert tp.working == 2 * (200 / 2 + 800 / 2) * 4
+    per_block = 608 * 4 / 2 + 2 * 2 * 16 * 4 * (1 - 1 / 2) + 100 * 4
+    assert tp.activations == 8 * per_block + 4 * 16 * 4 / 2 + 6 * 16 * 4 / 2
+    # With activation checkpointing: each block's float32 input, and one MoE block in full.
+    checkpointed = plan_memory(moe_mesh(ep=2, activation_checkpointing=True), 1)
+    assert checkpointed.activations == 8 * 4 * 16 * 4 + (608 + 100) * 4 + 4 * 16 * 4 + 6 * 16 * 4
+
+
+def test_all_to_all_volume_and_the_experts_gathers():
+    """Per MoE layer and microbatch, 4 tokens x top_k 2 copies x d_model 16 x 2 bytes = 256
+    bytes dispatched and as many combined, forward and backward (x 4), (ep - 1) / ep of it
+    leaving the rank; FSDP gathers an expert only over its dp_shard / ep ranks."""
+    for ep in (1, 2, 4):
+        sent = plan_communication(moe_mesh(ep=ep), 1)
+        assert sent.expert_parallel == 8 * 4 * 256 * (ep - 1) / ep
+        dense, experts = (8 * 200 + 210) * 4, 8 * 800 * 4
+        gathered = dense * 7 / 8 + experts / ep * (8 / ep - 1) / (8 / ep)
+        assert sent.all_gather == 2 * gathered and sent.reduce_scatter == gathered
+    # A recomputed forward dispatches and combines again.
+    checkpointed = plan_communication(moe_mesh(ep=4, activation_checkpointing=True), 1)
+    assert checkpointed.expert_parallel == 8 * 6 * 256 * 3 / 4
+    # A dense model sends none.
+    assert plan_communication(moe_mesh(counts=COUNTS), 1).expert_parallel == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ep": 3, "world_size": 9, "global_batch": 9}, "--ep=3 does not divide the model's 4 "
+         "experts per block: choose an ep that divides it"),
+        ({"ep": 4, "tp": 2, "pp": 2}, "--ep=4 does not divide dp_shard=2 x cp=1 = 2, the ranks expert "
+         "parallelism borrows: choose an ep that divides it"),
+        ({"ep": 2, "counts": COUNTS}, "--ep=2: the model has no experts to spread; leave --ep "
+         "out"),
+        ({"ep": 2, "strategy": "ddp"}, "--ep=2: expert parallelism shards the experts over "
+         "FSDP's ranks; use --strategy fsdp, or leave --ep out"),
+    ],
+)  # fmt: skip
+def test_impossible_expert_parallel_meshes_are_refused(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe_mesh(**options)
+
+
+def test_recommend_searches_ep():
+    """With room for pure FSDP, the recommended mesh is the one that sends the fewest bytes: ep
+    4's all-to-alls (6144 bytes) cost less than the experts' gathers they save (86205 bytes in
+    all at ep 1, 51901 at ep 2, 34749 at ep 4)."""
+    sent = {ep: plan_communication(moe_mesh(ep=ep), 1).total for ep in (1, 2, 4)}
+    assert (sent[1], sent[2], sent[4]) == (86205, 51901, 34749)
+    choice = recommend(moe_mesh(), 1e6)
+    assert (choice.setup.tp, choice.setup.pp, choice.setup.ep) == (1, 1, 4)
+    # A tight budget that only ep's smaller working copy fits: pure FSDP at ep 1 needs 2 x 1000
+    # x 4 bytes of gathered block, ep 4 2 x 400 x 4.
+    budget = plan_memory(moe_mesh(ep=4), 1).total
+    assert plan_memory(moe_mesh(ep=2), 1).total > budget
+    assert recommend(moe_mesh(), budget).setup.ep == 4
+    # A dense model is never given an ep.
+    assert recommend(moe_mesh(counts=COUNTS), 1e6).setup.ep == 1
+
+
+def test_counts_default_to_a_dense_model():
+    dense = ModelCounts(**{f.name: getattr(COUNTS, f.name) for f in dataclasses.fields(COUNTS)})
+    assert dense.active_params == dense.n_params and dense.experts == (0,) * 8
+    assert not dense.moe and MOE.moe
