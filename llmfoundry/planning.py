@@ -119,6 +119,7 @@ from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
 from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
+from llmfoundry.models.layers.moe import MoE, MoESpec
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
@@ -205,6 +206,8 @@ class ModelCounts:
     n_experts: int = 0  # routed experts per MoE block
     top_k: int = 0  # experts each token goes to (its copies)
     moe_activation_bytes: int = 0  # per token per MoE block, the MoE layer's (not split by tp)
+    moe_input_bytes: int = 4  # bytes of one element of the MoE layer's input (its token copies)
+    head_dim: int = 0  # 0: d_model / n_heads
 
     def __post_init__(self) -> None:
         if not self.active_params:
@@ -220,7 +223,7 @@ class ModelCounts:
     @property
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values): the key/value heads' (GQA: fewer)."""
-        return self.n_kv_heads * (self.d_model // self.n_heads)
+        return self.n_kv_heads * (self.head_dim or self.d_model // self.n_heads)
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -253,6 +256,8 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         cp_bias_heads = masks.causal_bias_shape(seq_len)[1]
         if builds:
             attn_bias = masks.causal_bias_shape(seq_len)[1:3]
+    moes = [[m for m in b.modules() if isinstance(m, MoE)] for b in blocks]
+    spec = next((m[0].spec for m in moes if m), None)
     return ModelCounts(
         n_params=model.num_params(),
         flops_per_token=model.flops_per_token(seq_len),
@@ -269,7 +274,52 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         tp_all_to_all=plan.tp_all_to_all,
         attn_bias=attn_bias,
         cp_bias_heads=cp_bias_heads,
+        head_dim=getattr(config, "head_dim", None) or config.d_model // config.n_heads,
+        **(_moe_counts(model, moes, spec, precision) if spec else {}),
     )
+
+
+def _moe_counts(model: Any, moes: list[list[MoE]], spec: MoESpec, precision: str) -> dict:
+    """An MoE model's counts: active parameters (the model's own count: router, top_k experts,
+    shared expert), each block's routed experts, and the MoE layer's activations."""
+    experts = [sum(p.numel() for m in ms for p in m.experts.parameters()) for ms in moes]
+    low_precision_input = getattr(getattr(model, "spec", None), "low_precision_norm", False)
+    input_bytes = 2 if precision != "fp32" and low_precision_input else 4
+    d_model = model.config.d_model
+    return {
+        "active_params": model.num_params(active=True),
+        "experts": tuple(experts),
+        "n_experts": spec.n_experts,
+        "top_k": spec.top_k,
+        "moe_activation_bytes": moe_activation_bytes(spec, d_model, precision, input_bytes),
+        "moe_input_bytes": input_bytes,
+    }
+
+
+def moe_activation_bytes(spec: MoESpec, d_model: int, precision: str, input_bytes: int = 4) -> int:
+    """Bytes autograd keeps per token for the backward of an MoE layer
+    (llmfoundry/models/layers/moe.py), with d = d_model, h = expert_hidden, k = top_k, E =
+    n_experts, b = `input_bytes` (of one element of the layer's input: float32, the residual
+    stream's norm output, unless a low-precision norm makes it the compute dtype). The router:
+    its softmax output (4E), the top-k sum renormalised by (4); per token copy: its top-k index,
+    its weight, its token and sort indices (8 + 4 + 8 + 8 + 4, counting the weight gathered in
+    sorted order), the gathered copy (bd), the expert's gate and up outputs, silu(gate) and the
+    product fed to w_down (4bh), and the expert's output and the weighted output (2bd):
+    4E + 4 + k (32 + 3bd + 4bh). The experts compute in their input's dtype: autocast does not
+    cover torch._grouped_mm, so under mixed precision they run in float32 where it runs on
+    float32 (CPU); where they run as a loop of autocast matmuls (a GPU whose grouped multiply
+    takes only bf16) they keep 2-byte tensors, fewer than planned. Mixed precision adds the
+    router's 2-byte copy of a float32 input (2d). A shared expert keeps a SwiGLU's 16s
+    (mixed: 8s + its two projections' 2-byte copies of the input, 4d); its gate, the gate's
+    sigmoid and the shared output it scales (4 + 4d; mixed: its 2-byte input copy too, 2 + 4d).
+    Measured per token against the tensors autograd saves (tests/planning/test_moe_planning.py)."""
+    d, h, k, e = d_model, spec.expert_hidden, spec.top_k, spec.n_experts
+    s, b = spec.shared_expert_hidden, input_bytes
+    routed = 4 * e + 4 + k * (32 + 3 * b * d + 4 * b * h)
+    if precision == "fp32":
+        return routed + 16 * s + (4 + 4 * d) * spec.shared_expert_gate
+    casts = 2 * d * (b == 4) + (8 * s + 4 * d) * (s > 0)
+    return routed + casts + (2 + 4 * d) * spec.shared_expert_gate
 
 
 @dataclass
@@ -726,15 +776,17 @@ def _ring(n: int) -> float:
 
 def all_to_all_bytes(setup: Setup, microbatch: int) -> float:
     """Bytes one rank sends in the all-to-alls of one MoE layer and microbatch: its tokens'
-    top_k copies [tokens x top_k, d_model] in the compute dtype, dispatched to the ranks
-    owning their experts and combined back, in forward and (their gradients) in backward, and
-    again in a forward recomputed under activation checkpointing; with tokens routed evenly
-    over the ep ranks, (ep - 1) / ep of each leaves the rank. Under tp every tp rank routes
-    the whole (gathered) sequence."""
-    compute_bytes = 4 if setup.precision == "fp32" else 2
-    copies = microbatch * setup.seq_len / setup.cp * setup.counts.top_k
-    passes = 4 + 2 * setup.activation_checkpointing
-    return passes * copies * setup.counts.d_model * compute_bytes * _ring(setup.ep)
+    top_k copies [tokens x top_k, d_model], dispatched to the ranks holding their experts and
+    their outputs combined back, in forward and (their gradients) in backward, and again in a
+    forward recomputed under activation checkpointing, in the layer input's dtype (float32,
+    the residual stream's norm output: `moe_activation_bytes`); with tokens routed evenly over
+    the ep ranks, (ep - 1) / ep of each leaves the rank (what a skewed router sends more is not
+    counted: bench/moe.py measures it). Under tp every tp rank routes the whole (gathered)
+    sequence."""
+    counts = setup.counts
+    copies = microbatch * setup.seq_len / setup.cp * counts.top_k
+    passes = 2 + setup.activation_checkpointing  # forward, backward, recomputed forward
+    return passes * 2 * copies * counts.d_model * counts.moe_input_bytes * _ring(setup.ep)
 
 
 def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16) -> int:

@@ -6,10 +6,13 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
+from llmfoundry.models.layers.moe import MoE, MoESpec
 from llmfoundry.planning import (
     ModelCounts,
     Setup,
+    moe_activation_bytes,
     plan_communication,
     plan_memory,
     recommend,
@@ -61,18 +64,21 @@ def test_experts_are_sharded_over_ep_times_their_fsdp_ranks():
 
 
 def test_all_to_all_volume_and_the_experts_gathers():
-    """Per MoE layer and microbatch, 4 tokens x top_k 2 copies x d_model 16 x 2 bytes = 256
-    bytes dispatched and as many combined, forward and backward (x 4), (ep - 1) / ep of it
-    leaving the rank; FSDP gathers an expert only over its dp_shard / ep ranks."""
+    """Per MoE layer and microbatch, 4 tokens x top_k 2 = 8 copies of d_model 16 dispatched and
+    combined in the layer input's float32 (512 bytes each), forward and backward, (ep - 1) / ep
+    of it leaving the rank; FSDP gathers an expert only over its dp_shard / ep ranks."""
     for ep in (1, 2, 4):
         sent = plan_communication(moe_mesh(ep=ep), 1)
-        assert sent.expert_parallel == 8 * 4 * 256 * (ep - 1) / ep
+        assert sent.expert_parallel == 8 * 2 * 2 * 512 * (ep - 1) / ep
         dense, experts = (8 * 200 + 210) * 4, 8 * 800 * 4
         gathered = dense * 7 / 8 + experts / ep * (8 / ep - 1) / (8 / ep)
         assert sent.all_gather == 2 * gathered and sent.reduce_scatter == gathered
-    # A recomputed forward dispatches and combines again.
+    # A recomputed forward dispatches and combines again; a low-precision input (a bf16 norm
+    # output) halves it.
     checkpointed = plan_communication(moe_mesh(ep=4, activation_checkpointing=True), 1)
-    assert checkpointed.expert_parallel == 8 * 6 * 256 * 3 / 4
+    assert checkpointed.expert_parallel == 8 * 3 * 2 * 512 * 3 / 4
+    low = moe_mesh(ep=2, counts=dataclasses.replace(MOE, moe_input_bytes=2))
+    assert plan_communication(low, 1).expert_parallel == 8 * 2 * 2 * 256 / 2
     # A dense model sends none.
     assert plan_communication(moe_mesh(counts=COUNTS), 1).expert_parallel == 0
 
@@ -97,10 +103,10 @@ def test_impossible_expert_parallel_meshes_are_refused(options, message):
 
 def test_recommend_searches_ep():
     """With room for pure FSDP, the recommended mesh is the one that sends the fewest bytes: ep
-    4's all-to-alls (6144 bytes) cost less than the experts' gathers they save (86205 bytes in
-    all at ep 1, 51901 at ep 2, 34749 at ep 4)."""
+    4's all-to-alls (12288 bytes) cost less than the experts' gathers they save (86205 bytes in
+    all at ep 1, 55997 at ep 2, 40893 at ep 4)."""
     sent = {ep: plan_communication(moe_mesh(ep=ep), 1).total for ep in (1, 2, 4)}
-    assert (sent[1], sent[2], sent[4]) == (86205, 51901, 34749)
+    assert (sent[1], sent[2], sent[4]) == (86205, 55997, 40893)
     choice = recommend(moe_mesh(), 1e6)
     assert (choice.setup.tp, choice.setup.pp, choice.setup.ep) == (1, 1, 4)
     # A tight budget that only ep's smaller working copy fits: pure FSDP at ep 1 needs 2 x 1000
@@ -116,3 +122,37 @@ def test_counts_default_to_a_dense_model():
     dense = ModelCounts(**{f.name: getattr(COUNTS, f.name) for f in dataclasses.fields(COUNTS)})
     assert dense.active_params == dense.n_params and dense.experts == (0,) * 8
     assert not dense.moe and MOE.moe
+
+
+def saved_bytes_per_token(layer: torch.nn.Module, tokens: int, precision: str) -> float:
+    """Bytes of the tensors autograd saves in one forward of `layer` on `tokens` float32 tokens
+    (each storage once; the parameters, the input and per-layer weight casts left out), per
+    token."""
+    x = torch.randn(1, tokens, layer.router.gate.in_features, requires_grad=True)
+    left_out = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    left_out.add(x.untyped_storage().data_ptr())
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in left_out and t.shape[0] in (tokens, tokens * 2):
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    layer(x)  # the first forward tries torch._grouped_mm once (grouped_mm_runs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision != "fp32"):
+            layer(x)
+    return sum(saved.values()) / tokens
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_moe_activations_are_what_autograd_saves(precision):
+    """`moe_activation_bytes` against the tensors an MoE layer's forward saves for backward,
+    counted (top_k 2: every tensor of the layer is [tokens, ...] or [tokens x 2, ...])."""
+    torch.manual_seed(0)
+    for shared, gate in ((0, False), (24, False), (24, True)):
+        spec = MoESpec(n_experts=8, top_k=2, expert_hidden=48, shared_expert_hidden=shared,
+                       shared_expert_gate=gate)  # fmt: skip
+        measured = saved_bytes_per_token(MoE(32, spec), 256, precision)
+        assert measured == moe_activation_bytes(spec, 32, precision), (shared, gate)
