@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from llmfoundry.models.layers import moe
 from llmfoundry.models.layers.moe import MoE, MoESpec
 from llmfoundry.planning import (
     ModelCounts,
@@ -124,10 +125,9 @@ def test_counts_default_to_a_dense_model():
     assert not dense.moe and MOE.moe
 
 
-def saved_bytes_per_token(layer: torch.nn.Module, tokens: int, precision: str) -> float:
+def saved_bytes(layer: torch.nn.Module, tokens: int, precision: str) -> int:
     """Bytes of the tensors autograd saves in one forward of `layer` on `tokens` float32 tokens
-    (each storage once; the parameters, the input and per-layer weight casts left out), per
-    token."""
+    (each storage once; the parameters and the input left out)."""
     x = torch.randn(1, tokens, layer.router.gate.in_features, requires_grad=True)
     left_out = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     left_out.add(x.untyped_storage().data_ptr())
@@ -135,7 +135,7 @@ def saved_bytes_per_token(layer: torch.nn.Module, tokens: int, precision: str) -
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in left_out and t.shape[0] in (tokens, tokens * 2):
+        if storage.data_ptr() not in left_out:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -143,16 +143,26 @@ def saved_bytes_per_token(layer: torch.nn.Module, tokens: int, precision: str) -
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", torch.bfloat16, enabled=precision != "fp32"):
             layer(x)
-    return sum(saved.values()) / tokens
+    return sum(saved.values())
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
-def test_moe_activations_are_what_autograd_saves(precision):
+def test_moe_activations_are_what_autograd_saves(precision, grouped, monkeypatch):
     """`moe_activation_bytes` against the tensors an MoE layer's forward saves for backward,
-    counted (top_k 2: every tensor of the layer is [tokens, ...] or [tokens x 2, ...])."""
+    per token: the growth from 256 to 512 tokens (what a layer saves once, its weights' bf16
+    copies under autocast, cancels); with torch._grouped_mm and with the loop of matmuls, which
+    autocast runs in bf16 (fewer bytes: the plan is an upper bound there)."""
+    if not grouped:
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda device, dtype: False)
     torch.manual_seed(0)
     for shared, gate in ((0, False), (24, False), (24, True)):
         spec = MoESpec(n_experts=8, top_k=2, expert_hidden=48, shared_expert_hidden=shared,
                        shared_expert_gate=gate)  # fmt: skip
-        measured = saved_bytes_per_token(MoE(32, spec), 256, precision)
-        assert measured == moe_activation_bytes(spec, 32, precision), (shared, gate)
+        layer = MoE(32, spec)
+        measured = (saved_bytes(layer, 512, precision) - saved_bytes(layer, 256, precision)) / 256
+        planned = moe_activation_bytes(spec, 32, precision)
+        if grouped or precision == "fp32":
+            assert measured == planned, (shared, gate)
+        else:
+            assert 0.5 * planned < measured < planned, (shared, gate)
