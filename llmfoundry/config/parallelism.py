@@ -1,7 +1,7 @@
 """The config's `parallelism:` block: the device mesh every strategy lays its processes out on.
 
 conf/train.yaml holds one block, `parallelism: {dp_replicate, dp_shard, cp, tp, pp,
-pp_schedule}`, which llmfoundry/distributed/mesh.py (`parallel_dims`) turns into the run's
+pp_schedule, ep}`, which llmfoundry/distributed/mesh.py (`parallel_dims`) turns into the run's
 `ParallelDims`. The strategy group used to hold the axes (`strategy.tp`, `strategy.pp`,
 `strategy.cp`, `strategy.replicate`, `strategy.pp_schedule`): those overrides still work as
 aliases of the block's keys, with a one-line notice naming the new key, and are refused when
@@ -42,7 +42,8 @@ STRATEGY_NAMES = {
 @dataclass(frozen=True)
 class Parallelism:
     """The block's keys, their types and defaults (mesh.py `ParallelDims` has the same fields):
-    processes per mesh axis, `dp_shard=-1` for what the others leave of the world."""
+    processes per mesh axis, `dp_shard=-1` for what the others leave of the world; `ep`: the
+    expert-parallel ranks, borrowed from dp_shard x cp."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -50,6 +51,7 @@ class Parallelism:
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
+    ep: int = 1
 
 
 DEFAULTS = Parallelism()

@@ -210,14 +210,15 @@ def _check_mesh(cfg: DictConfig, settings: TrainSettings, parallelism: dict[str,
     tensor- and context-parallel ranks cannot split (llmfoundry/distributed/mesh.py). The
     default mesh needs neither check (nor torch, which they import)."""
     axes = {k: v for k, v in parallelism.items() if k in ("dp_replicate", "cp", "tp", "pp")}
-    if all(size == 1 for size in axes.values()):
+    ep = parallelism.get("ep", 1)
+    if all(size == 1 for size in axes.values()) and ep == 1:
         return
     from llmfoundry.distributed.mesh import ParallelDims, check_sequence_length, refuse_axes
 
     name = strategy_name(cfg)
     try:
         if name is not None:
-            refuse_axes(axes, name)
+            refuse_axes({**axes, "ep": ep}, name)
         length = settings.max_seq_len or OmegaConf.select(cfg, "model.max_seq_len")
         if isinstance(length, int):
             dims = ParallelDims(world_size=math.prod(axes.values()), **axes)

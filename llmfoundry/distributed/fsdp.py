@@ -26,6 +26,11 @@ the same batch and each computes its part of every sequence, all-gathering keys 
 each layer; parameters are sharded over dp_shard x cp (`Mesh.fsdp_mesh`), whose gradients (of
 different tokens) are averaged as data-parallel ranks' are.
 
+Expert parallelism (`ep=P`, llmfoundry/distributed/expert.py): each MoE layer's experts are
+split over P ranks borrowed from dp_shard x cp, its token copies sent to their experts' ranks
+and back by all-to-alls; FSDP shards the experts over the dp_shard x cp / P ranks left
+(`Mesh.expert_fsdp_mesh`) and every other weight over dp_shard x cp, as without it.
+
 Initialization: the model is sharded on the meta device, each rank allocates only its shards,
 and the model's own `init_weights` fills them. Random initializers get the whole tensor drawn
 from rank 0's generator state and keep their slice (`_WholeTensorInit`), so a sharded
@@ -57,6 +62,7 @@ from torch.utils.hooks import RemovableHandle
 
 from llmfoundry.distributed.base import OutOfMemoryElsewhere
 from llmfoundry.distributed.context import ContextParallel, apply_cp, check_context_parallel
+from llmfoundry.distributed.expert import check_expert_parallel
 from llmfoundry.distributed.mesh import ParallelDims
 from llmfoundry.distributed.parallelize import ParallelSettings, _checkpointing, parallelize
 from llmfoundry.distributed.pipeline import Pipeline
@@ -119,7 +125,9 @@ class FSDP(ProcessGroupStrategy):
             checked when the model is prepared); pp: pipeline stages (pipeline.py), each
             sharded over world_size / pp processes, run by pp_schedule ("1f1b": at least pp
             microbatches per step, or "gpipe"); cp: each sequence split over cp ranks
-            (context.py), parameters sharded over dp_shard x cp.
+            (context.py), parameters sharded over dp_shard x cp. ep: each MoE layer's experts
+            split over ep ranks of dp_shard x cp (expert.py; it must divide that and the
+            expert count).
         reshard_after_forward: free gathered block weights after forward (and gather them again
             for backward): less memory, one more all-gather per block.
         mixed_precision: None (parameters and gradients in their own dtype) or "bf16"
@@ -191,6 +199,8 @@ class FSDP(ProcessGroupStrategy):
         }
         if self.context is not None:  # refused before any collective
             check_context_parallel(plan, self.cp)
+        if self.dims.ep > 1:
+            check_expert_parallel(model, plan, self.dims.ep)
         pipeline = self.pipeline
         if pipeline is not None:
             plan = pipeline.split(model, plan, self.mesh)

@@ -20,6 +20,14 @@ same batch too, but each computes the loss of its own part of every sequence: lo
 gradients are reduced over data-parallel x context-parallel ranks (`Mesh.loss_group`,
 `ParallelDims.loss_size`), and FSDP shards parameters over dp_shard x cp (`Mesh.fsdp_mesh`), as
 torchtitan does.
+
+Expert parallelism (`ep`) is no axis of its own: as torchtitan's, its ranks are borrowed from
+the data-parallel shards (with the context-parallel ranks), whose tokens differ. The dp_shard x
+cp ranks are cut into `efsdp` groups of `ep` (`Mesh.ep_mesh`): each of an ep group's ranks
+holds 1/ep of every MoE layer's experts, and the group's tokens are sent to the ranks holding
+their experts (llmfoundry/distributed/expert.py); FSDP shards the expert weights over the
+remaining `efsdp` ranks (`Mesh.expert_fsdp_mesh`) and the other weights over all dp_shard x cp
+ranks, as before. Tensor-parallel ranks (the same tokens) run the experts alike.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ STRATEGY_AXES: dict[str, tuple[str, ...]] = {
     "deepspeed_zero1": _DATA_PARALLEL,
     "deepspeed_zero2": _DATA_PARALLEL,
     "deepspeed_zero3": _DATA_PARALLEL,
-    "fsdp": _ORDER,
+    "fsdp": (*_ORDER, "ep"),
 }
 
 
@@ -55,7 +63,8 @@ STRATEGY_AXES: dict[str, tuple[str, ...]] = {
 class ParallelDims:
     """Processes per axis; their product is the world size. `dp_shard=-1`: what the other axes
     leave of the world. `pp_schedule`: how the pipeline axis runs its microbatches (with
-    pp > 1). Validated on construction (one-line UserErrors)."""
+    pp > 1). `ep`: expert-parallel ranks, borrowed from dp_shard x cp (it must divide it; see
+    the module docstring). Validated on construction (one-line UserErrors)."""
 
     world_size: int
     dp_replicate: int = 1
@@ -64,12 +73,13 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
+    ep: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pp_schedule", check_schedule(self.pp_schedule))
         if self.world_size < 1:
             raise UserError(f"world size {self.world_size} must be at least 1")
-        for name in ("dp_replicate", "cp", "tp", "pp"):
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be at least 1")
         others = self.dp_replicate * self.cp * self.tp * self.pp
@@ -89,6 +99,18 @@ class ParallelDims:
                 f"tp={self.tp} x pp={self.pp} = {product}, but there are {self.world_size} "
                 "processes"
             )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise UserError(
+                f"ep={self.ep} does not divide dp_shard={self.dp_shard} x cp={self.cp} = "
+                f"{self.dp_shard * self.cp}: expert-parallel ranks are borrowed from those; "
+                "choose an ep that divides it"
+            )
+
+    @property
+    def efsdp(self) -> int:
+        """How many ranks FSDP shards each expert's weights over: dp_shard x cp / ep (the ranks
+        of each ep group's rank in the other groups; 1 when one ep group spans them all)."""
+        return self.dp_shard * self.cp // self.ep
 
     @property
     def dp_size(self) -> int:
@@ -190,7 +212,7 @@ def refuse_axes(sizes: Mapping[str, Any], strategy: str, world_size: int | None 
     cannot lay processes out on (`STRATEGY_AXES`), and the strategy that can; `world_size`
     (None: not known yet, as when a config is checked before launch) for what depends on it."""
     axes = STRATEGY_AXES.get(strategy, _ORDER)
-    kinds = {"cp": "context", "tp": "tensor", "pp": "pipeline"}
+    kinds = {"cp": "context", "tp": "tensor", "pp": "pipeline", "ep": "expert"}
     for axis, kind in kinds.items():
         size = sizes.get(axis, 1)
         if size != 1 and axis not in axes:
@@ -237,7 +259,9 @@ class Mesh:
     """`dims` laid out over the joined process group (`build_mesh`). `dp_group`: the processes
     this one counts samples and tokens with; `loss_group`: those it reduces losses and
     gradients with (the data-parallel x context-parallel ranks: different tokens); None when
-    that is every process (the default group, so nothing new is created)."""
+    that is every process (the default group, so nothing new is created). `ep_mesh` and
+    `expert_fsdp_mesh`: the expert-parallel ranks and those FSDP shards experts over, with
+    `dims.ep` > 1 (`expert_meshes`)."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh
@@ -245,6 +269,8 @@ class Mesh:
     loss_group: dist.ProcessGroup | None = None
     # dp_shard and cp flattened into one axis (`fsdp_mesh`); None without cp.
     dp_shard_cp: DeviceMesh | None = None
+    ep_mesh: DeviceMesh | None = None
+    expert_fsdp_mesh: DeviceMesh | None = None
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -285,7 +311,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
         device_mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
     dp_group = None if dims.dp_is_world else _flat_group(device_mesh, dims.dp_axes(), "dp")
     if dims.cp == 1:
-        return Mesh(dims, device_mesh, dp_group, dp_group)
+        return Mesh(dims, device_mesh, dp_group, dp_group, None, *expert_meshes(device_mesh, dims))
     dp_shard_cp = device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     if "tp" in shape:  # FSDP shards over dp_shard x cp then: the same, for its norm
         device_mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
@@ -296,7 +322,26 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Mesh:
             if dims.dp_replicate > 1
             else dp_shard_cp.get_group()
         )
-    return Mesh(dims, device_mesh, dp_group, loss_group, dp_shard_cp)
+    experts = expert_meshes(device_mesh, dims, dp_shard_cp)
+    return Mesh(dims, device_mesh, dp_group, loss_group, dp_shard_cp, *experts)
+
+
+def expert_meshes(
+    device_mesh: DeviceMesh, dims: ParallelDims, dp_shard_cp: DeviceMesh | None = None
+) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(the ep axis, what FSDP shards experts over) of `device_mesh`; (None, None) at ep=1. The
+    dp_shard x cp ranks (`dp_shard_cp`, flattened; dp_shard alone without cp) are unflattened
+    into efsdp x ep, ep innermost (an ep group's ranks are neighbours: its all-to-alls stay on
+    the fastest links). Both stay slices of `device_mesh`, as FSDP needs to shard the ep-sharded
+    expert weights again (over efsdp, and across dp_replicate's replicas)."""
+    if dims.ep == 1:
+        return None, None
+    joined = device_mesh["dp_shard"] if dp_shard_cp is None else dp_shard_cp
+    sparse = joined._unflatten(0, (dims.efsdp, dims.ep), ("efsdp", "ep"))  # no public one (2.13)
+    fsdp = sparse["efsdp"]
+    if dims.dp_replicate > 1:
+        fsdp = DeviceMesh._concatenate([device_mesh["dp_replicate"], fsdp])
+    return sparse["ep"], fsdp
 
 
 def _flat_group(device_mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> dist.ProcessGroup:

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from llmfoundry.distributed.expert import apply_ep, experts_of
 from llmfoundry.distributed.mesh import Mesh
 from llmfoundry.models import find_plan, parallel_plan
 from llmfoundry.models.plan import ParallelPlan
@@ -73,14 +74,21 @@ def parallelize(
 ) -> list[torch.nn.Module]:
     """Tensor parallelism over the mesh's tp axis (when it has one), activation checkpointing,
     compile (when the plan asks), then FSDP over its data-parallel axes (with the context-
-    parallel one, `Mesh.fsdp_mesh`): torchtitan's order
+    parallel one, `Mesh.fsdp_mesh`), the experts of an expert-parallel mesh (`apply_ep`, after
+    tp) sharded first over the ranks left to them (`apply_expert_fsdp`): torchtitan's order
     (each later step wraps what the earlier made: FSDP shards the tensor-parallel DTensors
     again, over the other axes). Returns the FSDP units, blocks first."""
     if mesh.dims.tp > 1:
         apply_tp(model, plan, mesh.device_mesh["tp"], mesh.dims.cp)
+    experts = experts_of(plan.blocks)
+    if mesh.ep_mesh is not None:
+        for module in experts:
+            apply_ep(module, mesh.ep_mesh)
     apply_ac(plan.blocks, settings.activation_checkpointing)
     if plan.compile:
         apply_compile(plan.blocks)
+    if mesh.expert_fsdp_mesh is not None:
+        apply_expert_fsdp(experts, mesh.expert_fsdp_mesh, mesh.fsdp_mesh.size(), **settings.fsdp)
     return apply_fsdp(model, plan.blocks, mesh.fsdp_mesh, **settings.fsdp)
 
 
@@ -190,6 +198,20 @@ def apply_fsdp(
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return [*blocks, model]
+
+
+def apply_expert_fsdp(
+    experts: list[torch.nn.Module], mesh: DeviceMesh, dp_ranks: int, **options: Any
+) -> None:
+    """Shard each experts module (its weights already split over the ep ranks) as a unit of
+    its own over `mesh` (Mesh.expert_fsdp_mesh: the dp_shard x cp ranks ep leaves, across
+    dp_replicate's replicas), before its block takes the rest. An expert's gradient on its
+    ep rank sums the ep group's tokens' contributions (the all-to-all's backward), so it is
+    divided by every data-parallel (x cp) rank, `dp_ranks`, as the other weights' are: FSDP
+    would divide by `mesh`'s ranks alone."""
+    for module in experts:
+        fully_shard(module, mesh=mesh, **options)
+        module.set_gradient_divide_factor(float(dp_ranks))
 
 
 def apply_ddp(

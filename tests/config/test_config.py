@@ -104,6 +104,10 @@ def test_tensor_and_pipeline_parallel_outside_fsdp_name_the_strategy_that_has_th
     assert error_for("strategy=ddp", "strategy.cp=1").startswith(
         "strategy.cp: context parallelism runs on strategy=fsdp"
     )
+    assert error_for("strategy=ddp", "parallelism.ep=2") == (
+        "parallelism.ep=2: strategy=ddp runs the whole model on every process, without expert "
+        "parallelism; use strategy=fsdp, or ep=1"
+    )
     check(CONF, ["strategy=fsdp", "parallelism.tp=2", "parallelism.pp=2"])
 
 

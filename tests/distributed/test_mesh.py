@@ -30,6 +30,9 @@ from llmfoundry.utils.errors import UserError
         ({"world_size": 4, "cp": 0}, "cp=0 must be at least 1"),
         ({"world_size": 8, "cp": 3}, "cp=3 x tp=1 x pp=1 = 3 does not divide"),
         ({"world_size": 4, "dp_shard": 0}, r"dp_shard=0 must be at least 1, or -1"),
+        ({"world_size": 4, "ep": 0}, "ep=0 must be at least 1"),
+        ({"world_size": 8, "tp": 2, "ep": 3}, r"^ep=3 does not divide dp_shard=4 x cp=1 = 4: "),
+        ({"world_size": 8, "tp": 4, "cp": 2, "ep": 4}, "ep=4 does not divide dp_shard=1 x cp=2"),
     ],
 )
 def test_impossible_products_are_refused_in_one_line(dims, message):
@@ -90,6 +93,22 @@ def test_with_tensor_parallelism_the_loss_group_leaves_out_the_tp_ranks(fake_wor
     assert dist.get_process_group_ranks(mesh.dp_group) == [1, 5]
 
 
+def test_expert_parallel_ranks_are_borrowed_from_dp_shard_x_cp(fake_world):
+    """ep cuts the dp_shard x cp ranks into efsdp groups of ep neighbours: the world mesh is
+    unchanged (ep is no axis of it), rank 5 holds its experts with rank 4 and shards them with
+    the ranks at its place in the other ep groups; tp ranks (the same tokens) are in none."""
+    dims = ParallelDims(8, cp=2, ep=4)  # dp_shard 4 x cp 2 = 8 = efsdp 2 x ep 4
+    assert (dims.efsdp, dims.shape()) == (2, {"dp_shard": 4, "cp": 2})
+    mesh = build_mesh(dims, "cpu")
+    assert dist.get_process_group_ranks(mesh.ep_mesh.get_group()) == [4, 5, 6, 7]
+    assert dist.get_process_group_ranks(mesh.expert_fsdp_mesh.get_group()) == [1, 5]
+    mesh = build_mesh(ParallelDims(8, dp_replicate=2, tp=2, ep=2), "cpu")
+    assert dist.get_process_group_ranks(mesh.ep_mesh.get_group()) == [5, 7]
+    assert mesh.expert_fsdp_mesh.mesh_dim_names == ("dp_replicate", "efsdp")
+    assert mesh.expert_fsdp_mesh.shape == (2, 1)  # replicated across dp_replicate (HSDP)
+    assert build_mesh(ParallelDims(8), "cpu").ep_mesh is None
+
+
 def test_without_other_axes_the_data_parallel_group_is_the_world(fake_world):
     mesh = build_mesh(ParallelDims(8, dp_replicate=2), "cpu")
     assert mesh.dp_group is None  # the default group: no new one created
@@ -108,6 +127,11 @@ def test_the_parallelism_block_becomes_the_dims_every_caller_uses():
     with pytest.raises(UserError, match=r"^parallelism.tp=3: strategy=ddp runs the whole model"):
         parallel_dims({"tp": 3}, 4, "ddp")
     refuse_axes({"dp_replicate": 2}, "ddp")  # the world size is not known yet: no verdict
+    for strategy in ("ddp", "deepspeed_zero3"):
+        with pytest.raises(UserError, match=rf"^parallelism.ep=2: strategy={strategy} runs .*"
+                           "without expert parallelism; use strategy=fsdp, or ep=1$"):  # fmt: skip
+            parallel_dims({"ep": 2}, 4, strategy)
+    assert parallel_dims({"ep": 2}, 4).ep == 2
 
 
 def test_sequences_are_a_multiple_of_what_the_mesh_splits_them_into():
