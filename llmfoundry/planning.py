@@ -463,7 +463,6 @@ class Setup:
         self._check_model_fits_mesh()
         self._check_world()
         self.dims = self._mesh()
-        self._check_expert_parallel()
         self._check_sequence()
 
     @property
@@ -495,31 +494,16 @@ class Setup:
             )
         if self.cp > 1:
             check_context_parallel(counts.plan, self.cp, setting="--cp")
-
-    def _check_expert_parallel(self) -> None:
-        """ep borrows its ranks from the data-parallel shards (torchtitan's layout: each expert
-        lives on dp_shard x cp / ep of them, FSDP-sharded there), so it needs FSDP, a model
-        with experts, a divisor of dp_shard x cp and of the experts of a block."""
-        if self.ep == 1:
-            return
-        setting = f"--ep={self.ep}"
-        if not self.counts.moe:
-            raise UserError(f"{setting}: the model has no experts to spread; leave --ep out")
-        if self.strategy != "fsdp":
+        # Training's check_expert_parallel, read from the counts (its modules are not built).
+        if self.ep > 1 and not counts.moe:
             raise UserError(
-                f"{setting}: expert parallelism shards the experts over FSDP's ranks; use "
-                "--strategy fsdp, or leave --ep out"
+                f"--ep={self.ep}: this model has no experts to split (no mixture-of-experts "
+                "layer); use an MoE model, or leave --ep out"
             )
-        shards = self.dims.dp_shard * self.cp
-        if shards % self.ep:
+        if counts.moe and counts.n_experts % self.ep:
             raise UserError(
-                f"{setting} does not divide dp_shard={self.dims.dp_shard} x cp={self.cp} = "
-                f"{shards}, the ranks expert parallelism borrows: choose an ep that divides it"
-            )
-        if self.counts.n_experts % self.ep:
-            raise UserError(
-                f"{setting} does not divide the model's {self.counts.n_experts} experts per "
-                "block: choose an ep that divides it"
+                f"--ep={self.ep} does not divide the model's {counts.n_experts} experts: choose "
+                "an ep that divides the expert count"
             )
 
     def _check_sequence(self) -> None:
@@ -548,7 +532,7 @@ class Setup:
         layout = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
         if self.strategy == "ddp":
             layout = {"dp_replicate": world // model_ways, "dp_shard": 1}
-        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp}
+        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
         return parallel_dims({**layout, **axes}, world, strategy=self.strategy)
 
     @property

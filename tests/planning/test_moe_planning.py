@@ -88,13 +88,13 @@ def test_all_to_all_volume_and_the_experts_gathers():
     ("options", "message"),
     [
         ({"ep": 3, "world_size": 9, "global_batch": 9}, "--ep=3 does not divide the model's 4 "
-         "experts per block: choose an ep that divides it"),
-        ({"ep": 4, "tp": 2, "pp": 2}, "--ep=4 does not divide dp_shard=2 x cp=1 = 2, the ranks expert "
-         "parallelism borrows: choose an ep that divides it"),
-        ({"ep": 2, "counts": COUNTS}, "--ep=2: the model has no experts to spread; leave --ep "
-         "out"),
-        ({"ep": 2, "strategy": "ddp"}, "--ep=2: expert parallelism shards the experts over "
-         "FSDP's ranks; use --strategy fsdp, or leave --ep out"),
+         "experts: choose an ep that divides the expert count"),
+        ({"ep": 4, "tp": 2, "pp": 2}, "parallelism: ep=4 does not divide dp_shard=2 x cp=1 = 2: "
+         "expert-parallel ranks are borrowed from those; choose an ep that divides it"),
+        ({"ep": 2, "counts": COUNTS}, "--ep=2: this model has no experts to split (no "
+         "mixture-of-experts layer); use an MoE model, or leave --ep out"),
+        ({"ep": 2, "strategy": "ddp"}, "parallelism.ep=2: strategy=ddp runs the whole model on "
+         "every process, without expert parallelism; use strategy=fsdp, or ep=1"),
     ],
 )  # fmt: skip
 def test_impossible_expert_parallel_meshes_are_refused(options, message):
