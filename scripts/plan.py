@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, help="pipeline stages (default parallelism.pp)")
     p.add_argument("--cp", type=int, help="context-parallel ways: each sequence split over them "
                    "(default parallelism.cp)")  # fmt: skip
+    p.add_argument("--ep", type=int, help="expert-parallel ways (MoE): each expert on one of ep "
+                   "data-parallel ranks (default parallelism.ep)")  # fmt: skip
     p.add_argument("--dp-replicate", type=int, help="fsdp: replicas of the shards (hybrid "
                    "sharding; kept by --recommend; default parallelism.dp_replicate)")  # fmt: skip
     p.add_argument("--dp-shard", type=int, help="fsdp: shards (default parallelism.dp_shard, "
@@ -133,9 +135,9 @@ def _what_would_fit(args: argparse.Namespace) -> str:
 
 
 # The mesh flags, by the parallelism block's key, and the block's defaults (conf/train.yaml).
-_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_replicate": "dp_replicate",
+_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "dp_replicate": "dp_replicate",
                "dp_shard": "dp_shard", "pp_schedule": "schedule"}  # fmt: skip
-_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": -1,
+_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": -1,
                   "pp_schedule": "1f1b"}  # fmt: skip
 
 
@@ -176,6 +178,7 @@ def _setup(
         tp=args.tp,
         pp=args.pp,
         cp=args.cp,
+        ep=args.ep,
         schedule=args.schedule,
         stages_per_rank=args.stages_per_rank,
         dp_replicate=args.dp_replicate,
@@ -188,10 +191,10 @@ def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -
     """The recommended mesh, or the UserError saying why there is none."""
     if memory is None:
         raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
-    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.dp_shard != -1:
+    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.ep != 1 or args.dp_shard != -1:
         raise UserError(
-            "--recommend chooses tp, cp, pp and dp_shard: leave those flags (and the config's "
-            "parallelism.tp, cp, pp and dp_shard) out"
+            "--recommend chooses tp, cp, pp, ep and dp_shard: leave those flags (and the "
+            "config's parallelism.tp, cp, pp, ep and dp_shard) out"
         )
     if args.world_size:
         choice = recommend(setup, memory)
@@ -238,7 +241,8 @@ def plan(args: argparse.Namespace) -> int:
         setup, microbatch = choice.setup, microbatch or choice.microbatch
         args.world_size = setup.world_size
         dims = setup.dims
-        print(f"recommended : tp {dims.tp} x cp {dims.cp} x pp {dims.pp} x dp_shard "
+        ep = f" x ep {dims.ep}" * setup.counts.moe
+        print(f"recommended : tp {dims.tp} x cp {dims.cp} x pp {dims.pp}{ep} x dp_shard "
               f"{dims.dp_shard} x dp_replicate {dims.dp_replicate} on {setup.world_size} devices "
               f"(fewest tp x cp x pp that fit, then the fastest, then the least traffic; tp <= "
               f"{setup.gpus_per_node}, within a node)")  # fmt: skip
@@ -260,10 +264,16 @@ def plan(args: argparse.Namespace) -> int:
     print(f"run         : {', '.join(flags)}; {precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
           )  # fmt: skip
+    moe = setup.counts.moe
+    ep = f" (ep {dims.ep}: experts over ep x {dims.efsdp} FSDP ranks)" * moe
     print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
-          f"{dims.cp} x tp {dims.tp} x pp {dims.pp}")  # fmt: skip
-    print(f"parameters  : {memory_plan.n_params:,}")
-    print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
+          f"{dims.cp} x tp {dims.tp} x pp {dims.pp}{ep}")  # fmt: skip
+    active = f" ({memory_plan.active_params:,} active per token)" * moe
+    print(f"parameters  : {memory_plan.n_params:,}{active}")
+    n = "N active" if moe else "N"
+    print(
+        f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6{n} + 12 L d s, fwd + bwd)"
+    )
     where = f", pipeline rank {memory_plan.stage} of {setup.pp}" if setup.pp > 1 else ""
     print(f"memory per device at microbatch {microbatch}{where}:")
     parts = ("params", "grads", "optimizer", "working", "activations", "logits", "attn_bias")
@@ -292,9 +302,10 @@ def plan(args: argparse.Namespace) -> int:
     print("communication per device per step (sent):")
     for part, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
                         ("all_reduce", "all-reduce"), ("tensor_parallel", "tp gath+scat"),
-                        ("context_parallel", "cp kv gathers"), ("pipeline", "pp sends")
-                        ):  # fmt: skip
-        print(f"  {label:14s}: {gib(getattr(communication, part))}")
+                        ("context_parallel", "cp kv gathers"), ("pipeline", "pp sends"),
+                        ("expert_parallel", "ep all-to-all")):  # fmt: skip
+        if part != "expert_parallel" or moe:
+            print(f"  {label:14s}: {gib(getattr(communication, part))}")
     print(f"  {'total':14s}: {gib(communication.total)}")
     microbatches = setup.microbatches(microbatch)
     bubble = bubble_fraction(setup.pp, microbatches, setup.schedule, setup.stages_per_rank)
