@@ -2,11 +2,13 @@
 
 Answers "does this config fit, on which mesh, with how large a microbatch, and how long is a
 step" for a device count and a parallel strategy laid out on the mesh of
-llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp), built and
-checked as training builds and checks it (`Setup`), so a planned mesh is one training takes.
-Parameter count and flops per token come from the model itself (any family's `num_params` and
-`flops_per_token`, built on the meta device, so nothing is allocated), the same numbers the speed
-monitor's MFU uses; the family's spec gives the activation bytes its blocks keep
+llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp, and ep
+borrowed from dp_shard x cp), built and checked as training builds and checks it (`Setup`), so a
+planned mesh is one training takes. Parameter count and flops per token come from the model
+itself (any family's `num_params` and `flops_per_token`, built on the meta device, so nothing is
+allocated), the same numbers the speed monitor's MFU uses: for a mixture of experts the flops of
+the active parameters (`num_params(active=True)`: router, top_k experts, shared expert), the
+total for memory; the family's spec gives the activation bytes its blocks keep
 (`ModelFamily.activation_bytes`), its parallel plan the blocks (the units sharded, split across
 tensor-parallel ranks and assigned to pipeline stages) and the model's parameter names the rest:
 the embedding (first stage) and the final norm and head (last stage; a tied head keeps a copy of
@@ -29,6 +31,13 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
   the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
   in use and the one prefetched);
+- routed experts (a mixture of experts, llmfoundry/models/layers/moe.py) are not split by tp
+  (the MoE layer's tensor-parallel layout replicates them); under expert parallelism (ep = P,
+  llmfoundry/distributed/expert.py) each of an ep group's P ranks holds 1/P of every block's
+  experts, FSDP-sharded over the dp_shard x cp / P ranks holding the same ones (torchtitan's
+  layout): their weights, gradients and optimizer state per device are those of FSDP over
+  dp_shard x cp, as without ep, but the gathered working copy of a block holds 1/P of its
+  experts;
 - CPU offload moves the optimizer state, and under FSDP / ZeRO-3 the sharded parameters and
   gradients, to host memory (left out of the device total);
 - activations: what autograd keeps per block for the backward of our implementation (counted
@@ -38,7 +47,11 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   by tp (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 2: sbh(34 + 5as/h)/t per layer), except the inputs of the two column-wise
   projections (attention's q/k/v, the MLP's up/gate), which the DTensor linear keeps as
-  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. Context
+  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. An MoE
+  layer keeps its router's probabilities and each token's top_k copies through its experts
+  (`moe_activation_bytes`, measured against what autograd saves), whole under tp (each tp rank
+  routes the gathered sequence); ep moves copies between ranks, not their number (even
+  routing: a skewed router gives some ranks more). Context
   parallelism (cp = C, llmfoundry/distributed/context.py) gives each rank L / C tokens of
   every sequence, so all of these (and the logits below) are those of L / C tokens;
 - gathered keys and values (cp > 1): attention all-gathers each layer's K and V over the cp
@@ -83,7 +96,12 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
   each sending (C - 1) / C of one layer's gathered K and V (above);
 - PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
   tp under sequence parallelism, by cp with context parallelism) sent forward and its gradient
-  sent back.
+  sent back;
+- EP: per MoE layer and microbatch, the top_k copies of the rank's tokens dispatched to the
+  ranks holding their experts and their outputs combined back, forward and backward (and a
+  recomputed forward), (P - 1) / P of each leaving the rank (`all_to_all_bytes`); FSDP's
+  gathers and reduce-scatters of the experts run over their dp_shard x cp / P ranks, on the
+  1/P of them the rank's ep group holds.
 
 Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
 axis divides the work evenly; cp's causal load balance, chunks r and 2C-1-r on rank r, gives
@@ -184,7 +202,11 @@ class ModelCounts:
     mask for every head) and side of the causal bias its attention kernel keeps cached, (0, 0)
     when it builds none; `cp_bias_heads`: the heads of the dense bias rows a dense-bias kernel
     builds per forward under context parallelism (its queries' rows only: ALiBi's per head,
-    else one mask), 0 for flex and flash (module docstring)."""
+    else one mask), 0 for flex and flash (module docstring). A mixture of experts: the
+    parameters one token goes through (`active_params`; `flops_per_token` is theirs), each
+    block's routed experts (`experts`, sharded over ep; the rest of a block's parameters are
+    split by tp), `n_experts` and `top_k` per MoE block, and the bytes per token its MoE layer
+    keeps (`moe_activation_bytes`, not part of `block_activation_bytes`)."""
 
     n_params: int
     flops_per_token: int
