@@ -105,7 +105,9 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
 
 Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
 axis divides the work evenly; cp's causal load balance, chunks r and 2C-1-r on rank r, gives
-every cp rank the same attention work), divided by 1 - the pipeline bubble, the fraction of a
+every cp rank the same attention work; not so an MoE layer under tp, which every tp rank runs
+on the whole sequence: its flops, counted once, make the step of an MoE at tp > 1 optimistic),
+divided by 1 - the pipeline bubble, the fraction of a
 step the schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m
 microbatches, (pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al.
 2021, sections 2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it
