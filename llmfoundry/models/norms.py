@@ -17,8 +17,10 @@ class LayerNorm(nn.LayerNorm):
     memory. Outside autocast it is an ordinary LayerNorm.
     """
 
-    def __init__(self, dim: int, bias: bool, low_precision: bool) -> None:
-        super().__init__(dim, eps=LAYER_NORM_EPS, bias=bias)
+    def __init__(
+        self, dim: int, bias: bool, low_precision: bool, eps: float = LAYER_NORM_EPS
+    ) -> None:
+        super().__init__(dim, eps=eps, bias=bias)
         self.low_precision = low_precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,21 +36,26 @@ class LayerNorm(nn.LayerNorm):
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm (x / rms(x) * weight, no bias) that, with `low_precision=True`, runs in
-    the autocast dtype, as `LayerNorm` does: llm-foundry's `rmsnorm` and `low_precision_rmsnorm`.
+    """RMSNorm (x / rms(x) * weight, no bias) as transformers' Llama and Qwen compute it: the
+    normalisation in float32, cast back to the input's dtype before the weight. With
+    `low_precision=True` it runs in the autocast dtype, as `LayerNorm` does (llm-foundry's
+    `low_precision_rmsnorm`).
 
-    Llama's own norm (`models/llama/model.py`) rounds differently under autocast (float32, cast
-    back before the weight, as transformers' Llama); in float32 all three compute the same.
+    In float32 this is torch's RMSNorm to the bit (MPT's `rmsnorm` computed that before the
+    families shared one decoder); under autocast the residual stream a block norms is float32,
+    so both still agree; a model cast to bf16 without autocast rounds once more here (before
+    the weight), as transformers' does.
     """
 
-    def __init__(self, dim: int, low_precision: bool) -> None:
-        super().__init__(dim, eps=LAYER_NORM_EPS)
+    def __init__(self, dim: int, low_precision: bool, eps: float = LAYER_NORM_EPS) -> None:
+        super().__init__(dim, eps=eps)
         self.low_precision = low_precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         if not (self.low_precision and torch.is_autocast_enabled(device)):
-            return super().forward(x)
+            normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+            return self.weight * normed.to(x.dtype)
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
             return F.rms_norm(x.to(dtype), self.normalized_shape, self.weight.to(dtype), self.eps)
@@ -57,8 +64,10 @@ class RMSNorm(nn.RMSNorm):
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 
-def build_norm(norm_type: str, dim: int, bias: bool, low_precision: bool) -> nn.Module:
+def build_norm(
+    norm_type: str, dim: int, bias: bool, low_precision: bool, eps: float = LAYER_NORM_EPS
+) -> nn.Module:
     """A `norm_type` norm over `dim` features (`bias`: LayerNorm's; RMSNorm has none)."""
     if norm_type == "rmsnorm":
-        return RMSNorm(dim, low_precision)
-    return LayerNorm(dim, bias, low_precision)
+        return RMSNorm(dim, low_precision, eps)
+    return LayerNorm(dim, bias, low_precision, eps)

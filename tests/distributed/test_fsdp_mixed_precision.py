@@ -14,7 +14,7 @@ bf16 run against fp32 is test_fsdp.py's."""
 import pytest
 import torch
 
-import llmfoundry.models.llama.model as llama_model
+import llmfoundry.models.layers.decoder as decoder_module
 from llmfoundry.distributed.fsdp import FSDP
 from llmfoundry.models.families import build_model
 from llmfoundry.models.layers.attention import AttentionMask
@@ -66,9 +66,11 @@ def test_the_attention_bias_is_built_once_per_forward(fsdp, monkeypatch):
 
 def test_rope_rotations_reach_the_blocks_in_float32(fsdp, monkeypatch):
     seen = []
-    rotate = llama_model.apply_rope
+    rotate = decoder_module.apply_rope
     monkeypatch.setattr(
-        llama_model, "apply_rope", lambda x, cos, sin: seen.append(cos.dtype) or rotate(x, cos, sin)
+        decoder_module,
+        "apply_rope",
+        lambda x, cos, sin: seen.append(cos.dtype) or rotate(x, cos, sin),
     )
     model = fsdp.prepare(build_model(tiny_llama(n_layers=N_LAYERS), init_device="meta"))
     with torch.no_grad():

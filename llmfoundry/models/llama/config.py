@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmfoundry.models.layers.decoder import DecoderSpec
 from llmfoundry.models.layers.kernels import check_attn_impl
 from llmfoundry.models.layers.position import RopeScaling
 from llmfoundry.utils.errors import UserError
@@ -147,6 +148,29 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def decoder_spec(self) -> DecoderSpec:
+        """The shared decoder this config describes (llmfoundry/models/layers/decoder.py)."""
+        return DecoderSpec(
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            positions="rope",
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            norm="rmsnorm",
+            norm_eps=self.rms_norm_eps,
+            ffn="glu",
+            ffn_hidden=self.ffn_hidden_size,
+            ffn_act="silu",
+            tie_word_embeddings=self.tie_word_embeddings,
+            attn_impl=self.attn_impl,
+            init_std=self.init_std,
+        )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from llmfoundry.models.decoder_plan import decoder_plan
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.llama.config import LlamaConfig
 from llmfoundry.models.llama.model import LlamaForCausalLM
-from llmfoundry.models.llama.parallelize import parallelize_plan
 
 
 def activation_bytes(config: LlamaConfig, precision: str) -> int:
@@ -29,7 +29,7 @@ LLAMA = ModelFamily(
     config_target="llmfoundry.models.llama.LlamaConfig",
     config_class=LlamaConfig,
     model_class=LlamaForCausalLM,
-    parallelize=parallelize_plan,
+    parallelize=decoder_plan,
     hf_model_type="llama",
     hf_adapter="llmfoundry.models.llama.hf",
     architecture=(
