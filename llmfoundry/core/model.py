@@ -12,7 +12,11 @@ A trainable model is an ``nn.Module`` with
   batch is a rank's part of each sequence and carries ``targets`` (already shifted over the
   whole sequence) instead of ``labels``: ``loss.targets_of(batch)`` reads either;
 - optionally ``eval_metrics(device)``: a fresh `Metrics` for an eval set; default
-  `LanguageMetrics`, which reads the outputs as logits [batch, seq, vocab].
+  `LanguageMetrics`, which reads the outputs as logits [batch, seq, vocab];
+- optionally ``train_metrics()``: the model's own numbers for the training batch just done
+  (a name -> float or `DeviceScalar` mapping; an MoE's router losses and expert load), which
+  the trainer logs after each batch beside ``loss/train``. Return `DeviceScalar`s for values
+  still on the device: loggers read them in one wait when they write, not every batch.
 
 Every model family's model (`llmfoundry.models.families`: MPT, Llama) is one (its forward also takes ``input_ids`` directly, as
 generation calls it). Any other module can be adapted in a few lines, and trained from the
@@ -29,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from llmfoundry.core.metrics import LanguageMetrics
+from llmfoundry.core.metrics import DeviceScalar, LanguageMetrics
 from llmfoundry.utils.errors import UserError
 
 Batch = Mapping[str, torch.Tensor]
@@ -70,6 +74,13 @@ def loss_fn(model: torch.nn.Module) -> Callable[[Any, Batch], torch.Tensor]:
             "calls after forward(batch); add one (see llmfoundry/core/model.py)"
         )
     return loss
+
+
+def train_metrics_fn(
+    model: torch.nn.Module,
+) -> Callable[[], Mapping[str, float | DeviceScalar]] | None:
+    """The model's ``train_metrics``, taken before a strategy wraps the model; None if none."""
+    return getattr(model, "train_metrics", None)
 
 
 def metrics_factory(model: torch.nn.Module) -> MetricsFactory:

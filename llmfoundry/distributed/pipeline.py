@@ -79,13 +79,16 @@ def check_pipeline_split(
     plan: ParallelPlan, pp: int, setting: str = "parallelism.pp", name: str = "this model"
 ) -> None:
     """Refuse `pp` stages of a model (its family's `plan`) that cannot be split so: a family
-    without a pipeline split, or more stages than blocks (each stage holds at least one).
+    without a pipeline split, a model its plan refuses (`pipeline_refusal`), or more stages
+    than blocks (each stage holds at least one).
     Training, `load_on_mesh` and the planner (llmfoundry/planning.py) ask this one check;
     `setting` names where `pp` came from."""
     if pp > 1 and plan.pipeline is None:
         raise UserError(
             f"{setting}={pp}: {name} has no pipeline split in its family's plan; use {setting}=1"
         )
+    if pp > 1 and plan.pipeline_refusal:
+        raise UserError(f"{setting}={pp}: {plan.pipeline_refusal}; use {setting}=1")
     if pp > len(plan.blocks):
         raise UserError(
             f"{setting}={pp} exceeds the model's {len(plan.blocks)} blocks (each pipeline stage "

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from llmfoundry.models.layers.decoder import DecoderLM
 from llmfoundry.models.layers.kv_cache import Keys
+from llmfoundry.models.layers.moe import pipeline_refusal
 from llmfoundry.models.plan import GatheredSequenceParallel, ParallelPlan, PipelineSplit
 
 
@@ -86,6 +87,7 @@ def decoder_plan(model: DecoderLM) -> ParallelPlan:
         pipeline=pipeline_split(model),
         tensor_parallel=tensor_parallel_layout(model),
         tp_divides={**divides, "vocab_size": spec.vocab_size},
+        pipeline_refusal="" if spec.moe is None else pipeline_refusal(spec.moe),
     )
 
 

@@ -64,7 +64,9 @@ class ParallelPlan:
     split (MPT's fused Wqkv; scripts/plan.py counts it).
 
     `context_parallel_refusal`: why the family cannot split a sequence over context-parallel
-    ranks (llmfoundry/distributed/context.py), "" when it can."""
+    ranks (llmfoundry/distributed/context.py), "" when it can. `pipeline_refusal`: why this
+    model (not its family) cannot run as pipeline stages, "" when it can (an MoE whose router
+    losses need every stage's routing at the loss)."""
 
     blocks: list[nn.Module]
     compile: bool = False
@@ -74,6 +76,7 @@ class ParallelPlan:
     tensor_parallel_refusal: str = "this model family has no tensor-parallel plan"
     tp_all_to_all: float = 0.0
     context_parallel_refusal: str = ""
+    pipeline_refusal: str = ""
 
 
 class GatheredSequenceParallel(SequenceParallel):

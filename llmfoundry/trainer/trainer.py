@@ -19,7 +19,14 @@ from llmfoundry.checkpoint import Preemption, load_checkpoint
 from llmfoundry.core.engine import Algorithm, Callback, Engine, Logger, LoggerDestination
 from llmfoundry.core.events import Event
 from llmfoundry.core.metrics import SAMPLE_MASK, DeviceScalar, loss_token_count
-from llmfoundry.core.model import EvalSet, Metrics, eval_set, loss_fn, metrics_factory
+from llmfoundry.core.model import (
+    EvalSet,
+    Metrics,
+    eval_set,
+    loss_fn,
+    metrics_factory,
+    train_metrics_fn,
+)
 from llmfoundry.core.precision import Precision
 from llmfoundry.core.state import State
 from llmfoundry.core.time import Time, TimeUnit
@@ -100,6 +107,7 @@ class Trainer:
             reuse_freed_host_memory()
         seed_all(seed + self.strategy.rank)
         self.loss_fn = loss_fn(model)
+        self.train_metrics = train_metrics_fn(model)
         self.default_metrics = metrics_factory(model)
         prepared = self.strategy.prepare(model)
         opt = optimizer(build_param_groups(prepared))
@@ -367,7 +375,8 @@ class Trainer:
         self.strategy.step(state.optimizer, self.precision)
         self.strategy.zero_grad(state.optimizer)
         state.timestamp.after_batch(samples, tokens, time.perf_counter() - started)
-        self.logger.log_metrics({"loss/train": state.batch_loss})
+        model_metrics = self.train_metrics() if self.train_metrics is not None else {}
+        self.logger.log_metrics({"loss/train": state.batch_loss, **model_metrics})
 
     def _accumulate_gradients(
         self, batch: dict[str, torch.Tensor], loss_tokens: torch.Tensor

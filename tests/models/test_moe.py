@@ -1,16 +1,44 @@
 """The MoE layer: grouped experts against their loop, routing against a per-token reference,
-and the block against transformers' Qwen3-MoE, Mixtral and Qwen2-MoE blocks."""
+the block against transformers' Qwen3-MoE, Mixtral and Qwen2-MoE blocks, the router losses
+against transformers'; and in the shared decoder: its init, loss, metrics, active flops, the
+pipeline refusal, and a training run that reads nothing from the device between log intervals."""
+
+import dataclasses
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+from torch.utils.checkpoint import checkpoint
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralSparseMoeBlock,
+    load_balancing_loss_func,
+)
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.switch_transformers.modeling_switch_transformers import (
+    router_z_loss_func,
+)
 
-from llmfoundry.models.layers.moe import GroupedExperts, MoE, MoESpec, grouped_mm_runs
+from llmfoundry.core.loss import next_token_loss
+from llmfoundry.distributed.pipeline import check_pipeline_split
+from llmfoundry.loggers import JSONLLogger
+from llmfoundry.models.decoder_plan import decoder_plan
+from llmfoundry.models.layers.decoder import DecoderLM, DecoderSpec
+from llmfoundry.models.layers.moe import (
+    GroupedExperts,
+    MoE,
+    MoESpec,
+    RouterLosses,
+    RouterLossMeter,
+    grouped_mm_runs,
+    router_losses,
+)
+from llmfoundry.trainer import Callback, Trainer
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.jsonl import read_jsonl
 
 D = 16
 
@@ -52,6 +80,17 @@ def test_grouped_experts_fall_back_on_unaligned_rows():
     with pytest.raises(RuntimeError):
         torch._grouped_mm(x, experts.w_gate.transpose(-2, -1), offs=torch.tensor([1, 3]).int())
     _close(experts(x, torch.tensor([1, 2])), experts.looped(x, torch.tensor([1, 2])))
+
+
+@pytest.mark.parametrize("std", [0.5, None])
+def test_grouped_experts_init_per_expert(std):
+    """N(0, std), or kaiming-normal with each expert's fan_in (d for w_gate, hidden for w_down)."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 64, 256)
+    experts.init_weights(std)
+    for weight, fan_in in ((experts.w_gate, 64), (experts.w_down, 256)):
+        expected = std if std is not None else (2 / fan_in) ** 0.5
+        assert weight.std().item() == pytest.approx(expected, rel=0.02)
 
 
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -218,3 +257,211 @@ def test_training_forward_keeps_router_stats():
 def test_moe_spec_refuses_bad_numbers(fields, message):
     with pytest.raises(UserError, match=message):
         MoESpec(**{"n_experts": 4, "top_k": 2, "expert_hidden": 8, **fields})
+
+
+def _layers(n: int, spec: MoESpec) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(MoE(D, spec) for _ in range(n))
+    with torch.no_grad():
+        for layer in layers:  # logits far from uniform, so the loads differ
+            layer.router.gate.weight.mul_(4)
+    return layers
+
+
+def test_router_losses_equal_transformers():
+    """Over two layers (transformers concatenates every layer's logits): the load-balancing loss
+    equals load_balancing_loss_func and the z-loss switch_transformers' router_z_loss_func,
+    values and the router's gradients."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=1, z_loss_weight=1)
+    layers = _layers(2, spec)
+    xs = [torch.randn(3, 5, D), torch.randn(3, 5, D)]
+    for layer, x in zip(layers, xs, strict=True):
+        layer(x)
+    ours = router_losses(layers)
+    logits = [layer.router.gate(x.reshape(-1, D)) for layer, x in zip(layers, xs, strict=True)]
+    theirs_aux = load_balancing_loss_func(tuple(logits), num_experts=4, top_k=2)
+    theirs_z = router_z_loss_func(torch.cat(logits)[None])
+    _close(ours.aux, theirs_aux)
+    _close(ours.z, theirs_z)
+    assert ours.counts.tolist() != [[15] * 4] * 2 and ours.counts.sum() == 2 * 15 * 2
+    weights = [layer.router.gate.weight for layer in layers]
+    for ours_loss, theirs_loss in ((ours.aux, theirs_aux), (ours.z, theirs_z)):
+        got = torch.autograd.grad(ours_loss, weights, retain_graph=True)
+        expected = torch.autograd.grad(theirs_loss, weights, retain_graph=True)
+        for g, e in zip(got, expected, strict=True):
+            _close(g, e)
+
+
+def test_meter_weights_losses_and_averages_metrics():
+    """loss() adds aux_loss_weight * aux + z_loss_weight * z and reads each forward once;
+    metrics() averages the forwards since the last call and starts over."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.01, z_loss_weight=1e-3)
+    layers = _layers(2, spec)
+    meter = RouterLossMeter(spec)
+    seen = []
+    for _ in range(2):
+        for layer in layers:
+            layer(torch.randn(2, 6, D))
+        losses = router_losses(layers)
+        seen.append(RouterLosses(losses.aux.detach(), losses.z.detach(), losses.counts))
+        _close(meter.loss(layers), 0.01 * losses.aux + 1e-3 * losses.z)
+        assert meter.loss(layers) is None  # read once
+    metrics = {key: float(value) for key, value in meter.metrics().items()}
+    counts = (seen[0].counts + seen[1].counts).float()
+    imbalance = counts.amax(-1) / counts.mean(-1)
+    assert metrics == pytest.approx(
+        {
+            "train/moe_aux_loss": float(seen[0].aux + seen[1].aux) / 2,
+            "train/moe_z_loss": float(seen[0].z + seen[1].z) / 2,
+            "train/moe_load_imbalance": float(imbalance.mean()),
+            "train/moe_load_imbalance_max": float(imbalance.max()),
+        }
+    )
+    assert metrics["train/moe_load_imbalance_max"] > 1
+    assert meter.metrics() == {}
+
+
+def test_router_loss_gradients_survive_activation_checkpointing():
+    """The stats a checkpointed forward keeps still carry the router's gradient (the repo's
+    activation checkpointing is non-reentrant)."""
+    spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.1, z_loss_weight=0.1)
+    x = torch.randn(2, 6, D)
+    grads = []
+    for checkpointed in (False, True):
+        layers = _layers(1, spec)
+        out = checkpoint(layers[0], x, use_reentrant=False) if checkpointed else layers[0](x)
+        (out.square().mean() + RouterLossMeter(spec).loss(layers)).backward()
+        grads.append(layers[0].router.gate.weight.grad)
+    _close(grads[1], grads[0])
+
+
+# --- in the shared decoder --------------------------------------------------------------------
+
+MOE = MoESpec(n_experts=3, top_k=2, expert_hidden=16, aux_loss_weight=0.01, z_loss_weight=1e-3)
+
+
+@dataclasses.dataclass
+class SpecConfig:
+    """The least a family config gives the decoder: its spec and where to build."""
+
+    spec: DecoderSpec
+    init_device: str = "cpu"
+
+    def decoder_spec(self) -> DecoderSpec:
+        return self.spec
+
+
+def decoder_spec(**overrides) -> DecoderSpec:
+    fields = dict(d_model=32, n_layers=2, vocab_size=64, max_seq_len=16, n_heads=2, n_kv_heads=2)
+    fields |= dict(head_dim=16, ffn="moe", moe=MOE, init_std=0.1)
+    return DecoderSpec(**(fields | overrides))
+
+
+def moe_decoder(init_device: str = "cpu", **overrides) -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(SpecConfig(decoder_spec(**overrides), init_device))
+
+
+def test_the_decoder_builds_inits_and_trains_its_moe():
+    """ffn='moe' builds the MoE under HF's names; init draws the experts as the other matrices
+    (down projections scaled by 1/sqrt(2 n_layers)); a training forward's loss adds the
+    weighted router losses, an eval forward's does not; train_metrics logs them."""
+    model = moe_decoder(moe=dataclasses.replace(MOE, shared_expert_hidden=16))
+    keys = [k for k in model.state_dict() if k.startswith("transformer.blocks.0.ffn.")]
+    assert keys == [
+        f"transformer.blocks.0.ffn.{name}"
+        for name in ("router.gate.weight", "experts.w_gate", "experts.w_up", "experts.w_down")
+        + tuple(f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down"))
+    ]
+    ffn = model.transformer.blocks[0].ffn
+    assert ffn.experts.w_gate.std().item() == pytest.approx(0.1, rel=0.1)
+    assert ffn.experts.w_down.std().item() == pytest.approx(0.05, rel=0.1)  # 0.1 / sqrt(4)
+    assert ffn.shared_expert.down_proj.weight.std().item() == pytest.approx(0.05, rel=0.15)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    losses = router_losses(m for m in model.modules() if isinstance(m, MoE))
+    loss = model.loss(logits, ids)
+    _close(loss, next_token_loss(logits, ids) + 0.01 * losses.aux + 1e-3 * losses.z)
+    loss.backward()
+    assert ffn.router.gate.weight.grad.abs().sum() > 0
+    metrics = model.train_metrics()
+    assert float(metrics["train/moe_aux_loss"]) == pytest.approx(losses.aux.item())
+    assert set(metrics) == {
+        "train/moe_aux_loss",
+        "train/moe_z_loss",
+        "train/moe_load_imbalance",
+        "train/moe_load_imbalance_max",
+    }
+    with torch.no_grad():
+        logits = model.eval()(ids)
+        assert torch.equal(model.loss(logits, ids), next_token_loss(logits, ids))
+    assert model.train_metrics() == {}
+
+
+def test_a_spec_refuses_moe_numbers_without_ffn_moe():
+    with pytest.raises(UserError, match="goes with ffn='moe' and only with it"):
+        decoder_spec(ffn="glu", ffn_hidden=32)
+    with pytest.raises(UserError, match="goes with ffn='moe' and only with it"):
+        decoder_spec(moe=None)
+
+
+def test_flops_count_the_active_parameters():
+    """A tiny MoE (3 experts of 16, top 2, router 32 x 3) has the active parameters of a dense
+    GLU of 2 * 16 + 1 = 33 hidden units: the same flops per token (the speed monitor's MFU
+    reads them), while it holds more parameters."""
+    moe = moe_decoder("meta")
+    dense = DecoderLM(SpecConfig(decoder_spec(ffn="glu", ffn_hidden=33, moe=None), "meta"))
+    assert moe.num_params(active=True) == dense.num_params()
+    assert moe.flops_per_token(16) == dense.flops_per_token(16)
+    experts = 2 * 3 * 3 * 32 * 16
+    assert moe.num_params() == moe.num_params(active=True) + experts // 3
+
+
+def test_pipeline_stages_refuse_router_losses():
+    check_pipeline_split(decoder_plan(moe_decoder("meta", moe=dataclasses.replace(
+        MOE, aux_loss_weight=0.0, z_loss_weight=0.0))), pp=2)  # fmt: skip
+    with pytest.raises(UserError, match=r"parallelism.pp=2: the MoE router losses .* set both"):
+        check_pipeline_split(decoder_plan(moe_decoder("meta")), pp=2)
+
+
+BENCH = runpy.run_path(str(Path(__file__).resolve().parents[2] / "bench" / "host_sync.py"))
+
+
+def test_training_reads_the_expert_loads_only_when_it_logs(tmp_path):
+    """Between log intervals a training step of an MoE reads nothing from the device (the
+    grouped experts take the counts on the device; the load statistics stay there); the
+    router metrics reach the logger every batch."""
+    counter = BENCH["Counter"]()
+
+    class Reads(Callback):
+        reads: list[int] = []
+
+        def batch_start(self, state, logger) -> None:
+            counter.active, counter.reads = True, 0
+
+        def batch_end(self, state, logger) -> None:
+            self.reads.append(counter.reads)
+            counter.active = False
+
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 16), generator=generator)
+        batches.append({"input_ids": ids, "labels": ids})
+    trainer = Trainer(
+        model=moe_decoder("meta"),
+        train_dataloader=batches,
+        max_duration="4ba",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        precision="fp32",
+        device_train_microbatch_size=1,
+        run_dir=tmp_path,
+        callbacks=[Reads()],
+        loggers=[JSONLLogger(flush_interval="4ba")],
+    )
+    with BENCH["instrumented"](counter):
+        trainer.fit()
+    assert Reads.reads[:3] == [0, 0, 0], Reads.reads
+    records = [r.get("metrics", {}) for _, r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    aux = [r["train/moe_aux_loss"] for r in records if "train/moe_aux_loss" in r]
+    assert len(aux) == 4 and all(2 * 0.99 < a < 2 * 3 for a in aux)  # top 2 of 3: >= k

@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.core.metrics import DeviceScalar
+from llmfoundry.loggers import JSONLLogger
 from llmfoundry.trainer import Callback, EvalSet, Trainer
 from llmfoundry.utils.errors import UserError
+from llmfoundry.utils.jsonl import read_jsonl
 
 from .conftest import tiny_model, token_batches
 
@@ -99,6 +102,35 @@ def test_a_models_eval_metrics_score_its_plain_loaders(tmp_path):
         "eval/v/rows": 4.0,
         "eval/v/even": float((data[0]["input_ids"][:, 0] % 2 == 0).sum()),
     }
+
+
+def test_a_models_train_metrics_are_logged_after_each_batch(tmp_path):
+    """train_metrics() (an MoE's router losses, say) lands beside loss/train every batch, its
+    DeviceScalars read when the logger writes."""
+
+    class Measured(Bigram):
+        def train_metrics(self):
+            return {"train/table_norm": DeviceScalar(self.table.weight.detach().norm())}
+
+    model = Measured()
+    norms = []
+
+    class Norms(Callback):
+        def batch_end(self, state, logger):
+            norms.append(float(model.table.weight.detach().norm()))
+
+    run = trainer(
+        tmp_path,
+        model,
+        token_batches(3, 2),
+        callbacks=[Norms()],
+        loggers=[JSONLLogger(flush_interval="3ba")],
+    )
+    run.fit()
+    records = [r.get("metrics", {}) for _, r in read_jsonl(str(tmp_path / "metrics.jsonl"))]
+    logged = [r["train/table_norm"] for r in records if "train/table_norm" in r]
+    assert logged == pytest.approx(norms) and len(set(logged)) == 3
+    assert all("loss/train" in r for r in records if "train/table_norm" in r)
 
 
 def test_a_model_without_loss_is_refused(tmp_path):

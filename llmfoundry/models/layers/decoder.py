@@ -31,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmfoundry.core.loss import next_token_loss
+from llmfoundry.core.loss import Labels, next_token_loss
+from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.models.layers.attention import AttentionMask, AttentionMasks, compute_dtype
 from llmfoundry.models.layers.ffn import GLU, MLP
 from llmfoundry.models.layers.kernels import ATTN_IMPLS, PREPARE
 from llmfoundry.models.layers.kv_cache import Keys, LayerKV, attend_over
+from llmfoundry.models.layers.moe import GroupedExperts, MoE, MoESpec, RouterLossMeter
 from llmfoundry.models.layers.position import ALiBi, RotaryEmbedding, apply_rope, token_positions
 from llmfoundry.models.norms import LayerNorm, RMSNorm, build_norm
 from llmfoundry.utils.errors import UserError
@@ -98,7 +100,7 @@ class DecoderSpec:
     ffn_hidden: int = 0
     ffn_act: str = "silu"
     ffn_bias: bool = False
-    moe: Any = None
+    moe: MoESpec | None = None
     tie_word_embeddings: bool = False
     emb_pdrop: float = 0.0
     resid_pdrop: float = 0.0
@@ -115,6 +117,11 @@ class DecoderSpec:
         ):
             if value not in allowed:
                 raise UserError(f"DecoderSpec.{name} must be one of {allowed}, got {value!r}")
+        if (self.ffn == "moe") != (self.moe is not None):
+            raise UserError(
+                f"DecoderSpec.moe (an MoESpec) goes with ffn='moe' and only with it; got "
+                f"ffn={self.ffn!r} and moe={self.moe!r}"
+            )
 
     @property
     def q_dim(self) -> int:
@@ -224,10 +231,7 @@ def build_ffn(spec: DecoderSpec) -> nn.Module:
     """The block's feed-forward: an MLP, a gated MLP (GLU: SwiGLU with silu) or a mixture of
     experts (models/layers/moe.py)."""
     if spec.ffn == "moe":
-        raise UserError(
-            "DecoderSpec.ffn='moe' needs llmfoundry.models.layers.moe, which this build lacks; "
-            "use ffn 'mlp' or 'glu'"
-        )
+        return MoE(spec.d_model, spec.moe)
     ffn = GLU if spec.ffn == "glu" else MLP
     return ffn(spec.d_model, spec.ffn_hidden, spec.ffn_bias, spec.ffn_act)
 
@@ -339,6 +343,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.spec: DecoderSpec = config.decoder_spec()
+        # A mixture of experts' router losses, added to its loss and logged (`moe_loss`).
+        self.moe_meter = None if self.spec.moe is None else RouterLossMeter(self.spec.moe)
+        if self.moe_meter is not None:
+            self.loss = self.moe_loss
         # Always build on meta, then materialise: no memory is spent on PyTorch's default init,
         # and the meta path every large model takes is the one every small model takes too.
         with torch.device("meta"):
@@ -403,8 +411,23 @@ class DecoderLM(nn.Module):
             return self.transformer.wte.weight
         return self.lm_head.weight
 
-    # The loss is family-neutral: mean next-token cross-entropy, chunked (core/loss.py).
+    # The loss is family-neutral: mean next-token cross-entropy, chunked (core/loss.py). A
+    # mixture of experts' instances take `moe_loss` instead (set in __init__), so the class's
+    # stays the plain function tests and callers use as `Family.loss(logits, labels)`.
     loss = staticmethod(next_token_loss)
+
+    def moe_loss(self, logits: torch.Tensor, labels: Labels) -> torch.Tensor:
+        """`next_token_loss` plus, after a training forward, the weighted router losses
+        (`RouterLossMeter`; under gradient accumulation each microbatch's are weighted as its
+        next-token loss is)."""
+        loss = next_token_loss(logits, labels)
+        router = None if self.moe_meter is None else self.moe_meter.loss(self)
+        return loss if router is None else loss + router
+
+    def train_metrics(self) -> dict[str, DeviceScalar]:
+        """A mixture of experts' router losses and expert load since the last call, logged by
+        the trainer after each batch (`llmfoundry.core.model`); none for a dense model."""
+        return {} if self.moe_meter is None else self.moe_meter.metrics()
 
     def num_params(self, exclude_embeddings: bool = False, active: bool = False) -> int:
         """Number of parameters (a tied head counted once).
@@ -469,11 +492,17 @@ class DecoderLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):
+                module.init_weights(std)
         residual_scale = 1.0 / math.sqrt(2 * self.spec.n_layers)
         for block in self.transformer.blocks:
             block.attn.out_proj.weight.mul_(residual_scale)
             if hasattr(block.ffn, "down_proj"):
                 block.ffn.down_proj.weight.mul_(residual_scale)
+            if isinstance(block.ffn, MoE):
+                block.ffn.experts.w_down.mul_(residual_scale)
+                if block.ffn.shared_expert is not None:
+                    block.ffn.shared_expert.down_proj.weight.mul_(residual_scale)
         self.transformer.masks.reset()
         if self.transformer.rope is not None:
             self.transformer.rope.reset()

@@ -2,29 +2,32 @@
 
 Read top to bottom: `MoESpec` (the numbers), `GroupedExperts` (E SwiGLU experts as three stacked
 weights, one grouped matrix multiply per projection), `Router` (a linear layer to E logits),
-`MoE` (route, sort the token copies by expert, run the experts, weight, add back), and the
-router losses (`router_losses`: the load-balancing loss in transformers' form and ST-MoE's
-z-loss over every MoE layer's last forward).
+`MoE` (route, sort the token copies by expert, run the experts, weight, add back), the router
+losses (`router_losses`: the load-balancing loss in transformers' form and ST-MoE's z-loss over
+every MoE layer's last training forward) and `RouterLossMeter`, through which a model adds them
+to its loss and logs them.
 
 Routing is dropless: every token goes to its top_k experts whatever the load; the experts see
 their token copies as one sorted [N, d] tensor and a count per expert, which is the seam expert
 parallelism cuts at (it moves the sorted copies to the ranks owning their experts and back).
 
 The grouped multiply is `torch._grouped_mm` where it runs (its row strides must be multiples of
-16 bytes, and each device and dtype is tried once against the loop it replaces); elsewhere a
-loop over the experts computes the same thing. Hand-written because torch has no public grouped
+16 bytes, each device and dtype is tried once against the loop it replaces, and under
+torch.compile only bfloat16 traces); elsewhere a loop over the experts computes the same thing
+(reading the counts on the host). bfloat16 MoE blocks compile whole (fullgraph, 2.13). Hand-written because torch has no public grouped
 GEMM and the libraries that do (megablocks, grouped_gemm) are CUDA-only builds.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmfoundry.core.metrics import DeviceScalar
 from llmfoundry.models.layers.ffn import GLU
 from llmfoundry.utils.errors import UserError
 
@@ -79,10 +82,20 @@ def _rows_aligned(width: int, dtype: torch.dtype) -> bool:
     return width * dtype.itemsize % 16 == 0
 
 
-@functools.cache
+_GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile reads the answer, not the probe
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward on this device and dtype and equals
     a loop of matmuls there: tried once (CUDA before sm90 and some builds lack it)."""
+    key = (device_type, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _grouped_mm_probe(device_type, dtype)
+    return _GROUPED_MM_RUNS[key]
+
+
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     generator = torch.Generator().manual_seed(0)
@@ -130,6 +143,14 @@ class GroupedExperts(nn.Module):
             bound = weight.shape[-1] ** -0.5
             nn.init.uniform_(weight, -bound, bound)
 
+    @torch.no_grad()
+    def init_weights(self, std: float | None) -> None:
+        """As a model initialises its nn.Linear weights, per expert: N(0, std), or without a
+        std kaiming-normal over each expert's fan_in (torch's kaiming_normal_ would read a 3-d
+        weight's fan_in as E-wide convolution channels)."""
+        for weight in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(weight, std=(2 / weight.shape[-1]) ** 0.5 if std is None else std)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, d]: token copies sorted by expert, counts [E_local] (int64, sum N) -> [N, d]."""
         if self._grouped(x):
@@ -146,6 +167,8 @@ class GroupedExperts(nn.Module):
         hidden = self.w_gate.shape[1]
         return (
             x.dtype == self.w_gate.dtype
+            # torch.compile's shape function for _grouped_mm takes bfloat16 only (2.11, 2.13)
+            and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
             and _rows_aligned(x.shape[-1], x.dtype)
             and _rows_aligned(hidden, x.dtype)
             and grouped_mm_runs(x.device.type, x.dtype)
@@ -244,3 +267,106 @@ class MoE(nn.Module):
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.spec.z_loss_weight > 0):
             z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
         return RouterStats(counts.detach(), prob_sum, z_sum, rows=logits.shape[0])
+
+
+def pipeline_refusal(spec: MoESpec) -> str:
+    """Why a model with these MoE layers cannot train as pipeline stages, "" when it can: the
+    router losses are taken over every layer's routing of a microbatch at its loss, and a
+    pipeline stage passes on only its activations (`ParallelPlan.pipeline_refusal`)."""
+    if spec.aux_loss_weight > 0 or spec.z_loss_weight > 0:
+        return (
+            "the MoE router losses (aux_loss_weight, z_loss_weight > 0) need every stage's "
+            "routing at the loss, which pipeline stages do not pass on; set both to 0"
+        )
+    return ""
+
+
+# --- the router losses ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    """The unweighted router losses of one training forward over all its MoE layers."""
+
+    aux: torch.Tensor  # [] load balancing: n_experts * sum_e load_e * mean_prob_e (k when even)
+    z: torch.Tensor  # [] mean over tokens and layers of logsumexp(router logits)^2
+    counts: torch.Tensor  # [layers, E] int64: token copies each layer's experts got
+
+
+def router_losses(layers: Iterable[MoE]) -> RouterLosses | None:
+    """The losses over the MoE layers' last training forward (None when none kept stats).
+
+    As transformers computes them (`load_balancing_loss_func`, switch_transformers'
+    `router_z_loss_func`) over the concatenation of every layer's router logits: the load
+    (fraction of tokens sent to each expert, top-k choices counted) and the mean router
+    probability are averaged over all layers' tokens before their product is summed, so
+    Mixtral's and Qwen3-MoE's `router_aux_loss_coef` means the same here."""
+    stats = [layer.stats for layer in layers if layer.stats is not None]
+    if not stats:
+        return None
+    rows = sum(s.rows for s in stats)
+    counts = torch.stack([s.counts for s in stats])
+    load = counts.sum(dim=0).float() / rows
+    mean_prob = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
+    aux = load.numel() * (load * mean_prob).sum()
+    z = torch.stack([s.z_sum for s in stats]).sum() / rows
+    return RouterLosses(aux, z, counts)
+
+
+class RouterLossMeter:
+    """What a model with MoE layers adds to its loss, and logs.
+
+    `loss(model)`, called by the model's loss after each training forward, returns the weighted
+    router losses to add (so under gradient accumulation each microbatch's router losses are
+    weighted as its next-token loss is) and sums them and the expert loads on the device;
+    `metrics()` returns the means since the last call as `DeviceScalar`s and starts over, so
+    the loads cost no host sync until a logger writes them (one for all, `read_all`)."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        self.spec = spec
+        self._sums: torch.Tensor | None = None  # [2]: aux, z summed over forwards
+        self._counts: torch.Tensor | None = None  # [layers, E] summed over forwards
+        self._forwards = 0
+
+    def loss(self, model: nn.Module) -> torch.Tensor | None:
+        """The weighted router losses of the training forward just run; None after an eval
+        forward, or when both weights are 0 (nothing added, not even 0 * an overflowed z).
+        Each layer's stats are read once."""
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        losses = router_losses(layers)
+        for layer in layers:
+            layer.stats = None
+        if losses is None:
+            return None
+        sums = torch.stack([losses.aux, losses.z]).detach()
+        if self._sums is None or self._counts is None:
+            self._sums, self._counts = sums, losses.counts
+        else:
+            self._sums, self._counts = self._sums + sums, self._counts + losses.counts
+        self._forwards += 1
+        weighted = [
+            weight * loss
+            for weight, loss in (
+                (self.spec.aux_loss_weight, losses.aux),
+                (self.spec.z_loss_weight, losses.z),
+            )
+            if weight > 0
+        ]
+        return sum(weighted[1:], weighted[0]) if weighted else None
+
+    def metrics(self) -> dict[str, DeviceScalar]:
+        """train/moe_aux_loss and train/moe_z_loss (unweighted, mean over the forwards since
+        the last call), and the expert load imbalance: max / mean token copies per expert,
+        1 when even, averaged over layers and the worst layer's."""
+        if self._sums is None or self._counts is None:
+            return {}
+        means = self._sums / self._forwards
+        counts = self._counts.float()
+        imbalance = counts.amax(dim=-1) / counts.mean(dim=-1)
+        self._sums, self._counts, self._forwards = None, None, 0
+        return {
+            "train/moe_aux_loss": DeviceScalar(means[0]),
+            "train/moe_z_loss": DeviceScalar(means[1]),
+            "train/moe_load_imbalance": DeviceScalar(imbalance.mean()),
+            "train/moe_load_imbalance_max": DeviceScalar(imbalance.max()),
+        }
