@@ -12,10 +12,17 @@ from torch import nn
 from llmfoundry.models.family import ModelFamily
 from llmfoundry.models.hf_config import CONFIG_FILE, read_config_json
 from llmfoundry.models.llama.spec import LLAMA
+from llmfoundry.models.mixtral.spec import MIXTRAL
 from llmfoundry.models.mpt.spec import MPT
+from llmfoundry.models.qwen3_moe.spec import QWEN3_MOE
 from llmfoundry.utils.errors import UserError
 
-FAMILIES: dict[str, ModelFamily] = {"mpt": MPT, "llama": LLAMA}
+FAMILIES: dict[str, ModelFamily] = {
+    "mpt": MPT,
+    "llama": LLAMA,
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": MIXTRAL,
+}
 # A model config recorded without a _target_ (checkpoints older than the families) is MPT.
 DEFAULT = MPT
 

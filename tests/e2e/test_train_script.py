@@ -146,3 +146,36 @@ def test_llama_trains_then_generates_and_evaluates(mds_dir, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert scripts["eval"]["main"]([ckpt, str(task), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["tasks"]["mc"]["examples"] == 2
+
+
+def test_a_mixture_of_experts_trains_and_logs_its_router_losses(mds_dir, tmp_path):
+    """model=qwen3-moe-tiny through scripts/train.py: the router losses and the expert load are
+    logged as metrics beside the loss, and the checkpoint loads back as the family's model."""
+    result = run(
+        str(ROOT / "scripts/train.py"),
+        "model=qwen3-moe-tiny",
+        f"data.remote={mds_dir}",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_experts=4",
+        "model.top_k=2",
+        "model.expert_hidden=32",
+        "model.z_loss_weight=0.001",
+        "model.max_seq_len=32",
+        "model.vocab_size=512",
+        "global_train_batch_size=4",
+        "max_duration=2ba",
+        "eval_interval=2ba",
+        "scheduler.t_warmup=1ba",
+        "callbacks.generate.max_new_tokens=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"save_folder={tmp_path / 'ckpt'}",
+        cwd=tmp_path,
+    )
+    for metric in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
+        value = re.search(rf"train/{metric} ([\d.e+-]+)", result.stdout)
+        assert value and float(value[1]) > 0, f"train/{metric} not logged:\n{result.stdout}"
+    from llmfoundry.checkpoint.pretrained import load_pretrained
+    from llmfoundry.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    assert isinstance(load_pretrained(str(tmp_path / "ckpt"))[0], Qwen3MoeForCausalLM)

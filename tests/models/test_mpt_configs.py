@@ -1,7 +1,7 @@
 """Every conf/model size: it builds, and its parameter count matches transformers and the papers.
 
-Each family's sizes share its conf/model_base/<family>.yaml; the llama files are the published
-shapes of `llmfoundry.models.llama.PRESETS` (whose counts test_llama.py checks).
+Each family's sizes share its conf/model_base/<family>.yaml; the llama, qwen3-moe and mixtral
+files are their families' PRESETS (whose counts test_llama.py and test_moe_families.py check).
 """
 
 import re
@@ -39,6 +39,12 @@ SIZES = [
     "mpt-70b",
 ]
 LLAMA_SIZES = ["llama-tiny", "llama3-1b", "llama3-8b", "llama3-70b"]
+# The mixture-of-experts families' sizes: their presets (whose counts test_moe_families.py checks).
+MOE_SIZES = {
+    "qwen3_moe": ["qwen3-moe-tiny", "qwen3-30b-a3b"],
+    "mixtral": ["mixtral-tiny", "mixtral-8x7b"],
+}
+FAMILY_SIZES = {"mpt": SIZES, "llama": LLAMA_SIZES, **MOE_SIZES}
 # What a size file may state on top of its family's base: its shape (and the options of its
 # published release that differ from the base).
 OWN_KEYS = {
@@ -56,6 +62,29 @@ OWN_KEYS = {
         "rope_scaling",
         "tie_word_embeddings",
     },
+    "qwen3_moe": {
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "n_layers",
+        "n_experts",
+        "top_k",
+        "expert_hidden",
+        "max_seq_len",
+        "vocab_size",
+        "rope_theta",
+    },
+    "mixtral": {
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "n_layers",
+        "expert_hidden",
+        "max_seq_len",
+        "vocab_size",
+        "rope_theta",
+    },
 }
 REFERENCE = REPO.parent / "shared" / "docs" / "reference-numbers.md"
 
@@ -69,7 +98,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
     base = OmegaConf.load(REPO / "conf" / "model_base" / "mpt.yaml")
     for path in MODEL_CONFS:
         conf = OmegaConf.load(path)
-        family = path.stem.split("-")[0].removesuffix("3")
+        family = next(f for f, sizes in FAMILY_SIZES.items() if path.stem in sizes)
         assert list(conf.defaults) == [f"/model_base/{family}@_here_", "_self_"], path.name
         assert set(conf) - {"defaults"} <= OWN_KEYS[family], path.name
     cfg = compose_config(REPO / "conf", ["model=mpt-1b", "model.alibi=false"]).model
@@ -81,7 +110,7 @@ def test_sizes_state_only_their_shape_and_share_the_base_options():
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in MODEL_CONFS) == sorted(SIZES + LLAMA_SIZES)
+    assert sorted(p.stem for p in MODEL_CONFS) == sorted(sum(FAMILY_SIZES.values(), []))
 
 
 @pytest.mark.parametrize("name", LLAMA_SIZES)
@@ -91,6 +120,17 @@ def test_llama_sizes_are_the_published_shapes(name):
     assert cfg == LlamaConfig.preset(name)
     check(REPO / "conf", [f"model={name}"])
     assert set(PRESETS) == set(LLAMA_SIZES)
+
+
+@pytest.mark.parametrize("family, name", [(f, n) for f, names in MOE_SIZES.items() for n in names])
+def test_moe_sizes_are_the_presets(family, name):
+    from llmfoundry.models.mixtral import MixtralConfig
+    from llmfoundry.models.qwen3_moe import Qwen3MoeConfig
+
+    config_class = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[family]
+    cfg = load(name)
+    assert isinstance(cfg, config_class) and cfg == config_class.preset(name)
+    check(REPO / "conf", [f"model={name}"])
 
 
 def published_counts() -> dict[str, tuple[int, int, int, int]]:

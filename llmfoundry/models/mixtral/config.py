@@ -1,0 +1,161 @@
+"""MixtralConfig: the shape and options of a Mixtral mixture-of-experts decoder, validated when
+it is built.
+
+Mixtral is Llama's decoder (RMSNorm, RoPE, grouped-query attention, no biases) with the SwiGLU
+MLP of every block replaced by `n_experts` SwiGLU experts of which a router picks `top_k` per
+token, their softmax weights renormalised to sum 1. The published shape (Mixtral-8x7B) and a
+tiny one for tests are named presets (`MixtralConfig.preset`); conf/model/mixtral-tiny.yaml and
+mixtral-8x7b.yaml (on conf/model_base/mixtral.yaml) give the same shapes to `model=`.
+`decoder_spec()` is what the shared decoder (`llmfoundry.models.layers.decoder`) builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llmfoundry.models import config_checks as check
+from llmfoundry.models.layers.decoder import DecoderSpec
+from llmfoundry.models.layers.kernels import check_attn_impl
+from llmfoundry.models.layers.moe import MoESpec
+from llmfoundry.utils.errors import UserError
+
+OWNER = "MixtralConfig"
+SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "n_experts", "expert_hidden", "vocab_size")
+
+
+@dataclass
+class MixtralConfig:
+    """Hyperparameters of a Mixtral causal language model.
+
+    Blocks are pre-RMSNorm (`rms_norm_eps`), with rotary position embeddings (`rope_theta`) on
+    queries and keys and grouped-query attention (`n_kv_heads` key/value heads; unset: one per
+    query head). The feed-forward of every block is a mixture of `n_experts` SwiGLU experts of
+    width `expert_hidden` (transformers' intermediate_size): a linear router (no bias) scores
+    the experts, each token goes to the `top_k` best, weighted by their softmax probabilities
+    renormalised over those top_k. No token is dropped (no capacity limit).
+
+    `aux_loss_weight` (transformers' router_aux_loss_coef, 0.02 in Mixtral's release) weighs the
+    load-balancing loss the model's `loss` adds to the cross entropy; `z_loss_weight` the
+    router z-loss (ST-MoE; Mixtral has none: 0). Both are logged as metrics in training.
+
+    `max_seq_len` is the context the model is meant for (transformers' max_position_embeddings);
+    RoPE has no position table, so nothing is sized by it. Initialisation as Llama's: N(0,
+    init_std), the projections into the residual stream divided by sqrt(2 * n_layers), norms 1.
+    `init_device="meta"` builds without memory (then `to_empty` and `init_weights`).
+    """
+
+    d_model: int
+    n_heads: int
+    n_layers: int
+    n_kv_heads: int | None = None
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 14336
+    vocab_size: int = 32000
+    max_seq_len: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    aux_loss_weight: float = 0.02
+    z_loss_weight: float = 0.0
+    attn_impl: str = "sdpa"
+    init_std: float = 0.02
+    init_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in (*SIZE_FIELDS, "max_seq_len"):
+            check.positive_int(OWNER, name, getattr(self, name))
+        if self.d_model % self.n_heads != 0:
+            raise UserError(
+                f"{OWNER}.d_model ({self.d_model}) must be divisible by {OWNER}.n_heads "
+                f"({self.n_heads}); pick n_heads among the divisors of d_model"
+            )
+        check.rope_head_dim(OWNER, self.head_dim)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        check.kv_heads(OWNER, self.n_heads, self.n_kv_heads)
+        check.top_k_experts(OWNER, self.top_k, self.n_experts)
+        for name in ("rope_theta", "rms_norm_eps", "init_std"):
+            check.positive_number(OWNER, name, getattr(self, name))
+        for name in ("aux_loss_weight", "z_loss_weight"):
+            check.non_negative_number(OWNER, name, getattr(self, name))
+        check.boolean(OWNER, "tie_word_embeddings", self.tie_word_embeddings)
+        check_attn_impl(self.attn_impl, OWNER)
+        check.init_device(OWNER, self.init_device)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def moe_spec(self) -> MoESpec:
+        return MoESpec(
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            expert_hidden=self.expert_hidden,
+            renormalize=True,
+            aux_loss_weight=self.aux_loss_weight,
+            z_loss_weight=self.z_loss_weight,
+        )
+
+    def decoder_spec(self) -> DecoderSpec:
+        """Llama's decoder with an MoE feed-forward in every block."""
+        return DecoderSpec(
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            positions="rope",
+            rope_theta=self.rope_theta,
+            norm="rmsnorm",
+            norm_eps=self.rms_norm_eps,
+            ffn="moe",
+            moe=self.moe_spec(),
+            tie_word_embeddings=self.tie_word_embeddings,
+            attn_impl=self.attn_impl,
+            init_std=self.init_std,
+        )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> MixtralConfig:
+        """The published shape `name` (see `PRESETS`), with any field overridden."""
+        if name not in PRESETS:
+            raise UserError(f"no Mixtral preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and the demo: llama-tiny's attention and, per token, its FFN width (top 2 of 8
+    # experts of 384 = llama-tiny's 768); the demo's 8192-token vocabulary.
+    "mixtral-tiny": dict(
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=4,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=384,
+        vocab_size=8192,
+        max_seq_len=256,
+        rope_theta=10000.0,
+    ),
+    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 46,702,792,704 parameters,
+    # 12,879,925,248 of them active per token.
+    "mixtral-8x7b": dict(
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        n_layers=32,
+        n_experts=8,
+        top_k=2,
+        expert_hidden=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        aux_loss_weight=0.02,
+    ),
+}
