@@ -8,11 +8,16 @@ import re
 import pytest
 import torch
 
+from llmfoundry.models.families import family_of
 from llmfoundry.models.layers import moe
 from llmfoundry.models.layers.moe import MoE, MoESpec
+from llmfoundry.models.llama import LlamaConfig
+from llmfoundry.models.mixtral import MixtralConfig
+from llmfoundry.models.qwen3_moe import Qwen3MoeConfig
 from llmfoundry.planning import (
     ModelCounts,
     Setup,
+    count_model,
     moe_activation_bytes,
     plan_communication,
     plan_memory,
@@ -166,3 +171,43 @@ def test_moe_activations_are_what_autograd_saves(precision, grouped, monkeypatch
             assert measured == planned, (shared, gate)
         else:
             assert 0.5 * planned < measured < planned, (shared, gate)
+
+
+def test_an_moe_models_counts_are_read_from_it():
+    """From a Mixtral built on the meta device: every block's routed experts (4 x 3 x 32 x 16),
+    the active parameters and flops the model counts (its router, top 2 of 4 experts), the MoE
+    layer's activations from its spec and the rest of a block's from the family."""
+    config = MixtralConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, n_experts=4, top_k=2,
+                           expert_hidden=16, vocab_size=64, max_seq_len=16)  # fmt: skip
+    counts = count_model(config, 16, "fp32")
+    model = family_of(config).build(config, init_device="meta")
+    assert counts.experts == (4 * 3 * 32 * 16,) * 2 and (counts.n_experts, counts.top_k) == (4, 2)
+    assert counts.active_params == model.num_params(active=True) == counts.n_params - 2 * 3072
+    assert counts.flops_per_token == model.flops_per_token(16)
+    assert counts.moe_activation_bytes == moe_activation_bytes(config.moe_spec(), 32, "fp32")
+    assert counts.block_activation_bytes == 28 * 32 + 8 * 16  # Llama's attention half
+    dense = count_model(LlamaConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                                    vocab_size=64), 16, "fp32")  # fmt: skip
+    assert not dense.moe and dense.moe_activation_bytes == 0
+
+
+def test_recommended_meshes_for_qwen3_30b_a3b_and_mixtral_8x7b():
+    """The README's recommendations (seq 4096, 512 sequences per step, bf16, activation
+    checkpointing, 80 GB H100s): Qwen3-30B-A3B fits 8 GPUs only with ep, whose all-to-alls
+    cost less than FSDP regathering all 30.5B weights for each of 32 microbatches of 2; on 64
+    GPUs one microbatch each, and pure FSDP's one gather sends less than ep's all-to-alls.
+    Mixtral-8x7B's 16 bytes x 46.7B do not fit 8 GPUs; on 64, ep 8."""
+
+    def mesh(config, world):
+        setup = Setup(config, 4096, "amp_bf16", strategy="fsdp", world_size=world,
+                      activation_checkpointing=True, global_batch=512)  # fmt: skip
+        choice = recommend(setup, 80e9)
+        return choice and (choice.setup.tp, choice.setup.cp, choice.setup.pp, choice.setup.ep,
+                           choice.microbatch)  # fmt: skip
+
+    qwen = Qwen3MoeConfig.preset("qwen3-30b-a3b")
+    mixtral = MixtralConfig.preset("mixtral-8x7b")
+    assert mesh(qwen, 8) == (1, 1, 1, 8, 2)
+    assert mesh(qwen, 64) == (1, 1, 1, 1, 8)
+    assert mesh(mixtral, 8) is None
+    assert mesh(mixtral, 64) == (1, 1, 1, 8, 8)
