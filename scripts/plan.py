@@ -11,20 +11,22 @@
 
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
 overrides); the flags describe the cluster and the mesh (`--strategy` by conf/strategy's names;
-`--tp`, `--cp`, `--pp`, `--dp-replicate`, `--dp-shard` as the config's parallelism block, built
-by llmfoundry/distributed/mesh.py's parallel_dims; `--schedule`, `--stages-per-rank` for the
-pipeline), refused as training refuses them; `precision=auto` (the default) plans what
-training resolves it to on the named or detected GPU (`planned_precision`). Prints parameter
-count, flops per token, memory per device by part at the config's microbatch (on the pipeline
-rank that needs the most), the largest microbatch that fits the device memory (default: the
-detected GPU's), the bytes each device sends per step, the pipeline bubble and the step time at
-a given MFU of the device's peak (llmfoundry/planning.py says what each number counts and where
-its formula comes from). `--recommend` plans the smallest mesh that fits instead (fewest tp x
-cp x pp, then the fastest, then the least traffic; tp within a node), at `--world-size` or at
-the fewest devices. Impossible inputs (tp not dividing the heads, more stages than layers, a
-sequence cp cannot cut, axes whose product is not the device count) are one line and exit
-status 2 (`--debug` for the traceback). A setup in which not even one sequence fits a device,
-or in which no mesh fits, is an error (exit status 2) saying what would fit, with no step time.
+`--tp`, `--cp`, `--pp`, `--ep`, `--dp-replicate`, `--dp-shard` as the config's parallelism
+block, built by llmfoundry/distributed/mesh.py's parallel_dims; `--schedule`,
+`--stages-per-rank` for the pipeline), refused as training refuses them; `precision=auto` (the
+default) plans what training resolves it to on the named or detected GPU (`planned_precision`).
+Prints parameter count (a mixture of experts: also the active ones), flops per token (of the
+active ones), memory per device by part at the config's microbatch (on the pipeline rank that
+needs the most), the largest microbatch that fits the device memory (default: the detected
+GPU's), the bytes each device sends per step, the pipeline bubble and the step time at a given
+MFU of the device's peak (llmfoundry/planning.py says what each number counts and where its
+formula comes from). `--recommend` plans the smallest mesh that fits instead (fewest tp x cp x
+pp, then the fastest, then the least traffic, ep searched for an MoE; tp within a node), at
+`--world-size` or at the fewest devices. Impossible inputs (tp not dividing the heads, more
+stages than layers, a sequence cp cannot cut, axes whose product is not the device count, an ep
+on a model without experts) are one line and exit status 2 (`--debug` for the traceback). A
+setup in which not even one sequence fits a device, or in which no mesh fits, is an error (exit
+status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
