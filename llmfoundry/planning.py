@@ -787,7 +787,8 @@ def all_to_all_bytes(setup: Setup, microbatch: int) -> float:
     top_k copies [tokens x top_k, d_model], dispatched to the ranks holding their experts and
     their outputs combined back, in forward and (their gradients) in backward, and again in a
     forward recomputed under activation checkpointing, in the layer input's dtype (float32,
-    the residual stream's norm output: `moe_activation_bytes`); with tokens routed evenly over
+    the residual stream's norm output: `moe_activation_bytes`; where the experts run as
+    autocast matmuls their outputs, combined back, are bf16: fewer); with tokens routed evenly over
     the ep ranks, (ep - 1) / ep of each leaves the rank (what a skewed router sends more is not
     counted: bench/moe.py measures it). Under tp every tp rank routes the whole (gathered)
     sequence."""
