@@ -2,11 +2,13 @@
 
 Answers "does this config fit, on which mesh, with how large a microbatch, and how long is a
 step" for a device count and a parallel strategy laid out on the mesh of
-llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp), built and
-checked as training builds and checks it (`Setup`), so a planned mesh is one training takes.
-Parameter count and flops per token come from the model itself (any family's `num_params` and
-`flops_per_token`, built on the meta device, so nothing is allocated), the same numbers the speed
-monitor's MFU uses; the family's spec gives the activation bytes its blocks keep
+llmfoundry/distributed/mesh.py (`ParallelDims`: dp_replicate x dp_shard x cp x tp x pp, and ep
+borrowed from dp_shard x cp), built and checked as training builds and checks it (`Setup`), so a
+planned mesh is one training takes. Parameter count and flops per token come from the model
+itself (any family's `num_params` and `flops_per_token`, built on the meta device, so nothing is
+allocated), the same numbers the speed monitor's MFU uses: for a mixture of experts the flops of
+the active parameters (`num_params(active=True)`: router, top_k experts, shared expert), the
+total for memory; the family's spec gives the activation bytes its blocks keep
 (`ModelFamily.activation_bytes`), its parallel plan the blocks (the units sharded, split across
 tensor-parallel ranks and assigned to pipeline stages) and the model's parameter names the rest:
 the embedding (first stage) and the final norm and head (last stage; a tied head keeps a copy of
@@ -29,6 +31,13 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   copy of the largest unit (a block of the family's parallel plan, or an edge: the embedding,
   the final norm and an untied head), split by tp and gathered in full over dp, twice (the one
   in use and the one prefetched);
+- routed experts (a mixture of experts, llmfoundry/models/layers/moe.py) are not split by tp
+  (the MoE layer's tensor-parallel layout replicates them); under expert parallelism (ep = P,
+  llmfoundry/distributed/expert.py) each of an ep group's P ranks holds 1/P of every block's
+  experts, FSDP-sharded over the dp_shard x cp / P ranks holding the same ones (torchtitan's
+  layout): their weights, gradients and optimizer state per device are those of FSDP over
+  dp_shard x cp, as without ep, but the gathered working copy of a block holds 1/P of its
+  experts;
 - CPU offload moves the optimizer state, and under FSDP / ZeRO-3 the sharded parameters and
   gradients, to host memory (left out of the device total);
 - activations: what autograd keeps per block for the backward of our implementation (counted
@@ -38,7 +47,11 @@ Memory per device is that of the pipeline stage that needs the most, the sum of:
   by tp (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", eq. 2: sbh(34 + 5as/h)/t per layer), except the inputs of the two column-wise
   projections (attention's q/k/v, the MLP's up/gate), which the DTensor linear keeps as
-  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. Context
+  all-gathered, in full: 2 * d_model compute-dtype bytes per token per block more. An MoE
+  layer keeps its router's probabilities and each token's top_k copies through its experts
+  (`moe_activation_bytes`, measured against what autograd saves), whole under tp (each tp rank
+  routes the gathered sequence); ep moves copies between ranks, not their number (even
+  routing: a skewed router gives some ranks more). Context
   parallelism (cp = C, llmfoundry/distributed/context.py) gives each rank L / C tokens of
   every sequence, so all of these (and the logits below) are those of L / C tokens;
 - gathered keys and values (cp > 1): attention all-gathers each layer's K and V over the cp
@@ -83,11 +96,18 @@ all-gather; parameters and gradients in float32, as autocast keeps them):
   each sending (C - 1) / C of one layer's gathered K and V (above);
 - PP: per microbatch and chunk, the stage's float32 output [microbatch, seq, d_model] (split by
   tp under sequence parallelism, by cp with context parallelism) sent forward and its gradient
-  sent back.
+  sent back;
+- EP: per MoE layer and microbatch, the top_k copies of the rank's tokens dispatched to the
+  ranks holding their experts and their outputs combined back, forward and backward (and a
+  recomputed forward), (P - 1) / P of each leaving the rank (`all_to_all_bytes`); FSDP's
+  gathers and reduce-scatters of the experts run over their dp_shard x cp / P ranks, on the
+  1/P of them the rank's ep group holds.
 
 Step time: the model's flops of the global batch over the devices at `mfu` of their peak (every
 axis divides the work evenly; cp's causal load balance, chunks r and 2C-1-r on rank r, gives
-every cp rank the same attention work), divided by 1 - the pipeline bubble, the fraction of a
+every cp rank the same attention work; not so an MoE layer under tp, which every tp rank runs
+on the whole sequence: its flops, counted once, make the step of an MoE at tp > 1 optimistic),
+divided by 1 - the pipeline bubble, the fraction of a
 step the schedule keeps a stage idle: (pp - 1) / (m + pp - 1) for GPipe and 1F1B with m
 microbatches, (pp - 1) / (v m + pp - 1) interleaved with v stages per rank (Narayanan et al.
 2021, sections 2.2.1-2.2.2). Communication is reported, not added: MFU is measured with it
@@ -119,6 +139,7 @@ from llmfoundry.distributed.pipeline import check_pipeline_split
 from llmfoundry.models import parallel_plan
 from llmfoundry.models.families import family_of
 from llmfoundry.models.layers.kernels import DENSE_BIAS_IMPLS
+from llmfoundry.models.layers.moe import MoE, MoESpec
 from llmfoundry.models.plan import ParallelPlan
 from llmfoundry.utils.errors import UserError
 
@@ -183,7 +204,11 @@ class ModelCounts:
     mask for every head) and side of the causal bias its attention kernel keeps cached, (0, 0)
     when it builds none; `cp_bias_heads`: the heads of the dense bias rows a dense-bias kernel
     builds per forward under context parallelism (its queries' rows only: ALiBi's per head,
-    else one mask), 0 for flex and flash (module docstring)."""
+    else one mask), 0 for flex and flash (module docstring). A mixture of experts: the
+    parameters one token goes through (`active_params`; `flops_per_token` is theirs), each
+    block's routed experts (`experts`, sharded over ep; the rest of a block's parameters are
+    split by tp), `n_experts` and `top_k` per MoE block, and the bytes per token its MoE layer
+    keeps (`moe_activation_bytes`, not part of `block_activation_bytes`)."""
 
     n_params: int
     flops_per_token: int
@@ -200,11 +225,29 @@ class ModelCounts:
     tp_all_to_all: float = 0.0
     attn_bias: tuple[int, int] = (0, 0)  # heads, side of the cached attention bias; 0: none
     cp_bias_heads: int = 0
+    active_params: int = 0  # what one token goes through (an MoE's top_k experts); 0: n_params
+    experts: tuple[int, ...] = ()  # per block, its routed experts' parameters (0: a dense block)
+    n_experts: int = 0  # routed experts per MoE block
+    top_k: int = 0  # experts each token goes to (its copies)
+    moe_activation_bytes: int = 0  # per token per MoE block, the MoE layer's (not split by tp)
+    moe_input_bytes: int = 4  # bytes of one element of the MoE layer's input (its token copies)
+    head_dim: int = 0  # 0: d_model / n_heads
+
+    def __post_init__(self) -> None:
+        if not self.active_params:
+            object.__setattr__(self, "active_params", self.n_params)
+        if not self.experts:
+            object.__setattr__(self, "experts", (0,) * len(self.blocks))
+
+    @property
+    def moe(self) -> bool:
+        """Whether any block routes its tokens to experts."""
+        return any(self.experts)
 
     @property
     def kv_dim(self) -> int:
         """Width of one token's keys (and of its values): the key/value heads' (GQA: fewer)."""
-        return self.n_kv_heads * (self.d_model // self.n_heads)
+        return self.n_kv_heads * (self.head_dim or self.d_model // self.n_heads)
 
 
 def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
@@ -237,6 +280,8 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         cp_bias_heads = masks.causal_bias_shape(seq_len)[1]
         if builds:
             attn_bias = masks.causal_bias_shape(seq_len)[1:3]
+    moes = [[m for m in b.modules() if isinstance(m, MoE)] for b in blocks]
+    spec = next((m[0].spec for m in moes if m), None)
     return ModelCounts(
         n_params=model.num_params(),
         flops_per_token=model.flops_per_token(seq_len),
@@ -253,7 +298,52 @@ def count_model(config: Any, seq_len: int, precision: str) -> ModelCounts:
         tp_all_to_all=plan.tp_all_to_all,
         attn_bias=attn_bias,
         cp_bias_heads=cp_bias_heads,
+        head_dim=getattr(config, "head_dim", None) or config.d_model // config.n_heads,
+        **(_moe_counts(model, moes, spec, precision) if spec else {}),
     )
+
+
+def _moe_counts(model: Any, moes: list[list[MoE]], spec: MoESpec, precision: str) -> dict:
+    """An MoE model's counts: active parameters (the model's own count: router, top_k experts,
+    shared expert), each block's routed experts, and the MoE layer's activations."""
+    experts = [sum(p.numel() for m in ms for p in m.experts.parameters()) for ms in moes]
+    low_precision_input = getattr(getattr(model, "spec", None), "low_precision_norm", False)
+    input_bytes = 2 if precision != "fp32" and low_precision_input else 4
+    d_model = model.config.d_model
+    return {
+        "active_params": model.num_params(active=True),
+        "experts": tuple(experts),
+        "n_experts": spec.n_experts,
+        "top_k": spec.top_k,
+        "moe_activation_bytes": moe_activation_bytes(spec, d_model, precision, input_bytes),
+        "moe_input_bytes": input_bytes,
+    }
+
+
+def moe_activation_bytes(spec: MoESpec, d_model: int, precision: str, input_bytes: int = 4) -> int:
+    """Bytes autograd keeps per token for the backward of an MoE layer
+    (llmfoundry/models/layers/moe.py), with d = d_model, h = expert_hidden, k = top_k, E =
+    n_experts, b = `input_bytes` (of one element of the layer's input: float32, the residual
+    stream's norm output, unless a low-precision norm makes it the compute dtype). The router:
+    its softmax output (4E), the top-k sum renormalised by (4); per token copy: its top-k index,
+    its weight, its token and sort indices (8 + 4 + 8 + 8 + 4, counting the weight gathered in
+    sorted order), the gathered copy (bd), the expert's gate and up outputs, silu(gate) and the
+    product fed to w_down (4bh), and the expert's output and the weighted output (2bd):
+    4E + 4 + k (32 + 3bd + 4bh). The experts compute in their input's dtype: autocast does not
+    cover torch._grouped_mm, so under mixed precision they run in float32 where it runs on
+    float32 (CPU); where they run as a loop of autocast matmuls (a GPU whose grouped multiply
+    takes only bf16) they keep 2-byte tensors, fewer than planned. Mixed precision adds the
+    router's 2-byte copy of a float32 input (2d). A shared expert keeps a SwiGLU's 16s
+    (mixed: 8s + its two projections' 2-byte copies of the input, 4d); its gate, the gate's
+    sigmoid and the shared output it scales (4 + 4d; mixed: its 2-byte input copy too, 2 + 4d).
+    Measured per token against the tensors autograd saves (tests/planning/test_moe_planning.py)."""
+    d, h, k, e = d_model, spec.expert_hidden, spec.top_k, spec.n_experts
+    s, b = spec.shared_expert_hidden, input_bytes
+    routed = 4 * e + 4 + k * (32 + 3 * b * d + 4 * b * h)
+    if precision == "fp32":
+        return routed + 16 * s + (4 + 4 * d) * spec.shared_expert_gate
+    casts = 2 * d * (b == 4) + (8 * s + 4 * d) * (s > 0)
+    return routed + casts + (2 + 4 * d) * spec.shared_expert_gate
 
 
 @dataclass
@@ -262,7 +352,7 @@ class MemoryPlan:
     needs the most), and what it assumed."""
 
     n_params: int
-    flops_per_token: int
+    flops_per_token: int  # of the active parameters (an MoE's top_k experts)
     params: float
     grads: float
     optimizer: float
@@ -272,6 +362,7 @@ class MemoryPlan:
     attn_bias: float = 0.0
     gathered_kv: float = 0.0
     stage: int = 0
+    active_params: int = 0
 
     @property
     def total(self) -> float:
@@ -302,6 +393,7 @@ class CommunicationPlan:
     tensor_parallel: float = 0.0
     context_parallel: float = 0.0
     pipeline: float = 0.0
+    expert_parallel: float = 0.0
 
     @property
     def total(self) -> float:
@@ -312,6 +404,7 @@ class CommunicationPlan:
             + self.tensor_parallel
             + self.context_parallel
             + self.pipeline
+            + self.expert_parallel
         )
 
 
@@ -359,6 +452,7 @@ class Setup:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     dp_replicate: int = 1
@@ -374,10 +468,10 @@ class Setup:
             raise UserError(f"precision {self.precision!r}: use fp32, amp_bf16 or amp_fp16")
         if self.schedule not in SCHEDULES:
             raise UserError(f"schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp)
+        sizes = (self.world_size, self.gpus_per_node, self.tp, self.pp, self.cp, self.ep)
         if min(*sizes, self.stages_per_rank) < 1:
             raise UserError(
-                "world_size, gpus_per_node, tp, pp, cp and stages_per_rank must be positive"
+                "world_size, gpus_per_node, tp, pp, cp, ep and stages_per_rank must be positive"
             )
         if self.cpu_offload and self.strategy in ("single", "ddp"):
             raise UserError("CPU offload needs a sharded strategy: fsdp or deepspeed_zero1-3")
@@ -424,6 +518,17 @@ class Setup:
             )
         if self.cp > 1:
             check_context_parallel(counts.plan, self.cp, setting="--cp")
+        # Training's check_expert_parallel, read from the counts (its modules are not built).
+        if self.ep > 1 and not counts.moe:
+            raise UserError(
+                f"--ep={self.ep}: this model has no experts to split (no mixture-of-experts "
+                "layer); use an MoE model, or leave --ep out"
+            )
+        if counts.moe and counts.n_experts % self.ep:
+            raise UserError(
+                f"--ep={self.ep} does not divide the model's {counts.n_experts} experts: choose "
+                "an ep that divides the expert count"
+            )
 
     def _check_sequence(self) -> None:
         """Sequence and context parallelism cut every sequence into equal parts, as training's
@@ -451,7 +556,7 @@ class Setup:
         layout = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
         if self.strategy == "ddp":
             layout = {"dp_replicate": world // model_ways, "dp_shard": 1}
-        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp}
+        axes = {"cp": self.cp, "tp": self.tp, "pp": self.pp, "ep": self.ep}
         return parallel_dims({**layout, **axes}, world, strategy=self.strategy)
 
     @property
@@ -491,13 +596,26 @@ class Setup:
         return ranks
 
     def stage_weights(self, stage: int) -> tuple[float, float]:
-        """Parameters rank `stage` holds before data-parallel sharding (split by tp), and its
-        largest unit (a block, or its edge: the root, under pp = 1)."""
+        """Parameters rank `stage` holds before data-parallel sharding (split by tp; routed
+        experts are not: the MoE layer's tensor-parallel layout replicates them), and its
+        largest unit as FSDP gathers it (a block, its experts over the ep group's 1/ep of
+        them, or its edge: the root, under pp = 1)."""
         counts, last = self.counts, self.pp - 1
-        blocks = [counts.blocks[i] for i in self.stage_layers[stage]]
+        layers = self.stage_layers[stage]
+        dense = [(counts.blocks[i] - counts.experts[i]) / self.tp for i in layers]
+        experts = [counts.experts[i] for i in layers]
         edge = counts.first * (stage == 0) + counts.last * (stage == last)
         edge += counts.tied * (stage == last and self.pp > 1)
-        return (sum(blocks) + edge) / self.tp, max([edge, *blocks]) / self.tp
+        units = [d + e / self.ep for d, e in zip(dense, experts, strict=True)]
+        return sum(dense) + sum(experts) + edge / self.tp, max([edge / self.tp, *units])
+
+    def stage_experts(self, stage: int) -> int:
+        """Routed-expert parameters of rank `stage`'s blocks, before any sharding."""
+        return sum(self.counts.experts[i] for i in self.stage_layers[stage])
+
+    def stage_moe_layers(self, stage: int) -> int:
+        """How many of rank `stage`'s blocks route their tokens to experts."""
+        return sum(1 for i in self.stage_layers[stage] if self.counts.experts[i])
 
     def in_flight(self, stage: int, microbatches: int | None) -> tuple[float, int]:
         """Layer-microbatches of activations rank `stage` keeps at its peak, and microbatches of
@@ -553,12 +671,16 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
     # inputs of the two column-wise projections.
     per_block = counts.block_activation_bytes * tokens / tp
     per_block += 2 * compute_bytes * d * tokens * (1 - 1 / tp)
+    # An MoE layer (tokens gathered over the sequence, experts replicated over tp) keeps its
+    # own, whole: the routing and top_k copies of each token.
+    moe = counts.moe_activation_bytes * tokens
+    moe_share = setup.stage_moe_layers(stage) / max(1, len(setup.stage_layers[stage]))
     layer_microbatches, held = setup.in_flight(stage, setup.microbatches(microbatch))
     if setup.activation_checkpointing:
         blocks = layer_microbatches * CHECKPOINT_BYTES * d * tokens / tp
-        blocks += per_block if layer_microbatches else 0.0
+        blocks += per_block + moe * (moe_share > 0) if layer_microbatches else 0.0
     else:
-        blocks = layer_microbatches * per_block
+        blocks = layer_microbatches * (per_block + moe * moe_share)
     # Embedding output (first stage), final norm input and the head's input (last stage).
     edges = 4 * (stage == 0) + (4 + compute_bytes) * (stage == setup.pp - 1)
     edges_bytes = held * edges * d * tokens / tp
@@ -582,6 +704,7 @@ def _stage_memory(setup: Setup, microbatch: int, stage: int) -> MemoryPlan:
         attn_bias=attn_bias,
         gathered_kv=_gathered_kv(setup, microbatch, layer_microbatches),
         stage=stage,
+        active_params=counts.active_params,
     )
 
 
@@ -618,17 +741,20 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     stage = plan_memory(setup, microbatch).stage
     weights = setup.stage_weights(stage)[0] * PARAM_BYTES
     m = setup.microbatches(microbatch) or 1
-    ring = lambda n: (n - 1) / n  # noqa: E731 (fraction of a buffer a ring collective sends)
     plan = CommunicationPlan()
     n = setup.dims.dp_shard * setup.cp
     if setup.strategy in _SHARDED_PARAMS:
-        plan.all_gather = 2 * m * weights * ring(n)
-        plan.reduce_scatter = weights * ring(n)
-        plan.all_reduce = 2 * weights / n * ring(setup.dims.dp_replicate)
+        # Experts are gathered within their ep group's share (1/ep of them) over the
+        # dp_shard x cp / ep ranks that shard it; the rest over all n.
+        experts = setup.stage_experts(stage) * PARAM_BYTES
+        gathered = (weights - experts) * _ring(n) + experts / setup.ep * _ring(n // setup.ep)
+        plan.all_gather = 2 * m * gathered
+        plan.reduce_scatter = gathered
+        plan.all_reduce = 2 * weights / n * _ring(setup.dims.dp_replicate)
     elif setup.strategy in ("deepspeed_zero1", "deepspeed_zero2"):
-        plan.all_gather = plan.reduce_scatter = weights * ring(n)
+        plan.all_gather = plan.reduce_scatter = weights * _ring(n)
     else:
-        plan.all_reduce = 2 * weights * ring(setup.dims.dp_replicate)
+        plan.all_reduce = 2 * weights * _ring(setup.dims.dp_replicate)
     counts = setup.counts
     compute_bytes = 4 if setup.precision == "fp32" else 2
     activation = microbatch * setup.seq_len / setup.cp * counts.d_model  # this rank's tokens
@@ -636,17 +762,40 @@ def plan_communication(setup: Setup, microbatch: int) -> CommunicationPlan:
     collectives = 8 + 4 * setup.activation_checkpointing
     exchanges = (2 + setup.activation_checkpointing) * counts.tp_all_to_all / setup.tp
     plan.tensor_parallel = (
-        m * layers * (collectives + exchanges) * ring(setup.tp) * activation * compute_bytes
+        m * layers * (collectives + exchanges) * _ring(setup.tp) * activation * compute_bytes
     )
     # Context parallelism: per layer and microbatch, keys and values all-gathered in forward
     # (again in a recomputed forward), their gradients reduce-scattered in backward.
     passes = 2 + setup.activation_checkpointing
     kv = _layer_kv_bytes(setup, microbatch)
-    plan.context_parallel = m * layers * passes * ring(setup.cp) * kv
+    plan.context_parallel = m * layers * passes * _ring(setup.cp) * kv
     if setup.pp > 1:
         v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
         plan.pipeline = m * v * 2 * activation * CHECKPOINT_BYTES / setup.tp
+    plan.expert_parallel = m * setup.stage_moe_layers(stage) * all_to_all_bytes(setup, microbatch)
     return plan
+
+
+def _ring(n: int) -> float:
+    """The fraction of a buffer one of n ranks sends in a ring collective (or, routing evenly,
+    in an all-to-all: all but its own 1/n)."""
+    return (n - 1) / n
+
+
+def all_to_all_bytes(setup: Setup, microbatch: int) -> float:
+    """Bytes one rank sends in the all-to-alls of one MoE layer and microbatch: its tokens'
+    top_k copies [tokens x top_k, d_model], dispatched to the ranks holding their experts and
+    their outputs combined back, in forward and (their gradients) in backward, and again in a
+    forward recomputed under activation checkpointing, in the layer input's dtype (float32,
+    the residual stream's norm output: `moe_activation_bytes`; where the experts run as
+    autocast matmuls their outputs, combined back, are bf16: fewer); with tokens routed evenly over
+    the ep ranks, (ep - 1) / ep of each leaves the rank (what a skewed router sends more is not
+    counted: bench/moe.py measures it). Under tp every tp rank routes the whole (gathered)
+    sequence."""
+    counts = setup.counts
+    copies = microbatch * setup.seq_len / setup.cp * counts.top_k
+    passes = 2 + setup.activation_checkpointing  # forward, backward, recomputed forward
+    return passes * 2 * copies * counts.d_model * counts.moe_input_bytes * _ring(setup.ep)
 
 
 def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16) -> int:
@@ -717,25 +866,31 @@ def recommend(setup: Setup, device_memory: float) -> MeshChoice | None:
         bubble = bubble_fraction(mesh.pp, mesh.microbatches(microbatch), mesh.schedule,
                                  mesh.stages_per_rank)  # fmt: skip
         sent = plan_communication(mesh, microbatch).total
-        key = (mesh.model_ways, bubble, sent, -mesh.tp)
+        key = (mesh.model_ways, bubble, sent, -mesh.tp, mesh.ep)
         choices.append((key, MeshChoice(mesh, fits, microbatch, bubble)))
     return min(choices, key=lambda c: c[0])[1] if choices else None
 
 
 def _meshes(setup: Setup) -> list[Setup]:
     """Every tp x cp x pp layout of `setup.world_size` devices that training takes (tp within
-    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards."""
+    a node), the data-parallel rest in `setup.dp_replicate` replicas of shards; for a model
+    with experts under FSDP, each with every ep (a divisor of the experts per block and of
+    dp_shard x cp) as well."""
     world, meshes = setup.world_size, []
     v = setup.stages_per_rank if setup.schedule == "interleaved" else 1
+    moe = setup.counts.moe and setup.strategy == "fsdp"
     for tp in _divisors(math.gcd(world, setup.gpus_per_node)):
         for cp in _divisors(world // tp):
             for pp in _divisors(world // (tp * cp)):
                 if v > 1 and pp == 1:
                     continue
-                try:
-                    meshes.append(dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, dp_shard=-1))
-                except UserError:
-                    continue
+                eps = _divisors(math.gcd(setup.counts.n_experts, world)) if moe else [1]
+                for ep in eps:
+                    try:
+                        mesh = dataclasses.replace(setup, tp=tp, cp=cp, pp=pp, ep=ep, dp_shard=-1)
+                    except UserError:
+                        continue
+                    meshes.append(mesh)
     return meshes
 
 

@@ -11,20 +11,22 @@
 
 The config is composed from conf/ exactly as scripts/train.py composes it (same key=value
 overrides); the flags describe the cluster and the mesh (`--strategy` by conf/strategy's names;
-`--tp`, `--cp`, `--pp`, `--dp-replicate`, `--dp-shard` as the config's parallelism block, built
-by llmfoundry/distributed/mesh.py's parallel_dims; `--schedule`, `--stages-per-rank` for the
-pipeline), refused as training refuses them; `precision=auto` (the default) plans what
-training resolves it to on the named or detected GPU (`planned_precision`). Prints parameter
-count, flops per token, memory per device by part at the config's microbatch (on the pipeline
-rank that needs the most), the largest microbatch that fits the device memory (default: the
-detected GPU's), the bytes each device sends per step, the pipeline bubble and the step time at
-a given MFU of the device's peak (llmfoundry/planning.py says what each number counts and where
-its formula comes from). `--recommend` plans the smallest mesh that fits instead (fewest tp x
-cp x pp, then the fastest, then the least traffic; tp within a node), at `--world-size` or at
-the fewest devices. Impossible inputs (tp not dividing the heads, more stages than layers, a
-sequence cp cannot cut, axes whose product is not the device count) are one line and exit
-status 2 (`--debug` for the traceback). A setup in which not even one sequence fits a device,
-or in which no mesh fits, is an error (exit status 2) saying what would fit, with no step time.
+`--tp`, `--cp`, `--pp`, `--ep`, `--dp-replicate`, `--dp-shard` as the config's parallelism
+block, built by llmfoundry/distributed/mesh.py's parallel_dims; `--schedule`,
+`--stages-per-rank` for the pipeline), refused as training refuses them; `precision=auto` (the
+default) plans what training resolves it to on the named or detected GPU (`planned_precision`).
+Prints parameter count (a mixture of experts: also the active ones), flops per token (of the
+active ones), memory per device by part at the config's microbatch (on the pipeline rank that
+needs the most), the largest microbatch that fits the device memory (default: the detected
+GPU's), the bytes each device sends per step, the pipeline bubble and the step time at a given
+MFU of the device's peak (llmfoundry/planning.py says what each number counts and where its
+formula comes from). `--recommend` plans the smallest mesh that fits instead (fewest tp x cp x
+pp, then the fastest, then the least traffic, ep searched for an MoE; tp within a node), at
+`--world-size` or at the fewest devices. Impossible inputs (tp not dividing the heads, more
+stages than layers, a sequence cp cannot cut, axes whose product is not the device count, an ep
+on a model without experts) are one line and exit status 2 (`--debug` for the traceback). A
+setup in which not even one sequence fits a device, or in which no mesh fits, is an error (exit
+status 2) saying what would fit, with no step time.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, help="pipeline stages (default parallelism.pp)")
     p.add_argument("--cp", type=int, help="context-parallel ways: each sequence split over them "
                    "(default parallelism.cp)")  # fmt: skip
+    p.add_argument("--ep", type=int, help="expert-parallel ways (MoE): each expert on one of ep "
+                   "data-parallel ranks (default parallelism.ep)")  # fmt: skip
     p.add_argument("--dp-replicate", type=int, help="fsdp: replicas of the shards (hybrid "
                    "sharding; kept by --recommend; default parallelism.dp_replicate)")  # fmt: skip
     p.add_argument("--dp-shard", type=int, help="fsdp: shards (default parallelism.dp_shard, "
@@ -133,9 +137,9 @@ def _what_would_fit(args: argparse.Namespace) -> str:
 
 
 # The mesh flags, by the parallelism block's key, and the block's defaults (conf/train.yaml).
-_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_replicate": "dp_replicate",
+_MESH_FLAGS = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "dp_replicate": "dp_replicate",
                "dp_shard": "dp_shard", "pp_schedule": "schedule"}  # fmt: skip
-_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": -1,
+_MESH_DEFAULTS = {"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": -1,
                   "pp_schedule": "1f1b"}  # fmt: skip
 
 
@@ -176,6 +180,7 @@ def _setup(
         tp=args.tp,
         pp=args.pp,
         cp=args.cp,
+        ep=args.ep,
         schedule=args.schedule,
         stages_per_rank=args.stages_per_rank,
         dp_replicate=args.dp_replicate,
@@ -188,10 +193,10 @@ def _recommended(args: argparse.Namespace, setup: Setup, memory: float | None) -
     """The recommended mesh, or the UserError saying why there is none."""
     if memory is None:
         raise UserError("--recommend needs the device memory: pass --device-memory 80GB")
-    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.dp_shard != -1:
+    if args.tp != 1 or args.pp != 1 or args.cp != 1 or args.ep != 1 or args.dp_shard != -1:
         raise UserError(
-            "--recommend chooses tp, cp, pp and dp_shard: leave those flags (and the config's "
-            "parallelism.tp, cp, pp and dp_shard) out"
+            "--recommend chooses tp, cp, pp, ep and dp_shard: leave those flags (and the "
+            "config's parallelism.tp, cp, pp, ep and dp_shard) out"
         )
     if args.world_size:
         choice = recommend(setup, memory)
@@ -238,7 +243,8 @@ def plan(args: argparse.Namespace) -> int:
         setup, microbatch = choice.setup, microbatch or choice.microbatch
         args.world_size = setup.world_size
         dims = setup.dims
-        print(f"recommended : tp {dims.tp} x cp {dims.cp} x pp {dims.pp} x dp_shard "
+        ep = f" x ep {dims.ep}" * setup.counts.moe
+        print(f"recommended : tp {dims.tp} x cp {dims.cp} x pp {dims.pp}{ep} x dp_shard "
               f"{dims.dp_shard} x dp_replicate {dims.dp_replicate} on {setup.world_size} devices "
               f"(fewest tp x cp x pp that fit, then the fastest, then the least traffic; tp <= "
               f"{setup.gpus_per_node}, within a node)")  # fmt: skip
@@ -260,10 +266,16 @@ def plan(args: argparse.Namespace) -> int:
     print(f"run         : {', '.join(flags)}; {precision}; global batch "
           f"{settings.global_train_batch_size} ({device_batch} per data-parallel rank)"
           )  # fmt: skip
+    moe = setup.counts.moe
+    ep = f" (ep {dims.ep}: experts over ep x {dims.efsdp} FSDP ranks)" * moe
     print(f"mesh        : dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
-          f"{dims.cp} x tp {dims.tp} x pp {dims.pp}")  # fmt: skip
-    print(f"parameters  : {memory_plan.n_params:,}")
-    print(f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6N + 12 L d s, fwd + bwd)")
+          f"{dims.cp} x tp {dims.tp} x pp {dims.pp}{ep}")  # fmt: skip
+    active = f" ({memory_plan.active_params:,} active per token)" * moe
+    print(f"parameters  : {memory_plan.n_params:,}{active}")
+    n = "N active" if moe else "N"
+    print(
+        f"flops/token : {memory_plan.flops_per_token / 1e9:.3f} GFLOP (6{n} + 12 L d s, fwd + bwd)"
+    )
     where = f", pipeline rank {memory_plan.stage} of {setup.pp}" if setup.pp > 1 else ""
     print(f"memory per device at microbatch {microbatch}{where}:")
     parts = ("params", "grads", "optimizer", "working", "activations", "logits", "attn_bias")
@@ -292,9 +304,10 @@ def plan(args: argparse.Namespace) -> int:
     print("communication per device per step (sent):")
     for part, label in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
                         ("all_reduce", "all-reduce"), ("tensor_parallel", "tp gath+scat"),
-                        ("context_parallel", "cp kv gathers"), ("pipeline", "pp sends")
-                        ):  # fmt: skip
-        print(f"  {label:14s}: {gib(getattr(communication, part))}")
+                        ("context_parallel", "cp kv gathers"), ("pipeline", "pp sends"),
+                        ("expert_parallel", "ep all-to-all")):  # fmt: skip
+        if part != "expert_parallel" or moe:
+            print(f"  {label:14s}: {gib(getattr(communication, part))}")
     print(f"  {'total':14s}: {gib(communication.total)}")
     microbatches = setup.microbatches(microbatch)
     bubble = bubble_fraction(setup.pp, microbatches, setup.schedule, setup.stages_per_rank)

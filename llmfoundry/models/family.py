@@ -59,7 +59,9 @@ class ModelFamily:
     - `architecture`: model config keys a resume must match (the weights would not fit, or
       would mean something else).
     - `activation_bytes(config, precision)`: bytes autograd keeps per token per block for the
-      backward ("fp32", "amp_bf16", "amp_fp16"), for the memory planner (llmfoundry/planning.py).
+      backward ("fp32", "amp_bf16", "amp_fp16"), for the memory planner (llmfoundry/planning.py);
+      a mixture of experts' layer left out (the planner counts it from its MoESpec: it is not
+      split by tp as the rest of a block is).
     - `load_overrides`: config fields set when a checkpoint is loaded for inference (eager).
     - `position_limit(config)`: the longest sequence decoding may reach (a learned position
       table), None for no limit; `recurrent_memory(config)`: whether decoding keeps a

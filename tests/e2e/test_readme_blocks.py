@@ -84,6 +84,8 @@ CLAIMS = {
     + ", tests/eval/test_foundry_tasks.py",
     "python data_prep/adopt_tokens.py": VALIDATED + ", tests/data/test_adopt_tokens.py",
     "python scripts/plan.py model=llama3-70b": VALIDATED + ", tests/planning/test_mesh_planning.py",
+    "python scripts/plan.py model=qwen3-30b-a3b": VALIDATED
+    + ", tests/planning/test_moe_planning.py",
     "class RandomTokenReplacement(Algorithm):": "test_algorithm_excerpt_is_the_shipped_code",
     "# my_callbacks.py": "tests/e2e/test_readme_custom_code.py",
     "python scripts/train.py +callbacks.tokens._target_=": "tests/e2e/test_readme_custom_code.py",

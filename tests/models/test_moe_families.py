@@ -18,6 +18,7 @@ from llmfoundry.models.mixtral import MixtralConfig, MixtralForCausalLM
 from llmfoundry.models.mixtral import hf as mixtral_hf
 from llmfoundry.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from llmfoundry.models.qwen3_moe import hf as qwen3_moe_hf
+from llmfoundry.planning import moe_activation_bytes
 
 VOCAB = 128
 ADAPTERS: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe_hf, "mixtral": mixtral_hf}
@@ -227,7 +228,8 @@ def saved_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
 @pytest.mark.parametrize("family", ADAPTERS)
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
 def test_activation_bytes_are_what_autograd_keeps(family, precision):
-    """The planner's bytes per token per block (the family's activation_bytes) against the
+    """The planner's bytes per token per block (the family's activation_bytes, and the MoE
+    layer's: planning.moe_activation_bytes) against the
     tensors a training forward keeps: one block's (two layers less one) per token (four rows
     less two), which leaves out what does not grow with either (the head, RoPE's tables, the
     bf16 copies of the weights)."""
@@ -239,7 +241,8 @@ def test_activation_bytes_are_what_autograd_keeps(family, precision):
         for rows in (2, 4):
             kept[n_layers, rows] = saved_bytes(model, random_ids(rows, seq), precision != "fp32")
     measured = (kept[2, 4] - kept[1, 4] - kept[2, 2] + kept[1, 2]) / (2 * seq)
-    planned = family_of(model).activation_bytes(model.config, precision)
+    moe = moe_activation_bytes(model.spec.moe, model.config.d_model, precision)
+    planned = family_of(model).activation_bytes(model.config, precision) + moe
     assert planned == pytest.approx(measured, rel=0.02)
 
 

@@ -9,26 +9,19 @@ from llmfoundry.models.mixtral.model import MixtralForCausalLM
 
 
 def activation_bytes(config: MixtralConfig, precision: str) -> int:
-    """Bytes autograd keeps per token per block, as measured on the decoder and MoE layer
-    (tests/models/test_moe_families.py), with d = d_model, q = n_heads * head_dim, kv =
-    n_kv_heads * head_dim, E experts, k = top_k, h = expert_hidden.
-
-    float32: each RMSNorm's input, normalised output and 1/rms (8d + 4, twice), and its
-    weighted output, the attention's and the router's input (4d, twice); SDPA's rotated queries,
-    keys, values, output and log-sum-exp per head (8q + 8kv + 4 n_heads); the router's softmax
-    probabilities (4E), top-k indices and weights, the copies' sort order, token and weight
-    (28k), the weights' renormalisation (their sum and the weights it divides: 4k + 4); per
-    token copy its gathered input, the experts' output before and after weighting (12kd), and
-    the gate output, silu(gate), the up output and their product fed to w_down (16kh). Mixed precision (autocast): the q/k/v projections' and the router's inputs
-    are 2-byte copies (one per projection: 8d in all, as the weighted outputs' 8d), SDPA's
-    tensors too (4q + 4kv); the norms, the router's softmax and the experts stay float32
-    (torch._grouped_mm is no autocast op, and the experts' weights are float32 parameters)."""
+    """Bytes autograd keeps per token per block outside its mixture of experts (the MoE
+    layer's own the planner counts from its MoESpec, `planning.moe_activation_bytes`), as
+    measured on the decoder (tests/models/test_moe_families.py), with d = d_model, q = n_heads *
+    head_dim, kv = n_kv_heads * head_dim. float32: each RMSNorm's input, normalised output and
+    1/rms (8d + 4, twice), its weighted output, the attention's and the router's input (4d,
+    twice); SDPA's rotated queries, keys, values, output and log-sum-exp per head (8q + 8kv +
+    4 n_heads). Mixed precision (autocast): the q/k/v projections' inputs are 2-byte copies
+    (6d; the router's the planner counts with the MoE layer), SDPA's tensors too (4q + 4kv);
+    the norms stay float32."""
     d, q = config.d_model, config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
-    experts, k, h = config.n_experts, config.top_k, config.expert_hidden
-    attention = 24 * d + 8 + (8 if precision == "fp32" else 4) * (q + kv) + 4 * config.n_heads
-    routing = 4 * experts + 28 * k + (4 * k + 4)  # Mixtral always renormalises
-    return attention + routing + 12 * k * d + 16 * k * h
+    fp32 = precision == "fp32"
+    return (24 if fp32 else 22) * d + 8 + (8 if fp32 else 4) * (q + kv) + 4 * config.n_heads
 
 
 MIXTRAL = ModelFamily(
@@ -50,8 +43,6 @@ MIXTRAL = ModelFamily(
         "vocab_size",
         "tie_word_embeddings",
         "rope_theta",
-        "sliding_window",
     ),
     activation_bytes=activation_bytes,
-    attention_window=lambda config: config.sliding_window,
 )

@@ -9,21 +9,19 @@ from llmfoundry.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
 
 def activation_bytes(config: Qwen3MoeConfig, precision: str) -> int:
-    """Bytes autograd keeps per token per block, as measured on the decoder and MoE layer
-    (tests/models/test_moe_families.py): Mixtral's count (models/mixtral/spec.py, whose
-    symbols these are) and the per-head q/k RMSNorms': their inputs, normalised outputs and
-    1/rms per head, 8(q + kv) + 4(n_heads + n_kv_heads) in float32; under autocast their
-    inputs are float32 copies of the 2-byte projections and their outputs 2-byte copies,
-    6(q + kv) + 4(n_heads + n_kv_heads); and no renormalisation's 4k + 4 where norm_topk_prob
-    is false."""
+    """Bytes autograd keeps per token per block outside its mixture of experts (the MoE
+    layer's own the planner counts from its MoESpec, `planning.moe_activation_bytes`), as
+    measured on the decoder (tests/models/test_moe_families.py): Mixtral's (models/mixtral/
+    spec.py, whose symbols these are) and the per-head q/k RMSNorms': their inputs, normalised
+    outputs and 1/rms per head, 8(q + kv) + 4(n_heads + n_kv_heads) in float32; under autocast
+    their inputs are float32 copies of the 2-byte projections and their outputs 2-byte copies,
+    6(q + kv) + 4(n_heads + n_kv_heads)."""
     d, q = config.d_model, config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
-    experts, k, h = config.n_experts, config.top_k, config.expert_hidden
     fp32 = precision == "fp32"
-    attention = 24 * d + 8 + (8 if fp32 else 4) * (q + kv) + 4 * config.n_heads
+    attention = (24 if fp32 else 22) * d + 8 + (8 if fp32 else 4) * (q + kv) + 4 * config.n_heads
     qk_norms = (8 if fp32 else 6) * (q + kv) + 4 * (config.n_heads + config.n_kv_heads)
-    routing = 4 * experts + 28 * k + (4 * k + 4 if config.norm_topk_prob else 0)
-    return attention + qk_norms + routing + 12 * k * d + 16 * k * h
+    return attention + qk_norms
 
 
 QWEN3_MOE = ModelFamily(
