@@ -100,11 +100,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> QwenConfig:
         if value != supported:
             unsupported.append(f"{name}={value!r} (supported: {supported!r})")
     theta = hf_decoder.rope_theta(hf, unsupported)
-    if unsupported:
-        raise UserError(
-            f"cannot import this transformers {model_type} config, which sets: "
-            + "; ".join(unsupported)
-        )
+    hf_decoder.refuse(model_type, unsupported)
     own = {"head_dim": hf.head_dim} if model_type == "qwen3" else {}
     return _KINDS[model_type].config(
         d_model=hf.hidden_size,
