@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -167,6 +167,12 @@ def rope_theta(
     if (partial := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         unsupported.append(f"rope_parameters.partial_rotary_factor={partial!r} (supported: 1.0)")
     return rope.get("rope_theta", default)
+
+
+def mismatches(checks: Iterable[tuple[str, Any, Any]]) -> list[str]:
+    """ "name=value (supported: ...)" for each (name, value, supported) of a transformers
+    config whose value is not the one our decoder computes."""
+    return [f"{name}={value!r} (supported: {ok!r})" for name, value, ok in checks if value != ok]
 
 
 def refuse(what: str, unsupported: list[str]) -> None:

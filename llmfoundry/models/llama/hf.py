@@ -86,9 +86,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> LlamaConfig:
         ("mlp_bias", hf.mlp_bias, False),
         ("head_dim", getattr(hf, "head_dim", None) or head_dim, head_dim),
     ]
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    unsupported += hf_decoder.mismatches(checks)
     theta = hf_decoder.rope_theta(hf, unsupported, rope_types=("default", "llama3"))
     hf_decoder.refuse("Llama", unsupported)
     rope = dict(hf.rope_parameters or {})

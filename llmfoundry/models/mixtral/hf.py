@@ -82,9 +82,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> MixtralConfig:
         ("hidden_act", hf.hidden_act, "silu"),
         ("head_dim", getattr(hf, "head_dim", None) or head_dim, head_dim),
     ]
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    unsupported += hf_decoder.mismatches(checks)
     theta = hf_decoder.rope_theta(hf, unsupported, default=None)
     hf_decoder.refuse("Mixtral", unsupported)
     return MixtralConfig(

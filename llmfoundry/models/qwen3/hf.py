@@ -96,9 +96,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> QwenConfig:
     ]
     if model_type == "qwen3":
         checks.append(("attention_bias", hf.attention_bias, False))
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    unsupported += hf_decoder.mismatches(checks)
     theta = hf_decoder.rope_theta(hf, unsupported)
     hf_decoder.refuse(model_type, unsupported)
     own = {"head_dim": hf.head_dim} if model_type == "qwen3" else {}

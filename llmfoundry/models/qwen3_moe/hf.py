@@ -94,9 +94,7 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> Qwen3MoeConfig:
         ("decoder_sparse_step", hf.decoder_sparse_step, 1),
         ("mlp_only_layers", list(hf.mlp_only_layers or []), []),
     ]
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    unsupported += hf_decoder.mismatches(checks)
     theta = hf_decoder.rope_theta(hf, unsupported, default=None)
     hf_decoder.refuse("Qwen3-MoE", unsupported)
     return Qwen3MoeConfig(
