@@ -11,6 +11,7 @@ own checks (mpt/config.py): its fields (ALiBi, fused qkv, MPT's names) are not t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from llmfoundry.models.layers.decoder import DecoderSpec
@@ -91,6 +92,14 @@ def top_k_experts(owner: str, top_k: Any, n_experts: int) -> None:
             f"{owner}.top_k ({top_k}) must be at most n_experts ({n_experts}): a token goes "
             "to top_k different experts"
         )
+
+
+def preset_fields(family: str, presets: Mapping[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """The fields of `family`'s published shape `name` in `presets`; a UserError listing them
+    for a name it has not."""
+    if name not in presets:
+        raise UserError(f"no {family} preset {name!r}; presets: {', '.join(sorted(presets))}")
+    return presets[name]
 
 
 def check_rope_decoder(config: Any) -> None:

@@ -122,9 +122,7 @@ class LlamaConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Llama", PRESETS, name), **overrides})
 
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, n_kv_heads=8)

@@ -16,7 +16,6 @@ from typing import Any
 
 from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.utils.errors import UserError
 
 OWNER = "MixtralConfig"
 
@@ -86,9 +85,7 @@ class MixtralConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MixtralConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Mixtral preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Mixtral", PRESETS, name), **overrides})
 
 
 PRESETS: dict[str, dict[str, Any]] = {

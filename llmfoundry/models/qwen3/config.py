@@ -22,7 +22,6 @@ from typing import Any
 
 from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.utils.errors import UserError
 
 
 @dataclass
@@ -112,11 +111,8 @@ class Qwen2Config(QwenConfig):
 
 
 def _preset(name: str, cls: type) -> dict[str, Any]:
-    own = sorted(n for n, (config_class, _) in PRESETS.items() if config_class is cls)
-    if name not in own:
-        family = cls.__name__.removesuffix("Config")
-        raise UserError(f"no {family} preset {name!r}; presets: {', '.join(own)}")
-    return PRESETS[name][1]
+    own = {n: fields for n, (config_class, fields) in PRESETS.items() if config_class is cls}
+    return check.preset_fields(cls.__name__.removesuffix("Config"), own, name)
 
 
 _QWEN3 = dict(n_kv_heads=8, head_dim=128, vocab_size=151936, max_seq_len=40960)

@@ -87,9 +87,7 @@ class Qwen3MoeConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Qwen3MoeConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Qwen3-MoE preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Qwen3-MoE", PRESETS, name), **overrides})
 
 
 PRESETS: dict[str, dict[str, Any]] = {
