@@ -24,6 +24,17 @@ from torch import nn
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.utils.errors import UserError
 
+# The config.json sizes a dense import divides by or allocates from (checked positive first,
+# the optional ones where given: `hf_folder.read_hf_config`).
+HF_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+HF_OPTIONAL = ("num_key_value_heads", "head_dim")
 TOP = {
     "transformer.wte.weight": "model.embed_tokens.weight",
     "transformer.norm_f.weight": "model.norm.weight",

@@ -26,16 +26,6 @@ from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.llama.config import LlamaConfig, RopeScaling
 from llmfoundry.models.llama.model import LlamaForCausalLM
 
-# The config.json sizes an import divides by or allocates from (checked positive first).
-HF_SIZES = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
 
 def _rope_parameters(cfg: LlamaConfig) -> dict:
     params = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
@@ -144,7 +134,7 @@ def export_to_hf(
 def from_hf(hf_dir: str | Path) -> LlamaForCausalLM:
     """The transformers Llama folder `hf_dir` (config.json + weights) as our model, in float32."""
     hf_dir = Path(hf_dir)
-    hf_config = read_hf_config(hf_dir, HF_SIZES, optional_sizes=("num_key_value_heads", "head_dim"))
+    hf_config = read_hf_config(hf_dir, hf_decoder.HF_SIZES, optional_sizes=hf_decoder.HF_OPTIONAL)
     from_hf_config(hf_config)  # refuse what we cannot represent before reading any weight
     hf_model = load_hf_weights(transformers.LlamaForCausalLM, hf_dir, hf_config)
     return from_hf_model(hf_model).eval()
