@@ -1,7 +1,8 @@
 """Our shared decoder (models/layers/decoder.py, separate q/k/v) as transformers' Llama-style
 causal LMs hold it, for any family whose transformers class names its tensors as Llama's does
-(Qwen2, Qwen3, ...): the names both ways, the state dicts both ways, and the models both ways
-(`to_hf_model`, `from_hf_model`, each holding the other's tensors, not copies). A family's
+(Llama, Qwen2, Qwen3; hf_moe.py adds the MoE families' experts on this): the names both ways,
+the state dicts both ways, and the models both ways (`to_hf_model`, `from_hf_model`, each
+holding the other's tensors, not copies). A family's
 hf.py adds what is its own: its transformers class and the config mapping, which refuses what
 our model would compute differently.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,26 +24,41 @@ from torch import nn
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.utils.errors import UserError
 
+# The config.json sizes a dense import divides by or allocates from (checked positive first,
+# the optional ones where given: `hf_folder.read_hf_config`).
+HF_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+HF_OPTIONAL = ("num_key_value_heads", "head_dim")
 TOP = {
     "transformer.wte.weight": "model.embed_tokens.weight",
     "transformer.norm_f.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-BLOCK = {
+# Block tensors (within `transformer.blocks.N.` / `model.layers.N.`), ours -> transformers',
+# by part: every decoder's attention and norms, then what some families add.
+ATTENTION = {
     "norm_1.weight": "input_layernorm.weight",
-    **{
-        f"attn.{proj}.{kind}": f"self_attn.{proj}.{kind}"
-        for proj in ("q_proj", "k_proj", "v_proj")
-        for kind in ("weight", "bias")
-    },
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
     "attn.out_proj.weight": "self_attn.o_proj.weight",
     "norm_2.weight": "post_attention_layernorm.weight",
-    "ffn.gate_proj.weight": "mlp.gate_proj.weight",
-    "ffn.up_proj.weight": "mlp.up_proj.weight",
-    "ffn.down_proj.weight": "mlp.down_proj.weight",
 }
+QKV_BIAS = {f"attn.{p}.bias": f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
+QK_NORMS = {
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+}
+GLU = {f"ffn.{p}.weight": f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+# A dense decoder's: what a config does not have (biases, q/k norms) its model does not hold.
+BLOCK = {**ATTENTION, **QKV_BIAS, **QK_NORMS, **GLU}
+StateMap = Callable[[Mapping[str, torch.Tensor], bool], dict[str, torch.Tensor]]
 _TOP_BACK = {hf: ours for ours, hf in TOP.items()}
 _BLOCK_BACK = {hf: ours for ours, hf in BLOCK.items()}
 
@@ -77,11 +93,10 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], tied: bool) -> dict[str,
     return out
 
 
-def from_hf_state_dict(
-    state: Mapping[str, torch.Tensor], tied: bool, what: str
-) -> dict[str, torch.Tensor]:
-    """transformers' `what` state dict with our names (the tensors themselves). With a `tied`
-    head its lm_head.weight is the embedding again and is dropped; an untied model needs it."""
+def untie_head(state: Mapping[str, torch.Tensor], tied: bool, what: str) -> dict[str, torch.Tensor]:
+    """transformers' `what` state dict without what our model does not hold: the rotary
+    frequencies, and with a `tied` head lm_head.weight (the embedding again); an untied model
+    needs it."""
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if tied:
         state.pop("lm_head.weight", None)
@@ -90,17 +105,30 @@ def from_hf_state_dict(
             f"the transformers {what} state dict has no lm_head.weight but its config is "
             "untied (tie_word_embeddings=false)"
         )
-    return {from_hf_name(name, what): tensor for name, tensor in state.items()}
+    return state
+
+
+def from_hf_state_dict(
+    state: Mapping[str, torch.Tensor], tied: bool, what: str
+) -> dict[str, torch.Tensor]:
+    """transformers' `what` state dict with our names (the tensors themselves), its head as
+    `untie_head` leaves it."""
+    return {from_hf_name(name, what): t for name, t in untie_head(state, tied, what).items()}
 
 
 def to_hf_model(
-    model: nn.Module, hf_class: type, hf_config: Any, dtype: torch.dtype | None = None
+    model: nn.Module,
+    hf_class: type,
+    hf_config: Any,
+    dtype: torch.dtype | None = None,
+    to_hf_state: StateMap = to_hf_state_dict,
 ) -> Any:
     """A transformers `hf_class` of `hf_config` with `model`'s weights: its CPU tensors
-    themselves (no second copy of a large model), cast copies when `dtype` differs."""
+    themselves (no second copy of a large model), cast copies when `dtype` differs.
+    `to_hf_state(state, tied)` names them as `hf_class` does (a dense decoder's by default)."""
     state = model.state_dict()
     if any(t.is_meta for t in state.values()):
-        raise ValueError(
+        raise UserError(
             "the model is on the meta device; materialise it (to_empty + init_weights, or load "
             "a checkpoint) before exporting"
         )
@@ -108,7 +136,7 @@ def to_hf_model(
     tied = model.config.tie_word_embeddings
     with torch.device("meta"):
         hf_model = hf_class(hf_config)
-    hf_model.load_state_dict(to_hf_state_dict(state, tied), strict=True, assign=True)
+    hf_model.load_state_dict(to_hf_state(state, tied), strict=True, assign=True)
     if tied:
         hf_model.tie_weights()
     # Its rotary frequencies are a non-persistent buffer, which the load leaves on meta.
@@ -116,11 +144,17 @@ def to_hf_model(
     return hf_model.eval()
 
 
-def from_hf_model(hf_model: Any, config: Any, model_class: type[nn.Module]) -> nn.Module:
+def from_hf_model(
+    hf_model: Any,
+    config: Any,
+    model_class: type[nn.Module],
+    from_hf_state: Callable[..., dict[str, torch.Tensor]] = from_hf_state_dict,
+) -> nn.Module:
     """Our `model_class` of `config` (read from `hf_model.config`) holding, not copying, the
-    weights of the transformers model `hf_model`."""
+    weights of the transformers model `hf_model`; `from_hf_state(state, tied, what)` gives
+    them our names (a dense decoder's by default)."""
     model = model_class(dataclasses.replace(config, init_device="meta"))
-    state = from_hf_state_dict(
+    state = from_hf_state(
         hf_model.state_dict(), config.tie_word_embeddings, type(hf_model).__name__
     )
     model.load_state_dict(state, strict=True, assign=True)
@@ -128,12 +162,33 @@ def from_hf_model(hf_model: Any, config: Any, model_class: type[nn.Module]) -> n
     return model
 
 
-def rope_theta(hf: transformers.PretrainedConfig, unsupported: list[str]) -> float:
-    """The plain-RoPE theta of transformers config `hf`; a RoPE type or partial rotation our
-    decoder would compute differently is added to `unsupported`."""
+def rope_theta(
+    hf: transformers.PretrainedConfig,
+    unsupported: list[str],
+    default: float | None = 10000.0,
+    rope_types: tuple[str, ...] = ("default",),
+) -> float | None:
+    """The RoPE theta of transformers config `hf` (`default` where it states none); a RoPE type
+    other than `rope_types` or a partial rotation, which our decoder would compute
+    differently, is added to `unsupported`."""
     rope = dict(hf.rope_parameters or {})
-    if (rope_type := rope.get("rope_type", "default")) != "default":
-        unsupported.append(f"rope_parameters.rope_type={rope_type!r} (supported: 'default')")
+    if (rope_type := rope.get("rope_type", "default")) not in rope_types:
+        allowed = ", ".join(map(repr, rope_types))
+        unsupported.append(f"rope_parameters.rope_type={rope_type!r} (supported: {allowed})")
     if (partial := rope.get("partial_rotary_factor", 1.0)) != 1.0:
         unsupported.append(f"rope_parameters.partial_rotary_factor={partial!r} (supported: 1.0)")
-    return rope.get("rope_theta", 10000.0)
+    return rope.get("rope_theta", default)
+
+
+def mismatches(checks: Iterable[tuple[str, Any, Any]]) -> list[str]:
+    """ "name=value (supported: ...)" for each (name, value, supported) of a transformers
+    config whose value is not the one our decoder computes."""
+    return [f"{name}={value!r} (supported: {ok!r})" for name, value, ok in checks if value != ok]
+
+
+def refuse(what: str, unsupported: list[str]) -> None:
+    """The one-line refusal of a transformers `what` config ours would misread."""
+    if unsupported:
+        raise UserError(
+            f"cannot import this transformers {what} config, which sets: " + "; ".join(unsupported)
+        )

@@ -293,7 +293,11 @@ def test_the_tiny_sizes_go_through_llama_tiny_s_parameters_per_token():
         ("mixtral", dict(n_kv_heads=3), "MixtralConfig.n_kv_heads must be a positive divisor"),
         ("mixtral", dict(aux_loss_weight=-1.0), "MixtralConfig.aux_loss_weight must be >= 0"),
         ("mixtral", dict(sliding_window=0), "MixtralConfig.sliding_window must be a positive"),
-        ("qwen3_moe", dict(head_dim=15), "Qwen3MoeConfig head dimension 15 must be even"),
+        (
+            "qwen3_moe",
+            dict(head_dim=15),
+            "Qwen3MoeConfig head dimension head_dim = 15 must be even",
+        ),
         ("qwen3_moe", dict(n_experts=0), "Qwen3MoeConfig.n_experts must be a positive integer"),
         ("qwen3_moe", dict(norm_topk_prob="yes"), "Qwen3MoeConfig.norm_topk_prob must be true"),
         ("qwen3_moe", dict(init_device="cuda"), "Qwen3MoeConfig.init_device must be one of"),

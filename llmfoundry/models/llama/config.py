@@ -1,7 +1,8 @@
 """LlamaConfig: the shape and options of a Llama 3 style decoder, validated when it is built.
 
-Like `MPTConfig`, every mistake a user can type is caught here, before any weight is allocated,
-with a message that names the field and what is allowed. The published shapes (Llama 3.2 1B,
+Every mistake a user can type is caught here, before any weight is allocated, with a message
+that names the field and what is allowed (the checks the RoPE decoders share are
+`llmfoundry.models.decoder_config`'s). The published shapes (Llama 3.2 1B,
 Llama 3.1 8B and 70B) and a tiny one for tests are named presets (`LlamaConfig.preset`), not
 and conf/model/llama-tiny.yaml, llama3-{1b,8b,70b}.yaml (on conf/model_base/llama.yaml) give the
 same shapes to `model=`; `llmfoundry.models.llama.spec` is the family's spec.
@@ -15,13 +16,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.models.layers.kernels import check_attn_impl
 from llmfoundry.models.layers.position import RopeScaling
 from llmfoundry.utils.errors import UserError
 
-INIT_DEVICES = ("cpu", "meta")
-SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "vocab_size", "max_seq_len", "multiple_of")
+OWNER = "LlamaConfig"
 
 
 def _rope_scaling(value: Any) -> RopeScaling | None:
@@ -49,11 +49,6 @@ def ffn_hidden_size(d_model: int, multiple_of: int, ffn_dim_multiplier: float | 
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * -(-hidden // multiple_of)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -94,30 +89,10 @@ class LlamaConfig:
     init_device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in SIZE_FIELDS:
-            _positive_int(name, getattr(self, name))
-        if self.d_model % self.n_heads != 0:
-            raise UserError(
-                f"LlamaConfig.d_model ({self.d_model}) must be divisible by LlamaConfig.n_heads "
-                f"({self.n_heads}); pick n_heads among the divisors of d_model"
-            )
-        if (self.d_model // self.n_heads) % 2:
-            raise UserError(
-                f"LlamaConfig head dimension d_model / n_heads = {self.d_model // self.n_heads} "
-                "must be even: RoPE rotates pairs of dimensions"
-            )
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if (
-            isinstance(self.n_kv_heads, bool)
-            or not isinstance(self.n_kv_heads, int)
-            or self.n_kv_heads <= 0
-            or self.n_heads % self.n_kv_heads != 0
-        ):
-            raise UserError(
-                f"LlamaConfig.n_kv_heads must be a positive divisor of n_heads ({self.n_heads}), "
-                f"got {self.n_kv_heads!r}; null means one key/value head per query head"
-            )
+        check.check_rope_decoder(self)
+        check.positive_int(OWNER, "multiple_of", self.multiple_of)
+        check.heads_divide_width(OWNER, self.d_model, self.n_heads)
+        check.rope_head_dim(OWNER, self.head_dim, "d_model / n_heads")
         if self.ffn_dim_multiplier is not None and not self.ffn_dim_multiplier > 0:
             raise UserError(
                 f"LlamaConfig.ffn_dim_multiplier must be null or > 0, got {self.ffn_dim_multiplier!r}"
@@ -126,24 +101,8 @@ class LlamaConfig:
             self.ffn_hidden_size = ffn_hidden_size(
                 self.d_model, self.multiple_of, self.ffn_dim_multiplier
             )
-        _positive_int("ffn_hidden_size", self.ffn_hidden_size)
-        for name in ("rope_theta", "rms_norm_eps", "init_std"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise UserError(f"LlamaConfig.{name} must be > 0, got {value!r}")
+        check.positive_int(OWNER, "ffn_hidden_size", self.ffn_hidden_size)
         self.rope_scaling = _rope_scaling(self.rope_scaling)
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise UserError(
-                f"LlamaConfig.tie_word_embeddings must be true or false, "
-                f"got {self.tie_word_embeddings!r}"
-            )
-        check_attn_impl(self.attn_impl, "LlamaConfig")
-        if self.init_device not in INIT_DEVICES:
-            raise UserError(
-                f"LlamaConfig.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
-                f"got {self.init_device!r}; to place the model on an accelerator build it on "
-                "'meta', then call to_empty(device=...) and init_weights()"
-            )
 
     @property
     def head_dim(self) -> int:
@@ -151,33 +110,19 @@ class LlamaConfig:
 
     def decoder_spec(self) -> DecoderSpec:
         """The shared decoder this config describes (llmfoundry/models/layers/decoder.py)."""
-        return DecoderSpec(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            positions="rope",
-            rope_theta=self.rope_theta,
+        return check.rope_decoder_spec(
+            self,
+            self.head_dim,
             rope_scaling=self.rope_scaling,
-            norm="rmsnorm",
-            norm_eps=self.rms_norm_eps,
             ffn="glu",
             ffn_hidden=self.ffn_hidden_size,
             ffn_act="silu",
-            tie_word_embeddings=self.tie_word_embeddings,
-            attn_impl=self.attn_impl,
-            init_std=self.init_std,
         )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Llama preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Llama", PRESETS, name), **overrides})
 
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, n_kv_heads=8)

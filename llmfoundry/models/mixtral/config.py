@@ -14,14 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmfoundry.models import config_checks as check
+from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.models.layers.kernels import check_attn_impl
-from llmfoundry.models.layers.moe import MoESpec
-from llmfoundry.utils.errors import UserError
 
 OWNER = "MixtralConfig"
-SIZE_FIELDS = ("d_model", "n_heads", "n_layers", "n_experts", "expert_hidden", "vocab_size")
 
 
 @dataclass
@@ -68,70 +64,28 @@ class MixtralConfig:
     init_device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in (*SIZE_FIELDS, "max_seq_len"):
-            check.positive_int(OWNER, name, getattr(self, name))
-        if self.d_model % self.n_heads != 0:
-            raise UserError(
-                f"{OWNER}.d_model ({self.d_model}) must be divisible by {OWNER}.n_heads "
-                f"({self.n_heads}); pick n_heads among the divisors of d_model"
-            )
-        check.rope_head_dim(OWNER, self.head_dim)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        check.kv_heads(OWNER, self.n_heads, self.n_kv_heads)
-        check.top_k_experts(OWNER, self.top_k, self.n_experts)
+        check.check_rope_decoder(self)
+        check.heads_divide_width(OWNER, self.d_model, self.n_heads)
+        check.rope_head_dim(OWNER, self.head_dim, "d_model / n_heads")
+        check.check_moe(self)
         if self.sliding_window is not None:
             check.positive_int(OWNER, "sliding_window", self.sliding_window)
-        for name in ("rope_theta", "rms_norm_eps", "init_std"):
-            check.positive_number(OWNER, name, getattr(self, name))
-        for name in ("aux_loss_weight", "z_loss_weight"):
-            check.non_negative_number(OWNER, name, getattr(self, name))
-        check.boolean(OWNER, "tie_word_embeddings", self.tie_word_embeddings)
-        check_attn_impl(self.attn_impl, OWNER)
-        check.init_device(OWNER, self.init_device)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    def moe_spec(self) -> MoESpec:
-        return MoESpec(
-            n_experts=self.n_experts,
-            top_k=self.top_k,
-            expert_hidden=self.expert_hidden,
-            renormalize=True,
-            aux_loss_weight=self.aux_loss_weight,
-            z_loss_weight=self.z_loss_weight,
-        )
-
     def decoder_spec(self) -> DecoderSpec:
         """Llama's decoder with an MoE feed-forward in every block."""
-        return DecoderSpec(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            positions="rope",
-            rope_theta=self.rope_theta,
-            sliding_window=self.sliding_window,
-            norm="rmsnorm",
-            norm_eps=self.rms_norm_eps,
-            ffn="moe",
-            moe=self.moe_spec(),
-            tie_word_embeddings=self.tie_word_embeddings,
-            attn_impl=self.attn_impl,
-            init_std=self.init_std,
+        moe = check.moe_spec(self, renormalize=True)
+        return check.rope_decoder_spec(
+            self, self.head_dim, sliding_window=self.sliding_window, ffn="moe", moe=moe
         )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MixtralConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Mixtral preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Mixtral", PRESETS, name), **overrides})
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from llmfoundry.models import hf_moe
+from llmfoundry.models import hf_decoder, hf_moe
 from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
 from llmfoundry.models.hf_lib import transformers
 from llmfoundry.models.mixtral.config import MixtralConfig
@@ -82,11 +82,9 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> MixtralConfig:
         ("hidden_act", hf.hidden_act, "silu"),
         ("head_dim", getattr(hf, "head_dim", None) or head_dim, head_dim),
     ]
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
-    theta = hf_moe.rope_theta(hf, unsupported)
-    hf_moe.refuse("Mixtral", unsupported)
+    unsupported += hf_decoder.mismatches(checks)
+    theta = hf_decoder.rope_theta(hf, unsupported, default=None)
+    hf_decoder.refuse("Mixtral", unsupported)
     return MixtralConfig(
         d_model=hf.hidden_size,
         n_heads=hf.num_attention_heads,

@@ -20,11 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.models.layers.kernels import check_attn_impl
-from llmfoundry.utils.errors import UserError
-
-INIT_DEVICES = ("cpu", "meta")
 
 
 @dataclass
@@ -58,72 +55,12 @@ class QwenConfig:
     init_device: str = "cpu"
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
-        for field in ("d_model", "n_heads", "n_layers", "ffn_hidden_size", "vocab_size"):
-            _positive_int(name, field, getattr(self, field))
-        _positive_int(name, "max_seq_len", self.max_seq_len)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if (
-            isinstance(self.n_kv_heads, bool)
-            or not isinstance(self.n_kv_heads, int)
-            or self.n_kv_heads <= 0
-            or self.n_heads % self.n_kv_heads != 0
-        ):
-            raise UserError(
-                f"{name}.n_kv_heads must be a positive divisor of n_heads ({self.n_heads}), "
-                f"got {self.n_kv_heads!r}; null means one key/value head per query head"
-            )
-        for field in ("rope_theta", "rms_norm_eps", "init_std"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise UserError(f"{name}.{field} must be > 0, got {value!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise UserError(
-                f"{name}.tie_word_embeddings must be true or false, "
-                f"got {self.tie_word_embeddings!r}"
-            )
-        check_attn_impl(self.attn_impl, name)
-        if self.init_device not in INIT_DEVICES:
-            raise UserError(
-                f"{name}.init_device must be one of {', '.join(map(repr, INIT_DEVICES))}, "
-                f"got {self.init_device!r}; to place the model on an accelerator build it on "
-                "'meta', then call to_empty(device=...) and init_weights()"
-            )
+        check.check_rope_decoder(self)
+        check.positive_int(type(self).__name__, "ffn_hidden_size", self.ffn_hidden_size)
 
     def _spec(self, head_dim: int, **own: Any) -> DecoderSpec:
-        return DecoderSpec(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=head_dim,
-            positions="rope",
-            rope_theta=self.rope_theta,
-            norm="rmsnorm",
-            norm_eps=self.rms_norm_eps,
-            ffn="glu",
-            ffn_hidden=self.ffn_hidden_size,
-            ffn_act="silu",
-            tie_word_embeddings=self.tie_word_embeddings,
-            attn_impl=self.attn_impl,
-            init_std=self.init_std,
-            **own,
-        )
-
-
-def _positive_int(owner: str, field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError(f"{owner}.{field} must be a positive integer, got {value!r}")
-
-
-def _even_head_dim(owner: str, head_dim: int, what: str) -> None:
-    if head_dim % 2:
-        raise UserError(
-            f"{owner} head dimension {what} = {head_dim} must be even: RoPE rotates pairs of "
-            "dimensions"
+        return check.rope_decoder_spec(
+            self, head_dim, ffn="glu", ffn_hidden=self.ffn_hidden_size, ffn_act="silu", **own
         )
 
 
@@ -138,8 +75,8 @@ class Qwen3Config(QwenConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive_int("Qwen3Config", "head_dim", self.head_dim)
-        _even_head_dim("Qwen3Config", self.head_dim, "head_dim")
+        check.positive_int("Qwen3Config", "head_dim", self.head_dim)
+        check.rope_head_dim("Qwen3Config", self.head_dim, "head_dim")
 
     def decoder_spec(self) -> DecoderSpec:
         return self._spec(self.head_dim, qk_norm="head")
@@ -157,12 +94,8 @@ class Qwen2Config(QwenConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.d_model % self.n_heads != 0:
-            raise UserError(
-                f"Qwen2Config.d_model ({self.d_model}) must be divisible by Qwen2Config.n_heads "
-                f"({self.n_heads}); pick n_heads among the divisors of d_model"
-            )
-        _even_head_dim("Qwen2Config", self.head_dim, "d_model / n_heads")
+        check.heads_divide_width("Qwen2Config", self.d_model, self.n_heads)
+        check.rope_head_dim("Qwen2Config", self.head_dim, "d_model / n_heads")
 
     @property
     def head_dim(self) -> int:
@@ -178,11 +111,8 @@ class Qwen2Config(QwenConfig):
 
 
 def _preset(name: str, cls: type) -> dict[str, Any]:
-    own = sorted(n for n, (config_class, _) in PRESETS.items() if config_class is cls)
-    if name not in own:
-        family = cls.__name__.removesuffix("Config")
-        raise UserError(f"no {family} preset {name!r}; presets: {', '.join(own)}")
-    return PRESETS[name][1]
+    own = {n: fields for n, (config_class, fields) in PRESETS.items() if config_class is cls}
+    return check.preset_fields(cls.__name__.removesuffix("Config"), own, name)
 
 
 _QWEN3 = dict(n_kv_heads=8, head_dim=128, vocab_size=151936, max_seq_len=40960)

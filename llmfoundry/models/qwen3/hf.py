@@ -25,16 +25,6 @@ from llmfoundry.models.qwen3.config import Qwen2Config, Qwen3Config, QwenConfig
 from llmfoundry.models.qwen3.model import Qwen2ForCausalLM, Qwen3ForCausalLM
 from llmfoundry.utils.errors import UserError
 
-# The config.json sizes an import divides by or allocates from (checked positive first).
-HF_SIZES = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
 
 class _Kind(NamedTuple):
     """Our classes of one transformers model_type, and the prefix of transformers' own."""
@@ -96,15 +86,9 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> QwenConfig:
     ]
     if model_type == "qwen3":
         checks.append(("attention_bias", hf.attention_bias, False))
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
+    unsupported += hf_decoder.mismatches(checks)
     theta = hf_decoder.rope_theta(hf, unsupported)
-    if unsupported:
-        raise UserError(
-            f"cannot import this transformers {model_type} config, which sets: "
-            + "; ".join(unsupported)
-        )
+    hf_decoder.refuse(model_type, unsupported)
     own = {"head_dim": hf.head_dim} if model_type == "qwen3" else {}
     return _KINDS[model_type].config(
         d_model=hf.hidden_size,
@@ -152,7 +136,7 @@ def from_hf(hf_dir: str | Path) -> Qwen3ForCausalLM | Qwen2ForCausalLM:
     in float32."""
     hf_dir = Path(hf_dir)
     model_type = read_config_json(hf_dir).get("model_type")
-    hf_config = read_hf_config(hf_dir, HF_SIZES, optional_sizes=("num_key_value_heads", "head_dim"))
+    hf_config = read_hf_config(hf_dir, hf_decoder.HF_SIZES, optional_sizes=hf_decoder.HF_OPTIONAL)
     from_hf_config(hf_config)  # refuse what we cannot represent before reading any weight
     hf_model = load_hf_weights(_KINDS[model_type].hf_model_class(), hf_dir, hf_config)
     return from_hf_model(hf_model).eval()

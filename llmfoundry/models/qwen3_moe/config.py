@@ -14,23 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmfoundry.models import config_checks as check
+from llmfoundry.models import decoder_config as check
 from llmfoundry.models.layers.decoder import DecoderSpec
-from llmfoundry.models.layers.kernels import check_attn_impl
-from llmfoundry.models.layers.moe import MoESpec
 from llmfoundry.utils.errors import UserError
 
 OWNER = "Qwen3MoeConfig"
-SIZE_FIELDS = (
-    "d_model",
-    "n_heads",
-    "n_layers",
-    "head_dim",
-    "n_experts",
-    "expert_hidden",
-    "vocab_size",
-    "max_seq_len",
-)
 
 
 @dataclass
@@ -85,60 +73,21 @@ class Qwen3MoeConfig:
                     f"({self.n_heads}): set head_dim, or pick n_heads among its divisors"
                 )
             self.head_dim = self.d_model // self.n_heads
-        for name in SIZE_FIELDS:
-            check.positive_int(OWNER, name, getattr(self, name))
-        check.rope_head_dim(OWNER, self.head_dim)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        check.kv_heads(OWNER, self.n_heads, self.n_kv_heads)
-        check.top_k_experts(OWNER, self.top_k, self.n_experts)
-        for name in ("norm_topk_prob", "tie_word_embeddings"):
-            check.boolean(OWNER, name, getattr(self, name))
-        for name in ("rope_theta", "rms_norm_eps", "init_std"):
-            check.positive_number(OWNER, name, getattr(self, name))
-        for name in ("aux_loss_weight", "z_loss_weight"):
-            check.non_negative_number(OWNER, name, getattr(self, name))
-        check_attn_impl(self.attn_impl, OWNER)
-        check.init_device(OWNER, self.init_device)
-
-    def moe_spec(self) -> MoESpec:
-        return MoESpec(
-            n_experts=self.n_experts,
-            top_k=self.top_k,
-            expert_hidden=self.expert_hidden,
-            renormalize=self.norm_topk_prob,
-            aux_loss_weight=self.aux_loss_weight,
-            z_loss_weight=self.z_loss_weight,
-        )
+        check.check_rope_decoder(self)
+        check.positive_int(OWNER, "head_dim", self.head_dim)
+        check.rope_head_dim(OWNER, self.head_dim, "head_dim")
+        check.check_moe(self)
+        check.boolean(OWNER, "norm_topk_prob", self.norm_topk_prob)
 
     def decoder_spec(self) -> DecoderSpec:
         """Qwen3's decoder (per-head q/k RMSNorm) with an MoE feed-forward in every block."""
-        return DecoderSpec(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            qk_norm="head",
-            positions="rope",
-            rope_theta=self.rope_theta,
-            norm="rmsnorm",
-            norm_eps=self.rms_norm_eps,
-            ffn="moe",
-            moe=self.moe_spec(),
-            tie_word_embeddings=self.tie_word_embeddings,
-            attn_impl=self.attn_impl,
-            init_std=self.init_std,
-        )
+        moe = check.moe_spec(self, renormalize=self.norm_topk_prob)
+        return check.rope_decoder_spec(self, self.head_dim, qk_norm="head", ffn="moe", moe=moe)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Qwen3MoeConfig:
         """The published shape `name` (see `PRESETS`), with any field overridden."""
-        if name not in PRESETS:
-            raise UserError(f"no Qwen3-MoE preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**check.preset_fields("Qwen3-MoE", PRESETS, name), **overrides})
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from llmfoundry.models import hf_moe
+from llmfoundry.models import hf_decoder, hf_moe
 from llmfoundry.models.hf_config import read_config_json
 from llmfoundry.models.hf_folder import load_hf_weights, read_hf_config, save_hf_folder
 from llmfoundry.models.hf_lib import transformers
@@ -48,7 +48,7 @@ HF_SIZES = (
     "max_position_embeddings",
 )
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "decoder_sparse_step")
-BLOCK = {**hf_moe.BLOCK, **hf_moe.QK_NORMS}
+BLOCK = {**hf_moe.BLOCK, **hf_decoder.QK_NORMS}
 
 
 def to_hf_config(cfg: Qwen3MoeConfig) -> transformers.Qwen3MoeConfig:
@@ -94,11 +94,9 @@ def from_hf_config(hf: transformers.PretrainedConfig) -> Qwen3MoeConfig:
         ("decoder_sparse_step", hf.decoder_sparse_step, 1),
         ("mlp_only_layers", list(hf.mlp_only_layers or []), []),
     ]
-    for name, value, supported in checks:
-        if value != supported:
-            unsupported.append(f"{name}={value!r} (supported: {supported!r})")
-    theta = hf_moe.rope_theta(hf, unsupported)
-    hf_moe.refuse("Qwen3-MoE", unsupported)
+    unsupported += hf_decoder.mismatches(checks)
+    theta = hf_decoder.rope_theta(hf, unsupported, default=None)
+    hf_decoder.refuse("Qwen3-MoE", unsupported)
     return Qwen3MoeConfig(
         d_model=hf.hidden_size,
         n_heads=hf.num_attention_heads,
