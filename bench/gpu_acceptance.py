@@ -390,10 +390,11 @@ def _grouped_experts_check(device: str) -> dict:
     counts = torch.tensor([40, 0, 100, 3, 57, 64, 16, 20], device=device)
     x = torch.randn(int(counts.sum()), 256, device=device, requires_grad=True)
     runs = grouped_mm_runs(device, torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        grouped = experts._grouped(x)
     results = []
     for path in (experts.forward, experts.looped):
         with torch.autocast(device, dtype=torch.bfloat16):
-            grouped = experts._grouped(x)
             out = path(x, counts)
         out.float().square().sum().backward()
         results.append((out, [p.grad.clone() for p in (x, *experts.parameters())]))
