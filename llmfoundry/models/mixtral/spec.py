@@ -21,14 +21,16 @@ def activation_bytes(config: MixtralConfig, precision: str) -> int:
     token copy its gathered input, the experts' output before and after weighting (12kd), and
     the gate output, silu(gate), the up output and their product fed to w_down (16kh). Mixed precision (autocast): the q/k/v projections' and the router's inputs
     are 2-byte copies (one per projection: 8d in all, as the weighted outputs' 8d), SDPA's
-    tensors too (4q + 4kv); the norms, the router's softmax and the experts stay float32
-    (torch._grouped_mm is no autocast op, and the experts' weights are float32 parameters)."""
+    tensors too (4q + 4kv); the norms and the router's softmax stay float32; the experts
+    compute in 2 bytes as F.linear would (GroupedExperts casts for the grouped multiply): their
+    gathered input and output 4kd (the weighted output stays float32: 4kd), the hidden 8kh."""
     d, q = config.d_model, config.n_heads * config.head_dim
     kv = config.n_kv_heads * config.head_dim
     experts, k, h = config.n_experts, config.top_k, config.expert_hidden
-    attention = 24 * d + 8 + (8 if precision == "fp32" else 4) * (q + kv) + 4 * config.n_heads
+    fp32 = precision == "fp32"
+    attention = 24 * d + 8 + (8 if fp32 else 4) * (q + kv) + 4 * config.n_heads
     routing = 4 * experts + 28 * k + (4 * k + 4)  # Mixtral always renormalises
-    return attention + routing + 12 * k * d + 16 * k * h
+    return attention + routing + (12 if fp32 else 8) * k * d + (16 if fp32 else 8) * k * h
 
 
 MIXTRAL = ModelFamily(

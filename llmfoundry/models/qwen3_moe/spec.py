@@ -23,7 +23,9 @@ def activation_bytes(config: Qwen3MoeConfig, precision: str) -> int:
     attention = 24 * d + 8 + (8 if fp32 else 4) * (q + kv) + 4 * config.n_heads
     qk_norms = (8 if fp32 else 6) * (q + kv) + 4 * (config.n_heads + config.n_kv_heads)
     routing = 4 * experts + 28 * k + (4 * k + 4 if config.norm_topk_prob else 0)
-    return attention + qk_norms + routing + 12 * k * d + 16 * k * h
+    return (
+        attention + qk_norms + routing + (12 if fp32 else 8) * k * d + (16 if fp32 else 8) * k * h
+    )
 
 
 QWEN3_MOE = ModelFamily(
