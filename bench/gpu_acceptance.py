@@ -14,6 +14,9 @@ The phases, most important first:
   parity       MPT and Llama x sdpa/flex x with and without document ids: logits, loss and
                gradients in bf16 on the device against fp32 on the CPU, and the attention
                kernel that ran (read from the profiler)
+  families     Qwen3 and Qwen3-MoE x sdpa/flex with document ids: parity as above, three bf16
+               AdamW steps (two in the dry run), and the MoE's grouped multiply against its
+               loop (bf16, forward and backward) with what grouped_mm_runs said
   kv_cache     greedy decoding with the KV cache equals recomputing, and a prompt that joins a
                running batch decodes as it would alone
   fsdp_resume  torchrun FSDP bf16 with async DCP saves and the memory monitor: an uninterrupted
@@ -198,7 +201,12 @@ def _tiny_model_node(family: str):
     dry run's parity composed it for each of its 8 models, a quarter of the phase's time."""
     from llmfoundry.config.preflight import compose_config
 
-    name = {"mpt": "mpt-tiny", "llama": "llama-tiny"}[family]
+    name = {
+        "mpt": "mpt-tiny",
+        "llama": "llama-tiny",
+        "qwen3": "qwen3-tiny",
+        "qwen3_moe": "qwen3-moe-tiny",
+    }[family]
     return compose_config(ROOT / "conf", [f"model={name}"]).model
 
 
@@ -296,6 +304,116 @@ def _parity_case(
         "logits_rel_err": _relative_error(logits, ref_logits),
         "loss_abs_err": abs(loss - ref_loss),
         "grad_rel_err": _relative_error(grads, ref_grads),
+    }
+
+
+def families(ctx: Context) -> dict:
+    """Qwen3 and Qwen3-MoE (q/k norms, heads wider than d_model / n_heads, MoE layers) as parity
+    checks MPT and Llama, with documents, per attention kernel; a few bf16 training steps of
+    each; and the MoE's grouped multiply against its loop on the device."""
+    impls = ["sdpa"] if ctx.tiny else ["sdpa", "flex"]
+    shape = (2, 64) if ctx.tiny else (4, 256)
+    pairs = [(family, impl) for family in ("qwen3", "qwen3_moe") for impl in impls]
+    cases = [_parity_case(ctx.device, family, impl, True, shape) for family, impl in pairs]
+    steps = 2 if ctx.tiny else 3  # a CPU's MoE step takes seconds
+    training = [_training_steps(ctx.device, f, impl, shape, steps) for f, impl in pairs]
+    experts = _grouped_experts_check(ctx.device)
+    # The dense family is held to parity's bounds. In bf16 an MoE's router may pick another
+    # expert for a token whose top scores nearly tie, which moves that token's logits: its
+    # logits and gradients get twice the room, its mean loss (a few tokens of many) none more.
+    ok = (
+        all(
+            c["logits_rel_err"] < (4e-2 if c["family"] == "qwen3_moe" else 2e-2)
+            and c["grad_rel_err"] < (6e-2 if c["family"] == "qwen3_moe" else 3e-2)
+            and c["loss_abs_err"] < 1e-2
+            and (c["attn_impl"] != "sdpa" or c["kernels"] == c["planned"])
+            and (c["attn_impl"] != "flex" or "flex" in c["kernels"])
+            for c in cases
+        )
+        and all(t["grads_finite"] and t["losses"][-1] < t["losses"][0] for t in training)
+        and experts["equal"]
+    )
+    return {"status": "ok" if ok else "failed", "cases": cases, "training": training, **experts}
+
+
+def _training_steps(
+    device: str, family: str, impl: str, shape: tuple[int, int], steps: int
+) -> dict:
+    """`steps` AdamW steps under bf16 autocast with float32 weights (amp_bf16) on one batch with
+    documents: the losses, whether every gradient was finite, and for an MoE whether its experts
+    took the grouped multiply."""
+    import torch
+
+    from llmfoundry.models.families import build_model
+    from llmfoundry.models.layers.moe import GroupedExperts
+    from llmfoundry.optim import DecoupledAdamW
+
+    torch.manual_seed(0)
+    model = build_model(_tiny_config(family, impl)).to(device)
+    optimizer = DecoupledAdamW(model.parameters(), lr=1e-3)
+    batch, length = shape
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    sid = _documents(batch, length, device)
+    losses, finite = [], True
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model.loss(model(ids, sid), {"labels": ids})
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = finite and all(bool(torch.isfinite(g).all()) for g in grads)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 4))
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        x = torch.empty(1, experts[0].w_gate.shape[-1], device=device) if experts else None
+        grouped = experts[0]._grouped(x) if experts else None
+    return {
+        "family": family,
+        "attn_impl": impl,
+        "losses": losses,
+        "grads_finite": finite,
+        "experts_grouped": grouped,
+    }
+
+
+def _grouped_experts_check(device: str) -> dict:
+    """GroupedExperts' grouped multiply against its loop under bf16 autocast (float32 weights),
+    forward and backward, an expert without tokens included: tests/models/test_moe.py's check
+    at a real width on this device (whose kernel CPU tests never reach)."""
+    import torch
+
+    from llmfoundry.models.layers.moe import GroupedExperts, grouped_mm_runs
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 256, 512).to(device)
+    counts = torch.tensor([40, 0, 100, 3, 57, 64, 16, 20], device=device)
+    x = torch.randn(int(counts.sum()), 256, device=device, requires_grad=True)
+    runs = grouped_mm_runs(device, torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        grouped = experts._grouped(x)
+    results = []
+    for path in (experts.forward, experts.looped):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = path(x, counts)
+        out.float().square().sum().backward()
+        results.append((out, [p.grad.clone() for p in (x, *experts.parameters())]))
+        x.grad = None
+        experts.zero_grad()
+    (out, grads), (loop_out, loop_grads) = results
+
+    def error(a, b) -> float:  # max error relative to the scale (test_moe.py's _close)
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+    out_err = error(out, loop_out)
+    grad_err = max(error(g, lg) for g, lg in zip(grads, loop_grads, strict=True))
+    return {
+        "grouped_mm_runs": runs,  # grouped_mm_runs(device, torch.bfloat16)
+        "experts_grouped": grouped,
+        "experts_out_dtype": str(out.dtype).removeprefix("torch."),
+        "experts_rel_err": out_err,
+        "experts_grad_rel_err": grad_err,
+        "equal": out.dtype == torch.bfloat16 and out_err <= 2e-2 and grad_err <= 2e-2,
     }
 
 
@@ -599,6 +717,7 @@ PHASES = [
     Phase("prepare", prepare, 150, 600),
     Phase("cuda_tests", cuda_tests, 240, 600),
     Phase("parity", parity, 180, 600),
+    Phase("families", families, 240, 600),
     Phase("kv_cache", kv_cache, 120, 600),
     Phase("fsdp_resume", fsdp_resume, 200, 900, after="prepare"),
     Phase("oom", oom, 150, 600, after="prepare"),

@@ -329,17 +329,20 @@ def moe_activation_bytes(spec: MoESpec, d_model: int, precision: str, input_byte
     its weight, its token and sort indices (8 + 4 + 8 + 8 + 4, counting the weight gathered in
     sorted order), the gathered copy (bd), the expert's gate and up outputs, silu(gate) and the
     product fed to w_down (4bh), and the expert's output and the weighted output (2bd):
-    4E + 4 + k (32 + 3bd + 4bh). The experts compute in their input's dtype: autocast does not
-    cover torch._grouped_mm, so under mixed precision they run in float32 where it runs on
-    float32 (CPU); where they run as a loop of autocast matmuls (a GPU whose grouped multiply
-    takes only bf16) they keep 2-byte tensors, fewer than planned. Mixed precision adds the
+    4E + 4 + k (32 + 3bd + 4bh). Under mixed precision the experts compute in autocast's dtype
+    (GroupedExperts casts their input and weights, as F.linear under autocast does), so a copy
+    keeps 2-byte tensors instead: its input's 2-byte copy, the expert's four hidden tensors and
+    its output (2d + 8h + 2d), the weighted output in float32 (4d): k (32 + 8d + 8h); and the
     router's 2-byte copy of a float32 input (2d). A shared expert keeps a SwiGLU's 16s
     (mixed: 8s + its two projections' 2-byte copies of the input, 4d); its gate, the gate's
     sigmoid and the shared output it scales (4 + 4d; mixed: its 2-byte input copy too, 2 + 4d).
     Measured per token against the tensors autograd saves (tests/planning/test_moe_planning.py)."""
     d, h, k, e = d_model, spec.expert_hidden, spec.top_k, spec.n_experts
     s, b = spec.shared_expert_hidden, input_bytes
-    routed = 4 * e + 4 + k * (32 + 3 * b * d + 4 * b * h)
+    if precision == "fp32":
+        routed = 4 * e + 4 + k * (32 + 3 * b * d + 4 * b * h)
+    else:
+        routed = 4 * e + 4 + k * (32 + 8 * d + 8 * h)
     if precision == "fp32":
         return routed + 16 * s + (4 + 4 * d) * spec.shared_expert_gate
     casts = 2 * d * (b == 4) + (8 * s + 4 * d) * (s > 0)
@@ -784,18 +787,20 @@ def _ring(n: int) -> float:
 
 def all_to_all_bytes(setup: Setup, microbatch: int) -> float:
     """Bytes one rank sends in the all-to-alls of one MoE layer and microbatch: its tokens'
-    top_k copies [tokens x top_k, d_model], dispatched to the ranks holding their experts and
-    their outputs combined back, in forward and (their gradients) in backward, and again in a
-    forward recomputed under activation checkpointing, in the layer input's dtype (float32,
-    the residual stream's norm output: `moe_activation_bytes`; where the experts run as
-    autocast matmuls their outputs, combined back, are bf16: fewer); with tokens routed evenly over
-    the ep ranks, (ep - 1) / ep of each leaves the rank (what a skewed router sends more is not
-    counted: bench/moe.py measures it). Under tp every tp rank routes the whole (gathered)
-    sequence."""
+    top_k copies [tokens x top_k, d_model], dispatched to the ranks holding their experts in
+    the layer input's dtype (float32, the residual stream's norm output: `moe_input_bytes`),
+    and their outputs combined back in the experts' compute dtype (autocast's 2 bytes under
+    mixed precision: GroupedExperts casts after the dispatch), in forward and (their
+    gradients, in the same dtypes) in backward, and again in a forward recomputed under
+    activation checkpointing; with tokens routed evenly over the ep ranks, (ep - 1) / ep of
+    each leaves the rank (what a skewed router sends more is not counted: bench/moe.py
+    measures it). Under tp every tp rank routes the whole (gathered) sequence."""
     counts = setup.counts
     copies = microbatch * setup.seq_len / setup.cp * counts.top_k
     passes = 2 + setup.activation_checkpointing  # forward, backward, recomputed forward
-    return passes * 2 * copies * counts.d_model * counts.moe_input_bytes * _ring(setup.ep)
+    out_bytes = counts.moe_input_bytes if setup.precision == "fp32" else 2
+    per_copy = counts.d_model * (counts.moe_input_bytes + out_bytes)
+    return passes * copies * per_copy * _ring(setup.ep)
 
 
 def largest_microbatch(setup: Setup, device_memory: float, limit: int = 1 << 16) -> int:

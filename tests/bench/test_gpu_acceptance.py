@@ -14,6 +14,7 @@ PHASES = [
     "prepare",
     "cuda_tests",
     "parity",
+    "families",
     "kv_cache",
     "fsdp_resume",
     "oom",
@@ -47,6 +48,12 @@ def test_cpu_dry_run_runs_every_phase(tmp_path):
     # What each phase measured is there, not only its status.
     assert results["cuda_tests"]["selected"] > 0 and results["cuda_compile_tests"]["selected"] > 0
     assert all(c["kernels"] for c in results["parity"]["cases"])
+    families = results["families"]
+    assert {c["family"] for c in families["cases"]} == {"qwen3", "qwen3_moe"}
+    # torch 2.13's CPU kernel runs bfloat16: the MoE's experts took the grouped multiply in
+    # the autocast dtype, in the check and in the model's training steps.
+    assert families["grouped_mm_runs"] and families["experts_grouped"] and families["equal"]
+    assert [t["experts_grouped"] for t in families["training"]] == [None, True]
     assert results["fsdp_resume"]["bitwise"] and results["fsdp_resume"]["steps_compared"] == 2
     assert [r["tokens_per_s"] > 0 for r in results["throughput"]["rows"]] == [True]
     assert {p.name for p in (out / "logs").iterdir()} >= {"prepare.log", "serve.log"}

@@ -73,6 +73,31 @@ def test_grouped_experts_equal_their_loop(dtype):
     assert not experts.w_gate.grad[1].any()
 
 
+def test_grouped_experts_compute_in_the_autocast_dtype():
+    """Under autocast (amp_bf16: float32 weights) the experts compute in bfloat16 as F.linear
+    would, taking the grouped multiply, equal to the loop (which autocast casts itself), and
+    the gradient reaches the float32 weights."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, D, 32)
+    counts = torch.tensor([3, 0, 5, 2])
+    x = torch.randn(10, D, requires_grad=True)
+    results = []
+    for path in (experts.forward, experts.looped):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert experts._grouped(x)
+            out = path(x, counts)
+        out.float().square().sum().backward()
+        results.append((out, [p.grad.clone() for p in (x, *experts.parameters())]))
+        x.grad = None
+        experts.zero_grad()
+    (grouped, grads), (looped, loop_grads) = results
+    assert grouped.dtype == looped.dtype == torch.bfloat16
+    _close(grouped, looped, 2e-2)
+    for grad, loop_grad, param in zip(grads, loop_grads, (x, *experts.parameters()), strict=True):
+        assert grad.dtype == param.dtype == torch.float32
+        _close(grad, loop_grad, 2e-2)
+
+
 def test_the_grouped_mm_probe_does_not_depend_on_the_callers_grad_mode(monkeypatch):
     """The first MoE forward of a process may be an evaluation's or generate's (no_grad,
     inference_mode): the probe still runs its backward, so every later forward takes the path

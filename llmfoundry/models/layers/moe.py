@@ -12,11 +12,11 @@ their token copies as one sorted [N, d] tensor and a count per expert, which is 
 parallelism cuts at (it moves the sorted copies to the ranks owning their experts and back).
 
 The grouped multiply is `torch._grouped_mm` where it runs (its row strides must be multiples of
-16 bytes, each device and dtype is tried once against the loop it replaces, and under
-torch.compile only bfloat16 traces: such a block compiles whole); elsewhere a loop over the
-experts computes the same thing (reading the counts on the host). Hand-written because torch
-has no public grouped GEMM and the libraries that have one (megablocks, grouped_gemm) are
-CUDA-only builds.
+16 bytes, each device and dtype is tried once against the loop it replaces, under autocast it
+computes in autocast's dtype as F.linear would, and under torch.compile only bfloat16 traces:
+such a block compiles whole); elsewhere a loop over the experts computes the same thing
+(reading the counts on the host). Hand-written because torch has no public grouped GEMM and the
+libraries that have one (megablocks, grouped_gemm) are CUDA-only builds.
 """
 
 from __future__ import annotations
@@ -129,6 +129,18 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
 
 
+def _linear_dtype(t: torch.Tensor, device_type: str) -> torch.dtype:
+    """The dtype F.linear computes `t` in: under autocast on `device_type` its lower precision
+    (autocast casts every floating operand but float64), else t's own."""
+    if (
+        torch.is_autocast_enabled(device_type)
+        and t.is_floating_point()
+        and t.dtype != torch.float64
+    ):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm's backward refuses a broadcast or strided gradient (`out.sum()`'s)."""
     return grad.contiguous()
@@ -163,24 +175,31 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, d]: token copies sorted by expert, counts [E_local] (int64, sum N) -> [N, d]."""
         if self._grouped(x):
+            # torch._grouped_mm is no autocast op: cast as autocast casts F.linear's operands
+            # (a no-op outside autocast), so amp_bf16 runs the experts in bf16 as the loop would.
+            dtype = _linear_dtype(x, x.device.type)
+            x = x.to(dtype)
+            w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
             offsets = counts.cumsum(0).to(torch.int32)
-            hidden = F.silu(_grouped_linear(x, self.w_gate, offsets))
-            hidden = hidden * _grouped_linear(x, self.w_up, offsets)
-            out = _grouped_linear(hidden, self.w_down, offsets)
+            hidden = F.silu(_grouped_linear(x, w_gate, offsets))
+            hidden = hidden * _grouped_linear(x, w_up, offsets)
+            out = _grouped_linear(hidden, w_down, offsets)
             if out.requires_grad:
                 out.register_hook(_contiguous_grad)
             return out
         return self.looped(x, counts)
 
     def _grouped(self, x: torch.Tensor) -> bool:
-        hidden = self.w_gate.shape[1]
+        """Whether forward takes the grouped multiply, in the dtype F.linear would compute in."""
+        hidden, device = self.w_gate.shape[1], x.device.type
+        dtype = _linear_dtype(x, device)
         return (
-            x.dtype == self.w_gate.dtype
+            dtype == _linear_dtype(self.w_gate, device)
             # torch.compile's shape function for _grouped_mm takes bfloat16 only (2.11, 2.13)
-            and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
-            and _rows_aligned(x.shape[-1], x.dtype)
-            and _rows_aligned(hidden, x.dtype)
-            and grouped_mm_runs(x.device.type, x.dtype)
+            and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+            and _rows_aligned(x.shape[-1], dtype)
+            and _rows_aligned(hidden, dtype)
+            and grouped_mm_runs(device, dtype)
         )
 
     def looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
