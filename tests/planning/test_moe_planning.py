@@ -188,7 +188,9 @@ def test_an_moe_models_counts_are_read_from_it():
     assert counts.experts == (4 * 3 * 32 * 16,) * 2 and (counts.n_experts, counts.top_k) == (4, 2)
     assert counts.active_params == model.num_params(active=True) == counts.n_params - 2 * 3072
     assert counts.flops_per_token == model.flops_per_token(16)
-    assert counts.moe_activation_bytes == moe_activation_bytes(config.decoder_spec().moe, 32, "fp32")
+    assert counts.moe_activation_bytes == moe_activation_bytes(
+        config.decoder_spec().moe, 32, "fp32"
+    )
     assert counts.block_activation_bytes == family_of(config).activation_bytes(config, "fp32")
     dense = count_model(LlamaConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
                                     vocab_size=64), 16, "fp32")  # fmt: skip
