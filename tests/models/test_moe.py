@@ -324,9 +324,9 @@ def _layers(n: int, spec: MoESpec) -> torch.nn.ModuleList:
 
 
 def test_router_losses_equal_transformers():
-    """Over two layers (transformers concatenates every layer's logits): the load-balancing loss
-    equals load_balancing_loss_func and the z-loss switch_transformers' router_z_loss_func,
-    values and the router's gradients."""
+    """Over two layers: the load-balancing loss is the mean of transformers'
+    load_balancing_loss_func over each layer's logits, and the z-loss switch_transformers'
+    router_z_loss_func over all of them, values and the router's gradients."""
     spec = MoESpec(n_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=1, z_loss_weight=1)
     layers = _layers(2, spec)
     xs = [torch.randn(3, 5, D), torch.randn(3, 5, D)]
@@ -334,7 +334,8 @@ def test_router_losses_equal_transformers():
         layer(x)
     ours = router_losses(layers)
     logits = [layer.router.gate(x.reshape(-1, D)) for layer, x in zip(layers, xs, strict=True)]
-    theirs_aux = load_balancing_loss_func(tuple(logits), num_experts=4, top_k=2)
+    per_layer = [load_balancing_loss_func((x,), num_experts=4, top_k=2) for x in logits]
+    theirs_aux = torch.stack(per_layer).mean()
     theirs_z = router_z_loss_func(torch.cat(logits)[None])
     _close(ours.aux, theirs_aux)
     _close(ours.z, theirs_z)
@@ -345,6 +346,36 @@ def test_router_losses_equal_transformers():
         expected = torch.autograd.grad(theirs_loss, weights, retain_graph=True)
         for g, e in zip(got, expected, strict=True):
             _close(g, e)
+
+
+def test_the_aux_loss_balances_each_layer():
+    """Two layers each sending every token to one expert, layer 0 to expert 0 and layer 1 to
+    expert 1: pooled over the layers (transformers' concatenation) the loads look even, the
+    loss sits at its balanced value (top_k) and the routers get no gradient; per layer the loss
+    is above it, and a step down its gradient lowers each layer's favourite's probability."""
+    spec = MoESpec(n_experts=2, top_k=1, expert_hidden=16, aux_loss_weight=1)
+    layers = _layers(2, spec)
+    x = torch.randn(4, 8, D)
+    with torch.no_grad():
+        for favourite, layer in enumerate(layers):  # logits +-mean(x), all one way
+            sign = torch.tensor([1.0, -1.0] if favourite == 0 else [-1.0, 1.0])
+            layer.router.gate.weight.copy_(sign[:, None].expand(2, D) / D)
+        x = x.abs()  # mean(x) > 0 for every token
+    for layer in layers:
+        layer(x)
+    assert router_losses(layers).counts.tolist() == [[32, 0], [0, 32]]
+    aux = router_losses(layers).aux
+    assert aux > 1.2  # top_k = 1 when even
+    weights = [layer.router.gate.weight for layer in layers]
+    grads = torch.autograd.grad(aux, weights)
+    before = [torch.softmax(layer.router(x.reshape(-1, D)), -1).mean(0) for layer in layers]
+    with torch.no_grad():
+        for weight, grad in zip(weights, grads, strict=True):
+            assert grad.abs().sum() > 0
+            weight.sub_(0.1 * grad)
+    for favourite, (layer, prob) in enumerate(zip(layers, before, strict=True)):
+        after = torch.softmax(layer.router(x.reshape(-1, D)), -1).mean(0)
+        assert after[favourite] < prob[favourite]
 
 
 def test_meter_weights_losses_and_averages_metrics():

@@ -3,8 +3,8 @@
 Read top to bottom: `MoESpec` (the numbers), `GroupedExperts` (E SwiGLU experts as three stacked
 weights, one grouped matrix multiply per projection), `Router` (a linear layer to E logits),
 `MoE` (route, sort the token copies by expert, run the experts, weight, add back), the router
-losses (`router_losses`: the load-balancing loss in transformers' form and ST-MoE's z-loss over
-every MoE layer's last training forward) and `RouterLossMeter`, through which a model adds them
+losses (`router_losses`: the load-balancing loss in transformers' form per layer and ST-MoE's
+z-loss over every MoE layer's last training forward) and `RouterLossMeter`, through which a model adds them
 to its loss and logs them.
 
 Routing is dropless: every token goes to its top_k experts whatever the load; the experts see
@@ -316,7 +316,9 @@ def pipeline_refusal(spec: MoESpec) -> str:
 class RouterLosses:
     """The unweighted router losses of one training forward over all its MoE layers."""
 
-    aux: torch.Tensor  # [] load balancing: n_experts * sum_e load_e * mean_prob_e (k when even)
+    # [] load balancing, the mean over layers of n_experts * sum_e load_e * mean_prob_e
+    # (top_k when even)
+    aux: torch.Tensor
     z: torch.Tensor  # [] mean over tokens and layers of logsumexp(router logits)^2
     counts: torch.Tensor  # [layers, E] int64: token copies each layer's experts got
 
@@ -324,20 +326,23 @@ class RouterLosses:
 def router_losses(layers: Iterable[MoE]) -> RouterLosses | None:
     """The losses over the MoE layers' last training forward (None when none kept stats).
 
-    As transformers computes them (`load_balancing_loss_func`, switch_transformers'
-    `router_z_loss_func`) over the concatenation of every layer's router logits: the load
-    (fraction of tokens sent to each expert, top-k choices counted) and the mean router
-    probability are averaged over all layers' tokens before their product is summed, so
-    Mixtral's and Qwen3-MoE's `router_aux_loss_coef` means the same here."""
+    The load-balancing loss is transformers' `load_balancing_loss_func` taken per layer and
+    averaged over the layers (as Switch, GShard, Megatron and torchtitan take it), not of the
+    concatenation of every layer's logits that transformers' Mixtral and Qwen3-MoE pass it:
+    pooled, an expert's load is averaged over the layers, so one layer overloading its expert e
+    while another underloads its own e costs nothing and the router gets no gradient toward
+    balance (bench/moe.py's MoE stayed 2.6-3x unbalanced per layer that way, its aux loss at
+    its balanced value). Both are top_k at even routing, so `router_aux_loss_coef` means the
+    same. The z-loss is switch_transformers' `router_z_loss_func`, the mean over every layer's
+    tokens."""
     stats = [layer.stats for layer in layers if layer.stats is not None]
     if not stats:
         return None
-    rows = sum(s.rows for s in stats)
+    n_experts = stats[0].counts.numel()
+    per_layer = [n_experts * (s.counts.float() * s.prob_sum).sum() / s.rows**2 for s in stats]
+    aux = torch.stack(per_layer).mean()
+    z = torch.stack([s.z_sum for s in stats]).sum() / sum(s.rows for s in stats)
     counts = torch.stack([s.counts for s in stats])
-    load = counts.sum(dim=0).float() / rows
-    mean_prob = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
-    aux = load.numel() * (load * mean_prob).sum()
-    z = torch.stack([s.z_sum for s in stats]).sum() / rows
     return RouterLosses(aux, z, counts)
 
 
