@@ -4,8 +4,8 @@ Read top to bottom: `MoESpec` (the numbers), `GroupedExperts` (E SwiGLU experts 
 weights, one grouped matrix multiply per projection), `Router` (a linear layer to E logits),
 `MoE` (route, sort the token copies by expert, run the experts, weight, add back), the router
 losses (`router_losses`: the load-balancing loss in transformers' form per layer and ST-MoE's
-z-loss over every MoE layer's last training forward) and `RouterLossMeter`, through which a model adds them
-to its loss and logs them.
+z-loss over every MoE layer's last training forward) and `RouterLossMeter`, through which a
+model adds them to its loss and logs them.
 
 Routing is dropless: every token goes to its top_k experts whatever the load; the experts see
 their token copies as one sorted [N, d] tensor and a count per expert, which is the seam expert
