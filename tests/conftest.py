@@ -82,18 +82,26 @@ def free_port() -> int:
     (`_port_slice`), so one test's process group never finds another's store on its port (a
     rank that joins the wrong group waits until its run's deadline). Drawn from the OS's
     randomness, not the `random` module that tests seed; bound once to check that it is free
-    now."""
+    now; never one this process handed out before: a spawn draws a port per case before any
+    binds, and two cases on one port could meet the earlier group's store."""
     low, high = _port_slice(20000, _ephemeral_start())
     draw = random.SystemRandom()
     for _ in range(100):
         port = draw.randrange(low, high) if high - low >= 1000 else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return sock.getsockname()[1]
+            port = sock.getsockname()[1]
+        _HANDED_OUT.add(port)
+        return port
     raise RuntimeError("no free TCP port on 127.0.0.1 after 100 tries")
+
+
+_HANDED_OUT: set[int] = set()  # free_port's answers in this process
 
 
 def _port_slice(low: int, high: int) -> tuple[int, int]:
